@@ -1,0 +1,100 @@
+// Python module jax_moe_publish._ffi: the FFI handler as a capsule, and the
+// setup calls that fill the registry before the first call. jax_moe_publish/native.py
+// wraps it; see there for the documentation of each function.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moe_publish_handler.h"
+#include "registry.h"
+
+namespace nb = nanobind;
+
+namespace jax_moe_publish {
+namespace {
+
+template <typename T>
+T Field(const nb::dict& record, const std::string& name, const char* key, const char* expected) {
+  if (!record.contains(key)) {
+    throw std::invalid_argument(name + ": missing key '" + key + "'");
+  }
+  T value;
+  if (!nb::try_cast(record[key], value)) {
+    throw nb::type_error((name + "['" + key + "']=" + nb::repr(record[key]).c_str() +
+                          ": expected " + expected)
+                             .c_str());
+  }
+  return value;
+}
+
+std::vector<KernelSpec> ParseKernels(const nb::list& kernels) {
+  std::vector<KernelSpec> specs;
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    const std::string name = "kernels[" + std::to_string(i) + "]";
+    if (!nb::isinstance<nb::dict>(kernels[i])) {
+      throw nb::type_error((name + ": expected a dict").c_str());
+    }
+    nb::dict record = nb::borrow<nb::dict>(kernels[i]);
+    specs.push_back(KernelSpec{
+        Field<std::string>(record, name, "role", "a str"),
+        Field<std::string>(record, name, "symbol", "a str"),
+        Field<int64_t>(record, name, "block", "an int"),
+        Field<int64_t>(record, name, "smem", "an int"),
+        Field<int64_t>(record, name, "ctas_per_row", "an int"),
+        Field<std::string>(record, name, "rows", "a str"),
+        Field<std::vector<std::string>>(record, name, "params", "a list of str"),
+    });
+  }
+  return specs;
+}
+
+}  // namespace
+}  // namespace jax_moe_publish
+
+NB_MODULE(_ffi, m) {
+  using jax_moe_publish::Registry;
+
+  m.def("handler_capsule", []() { return nb::capsule(reinterpret_cast<void*>(&MoePublish)); });
+
+  m.def(
+      "load_kernel_set",
+      [](int64_t kernel_set_id, int device_ordinal, nb::bytes cubin, nb::list kernels,
+         std::string mode, int64_t tp, int64_t hidden, int64_t top_k, bool fp32_weights,
+         bool include_shared_expert, bool pdl) {
+        std::vector<jax_moe_publish::KernelSpec> specs = jax_moe_publish::ParseKernels(kernels);
+        jax_moe_publish::KernelSetSpec spec{std::move(mode), tp, hidden, top_k, fp32_weights,
+                                            include_shared_expert, pdl};
+        std::string_view image(cubin.c_str(), cubin.size());
+        nb::gil_scoped_release release;  // A cubin load can take milliseconds.
+        Registry::Get().LoadKernelSet(kernel_set_id, device_ordinal, image, specs, spec);
+      },
+      nb::arg("kernel_set_id"), nb::arg("device_ordinal"), nb::arg("cubin"), nb::arg("kernels"),
+      nb::arg("mode"), nb::arg("tp"), nb::arg("hidden"), nb::arg("top_k"),
+      nb::arg("fp32_weights"), nb::arg("include_shared_expert"), nb::arg("pdl"));
+
+  m.def(
+      "register_mailbox_device",
+      [](int64_t mailbox_id, int device_ordinal, int64_t rank, int64_t tp, int64_t hidden,
+         int64_t capacity_m, uint64_t mailbox, uint64_t peer_table, uint64_t stage_state,
+         uint64_t status, uint64_t timeout_ns) {
+        Registry::Get().RegisterMailboxDevice(
+            mailbox_id, device_ordinal,
+            jax_moe_publish::MailboxDevice{rank, tp, hidden, capacity_m, mailbox, peer_table,
+                                           stage_state, status, timeout_ns});
+      },
+      nb::arg("mailbox_id"), nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("tp"),
+      nb::arg("hidden"), nb::arg("capacity_m"), nb::arg("mailbox"), nb::arg("peer_table"),
+      nb::arg("stage_state"), nb::arg("status"), nb::arg("timeout_ns"));
+
+  m.def(
+      "close_mailbox",
+      [](int64_t mailbox_id) { Registry::Get().CloseMailbox(mailbox_id); },
+      nb::arg("mailbox_id"));
+}

@@ -1,0 +1,218 @@
+// XLA FFI handler "jax_moe_publish": one call of the MoE finalize and its TP
+// reduction. It checks the call against its kernel set and this device's
+// mailbox, then launches the set's kernels (publish, reduce, gather) on XLA's
+// stream.
+//
+// It is command-buffer compatible: execute reads only host state registered
+// before the first call and launches, with no allocation, synchronisation or
+// host read of device memory, so a CUDA graph capture records just the
+// kernels. Per-call progress lives in device memory (the stage words), never in
+// a host value that a captured graph would freeze.
+
+#include "moe_publish_handler.h"
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "cuda_driver.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_moe_publish {
+namespace {
+
+ffi::Error FailedPrecondition(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
+}
+
+// Checks that `buffer` is dtype[rows, cols]; rows < 0 accepts any row count.
+// `rule` says where the expected shape comes from.
+ffi::Error CheckMatrix(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
+                       int64_t rows, int64_t cols, const char* rule, int64_t kernel_set_id) {
+  ffi::AnyBuffer::Dimensions dims = buffer.dimensions();
+  if (buffer.element_type() == dtype && dims.size() == 2 && (rows < 0 || dims[0] == rows) &&
+      dims[1] == cols) {
+    return ffi::Error::Success();
+  }
+  std::ostringstream message;
+  message << name << ": got " << buffer.element_type() << "[";
+  for (size_t i = 0; i < dims.size(); ++i) message << (i ? ", " : "") << dims[i];
+  message << "], expected " << dtype << "[";
+  if (rows < 0) {
+    message << "num_rows";
+  } else {
+    message << rows;
+  }
+  message << ", " << cols << "] (" << rule << " of kernel set " << kernel_set_id << ")";
+  return ffi::Error::InvalidArgument(message.str());
+}
+
+ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel, bool pdl,
+                  int64_t rows, void** params) {
+  // Lets the kernel start while its predecessor (XLA's, or ours) finishes; the
+  // kernels order their reads with griddepcontrol.wait.
+  CUlaunchAttribute attribute = {};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attribute.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config = {};
+  config.gridDimX = static_cast<unsigned>(rows) * kernel.ctas_per_row;
+  config.gridDimY = 1;
+  config.gridDimZ = 1;
+  config.blockDimX = kernel.block;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = kernel.smem;
+  config.hStream = stream;  // The launch runs in the stream's context.
+  config.attrs = pdl ? &attribute : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  CUresult result = cuda.LaunchKernelEx(&config, kernel.function, params, nullptr);
+  if (result != CUDA_SUCCESS) {
+    const std::string call = std::string("cuLaunchKernelEx(") + RoleName(kernel.role) + ")";
+    return ffi::Error::Internal(CudaErrorMessage(cuda, call.c_str(), result));
+  }
+  return ffi::Error::Success();
+}
+
+uint64_t Address(const ffi::AnyBuffer& buffer) {
+  return reinterpret_cast<uintptr_t>(buffer.untyped_data());
+}
+
+ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed,
+                          ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer shared,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t kernel_set_id,
+                          int64_t mailbox_id) {
+  const Registry& registry = Registry::Get();
+  const KernelSet* set = registry.FindKernelSet(kernel_set_id, device);
+  if (set == nullptr) {
+    return FailedPrecondition("kernel set " + std::to_string(kernel_set_id) +
+                              " is not loaded on device " + std::to_string(device) +
+                              ": load_kernel_set must be called for this device before the "
+                              "first call");
+  }
+
+  MailboxDevice mailbox;  // Stays zero in mode direct, which has no mailbox.
+  if (set->mode == Mode::kDirect) {
+    if (mailbox_id != 0) {
+      return ffi::Error::InvalidArgument("mailbox_id=" + std::to_string(mailbox_id) +
+                                         ": expected 0, kernel set " +
+                                         std::to_string(kernel_set_id) +
+                                         " has mode 'direct', which uses no mailbox");
+    }
+  } else {
+    switch (registry.FindMailbox(mailbox_id, device, &mailbox)) {
+      case MailboxState::kClosed:
+        return FailedPrecondition("mailbox " + std::to_string(mailbox_id) +
+                                  " is closed: its memory may be freed, so calls on it are "
+                                  "refused; use a new Mailbox");
+      case MailboxState::kUnregistered:
+        return FailedPrecondition("mailbox " + std::to_string(mailbox_id) +
+                                  " is not registered on device " + std::to_string(device) +
+                                  ": register_mailbox_device must be called for this device "
+                                  "before the first call");
+      case MailboxState::kRegistered:
+        break;
+    }
+  }
+
+  // weights fixes m; every other argument is checked against it.
+  const ffi::DataType weights_dtype = set->fp32_weights ? ffi::DataType::F32 : ffi::DataType::BF16;
+  if (ffi::Error error = CheckMatrix("weights", weights, weights_dtype, -1, set->top_k,
+                                     "dtype from fp32_weights, top_k", kernel_set_id);
+      error.failure()) {
+    return error;
+  }
+  const int64_t m = weights.dimensions()[0];
+  if (m < 1) {
+    return ffi::Error::InvalidArgument("weights: m=" + std::to_string(m) +
+                                       " rows, expected m >= 1");
+  }
+  const int64_t owned = (m + set->tp - 1) / set->tp;
+  const bool scatter = set->mode == Mode::kReduceScatter;
+  const ffi::Error errors[] = {
+      CheckMatrix("routed", routed, ffi::DataType::BF16, -1, set->hidden, "hidden",
+                  kernel_set_id),
+      CheckMatrix("indices", indices, ffi::DataType::S32, m, set->top_k,
+                  "m from weights, top_k", kernel_set_id),
+      CheckMatrix("shared", shared, ffi::DataType::BF16, set->include_shared_expert ? m : 0,
+                  set->hidden,
+                  set->include_shared_expert
+                      ? "m from weights, hidden"
+                      : "a [0, hidden] placeholder, since include_shared_expert is false,",
+                  kernel_set_id),
+      CheckMatrix("out", *out, ffi::DataType::BF16, scatter ? owned : m, set->hidden,
+                  scatter ? "ceil(m / tp) rows in mode reduce_scatter, hidden"
+                          : "m from weights, hidden",
+                  kernel_set_id),
+  };
+  for (const ffi::Error& error : errors) {
+    if (error.failure()) return error;
+  }
+  if (set->mode != Mode::kDirect) {
+    const std::string name = "mailbox " + std::to_string(mailbox_id);
+    const std::string of_set = " of kernel set " + std::to_string(kernel_set_id);
+    if (m > mailbox.capacity_m) {
+      return ffi::Error::InvalidArgument("m=" + std::to_string(m) + " exceeds capacity_m=" +
+                                         std::to_string(mailbox.capacity_m) + " of " + name);
+    }
+    if (mailbox.hidden != set->hidden) {
+      return ffi::Error::InvalidArgument(name + " has hidden=" + std::to_string(mailbox.hidden) +
+                                         ", expected the hidden=" + std::to_string(set->hidden) +
+                                         of_set);
+    }
+    if (mailbox.tp != set->tp) {
+      return ffi::Error::InvalidArgument(name + " has tp=" + std::to_string(mailbox.tp) +
+                                         ", expected the tp=" + std::to_string(set->tp) + of_set);
+    }
+  }
+
+  // Kernel parameters, in the ABI order that load_kernel_set checked.
+  uint64_t routed_address = Address(routed);
+  uint64_t weights_address = Address(weights);
+  uint64_t indices_address = Address(indices);
+  uint64_t shared_address = Address(shared);
+  uint64_t out_address = Address(*out);
+  uint64_t destination = set->mode == Mode::kDirect ? out_address : mailbox.peer_table;
+  uint32_t num_rows = static_cast<uint32_t>(routed.dimensions()[0]);
+  uint32_t m32 = static_cast<uint32_t>(m);
+  uint32_t capacity_m = set->mode == Mode::kDirect ? m32 : static_cast<uint32_t>(mailbox.capacity_m);
+  uint32_t rank = static_cast<uint32_t>(mailbox.rank);
+  void* publish_params[] = {&routed_address, &weights_address, &indices_address,
+                            &shared_address, &mailbox.stage_state, &destination,
+                            &num_rows,       &m32,             &capacity_m,
+                            &rank};
+  void* wait_params[] = {&mailbox.mailbox, &mailbox.peer_table, &mailbox.stage_state,
+                         &mailbox.status,  &out_address,        &mailbox.timeout_ns,
+                         &m32,             &capacity_m,         &rank};
+
+  // A kernel set exists on this device, so the driver is loaded.
+  const CudaDriver& cuda = GetCudaDriver();
+  for (const Kernel& kernel : set->kernels) {
+    void** params = kernel.role == Role::kPublish ? publish_params : wait_params;
+    const int64_t rows = kernel.rows == Rows::kM ? m : owned;
+    if (ffi::Error error = Launch(cuda, stream, kernel, set->pdl, rows, params); error.failure()) {
+      return error;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_moe_publish
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePublish, jax_moe_publish::MoePublishImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<CUstream>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()             // device
+                                  .Arg<xla::ffi::AnyBuffer>()                 // routed
+                                  .Arg<xla::ffi::AnyBuffer>()                 // weights
+                                  .Arg<xla::ffi::AnyBuffer>()                 // indices
+                                  .Arg<xla::ffi::AnyBuffer>()                 // shared
+                                  .Ret<xla::ffi::AnyBuffer>()                 // out
+                                  .Attr<int64_t>("kernel_set_id")
+                                  .Attr<int64_t>("mailbox_id"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

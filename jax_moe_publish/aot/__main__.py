@@ -1,0 +1,79 @@
+"""``python -m jax_moe_publish.aot build``: compile kernel sets into a folder.
+
+Examples::
+
+    python -m jax_moe_publish.aot build --preset deepseek-v3 --out kernels/
+    python -m jax_moe_publish.aot build --hidden 7168 --top-k 8 --tp 2 --out kernels/
+
+Point ``$JAX_MOE_PUBLISH_KERNEL_DIR`` at the folder on machines without CuTe DSL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from jax_moe_publish.aot.presets import PRESETS
+from jax_moe_publish.config import KernelConfig
+
+
+def _bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return lowered in ("true", "1")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jax_moe_publish.aot")
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="compile kernel sets into --out")
+    build.add_argument("--out", required=True, help="folder for <key>.cubin/.ptx/.json")
+    build.add_argument("--preset", action="append", choices=sorted(PRESETS), default=[],
+                       help="a named list of configs (repeatable)")
+    types = {int: int, float: float, bool: _bool, str: str}
+    for field in dataclasses.fields(KernelConfig):
+        default = field.default
+        kind = types[type(default)] if default is not dataclasses.MISSING else int
+        build.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,
+                           default=None, help=f"KernelConfig.{field.name}")
+    return parser
+
+
+def _configs(args) -> list[KernelConfig]:
+    explicit = {f.name: getattr(args, f.name) for f in dataclasses.fields(KernelConfig)}
+    arch = explicit.pop("arch") or "sm_90a"
+    configs = [c for name in args.preset for c in PRESETS[name](arch)]
+    given = {name: value for name, value in explicit.items() if value is not None}
+    if given:
+        missing = [name for name in ("hidden", "top_k", "tp") if name not in given]
+        if missing:
+            raise SystemExit(f"an explicit config needs --{' --'.join(missing).replace('_', '-')}")
+        base = KernelConfig.default(hidden=given["hidden"], top_k=given["top_k"], tp=given["tp"],
+                                    mode=given.get("mode"), arch=arch)
+        configs.append(base.replace(**given))
+    if not configs:
+        raise SystemExit("nothing to build: give --preset or an explicit config (--hidden --top-k --tp)")
+    return list(dict.fromkeys(configs))
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        configs = _configs(args)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    from jax_moe_publish.aot.compile import compile_config
+
+    for index, config in enumerate(configs, 1):
+        start = time.perf_counter()
+        compile_config(config).save(args.out)
+        print(f"[{index}/{len(configs)}] {config.key}  {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"built {len(configs)} kernel sets into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""A compiled kernel set on disk: ``<key>.cubin``, ``<key>.ptx`` and the ``<key>.json`` sidecar.
+
+Reading an artifact needs neither CuTe DSL nor a GPU, so a machine without the
+DSL can run kernels built elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
+
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
+# The files whose text decides what a cubin contains.
+_FINGERPRINTED = ("config.py", "protocol.py", "kernels")
+
+# The parameter list each kernel role must have; the C++ launcher fills exactly these.
+PUBLISH_PARAMS = ["u64"] * 6 + ["u32"] * 4
+REDUCE_PARAMS = ["u64"] * 6 + ["u32"] * 3
+EXPECTED_PARAMS = {"publish": PUBLISH_PARAMS, "reduce": REDUCE_PARAMS, "gather": REDUCE_PARAMS}
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """Hash of the kernel sources: a prebuilt or cached cubin is valid only for the same text."""
+    digest = hashlib.sha256()
+    for name in _FINGERPRINTED:
+        path = PACKAGE_DIR / name
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for file in files:
+            digest.update(file.relative_to(PACKAGE_DIR).as_posix().encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelArtifact:
+    """The cubin of one `KernelConfig`, its PTX and its metadata."""
+
+    cubin: bytes
+    ptx: str
+    metadata: dict
+
+    def save(self, directory: os.PathLike) -> pathlib.Path:
+        """Write the three files atomically (rename into place) and return the sidecar path."""
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        key = self.metadata["key"]
+        for suffix, data in ((".cubin", self.cubin), (".ptx", self.ptx.encode()),
+                             (".json", json.dumps(self.metadata, indent=1).encode())):
+            tmp = directory / f".{key}{suffix}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, directory / f"{key}{suffix}")
+        return directory / f"{key}.json"
+
+    @classmethod
+    def load(cls, directory: os.PathLike, key: str) -> "KernelArtifact | None":
+        """The artifact named ``key`` in ``directory``, or None when it is not there."""
+        directory = pathlib.Path(directory)
+        sidecar = directory / f"{key}.json"
+        if not sidecar.exists():
+            return None
+        metadata = json.loads(sidecar.read_text())
+        cubin = (directory / f"{key}.cubin").read_bytes()
+        ptx_path = directory / f"{key}.ptx"
+        ptx = ptx_path.read_text() if ptx_path.exists() else ""
+        return cls(cubin=cubin, ptx=ptx, metadata=metadata)
+
+    @property
+    def is_current(self) -> bool:
+        """Built from the kernel sources of this installation."""
+        return self.metadata.get("source_fingerprint") == source_fingerprint()
+
+    def check_abi(self) -> None:
+        """Every kernel's parameter list is the one its role requires."""
+        for kernel in self.metadata["kernels"]:
+            expected = EXPECTED_PARAMS[kernel["role"]]
+            if kernel["params"] != expected:
+                raise RuntimeError(
+                    f"kernel {kernel['symbol']} ({kernel['role']}) of {self.metadata['key']} has "
+                    f"parameters {kernel['params']}, expected {expected}"
+                )

@@ -1,0 +1,100 @@
+"""Named lists of `KernelConfig`s that ``python -m jax_moe_publish.aot build --preset`` builds.
+
+``tests`` is exactly what the GPU tests run, so a prebuilt ``tests`` folder
+lets them run on a machine without CuTe DSL.
+"""
+
+from __future__ import annotations
+
+from jax_moe_publish.config import KernelConfig
+
+TP_SIZES = (1, 2, 4, 8)
+MULTI_RANK_MODES = ("oneshot", "twoshot", "reduce_scatter")
+
+
+def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str) -> list[KernelConfig]:
+    configs = []
+    for fp32_weights in (False, True):
+        for tp in TP_SIZES:
+            for mode in ("direct",) if tp == 1 else MULTI_RANK_MODES:
+                configs.append(
+                    KernelConfig.default(
+                        hidden=hidden, top_k=top_k, tp=tp, mode=mode,
+                        routed_scaling_factor=scale, include_shared_expert=shared,
+                        fp32_weights=fp32_weights, arch=arch,
+                    )
+                )
+    return configs
+
+
+def deepseek_v3(arch: str = "sm_90a") -> list[KernelConfig]:
+    """DeepSeek-V3: hidden 7168, top-k 8, routed scale 2.5, a shared expert."""
+    return _model(7168, 8, 2.5, True, arch)
+
+
+def qwen3_moe(arch: str = "sm_90a") -> list[KernelConfig]:
+    """Qwen3-MoE: hidden 4096, top-k 8, no shared expert, scale 1.0."""
+    return _model(4096, 8, 1.0, False, arch)
+
+
+# Kernel variants the GPU tests cover: (hidden, top_k, launch and feature choices).
+# Together they span both element widths, both weight dtypes, with and without
+# the shared expert, several scales, every publish option and hidden sizes that
+# are not powers of two.
+TEST_VARIANTS = (
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, elements_per_thread=8, prefetch_group=4),
+    dict(hidden=7168, top_k=8, routed_scaling_factor=1.0, fp32_weights=True, elements_per_thread=4,
+         prefetch_group=1, threads=256, reduce_threads=256),
+    dict(hidden=5120, top_k=6, routed_scaling_factor=1.5, fp32_weights=True,
+         include_shared_expert=False, prefetch_group=3),
+    dict(hidden=2048, top_k=1, routed_scaling_factor=0.5, elements_per_thread=4, prefetch_group=1,
+         load_shared_expert_before_pdl=True, threads=64, reduce_threads=64),
+    dict(hidden=2880, top_k=10, routed_scaling_factor=2.5, prefetch_group=5, enable_pdl=False,
+         threads=96),
+)
+
+# The shapes the op tests and the example call with their default configs.
+TEST_DEFAULT_PROBLEMS = (
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5),
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, fp32_weights=True),
+    dict(hidden=2048, top_k=6, routed_scaling_factor=1.0, include_shared_expert=False),
+    dict(hidden=512, top_k=4, routed_scaling_factor=2.5),
+)
+
+
+def test_variants(tp: int) -> list[KernelConfig]:
+    """The kernel-level GPU test configs for a group of ``tp``."""
+    configs = []
+    for index, variant in enumerate(TEST_VARIANTS):
+        if tp == 1:
+            modes = ("direct",)
+        elif index < 2:
+            modes = MULTI_RANK_MODES
+        else:
+            modes = ("oneshot",)
+        for mode in modes:
+            transport = "direct" if mode == "direct" else "unicast"
+            configs.append(KernelConfig(tp=tp, mode=mode, transport=transport, **variant))
+    return configs
+
+
+def test_defaults(tp: int) -> list[KernelConfig]:
+    """The default configs that the op tests reach through the public API."""
+    modes = ("direct",) if tp == 1 else MULTI_RANK_MODES
+    return [
+        KernelConfig.default(tp=tp, mode=mode, **problem)
+        for problem in TEST_DEFAULT_PROBLEMS
+        for mode in modes
+    ]
+
+
+def tests(arch: str = "sm_90a") -> list[KernelConfig]:
+    """Everything the GPU tests need, for groups of 1 and 2."""
+    configs = []
+    for tp in (1, 2):
+        configs += test_variants(tp) + test_defaults(tp)
+    unique = list(dict.fromkeys(configs))
+    return [c.replace(arch=arch) for c in unique]
+
+
+PRESETS = {"tests": tests, "deepseek-v3": deepseek_v3, "qwen3-moe": qwen3_moe}

@@ -1,0 +1,134 @@
+"""Where compiled kernel sets come from: memory, prebuilt folders, the disk cache, or CuTe DSL.
+
+Lookup order for a `KernelConfig`:
+
+1. this process's memory;
+2. every folder in ``$JAX_MOE_PUBLISH_KERNEL_DIR`` (``os.pathsep``-separated), as
+   written by ``python -m jax_moe_publish.aot build``;
+3. the disk cache (``$JAX_MOE_PUBLISH_CACHE_DIR``, default
+   ``~/.cache/jax_moe_publish``), keyed by the config and the kernel-source fingerprint;
+4. a fresh compile with CuTe DSL, under a file lock so that concurrent processes
+   compile a kernel once, saved into the cache.
+
+Without CuTe DSL a miss raises `MissingKernelError`, which names the command that builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import shlex
+import threading
+
+import filelock
+
+from jax_moe_publish.aot.artifact import KernelArtifact, source_fingerprint
+from jax_moe_publish.config import KernelConfig
+
+KERNEL_DIR_ENV = "JAX_MOE_PUBLISH_KERNEL_DIR"
+CACHE_DIR_ENV = "JAX_MOE_PUBLISH_CACHE_DIR"
+
+
+class MissingKernelError(RuntimeError):
+    """No cubin for a config, and CuTe DSL is not installed to build one."""
+
+
+def dsl_available() -> bool:
+    return importlib.util.find_spec("cutlass") is not None
+
+
+def build_command(config: KernelConfig, out: str = "DIR") -> str:
+    """The CLI command that builds ``config`` into folder ``out``."""
+    flags = []
+    for field in dataclasses.fields(KernelConfig):
+        value = getattr(config, field.name)
+        flags += [f"--{field.name.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return shlex.join(["python", "-m", "jax_moe_publish.aot", "build", *flags, "--out", out])
+
+
+@dataclasses.dataclass
+class StoreStats:
+    memory_hits: int = 0
+    prebuilt_hits: int = 0
+    disk_hits: int = 0
+    compiles: int = 0
+
+
+class KernelStore:
+    """Finds or builds the `KernelArtifact` of a config; thread-safe."""
+
+    def __init__(self, cache_dir: os.PathLike | None = None, prebuilt_dirs=None) -> None:
+        if cache_dir is None:
+            cache_dir = os.environ.get(CACHE_DIR_ENV) or pathlib.Path.home() / ".cache" / "jax_moe_publish"
+        if prebuilt_dirs is None:
+            prebuilt_dirs = [d for d in os.environ.get(KERNEL_DIR_ENV, "").split(os.pathsep) if d]
+        self.cache_dir = pathlib.Path(cache_dir) / source_fingerprint()
+        self.prebuilt_dirs = [pathlib.Path(d) for d in prebuilt_dirs]
+        self.stats = StoreStats()
+        self._memory: dict[str, KernelArtifact] = {}
+        self._lock = threading.Lock()
+
+    def get(self, config: KernelConfig) -> KernelArtifact:
+        key = config.key
+        with self._lock:
+            if key in self._memory:
+                self.stats.memory_hits += 1
+                return self._memory[key]
+            artifact = self._find_or_build(config)
+            artifact.check_abi()
+            self._memory[key] = artifact
+            return artifact
+
+    def _find_or_build(self, config: KernelConfig) -> KernelArtifact:
+        key = config.key
+        for directory in self.prebuilt_dirs:
+            artifact = KernelArtifact.load(directory, key)
+            if artifact is None:
+                continue
+            if not artifact.is_current:
+                raise MissingKernelError(
+                    f"prebuilt kernel {key} in {directory} was built from other kernel sources "
+                    f"(fingerprint {artifact.metadata.get('source_fingerprint')}, this installation "
+                    f"has {source_fingerprint()}); rebuild it: {build_command(config, str(directory))}"
+                )
+            self.stats.prebuilt_hits += 1
+            return artifact
+        artifact = KernelArtifact.load(self.cache_dir, key)
+        if artifact is not None:
+            self.stats.disk_hits += 1
+            return artifact
+        if not dsl_available():
+            where = os.pathsep.join(map(str, self.prebuilt_dirs)) or "(unset)"
+            raise MissingKernelError(
+                f"no compiled kernel for {config} in ${KERNEL_DIR_ENV}={where} or in the cache "
+                f"{self.cache_dir}, and CuTe DSL (the 'compile' extra, nvidia-cutlass-dsl) is not "
+                f"installed to build it. On a machine with CuTe DSL run:\n  "
+                f"{build_command(config)}\nand point ${KERNEL_DIR_ENV} at DIR."
+            )
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(str(self.cache_dir / f"{key}.lock")):
+            artifact = KernelArtifact.load(self.cache_dir, key)
+            if artifact is not None:
+                self.stats.disk_hits += 1
+                return artifact
+            from jax_moe_publish.aot.compile import compile_config
+
+            artifact = compile_config(config)
+            artifact.save(self.cache_dir)
+            self.stats.compiles += 1
+            return artifact
+
+
+_default_store: KernelStore | None = None
+_default_lock = threading.Lock()
+
+
+def default_store() -> KernelStore:
+    """The process-wide store, configured from the environment on first use."""
+    global _default_store
+    with _default_lock:
+        if _default_store is None:
+            _default_store = KernelStore()
+        return _default_store

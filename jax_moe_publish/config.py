@@ -1,0 +1,231 @@
+"""`KernelConfig`: every compile-time choice of one specialization of the op.
+
+A config names one cubin. It holds the problem constants that the kernels are
+specialized on (hidden, top-k, tp, scale, ...) and the launch shapes. Runtime
+values (m, rank, capacity, addresses) are kernel parameters and are not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Literal
+
+from jax_moe_publish import protocol
+
+Mode = Literal["oneshot", "twoshot", "reduce_scatter", "direct"]
+Transport = Literal["unicast", "multicast", "direct"]
+
+MODES = ("oneshot", "twoshot", "reduce_scatter", "direct")
+TRANSPORTS = ("unicast", "multicast", "direct")
+ARCHS = ("sm_90a", "sm_100a")
+MAX_TOP_K = 64
+
+
+def _require(condition: bool, field: str, value, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"KernelConfig.{field}={value!r}: expected {expected}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Compile-time specialization of the finalize-publish and reduce kernels.
+
+    Parameters
+    ----------
+    hidden : int
+        Row width in bf16 elements.
+    top_k : int
+        Routed experts per token.
+    tp : int
+        Size of the tensor-parallel group, 1 to 8.
+    mode : {"oneshot", "twoshot", "reduce_scatter", "direct"}
+        ``oneshot``: every rank publishes every token to every peer and reduces
+        all of them. ``twoshot``: token ``t`` is reduced by rank ``t % tp``,
+        which fans the sum out to every rank. ``reduce_scatter``: the owners
+        keep their sums. ``direct``: tp = 1, the finalize writes the output.
+    transport : {"unicast", "multicast", "direct"}
+        How the publish reaches the peers: ``tp`` stores through a table of
+        peer addresses, one ``multimem.st`` (oneshot only), or no peers at all.
+    routed_scaling_factor : float
+        Multiplies every routed weight; 1.0 compiles the multiply away.
+    include_shared_expert : bool
+        Add the shared expert row.
+    fp32_weights : bool
+        Router weights are float32 (else bf16).
+    elements_per_thread : {4, 8}
+        bf16 values per publish thread: 8- or 16-byte accesses.
+    threads : int
+        Publish threads per CTA.
+    prefetch_group : int
+        Routed rows loaded before the first of them is used (1: one at a time).
+    load_shared_expert_before_pdl : bool
+        Load the shared expert row before ``griddepcontrol.wait``: only valid
+        when the shared expert output is not written by the preceding kernel.
+    enable_pdl : bool
+        Programmatic dependent launch between the kernels of a call.
+    reduce_threads : int
+        Reduce threads per CTA; each moves 8 bf16 values per source.
+    arch : {"sm_90a", "sm_100a"}
+        Target of the cubin.
+    """
+
+    hidden: int
+    top_k: int
+    tp: int
+    mode: Mode = "oneshot"
+    transport: Transport = "unicast"
+    routed_scaling_factor: float = 1.0
+    include_shared_expert: bool = True
+    fp32_weights: bool = False
+    elements_per_thread: int = 8
+    threads: int = 128
+    prefetch_group: int = 4
+    load_shared_expert_before_pdl: bool = False
+    enable_pdl: bool = True
+    reduce_threads: int = 128
+    arch: str = "sm_90a"
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.hidden, int) and self.hidden > 0, "hidden", self.hidden, "a positive int"
+        )
+        _require(
+            isinstance(self.top_k, int) and 1 <= self.top_k <= MAX_TOP_K,
+            "top_k", self.top_k, f"an int in [1, {MAX_TOP_K}]",
+        )
+        _require(
+            isinstance(self.tp, int) and 1 <= self.tp <= protocol.MAX_TP,
+            "tp", self.tp, f"an int in [1, {protocol.MAX_TP}]",
+        )
+        _require(self.mode in MODES, "mode", self.mode, f"one of {MODES}")
+        _require(self.transport in TRANSPORTS, "transport", self.transport, f"one of {TRANSPORTS}")
+        if self.tp == 1:
+            _require(self.mode == "direct", "mode", self.mode, "'direct' when tp == 1")
+        else:
+            _require(self.mode != "direct", "mode", self.mode, "not 'direct' when tp > 1")
+        _require(
+            (self.mode == "direct") == (self.transport == "direct"),
+            "transport", self.transport, f"'direct' exactly when mode is 'direct' (mode={self.mode!r})",
+        )
+        if self.transport == "multicast":
+            _require(self.mode == "oneshot", "mode", self.mode, "'oneshot' with the multicast transport")
+        _require(
+            self.elements_per_thread in (4, 8),
+            "elements_per_thread", self.elements_per_thread, "4 or 8",
+        )
+        _require(
+            self.hidden % self.elements_per_thread == 0,
+            "hidden", self.hidden, f"a multiple of elements_per_thread={self.elements_per_thread}",
+        )
+        if self.tp > 1:
+            _require(
+                self.hidden % protocol.REDUCE_ELEMENTS == 0,
+                "hidden", self.hidden,
+                f"a multiple of {protocol.REDUCE_ELEMENTS} (16-byte mailbox lanes) when tp > 1",
+            )
+        for field in ("threads", "reduce_threads"):
+            value = getattr(self, field)
+            _require(
+                isinstance(value, int) and 32 <= value <= 1024 and value % 32 == 0,
+                field, value, "a multiple of 32 in [32, 1024]",
+            )
+        _require(
+            isinstance(self.prefetch_group, int) and 1 <= self.prefetch_group <= self.top_k,
+            "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",
+        )
+        _require(
+            isinstance(self.routed_scaling_factor, (int, float))
+            and math.isfinite(self.routed_scaling_factor),
+            "routed_scaling_factor", self.routed_scaling_factor, "a finite float",
+        )
+        if self.load_shared_expert_before_pdl:
+            _require(
+                self.include_shared_expert and self.enable_pdl,
+                "load_shared_expert_before_pdl", True,
+                "False unless include_shared_expert and enable_pdl are both True",
+            )
+        _require(self.arch in ARCHS, "arch", self.arch, f"one of {ARCHS}")
+        object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
+
+    # Derived launch geometry: the single place it is computed.
+
+    @property
+    def fragments(self) -> int:
+        """Publish fragments of ``elements_per_thread`` values per token."""
+        return self.hidden // self.elements_per_thread
+
+    @property
+    def ctas_per_token(self) -> int:
+        """Publish CTAs per token."""
+        return -(-self.fragments // self.threads)
+
+    @property
+    def reduce_fragments(self) -> int:
+        """16-byte reduce fragments per token."""
+        return self.hidden // protocol.REDUCE_ELEMENTS
+
+    @property
+    def reduce_ctas_per_token(self) -> int:
+        """Reduce CTAs per token."""
+        return -(-self.reduce_fragments // self.reduce_threads)
+
+    @property
+    def key(self) -> str:
+        """Stable name of this specialization; it names the cubin."""
+        fields = self.to_dict()
+        text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        return f"{self.mode}-h{self.hidden}-k{self.top_k}-tp{self.tp}-{self.arch}-{digest}"
+
+    def to_dict(self) -> dict:
+        """Field values, JSON-ready."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "KernelConfig":
+        """The config whose `to_dict` is ``fields`` (validated)."""
+        return cls(**fields)
+
+    def replace(self, **changes) -> "KernelConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def default(
+        cls,
+        *,
+        hidden: int,
+        top_k: int,
+        tp: int,
+        mode: Mode | None = None,
+        routed_scaling_factor: float = 1.0,
+        include_shared_expert: bool = True,
+        fp32_weights: bool = False,
+        arch: str = "sm_90a",
+    ) -> "KernelConfig":
+        """The default launch shape for a problem.
+
+        ``mode`` defaults to ``direct`` for tp = 1 and ``oneshot`` otherwise.
+        The publish uses 16-byte accesses wherever ``hidden`` allows them.
+        """
+        if mode is None:
+            mode = "direct" if tp == 1 else "oneshot"
+        transport = "direct" if mode == "direct" else "unicast"
+        elements = 8 if hidden % 8 == 0 else 4
+        return cls(
+            hidden=hidden,
+            top_k=top_k,
+            tp=tp,
+            mode=mode,
+            transport=transport,
+            routed_scaling_factor=routed_scaling_factor,
+            include_shared_expert=include_shared_expert,
+            fp32_weights=fp32_weights,
+            elements_per_thread=elements,
+            threads=128,
+            prefetch_group=min(4, top_k),
+            reduce_threads=128,
+            arch=arch,
+        )

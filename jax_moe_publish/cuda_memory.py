@@ -1,0 +1,189 @@
+"""Device memory of one TP group's mailboxes, through the CUDA driver API (cuda-python).
+
+For each rank of a group this allocates, in its device's primary context:
+
+* the mailbox: bf16 ``[STAGES][tp][capacity_m][hidden]`` contribution slots,
+  then ``[STAGES][capacity_m][hidden]`` two-shot gather slots, every lane set to
+  the empty sentinel. It is a VMM allocation (``cuMemCreate`` + ``cuMemMap``)
+  mapped read-write for every device of the group, so peers store into it
+  directly over NVLink;
+* the stage state: ``STAGE_STATE_WORDS`` int32, zero (stage 0, no calls yet);
+* the peer table: ``tp`` u64, the mailbox address of each rank, by rank;
+* the status block: ``STATUS_WORDS`` int32 of pinned host memory mapped into
+  the device, so the host can read a diagnostic even after the context is lost.
+
+Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import struct
+
+from jax_moe_publish import protocol
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def check(result, call: str):
+    """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising `CudaError` on failure."""
+    driver = _driver()
+    error, *values = result if isinstance(result, tuple) else (result,)
+    if error != driver.CUresult.CUDA_SUCCESS:
+        _, text = driver.cuGetErrorString(error)
+        name = text.decode() if isinstance(text, bytes) else str(error)
+        raise CudaError(f"{call} failed: {error.name}: {name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_initialized = False
+
+
+def init() -> None:
+    global _initialized
+    if not _initialized:
+        check(_driver().cuInit(0), "cuInit")
+        _initialized = True
+
+
+@contextlib.contextmanager
+def primary_context(ordinal: int):
+    """Make device ``ordinal``'s primary context current (the one JAX/XLA uses)."""
+    driver = _driver()
+    init()
+    device = check(driver.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    context = check(driver.cuDevicePrimaryCtxRetain(device), f"cuDevicePrimaryCtxRetain({ordinal})")
+    check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
+    try:
+        yield context
+    finally:
+        check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
+        check(driver.cuDevicePrimaryCtxRelease(device), "cuDevicePrimaryCtxRelease")
+
+
+@dataclasses.dataclass
+class RankMemory:
+    """Addresses of one rank's mailbox memory (device pointers as ints)."""
+
+    ordinal: int
+    rank: int
+    mailbox: int
+    mailbox_bytes: int
+    stage_state: int
+    peer_table: int
+    status: int
+    status_host: int
+    vmm_handle: object = None
+    vmm_size: int = 0
+    mapped: bool = False
+
+
+class GroupMemory:
+    """The mailbox memory of one TP group; ``ordinals[r]`` is the device of rank ``r``."""
+
+    def __init__(self, ordinals: list[int], *, hidden: int, capacity_m: int) -> None:
+        self.ordinals = list(ordinals)
+        self.tp = len(ordinals)
+        self.hidden = hidden
+        self.capacity_m = capacity_m
+        self.elements = protocol.mailbox_elements(self.tp, capacity_m, hidden)
+        self.ranks: list[RankMemory] = []
+        try:
+            for rank, ordinal in enumerate(self.ordinals):
+                memory = RankMemory(ordinal, rank, 0, 0, 0, 0, 0, 0)
+                self.ranks.append(memory)
+                self._allocate(memory)
+            self._write_peer_tables()
+        except BaseException:
+            self.free()
+            raise
+
+    def _allocate(self, memory: RankMemory) -> None:
+        """Fill ``memory`` field by field, so that `free` can undo a partial allocation."""
+        driver = _driver()
+        ordinal = memory.ordinal
+        with primary_context(ordinal):
+            prop = driver.CUmemAllocationProp()
+            prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop.location.id = ordinal
+            granularity = check(
+                driver.cuMemGetAllocationGranularity(
+                    prop,
+                    driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+            memory.mailbox_bytes = self.elements * 2
+            size = -(-memory.mailbox_bytes // granularity) * granularity
+            memory.vmm_handle = check(
+                driver.cuMemCreate(size, prop, 0), f"cuMemCreate({size} B, device {ordinal})"
+            )
+            memory.vmm_size = size
+            address = check(driver.cuMemAddressReserve(size, granularity, 0, 0), "cuMemAddressReserve")
+            memory.mailbox = int(address)
+            check(driver.cuMemMap(address, size, 0, memory.vmm_handle, 0), "cuMemMap")
+            memory.mapped = True
+            access = []
+            for peer in self.ordinals:
+                desc = driver.CUmemAccessDesc()
+                desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = peer
+                desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                access.append(desc)
+            check(driver.cuMemSetAccess(address, size, access, len(access)), "cuMemSetAccess")
+            check(driver.cuMemsetD16(address, protocol.EMPTY_BF16, self.elements), "cuMemsetD16")
+            memory.stage_state = int(
+                check(driver.cuMemAlloc(protocol.STAGE_STATE_WORDS * 4), "cuMemAlloc(stage_state)")
+            )
+            check(driver.cuMemsetD32(memory.stage_state, 0, protocol.STAGE_STATE_WORDS), "cuMemsetD32")
+            memory.peer_table = int(check(driver.cuMemAlloc(self.tp * 8), "cuMemAlloc(peer_table)"))
+            flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
+            host = check(driver.cuMemHostAlloc(protocol.STATUS_WORDS * 4, flags), "cuMemHostAlloc(status)")
+            memory.status_host = int(host)
+            ctypes.memset(memory.status_host, 0, protocol.STATUS_WORDS * 4)
+            memory.status = int(check(driver.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
+            check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def _write_peer_tables(self) -> None:
+        driver = _driver()
+        table = struct.pack(f"<{self.tp}Q", *(r.mailbox for r in self.ranks))
+        for memory in self.ranks:
+            with primary_context(memory.ordinal):
+                check(driver.cuMemcpyHtoD(memory.peer_table, table, len(table)), "cuMemcpyHtoD(peer_table)")
+
+    def status(self, rank: int) -> list[int]:
+        """The status words of ``rank``, read from host memory (works after a device fault)."""
+        words = (ctypes.c_int32 * protocol.STATUS_WORDS).from_address(self.ranks[rank].status_host)
+        return list(words)
+
+    def free(self) -> None:
+        """Release everything; safe to call twice."""
+        driver = _driver()
+        for memory in self.ranks:
+            with primary_context(memory.ordinal):
+                check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+                if memory.mapped:
+                    check(driver.cuMemUnmap(memory.mailbox, memory.vmm_size), "cuMemUnmap")
+                if memory.mailbox:
+                    check(driver.cuMemAddressFree(memory.mailbox, memory.vmm_size), "cuMemAddressFree")
+                if memory.vmm_handle is not None:
+                    check(driver.cuMemRelease(memory.vmm_handle), "cuMemRelease")
+                for address in (memory.stage_state, memory.peer_table):
+                    if address:
+                        check(driver.cuMemFree(address), "cuMemFree")
+                if memory.status_host:
+                    check(driver.cuMemFreeHost(memory.status_host), "cuMemFreeHost")
+        self.ranks = []

@@ -1,0 +1,101 @@
+"""The kernels of one call, launched in order: the unit that is compiled to one cubin.
+
+``MoePublishProgram.__call__`` is the host side that CuTe DSL traces: it fixes
+each kernel's parameter list (compile with fake scalars of these types) and its
+launch shape. The C++ launcher replays the same launches from the metadata
+that ``launches()`` describes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.kernels.publish import FinalizePublishKernel
+from jax_moe_publish.kernels.reduce import LamportReduceKernel
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLaunch:
+    """How to launch one kernel of the call: grid = rows(m) * ctas_per_row."""
+
+    role: str  # "publish", "reduce" or "gather"
+    block: int
+    smem: int
+    ctas_per_row: int
+    rows: str  # "m" or "owned" (ceil(m / tp))
+
+
+class MoePublishProgram:
+    """Publish, then (for tp > 1) reduce, then (twoshot) gather."""
+
+    def __init__(self, config: KernelConfig) -> None:
+        self.config = config
+        self.publisher = FinalizePublishKernel(config)
+        self.reducer = LamportReduceKernel(config)
+
+    def launches(self) -> list[KernelLaunch]:
+        cfg = self.config
+        result = [KernelLaunch("publish", cfg.threads, self.publisher.smem_bytes, cfg.ctas_per_token, "m")]
+        if cfg.mode != "direct":
+            rows = "m" if cfg.mode == "oneshot" else "owned"
+            result.append(KernelLaunch("reduce", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, rows))
+        if cfg.mode == "twoshot":
+            result.append(KernelLaunch("gather", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, "m"))
+        return result
+
+    @cute.jit
+    def __call__(
+        self,
+        routed: Int64,
+        weights: Int64,
+        indices: Int64,
+        shared: Int64,
+        stage_state: Int64,
+        destination: Int64,
+        mailbox: Int64,
+        peer_table: Int64,
+        status: Int64,
+        out: Int64,
+        timeout_ns: Int64,
+        num_rows: Int32,
+        m: Int32,
+        capacity_m: Int32,
+        rank: Int32,
+        stream: cuda.CUstream,
+    ) -> None:
+        cfg = self.config
+        launches = self.launches()
+        publish = launches[0]
+        self.publisher.publish(
+            routed, weights, indices, shared, stage_state, destination, num_rows, m, capacity_m, rank
+        ).launch(
+            grid=(m * publish.ctas_per_row, 1, 1),
+            block=(publish.block, 1, 1),
+            smem=publish.smem,
+            stream=stream,
+            use_pdl=cfg.enable_pdl,
+        )
+        reduce_args = (mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank)
+        if cutlass.const_expr(cfg.mode != "direct"):
+            reduce = launches[1]
+            rows = m if cutlass.const_expr(reduce.rows == "m") else (m + cfg.tp - 1) // cfg.tp
+            self.reducer.reduce(*reduce_args).launch(
+                grid=(rows * reduce.ctas_per_row, 1, 1),
+                block=(reduce.block, 1, 1),
+                stream=stream,
+                use_pdl=cfg.enable_pdl,
+            )
+        if cutlass.const_expr(cfg.mode == "twoshot"):
+            gather = launches[2]
+            self.reducer.gather(*reduce_args).launch(
+                grid=(m * gather.ctas_per_row, 1, 1),
+                block=(gather.block, 1, 1),
+                stream=stream,
+                use_pdl=cfg.enable_pdl,
+            )

@@ -1,0 +1,238 @@
+"""Inline-PTX memory and bit helpers for the mailbox kernels.
+
+Addresses are raw 64-bit device addresses (``Int64``): the kernels receive
+every buffer as one address parameter, so the parameter ABI stays a flat list
+of ``u64``/``u32`` that the C++ launcher can fill without knowing CuTe layouts.
+Packed bf16 data travels as ``Uint32`` words, two bf16 lanes per word, the
+lower-addressed element in the low half.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(result_type, operands, text, constraints, *, side_effects, loc, ip):
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _words_out(result, words, loc, ip):
+    return [
+        Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(words)
+    ]
+
+
+def _vector_suffix(words: int) -> str:
+    return {2: "v2", 4: "v4"}[words]
+
+
+def _braced(first: int, count: int) -> str:
+    return "{" + ",".join(f"${first + i}" for i in range(count)) + "}"
+
+
+@dsl_user_op
+def load_words(address: Int64, words: int, *, predicate=None, loc=None, ip=None) -> list:
+    """Non-coherent vector load of ``words`` u32 (8 or 16 bytes) of read-only input.
+
+    With ``predicate`` (an Int32, nonzero = load) the load is skipped and zeros
+    are returned when it is zero: no branch, and no access to ``address``.
+    """
+    vec = _vector_suffix(words)
+    outs = _braced(0, words)
+    struct = llvm.StructType.get_literal([T.i32()] * words)
+    if predicate is None:
+        text = f"ld.global.nc.L1::no_allocate.{vec}.u32 {outs}, [${words}];"
+        result = _asm(
+            struct, [Int64(address).ir_value(loc=loc, ip=ip)],
+            text, ",".join(["=r"] * words + ["l"]), side_effects=False, loc=loc, ip=ip,
+        )
+        return _words_out(result, words, loc, ip)
+    zero = "\n".join(f"mov.b32 ${i}, 0;" for i in range(words))
+    text = (
+        "{\n.reg .pred p;\n"
+        f"setp.ne.s32 p, ${words + 1}, 0;\n{zero}\n"
+        f"@p ld.global.nc.L1::no_allocate.{vec}.u32 {outs}, [${words}];\n}}"
+    )
+    result = _asm(
+        struct,
+        [Int64(address).ir_value(loc=loc, ip=ip), Int32(predicate).ir_value(loc=loc, ip=ip)],
+        text, ",".join(["=&r"] * words + ["l", "r"]), side_effects=False, loc=loc, ip=ip,
+    )
+    return _words_out(result, words, loc, ip)
+
+
+@dsl_user_op
+def load_volatile_words(address: Int64, words: int, *, loc=None, ip=None) -> list:
+    """Volatile vector load of ``words`` u32: always re-reads memory (mailbox polling)."""
+    struct = llvm.StructType.get_literal([T.i32()] * words)
+    text = f"ld.volatile.global.{_vector_suffix(words)}.u32 {_braced(0, words)}, [${words}];"
+    result = _asm(
+        struct, [Int64(address).ir_value(loc=loc, ip=ip)],
+        text, ",".join(["=r"] * words + ["l"]), side_effects=True, loc=loc, ip=ip,
+    )
+    return _words_out(result, words, loc, ip)
+
+
+@dsl_user_op
+def store_words(address: Int64, values: list, *, loc=None, ip=None) -> None:
+    """Vector store of 2 or 4 u32 words (local or peer memory)."""
+    words = len(values)
+    text = f"st.global.{_vector_suffix(words)}.u32 [$0], {_braced(1, words)};"
+    _asm(
+        None,
+        [Int64(address).ir_value(loc=loc, ip=ip)]
+        + [Uint32(v).ir_value(loc=loc, ip=ip) for v in values],
+        text, ",".join(["l"] + ["r"] * words), side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def multimem_store_words(address: Int64, values: list, *, loc=None, ip=None) -> None:
+    """One ``multimem.st`` of 4 or 8 bf16 to a multicast address: every member gets it."""
+    words = len(values)
+    text = f"multimem.st.global.{_vector_suffix(words)}.bf16x2 [$0], {_braced(1, words)};"
+    _asm(
+        None,
+        [Int64(address).ir_value(loc=loc, ip=ip)]
+        + [Uint32(v).ir_value(loc=loc, ip=ip) for v in values],
+        text, ",".join(["l"] + ["r"] * words), side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def load_s32(address: Int64, *, loc=None, ip=None) -> Int32:
+    """Non-coherent load of one int32 of read-only input."""
+    return Int32(
+        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip)],
+             "ld.global.nc.s32 $0, [$1];", "=r,l", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def load_f32(address: Int64, *, loc=None, ip=None) -> Float32:
+    """Non-coherent load of one float32 of read-only input."""
+    return Float32(
+        _asm(T.f32(), [Int64(address).ir_value(loc=loc, ip=ip)],
+             "ld.global.nc.f32 $0, [$1];", "=f,l", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def load_bf16_as_f32(address: Int64, *, loc=None, ip=None) -> Float32:
+    """Non-coherent load of one bf16, widened exactly to float32."""
+    return Float32(
+        _asm(
+            T.f32(), [Int64(address).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .b32 h;\nld.global.nc.u16 h, [$1];\nshl.b32 $0, h, 16;\n}",
+            "=f,l", side_effects=False, loc=loc, ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def load_u64(address: Int64, *, loc=None, ip=None) -> Int64:
+    """Non-coherent load of one 64-bit word (peer tables)."""
+    return Int64(
+        _asm(T.i64(), [Int64(address).ir_value(loc=loc, ip=ip)],
+             "ld.global.nc.u64 $0, [$1];", "=l,l", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def load_volatile_s32(address: Int64, *, loc=None, ip=None) -> Int32:
+    """Volatile load of one int32 (stage words)."""
+    return Int32(
+        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip)],
+             "ld.volatile.global.s32 $0, [$1];", "=r,l", side_effects=True, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def store_volatile_s32(address: Int64, value, *, loc=None, ip=None) -> None:
+    """Volatile store of one int32 (stage and status words)."""
+    _asm(
+        None, [Int64(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.volatile.global.s32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def fence_system(*, loc=None, ip=None) -> None:
+    """Make this thread's earlier stores visible to the host and to peers."""
+    _asm(None, [], "fence.sc.sys;", "~{memory}", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """Abort the kernel: the launch fails, so the host sees an error instead of a hang."""
+    _asm(None, [], "trap;", "~{memory}", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def global_timer_ns(*, loc=None, ip=None) -> Int64:
+    """The GPU's global nanosecond timer."""
+    return Int64(
+        _asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def bf16x2_to_f32(word, *, loc=None, ip=None) -> tuple:
+    """Widen the two bf16 lanes of a word to float32 (exact): (low lane, high lane)."""
+    w = Uint32(word).ir_value(loc=loc, ip=ip)
+    low = _asm(T.f32(), [w], "shl.b32 $0, $1, 16;", "=f,r", side_effects=False, loc=loc, ip=ip)
+    high = _asm(
+        T.f32(), [w], "and.b32 $0, $1, 0xffff0000;", "=f,r", side_effects=False, loc=loc, ip=ip
+    )
+    return Float32(low), Float32(high)
+
+
+@dsl_user_op
+def f32x2_to_bf16x2(low, high, *, loc=None, ip=None) -> Uint32:
+    """Round two float32 to bf16 (round to nearest even) and pack them: low lane first."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", side_effects=False, loc=loc, ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def positive_zero_bf16x2(word, *, loc=None, ip=None) -> Uint32:
+    """Turn each bf16 lane equal to -0.0 (the mailbox sentinel) into +0.0."""
+    text = (
+        "{\n.reg .pred p;\n.reg .b32 t;\nmov.b32 $0, $1;\n"
+        "and.b32 t, $0, 0xffff;\nsetp.eq.u32 p, t, 0x8000;\n@p and.b32 $0, $0, 0xffff0000;\n"
+        "and.b32 t, $0, 0xffff0000;\nsetp.eq.u32 p, t, 0x80000000;\n@p and.b32 $0, $0, 0xffff;\n}"
+    )
+    return Uint32(
+        _asm(T.i32(), [Uint32(word).ir_value(loc=loc, ip=ip)], text, "=r,r",
+             side_effects=False, loc=loc, ip=ip)
+    )
+
+
+def has_empty_lane(words: list) -> Uint32:
+    """Nonzero when any bf16 lane of ``words`` equals the empty sentinel 0x8000.
+
+    A lane is empty when ``lane ^ 0x8000 == 0``; the zero-halfword test
+    ``(v - 0x00010001) & ~v & 0x80008000`` is exact for *any* zero lane.
+    """
+    flags = Uint32(0)
+    for word in words:
+        v = Uint32(word) ^ Uint32(0x80008000)
+        flags = flags | ((v - Uint32(0x00010001)) & ~v & Uint32(0x80008000))
+    return flags

@@ -1,0 +1,176 @@
+"""Finalize-publish kernel: the MoE finalize of one token fragment, stored into the mailboxes.
+
+Per token ``t`` and fragment of ``E`` (4 or 8) bf16 values::
+
+    y[t] = bf16( sum_k  (w[t, k] * scale) * routed[idx[t, k]]  +  shared[t] )
+
+accumulated in float32 in the order k = 0..top_k-1. An index outside
+``[0, num_rows)`` (-1 included) contributes nothing and its row is never read.
+``y`` then goes to one of three places (``KernelConfig.transport``):
+
+* ``unicast``: slot ``[stage][rank][t]`` of every peer's mailbox, ``tp`` stores
+  through the peer table; owner modes store only to the owner ``t % tp``, slot
+  ``[stage][rank][t // tp]``.
+* ``multicast``: the same slot through one ``multimem.st`` to the multicast address.
+* ``direct`` (tp = 1): row ``t`` of the output.
+
+Published values never hold bf16 -0.0 (the empty sentinel): it becomes +0.0.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils
+from cutlass import Float32, Int32, Int64
+
+from jax_moe_publish import protocol
+from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.kernels import ptx
+
+BF16_BYTES = 2
+
+
+class FinalizePublishKernel:
+    """Device code of the publish; every compile-time choice comes from ``config``."""
+
+    def __init__(self, config: KernelConfig) -> None:
+        self.config = config
+        self.elements = config.elements_per_thread
+        self.words = self.elements // 2
+        self.prefetch_groups = -(-config.top_k // config.prefetch_group)
+        self.metadata_rounds = -(-config.top_k // config.threads)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Staged row indices (int32) and scaled weights (float32) of one token."""
+        return self.config.top_k * 8
+
+    @cute.kernel
+    def publish(
+        self,
+        routed: Int64,  # (num_rows, hidden) bf16
+        weights: Int64,  # (m, top_k) bf16 or f32
+        indices: Int64,  # (m, top_k) int32
+        shared: Int64,  # (m, hidden) bf16, read only with include_shared_expert
+        stage_state: Int64,  # (STAGE_STATE_WORDS,) int32, unused by direct
+        destination: Int64,  # peer table (tp,) u64 | multicast base | output (m, hidden) bf16
+        num_rows: Int32,
+        m: Int32,
+        capacity_m: Int32,
+        rank: Int32,
+    ) -> None:
+        cfg = self.config
+        block, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        token = block // cfg.ctas_per_token
+        fragment = (block % cfg.ctas_per_token) * cfg.threads + tidx
+        in_range = Int32(fragment < cfg.fragments)
+        row_offset = Int64(fragment) * (self.elements * BF16_BYTES)
+
+        # Stage the token's rows and scaled weights once per CTA. Invalid rows
+        # get weight 0 so that a NaN weight on a skipped expert stays skipped.
+        allocator = cutlass.utils.SmemAllocator()
+        sRows = allocator.allocate_array(Int32, cfg.top_k)
+        sWeights = allocator.allocate_array(Float32, cfg.top_k)
+        for round_ in cutlass.range_constexpr(self.metadata_rounds):
+            k = tidx + round_ * cfg.threads
+            if k < cfg.top_k:
+                element = Int64(token) * cfg.top_k + Int64(k)
+                row = ptx.load_s32(indices + element * 4)
+                if cutlass.const_expr(cfg.fp32_weights):
+                    weight = ptx.load_f32(weights + element * 4)
+                else:
+                    weight = ptx.load_bf16_as_f32(weights + element * BF16_BYTES)
+                if cutlass.const_expr(cfg.routed_scaling_factor != 1.0):
+                    weight = weight * Float32(cfg.routed_scaling_factor)
+                cute.arch.store((sRows + k).llvm_ptr, row)
+                if row >= 0 and row < num_rows:
+                    cute.arch.store((sWeights + k).llvm_ptr, weight)
+                else:
+                    cute.arch.store((sRows + k).llvm_ptr, Int32(-1))
+                    cute.arch.store((sWeights + k).llvm_ptr, Float32(0.0))
+        cute.arch.barrier()
+
+        shared_row = shared + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset
+        if cutlass.const_expr(cfg.load_shared_expert_before_pdl):
+            shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
+        if cutlass.const_expr(cfg.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(cfg.include_shared_expert and not cfg.load_shared_expert_before_pdl):
+            shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
+
+        stage = Int32(0)
+        if cutlass.const_expr(cfg.transport != "direct"):
+            stage = ptx.load_volatile_s32(stage_state + protocol.NEXT_STAGE * 4)
+
+        if in_range != 0 and token < m:
+            accumulator = [Float32(0.0)] * self.elements
+            for group in cutlass.range_constexpr(self.prefetch_groups):
+                members = [
+                    k
+                    for k in range(group * cfg.prefetch_group, (group + 1) * cfg.prefetch_group)
+                    if k < cfg.top_k
+                ]
+                # Issue every load of the group before the first use.
+                loaded = []
+                for k in members:
+                    row = cute.arch.load((sRows + k).llvm_ptr, Int32)
+                    source = routed + Int64(row) * (cfg.hidden * BF16_BYTES) + row_offset
+                    loaded.append(
+                        ptx.load_words(source, self.words, predicate=Int32(row >= 0))
+                    )
+                for k, words in zip(members, loaded):
+                    weight = cute.arch.load((sWeights + k).llvm_ptr, Float32)
+                    accumulator = self._accumulate(accumulator, words, weight)
+            if cutlass.const_expr(cfg.include_shared_expert):
+                accumulator = self._accumulate(accumulator, shared_words, None)
+            packed = [
+                ptx.f32x2_to_bf16x2(accumulator[2 * i], accumulator[2 * i + 1])
+                for i in range(self.words)
+            ]
+            self._store(packed, token, row_offset, destination, capacity_m, rank, stage)
+
+        if cutlass.const_expr(cfg.transport != "direct"):
+            if block == 0 and tidx == 0:
+                ptx.store_volatile_s32(stage_state + protocol.ACTIVE_STAGE * 4, stage)
+        if cutlass.const_expr(cfg.enable_pdl):
+            cute.arch.barrier()
+            cute.arch.griddepcontrol_launch_dependents()
+
+    def _accumulate(self, accumulator: list, words: list, weight) -> list:
+        """accumulator + weight * bf16(words), or + bf16(words) when weight is None."""
+        result = []
+        for i, word in enumerate(words):
+            low, high = ptx.bf16x2_to_f32(word)
+            if cutlass.const_expr(weight is None):
+                result += [accumulator[2 * i] + low, accumulator[2 * i + 1] + high]
+            else:
+                result += [accumulator[2 * i] + weight * low, accumulator[2 * i + 1] + weight * high]
+        return result
+
+    def _store(self, packed: list, token, row_offset, destination, capacity_m, rank, stage) -> None:
+        cfg = self.config
+        if cutlass.const_expr(cfg.transport == "direct"):
+            ptx.store_words(destination + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset, packed)
+        else:
+            packed = [ptx.positive_zero_bf16x2(word) for word in packed]
+            if cutlass.const_expr(cfg.mode == "oneshot"):
+                slot = Int64(token)
+            else:
+                slot = Int64(token // cfg.tp)
+            slot_bytes = (
+                ((Int64(stage) * cfg.tp + Int64(rank)) * Int64(capacity_m) + slot)
+                * (cfg.hidden * BF16_BYTES)
+                + row_offset
+            )
+            if cutlass.const_expr(cfg.transport == "multicast"):
+                ptx.multimem_store_words(destination + slot_bytes, packed)
+            elif cutlass.const_expr(cfg.mode == "oneshot"):
+                # Start at the next rank so that the ranks' first stores go to different peers.
+                for step in range(cfg.tp):
+                    peer = (rank + (step + 1)) % cfg.tp
+                    ptx.store_words(ptx.load_u64(destination + Int64(peer) * 8) + slot_bytes, packed)
+            else:
+                owner = token % cfg.tp
+                ptx.store_words(ptx.load_u64(destination + Int64(owner) * 8) + slot_bytes, packed)

@@ -1,0 +1,231 @@
+"""Lamport reduce kernels: wait for the peers' contributions, sum them, re-arm the slots.
+
+Each thread owns one 16-byte fragment (8 bf16) of one token. It polls the
+mailbox slots of that fragment with volatile loads until no bf16 lane holds
+the empty sentinel, sums the sources in float32 in rank order 0..tp-1 (so every
+rank computes the same bits), rounds once to bf16, emits the result and stores
+the sentinel back into exactly the slots it consumed.
+
+Two kernels cover the three modes:
+
+* ``reduce``: oneshot, every token ``t < m`` from slots ``[stage][src][t]``;
+  owner modes (twoshot, reduce_scatter), owned row ``i`` (token
+  ``t = i * tp + rank``) from slots ``[stage][src][i]``. Twoshot fans the sum
+  out to every peer's gather slot ``[stage][t]``; reduce_scatter writes row
+  ``i`` of its output and zeros for rows past ``m``.
+* ``gather`` (twoshot): every token not owned here, from gather slot ``[stage][t]``.
+
+The kernel that ends a call advances ``NEXT_STAGE`` and ``CALL_COUNT``.
+
+A wait that outlasts ``timeout_ns`` (a kernel parameter; 0 waits forever)
+records the stage, token, missing ranks and call number in the status block and
+traps, so the host gets an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from jax_moe_publish import protocol
+from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.kernels import ptx
+
+BF16_BYTES = 2
+FRAGMENT_BYTES = protocol.REDUCE_ELEMENTS * BF16_BYTES
+WORDS = protocol.REDUCE_ELEMENTS // 2
+EMPTY = [Uint32(protocol.EMPTY_U32)] * WORDS
+
+
+class LamportReduceKernel:
+    """Device code of the consumer side; every compile-time choice comes from ``config``."""
+
+    def __init__(self, config: KernelConfig) -> None:
+        self.config = config
+        self.row_bytes = config.hidden * BF16_BYTES
+
+    # Kernels. Both take the same parameters, in this order.
+
+    @cute.kernel
+    def reduce(
+        self,
+        mailbox: Int64,  # this device's mailbox, bf16
+        peer_table: Int64,  # (tp,) u64: every rank's mailbox base, by rank
+        stage_state: Int64,  # (STAGE_STATE_WORDS,) int32
+        status: Int64,  # (STATUS_WORDS,) int32, host-visible diagnostics
+        out: Int64,  # (m, hidden) or, for reduce_scatter, (ceil(m/tp), hidden) bf16
+        timeout_ns: Int64,
+        m: Int32,
+        capacity_m: Int32,
+        rank: Int32,
+    ) -> None:
+        cfg = self.config
+        row, fragment = self._position()
+        if cutlass.const_expr(cfg.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+        stage = ptx.load_volatile_s32(stage_state + protocol.ACTIVE_STAGE * 4)
+        fragment_offset = Int64(fragment) * FRAGMENT_BYTES
+        if fragment < cfg.reduce_fragments:
+            if cutlass.const_expr(cfg.mode == "oneshot"):
+                token = row
+                slot = row
+            else:
+                token = row * cfg.tp + rank
+                slot = row
+            if token < m:
+                slots = [
+                    mailbox + self._contribution_offset(stage, src, slot, capacity_m) + fragment_offset
+                    for src in range(cfg.tp)
+                ]
+                sources = self._wait(
+                    slots, list(range(cfg.tp)), stage, token, stage_state, status, timeout_ns
+                )
+                total = self._sum(sources)
+                if cutlass.const_expr(cfg.mode == "twoshot"):
+                    # The owner's row and the peers' gathered copies must carry the same bits.
+                    total = [ptx.positive_zero_bf16x2(word) for word in total]
+                if cutlass.const_expr(cfg.mode == "reduce_scatter"):
+                    self._emit(out + Int64(row) * self.row_bytes + fragment_offset, total)
+                else:
+                    self._emit(out + Int64(token) * self.row_bytes + fragment_offset, total)
+                if cutlass.const_expr(cfg.mode == "twoshot"):
+                    gather_slot = (
+                        self._gather_offset(stage, token, capacity_m) + fragment_offset
+                    )
+                    for step in cutlass.range_constexpr(cfg.tp - 1):
+                        peer = (rank + (step + 1)) % cfg.tp
+                        ptx.store_words(
+                            ptx.load_u64(peer_table + Int64(peer) * 8) + gather_slot, total
+                        )
+                for address in slots:
+                    ptx.store_words(address, EMPTY)
+            else:
+                if cutlass.const_expr(cfg.mode == "reduce_scatter"):
+                    ptx.store_words(
+                        out + Int64(row) * self.row_bytes + fragment_offset, [Uint32(0)] * WORDS
+                    )
+        if cutlass.const_expr(cfg.mode != "twoshot"):
+            self._finish_call(stage, stage_state)
+
+    @cute.kernel
+    def gather(
+        self,
+        mailbox: Int64,
+        peer_table: Int64,
+        stage_state: Int64,
+        status: Int64,
+        out: Int64,  # (m, hidden) bf16
+        timeout_ns: Int64,
+        m: Int32,
+        capacity_m: Int32,
+        rank: Int32,
+    ) -> None:
+        cfg = self.config
+        token, fragment = self._position()
+        if cutlass.const_expr(cfg.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+        stage = ptx.load_volatile_s32(stage_state + protocol.ACTIVE_STAGE * 4)
+        fragment_offset = Int64(fragment) * FRAGMENT_BYTES
+        owner = token % cfg.tp
+        if fragment < cfg.reduce_fragments and owner != rank and token < m:
+            slot = mailbox + self._gather_offset(stage, token, capacity_m) + fragment_offset
+            sources = self._wait(
+                [slot], [owner], stage, token, stage_state, status, timeout_ns
+            )
+            ptx.store_words(out + Int64(token) * self.row_bytes + fragment_offset, sources[0])
+            ptx.store_words(slot, EMPTY)
+        self._finish_call(stage, stage_state)
+
+    # Pieces shared by both kernels (traced inline).
+
+    def _position(self):
+        """(row, 16-byte fragment) of this thread."""
+        cfg = self.config
+        block, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        row = block // cfg.reduce_ctas_per_token
+        fragment = (block % cfg.reduce_ctas_per_token) * cfg.reduce_threads + tidx
+        return row, fragment
+
+    def _contribution_offset(self, stage, src, slot, capacity_m) -> Int64:
+        """Byte offset of contribution slot ``[stage][src][slot]``."""
+        return (
+            (Int64(stage) * self.config.tp + src) * Int64(capacity_m) + Int64(slot)
+        ) * self.row_bytes
+
+    def _gather_offset(self, stage, token, capacity_m) -> Int64:
+        """Byte offset of gather slot ``[stage][token]``, after all contribution stages."""
+        contributions = Int64(protocol.STAGES * self.config.tp) * Int64(capacity_m)
+        return (contributions + Int64(stage) * Int64(capacity_m) + Int64(token)) * self.row_bytes
+
+    @cute.jit
+    def _wait(self, slots, ranks, stage, token, stage_state, status, timeout_ns) -> list:
+        """Poll ``slots`` until every bf16 lane is filled; return their words.
+
+        ``ranks[i]`` is the rank that fills ``slots[i]`` (for diagnostics).
+        """
+        rValues = cute.make_rmem_tensor(cute.make_layout((len(slots), WORDS)), Uint32)
+        missing = Int32(0)
+        for i in cutlass.range_constexpr(len(slots)):
+            words = ptx.load_volatile_words(slots[i], WORDS)
+            for w in cutlass.range_constexpr(WORDS):
+                rValues[i, w] = words[w]
+            if ptx.has_empty_lane(words) != Uint32(0):
+                missing = missing | (Int32(1) << ranks[i])
+        if missing != 0:
+            start = ptx.global_timer_ns()
+            while missing != 0:
+                missing = Int32(0)
+                for i in cutlass.range_constexpr(len(slots)):
+                    words = ptx.load_volatile_words(slots[i], WORDS)
+                    for w in cutlass.range_constexpr(WORDS):
+                        rValues[i, w] = words[w]
+                    if ptx.has_empty_lane(words) != Uint32(0):
+                        missing = missing | (Int32(1) << ranks[i])
+                if missing != 0 and timeout_ns > 0:
+                    if ptx.global_timer_ns() - start > timeout_ns:
+                        self._record_timeout(stage, token, missing, stage_state, status)
+        return [[rValues[i, w] for w in range(WORDS)] for i in range(len(slots))]
+
+    def _record_timeout(self, stage, token, missing, stage_state, status) -> None:
+        """Write the diagnostic (code last, after a fence) and abort the kernel."""
+        call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
+        ptx.store_volatile_s32(status + protocol.STATUS_STAGE * 4, stage)
+        ptx.store_volatile_s32(status + protocol.STATUS_TOKEN * 4, token)
+        ptx.store_volatile_s32(status + protocol.STATUS_MISSING_RANKS * 4, missing)
+        ptx.store_volatile_s32(status + protocol.STATUS_CALL * 4, call)
+        ptx.fence_system()
+        ptx.store_volatile_s32(status + protocol.STATUS_CODE * 4, protocol.STATUS_TIMEOUT)
+        ptx.fence_system()
+        ptx.trap()
+
+    def _sum(self, sources: list) -> list:
+        """bf16 words of the float32 sum of ``sources``, in source order."""
+        low = [Float32(0.0)] * WORDS
+        high = [Float32(0.0)] * WORDS
+        for words in sources:
+            for w in range(WORDS):
+                a, b = ptx.bf16x2_to_f32(words[w])
+                low[w] = low[w] + a
+                high[w] = high[w] + b
+        return [ptx.f32x2_to_bf16x2(low[w], high[w]) for w in range(WORDS)]
+
+    def _emit(self, address: Int64, words: list) -> None:
+        """Write one reduced fragment: the place for a fused epilogue."""
+        ptx.store_words(address, words)
+
+    @cute.jit
+    def _finish_call(self, stage, stage_state) -> None:
+        """Advance the stage and count the call (block 0), then release dependents."""
+        block, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        if block == 0 and tidx == 0:
+            ptx.store_volatile_s32(
+                stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES
+            )
+            call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
+            ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
+        if cutlass.const_expr(self.config.enable_pdl):
+            cute.arch.barrier()
+            cute.arch.griddepcontrol_launch_dependents()

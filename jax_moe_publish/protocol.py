@@ -1,0 +1,61 @@
+"""Constants of the Lamport mailbox protocol, shared by kernels, mailbox and tests.
+
+Every layer that touches the mailbox reads its layout from here, so the device
+code and the host allocation cannot drift apart.
+"""
+
+STAGES = 3
+"""Mailbox stages. A peer can reuse a stage only three calls later."""
+
+EMPTY_BF16 = 0x8000
+"""bf16 -0.0: the *empty* sentinel of a mailbox lane. Published data never holds it."""
+
+EMPTY_U32 = 0x80008000
+"""Two empty bf16 lanes in one 32-bit word."""
+
+# int32 words of the per-device stage state.
+NEXT_STAGE = 0
+"""Stage the next publish writes; advanced by the last kernel of a call."""
+ACTIVE_STAGE = 1
+"""Stage the last publish wrote; read by the reduce."""
+CALL_COUNT = 2
+"""Completed calls on this device (wraps at 2**32)."""
+STAGE_STATE_WORDS = 8
+
+# int32 words of the per-device status block (host-mapped where possible).
+STATUS_CODE = 0
+"""0: healthy. STATUS_TIMEOUT: a reduce wait ran past its timeout."""
+STATUS_STAGE = 1
+STATUS_TOKEN = 2
+STATUS_MISSING_RANKS = 3
+"""Bit r is set when rank r's contribution never arrived."""
+STATUS_CALL = 4
+STATUS_WORDS = 8
+
+STATUS_OK = 0
+STATUS_TIMEOUT = 1
+
+REDUCE_ELEMENTS = 8
+"""bf16 lanes per reduce fragment: one 16-byte volatile load."""
+
+MAX_TP = 8
+
+
+def contribution_elements(tp: int, capacity_m: int, hidden: int) -> int:
+    """bf16 elements of the contribution area: ``[STAGES][tp][capacity_m][hidden]``."""
+    return STAGES * tp * capacity_m * hidden
+
+
+def gather_elements(capacity_m: int, hidden: int) -> int:
+    """bf16 elements of the two-shot gather area: ``[STAGES][capacity_m][hidden]``."""
+    return STAGES * capacity_m * hidden
+
+
+def mailbox_elements(tp: int, capacity_m: int, hidden: int) -> int:
+    """bf16 elements of one device's mailbox: contributions, then the gather area."""
+    return contribution_elements(tp, capacity_m, hidden) + gather_elements(capacity_m, hidden)
+
+
+def owned_rows(m: int, tp: int) -> int:
+    """Rows of the reduce-scatter output: ``ceil(m / tp)``."""
+    return -(-m // tp)

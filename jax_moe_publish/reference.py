@@ -1,0 +1,112 @@
+"""Pure-JAX semantics of the op, with the kernels' rounding points.
+
+These functions define what the kernels compute and run anywhere JAX runs;
+`moe_finalize_publish` with ``impl="reference"`` (or ``"auto"`` off CUDA) uses them.
+
+One rank's partial, for token ``t`` (float32 accumulation in the order k = 0..top_k-1)::
+
+    partial[t] = bf16( sum_k (w[t, k] * scale) * routed[idx[t, k]] + shared[t] )
+
+with terms whose index is outside ``[0, num_rows)`` left out. Across a group the
+partials are published with bf16 -0.0 turned into +0.0, summed in float32 and
+rounded once to bf16.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_moe_publish import protocol
+
+
+def moe_finalize(
+    routed_output: jax.Array,
+    expert_weights: jax.Array,
+    permuted_indices: jax.Array,
+    shared_output: jax.Array | None = None,
+    *,
+    routed_scaling_factor: float = 1.0,
+) -> jax.Array:
+    """One rank's MoE finalize.
+
+    Parameters
+    ----------
+    routed_output : bf16 [num_rows, hidden]
+        Rows of the routed experts' outputs.
+    expert_weights : bf16 or float32 [m, top_k]
+        Router weights.
+    permuted_indices : int32 [m, top_k]
+        Row of ``routed_output`` for each (token, expert); an index outside
+        ``[0, num_rows)`` (such as -1) contributes nothing.
+    shared_output : bf16 [m, hidden] or None
+        Shared expert output, added once per token.
+    routed_scaling_factor : float
+        Multiplies every router weight (in float32, before the product).
+
+    Returns
+    -------
+    bf16 [m, hidden]
+        ``bf16(sum_k (w[t,k] * scale) * routed[idx[t,k]] + shared[t])``, float32
+        accumulation in expert order.
+    """
+    num_rows = routed_output.shape[0]
+    m, top_k = permuted_indices.shape
+    valid = (permuted_indices >= 0) & (permuted_indices < num_rows)
+    safe_indices = jnp.where(valid, permuted_indices, 0)
+    weights = expert_weights.astype(jnp.float32)
+    if routed_scaling_factor != 1.0:
+        weights = weights * jnp.float32(routed_scaling_factor)
+    weights = jnp.where(valid, weights, jnp.float32(0.0))
+    accumulator = jnp.zeros((m, routed_output.shape[1]), jnp.float32)
+    for k in range(top_k):
+        rows = jnp.where(valid[:, k, None], routed_output[safe_indices[:, k]].astype(jnp.float32), 0.0)
+        accumulator = accumulator + weights[:, k, None] * rows
+    if shared_output is not None:
+        accumulator = accumulator + shared_output.astype(jnp.float32)
+    return accumulator.astype(jnp.bfloat16)
+
+
+def positive_zero(x: jax.Array) -> jax.Array:
+    """bf16 ``x`` with -0.0 replaced by +0.0: what the publish stores."""
+    bits = lax.bitcast_convert_type(x, jnp.uint16)
+    bits = jnp.where(bits == protocol.EMPTY_BF16, jnp.uint16(0), bits)
+    return lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def owned_rows(x: jax.Array, tp: int, rank) -> jax.Array:
+    """Rows ``t`` of ``x`` with ``t % tp == rank``, in order, zero-padded to ``ceil(m / tp)``."""
+    m = x.shape[0]
+    rows = protocol.owned_rows(m, tp)
+    padded = jnp.pad(x, ((0, rows * tp - m), (0, 0)))
+    return lax.dynamic_index_in_dim(padded.reshape(rows, tp, -1), rank, axis=1, keepdims=False)
+
+
+def moe_finalize_publish(
+    routed_output: jax.Array,
+    expert_weights: jax.Array,
+    permuted_indices: jax.Array,
+    shared_output: jax.Array | None = None,
+    *,
+    axis_name: str,
+    routed_scaling_factor: float = 1.0,
+    mode: str = "allreduce",
+) -> jax.Array:
+    """The op's semantics on one shard, inside ``shard_map`` over ``axis_name``.
+
+    Returns ``bf16(sum over ranks of float32(positive_zero(partial)))``: bf16
+    [m, hidden] for ``mode="allreduce"``, or for ``mode="reduce_scatter"`` the
+    rows of tokens ``t`` with ``t % tp == rank`` as bf16 [ceil(m/tp), hidden],
+    unused rows zero.
+    """
+    partial = moe_finalize(
+        routed_output, expert_weights, permuted_indices, shared_output,
+        routed_scaling_factor=routed_scaling_factor,
+    )
+    total = lax.psum(positive_zero(partial).astype(jnp.float32), axis_name).astype(jnp.bfloat16)
+    if mode == "allreduce":
+        return total
+    if mode == "reduce_scatter":
+        return owned_rows(total, lax.axis_size(axis_name), lax.axis_index(axis_name))
+    raise ValueError(f"mode={mode!r}: expected 'allreduce' or 'reduce_scatter'")

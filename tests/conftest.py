@@ -1,0 +1,53 @@
+"""Test setup: virtual CPU devices for the sharded CPU tests, and GPU discovery for ``gpu`` tests.
+
+GPU tests are marked ``@pytest.mark.gpu`` and declare how many GPUs they need
+with the ``gpus`` fixture's parameter (``@pytest.mark.gpus(2)``); they skip,
+with the reason, where there are fewer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# Before JAX starts: four virtual CPU devices for shard_map tests on the CPU.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_gpu_count() -> int:
+    """NVIDIA GPUs visible through the driver (0 where there is no driver)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return 0
+    try:
+        (error,) = driver.cuInit(0)
+        if error != driver.CUresult.CUDA_SUCCESS:
+            return 0
+        error, count = driver.cuDeviceGetCount()
+    except Exception:  # the bindings raise when libcuda itself is missing
+        return 0
+    return count if error == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpus(n): needs at least n NVIDIA GPUs (implies gpu)")
+
+
+def pytest_collection_modifyitems(config, items):
+    available = cuda_gpu_count()
+    for item in items:
+        needs = item.get_closest_marker("gpus")
+        if needs is None and item.get_closest_marker("gpu") is None:
+            continue
+        required = needs.args[0] if needs is not None else 1
+        if needs is not None:
+            item.add_marker(pytest.mark.gpu)
+        if available < required:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {required} NVIDIA GPU(s), found {available}"
+            ))

@@ -1,0 +1,102 @@
+"""NumPy float64 model of the op, random problems, and the one tolerance check the tests use."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+BF16_EPS = 2.0**-8  # unit roundoff of bf16 (8 significand bits)
+F32_EPS = 2.0**-24
+POISON_BF16 = np.uint16(0x7FC1)  # a NaN pattern no computation here produces
+
+
+@dataclasses.dataclass
+class Problem:
+    """One rank's inputs (NumPy) of a finalize."""
+
+    routed: np.ndarray  # bf16 [num_rows, hidden]
+    weights: np.ndarray  # bf16 or f32 [m, top_k]
+    indices: np.ndarray  # int32 [m, top_k]
+    shared: np.ndarray | None  # bf16 [m, hidden]
+
+
+def random_problem(rng, *, m, hidden, top_k, num_rows=None, fp32_weights=False, shared=True,
+                   invalid_fraction=0.2) -> Problem:
+    """Fresh random inputs; about ``invalid_fraction`` of the indices are -1 or out of range."""
+    num_rows = num_rows or max(1, m * top_k // 2)
+    routed = rng.standard_normal((num_rows, hidden), dtype=np.float32).astype(BF16)
+    weights = rng.uniform(0.05, 1.0, (m, top_k)).astype(np.float32 if fp32_weights else BF16)
+    indices = rng.integers(0, num_rows, (m, top_k), dtype=np.int32)
+    invalid = rng.random((m, top_k)) < invalid_fraction
+    bad_values = rng.choice(np.array([-1, -7, num_rows, num_rows + 5, 2**31 - 1], np.int32), (m, top_k))
+    indices = np.where(invalid, bad_values, indices).astype(np.int32)
+    shared_out = rng.standard_normal((m, hidden), dtype=np.float32).astype(BF16) if shared else None
+    return Problem(routed, weights, indices, shared_out)
+
+
+def finalize_f64(problem: Problem, scale: float):
+    """(exact partial, sum of |terms|) in float64, per element."""
+    routed = problem.routed.astype(np.float64)
+    num_rows = routed.shape[0]
+    m, top_k = problem.indices.shape
+    exact = np.zeros((m, routed.shape[1]))
+    magnitude = np.zeros_like(exact)
+    for k in range(top_k):
+        idx = problem.indices[:, k]
+        valid = (idx >= 0) & (idx < num_rows)
+        w = np.where(valid, problem.weights[:, k].astype(np.float64) * scale, 0.0)
+        term = w[:, None] * routed[np.where(valid, idx, 0)] * valid[:, None]
+        exact += term
+        magnitude += np.abs(term)
+    if problem.shared is not None:
+        shared = problem.shared.astype(np.float64)
+        exact += shared
+        magnitude += np.abs(shared)
+    return exact, magnitude
+
+
+def expected_sum(problems: list[Problem], scale: float):
+    """(float64 sum over ranks of the exact partials, element-wise error bound of a bf16 result).
+
+    The bound covers float32 accumulation of each partial, its bf16 rounding,
+    and the final bf16 rounding of the sum.
+    """
+    top_k = problems[0].indices.shape[1]
+    total = 0.0
+    bound = 0.0
+    for problem in problems:
+        exact, magnitude = finalize_f64(problem, scale)
+        total = total + exact
+        bound = bound + (top_k + 2) * F32_EPS * magnitude + BF16_EPS * np.abs(exact)
+    bound = bound + BF16_EPS * (np.abs(total) + bound) + 1e-30
+    return total, bound
+
+
+def assert_close(out, reference, bound, *, what="output", max_relative=1e-2):
+    """``out`` (bf16) against a float64 reference: every element within ``bound``, and
+    ``‖out − ref‖ / ‖ref‖ <= max_relative``. Any poison or NaN left in ``out`` fails."""
+    out64 = np.asarray(out).astype(np.float64)
+    assert out64.shape == reference.shape, f"{what}: shape {out64.shape} != {reference.shape}"
+    assert np.all(np.isfinite(out64)), f"{what}: {np.sum(~np.isfinite(out64))} non-finite elements"
+    error = np.abs(out64 - reference)
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert np.all(error <= bound), (
+        f"{what}: {np.sum(error > bound)} elements outside the bound; worst at {worst}: "
+        f"got {out64[worst]}, expected {reference[worst]} ± {bound[worst]}"
+    )
+    norm = np.linalg.norm(reference)
+    relative = np.linalg.norm(out64 - reference) / max(norm, 1e-30)
+    assert relative <= max_relative, f"{what}: relative error {relative:.3e} > {max_relative}"
+    return relative
+
+
+def owned(x: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """Rows t of ``x`` with t % tp == rank, zero-padded to ceil(m / tp) rows."""
+    rows = -(-x.shape[0] // tp)
+    out = np.zeros((rows,) + x.shape[1:], x.dtype)
+    picked = x[rank::tp]
+    out[: len(picked)] = picked
+    return out
