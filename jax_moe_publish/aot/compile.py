@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tempfile
 
 from jax_moe_publish.aot.artifact import KernelArtifact, source_fingerprint
 from jax_moe_publish.config import KernelConfig
@@ -36,13 +37,15 @@ def compile_config(config: KernelConfig) -> KernelArtifact:
 
     program = MoePublishProgram(config)
     address, extent = Int64(0), Int32(0)
-    compiled = cute.compile(
-        program,
-        *([address] * 11),
-        *([extent] * 4),
-        cuda.CUstream(0),
-        options=f"--gpu-arch {config.arch} --keep-cubin --keep-ptx",
-    )
+    # The DSL writes the kept cubin and PTX to files too; keep them out of the caller's folder.
+    with tempfile.TemporaryDirectory(prefix="jax_moe_publish-") as dump_dir:
+        compiled = cute.compile(
+            program,
+            *([address] * 11),
+            *([extent] * 4),
+            cuda.CUstream(0),
+            options=f"--gpu-arch {config.arch} --keep-cubin --keep-ptx --dump-dir {dump_dir}",
+        )
     entries = ptx_entry_params(compiled.__ptx__)
     symbols = list(compiled.kernel_info)
     kernels = []

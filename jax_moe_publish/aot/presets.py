@@ -58,7 +58,7 @@ TEST_DEFAULT_PROBLEMS = (
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5),
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, fp32_weights=True),
     dict(hidden=2048, top_k=6, routed_scaling_factor=1.0, include_shared_expert=False),
-    dict(hidden=512, top_k=4, routed_scaling_factor=2.5),
+    dict(hidden=512, top_k=4, routed_scaling_factor=2.5, fp32_weights=True),  # the example
 )
 
 

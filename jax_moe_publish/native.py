@@ -1,0 +1,240 @@
+"""Python glue over the C++ extension ``jax_moe_publish._ffi``.
+
+The extension holds the XLA FFI handler of target :data:`TARGET_NAME` and the
+per-device state that the handler reads:
+
+* *kernel sets*: one cubin (publish, reduce and, in mode ``twoshot``, gather
+  kernels) loaded into a device's primary CUDA context;
+* *mailbox registrations*: the device addresses of one device's part of a
+  mailbox (see :mod:`jax_moe_publish.protocol`).
+
+Both must be in place on a device before the first call there, and both are
+filled here, at trace time and outside any CUDA graph capture: the handler
+itself only checks its arguments and launches, so that XLA can capture it in a
+command buffer. The FFI target is registered with JAX once, at import.
+
+The extension resolves the CUDA driver at run time, so this module imports and
+registers on machines without a GPU or ``libcuda``; only the functions that
+need the driver fail there, with a ``RuntimeError`` that says so.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+
+import jax
+
+TARGET_NAME = "jax_moe_publish"
+"""Name of the FFI target (platform CUDA, API version 1).
+
+Its call takes ``routed`` (bf16 ``[num_rows, hidden]``), ``weights`` (bf16 or
+f32 ``[m, top_k]``), ``indices`` (int32 ``[m, top_k]``) and ``shared`` (bf16
+``[m, hidden]``, or ``[0, hidden]`` without a shared expert), returns ``out``
+(bf16 ``[m, hidden]``, or ``[ceil(m / tp), hidden]`` in mode
+``reduce_scatter``), and has the attributes ``kernel_set_id`` and
+``mailbox_id``, both ``np.int64`` (``mailbox_id`` is 0 in mode ``direct``).
+"""
+
+try:
+    from jax_moe_publish import _ffi
+except ImportError as error:  # Not built: the pure-Python modules stay usable.
+    _ffi = None
+    _IMPORT_ERROR: ImportError | None = error
+else:
+    _IMPORT_ERROR = None
+    jax.ffi.register_ffi_target(TARGET_NAME, _ffi.handler_capsule(), platform="CUDA", api_version=1)
+
+_INT64_MAX = 2**63 - 1
+_UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
+_DEVICE_ORDINAL_MAX = 2**31 - 1
+
+
+def is_available() -> bool:
+    """Whether the extension is built and its FFI target registered.
+
+    It says nothing about GPUs: on a machine without ``libcuda`` it is still
+    True, and the functions that need the driver raise ``RuntimeError``.
+    """
+    return _ffi is not None
+
+
+def _extension():
+    if _ffi is None:
+        raise RuntimeError(
+            f"jax_moe_publish._ffi is not built ({_IMPORT_ERROR}); install the package with "
+            "`pip install .` to build it"
+        ) from _IMPORT_ERROR
+    return _ffi
+
+
+def _int(name: str, value, low: int, high: int, expected: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value}: expected {expected or f'an int in [{low}, {high}]'}")
+    return value
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _address(name: str, value) -> int:
+    return _int(name, value, 1, _UINT64_MAX, "a non-null device address in [1, 2**64)")
+
+
+def load_kernel_set(
+    kernel_set_id: int,
+    device_ordinal: int,
+    cubin: bytes,
+    kernels: Sequence[Mapping],
+    mode: str,
+    tp: int,
+    hidden: int,
+    top_k: int,
+    fp32_weights: bool,
+    include_shared_expert: bool,
+    pdl: bool,
+) -> None:
+    """Load a kernel set's cubin on one device, for the FFI target to launch.
+
+    The cubin is loaded with ``cuModuleLoadData`` in the device's primary
+    context, which stays retained; kernels that use more than 48 KiB of
+    dynamic shared memory are opted in to it. Loading an id that is already
+    loaded on the device does nothing. Thread-safe. Call it before the first
+    call of the op on the device, outside any CUDA graph capture.
+
+    A call launches the kernels in the order given, each on a 1-D grid of
+    ``rows(m) * ctas_per_row`` CTAs, where ``rows`` is ``m`` or
+    ``ceil(m / tp)``, with programmatic dependent launch when ``pdl``.
+
+    Parameters
+    ----------
+    kernel_set_id : int
+        Id that calls pass as their ``kernel_set_id`` attribute (int64).
+    device_ordinal : int
+        CUDA device ordinal in this process (``jax.Device.local_hardware_id``).
+    cubin : bytes
+        The compiled module (sm_90a), not PTX.
+    kernels : sequence of mappings
+        One record per ``.entry`` kernel, in launch order: ``role``
+        (``"publish"``, ``"reduce"``, ``"gather"``), ``symbol`` (entry name),
+        ``block`` (threads), ``smem`` (dynamic shared memory bytes),
+        ``ctas_per_row``, ``rows`` (``"m"`` or ``"owned"``) and ``params``
+        (the PTX parameter types, which must match the role's ABI). Mode
+        ``direct`` has a publish kernel, ``oneshot`` and ``reduce_scatter``
+        publish then reduce, ``twoshot`` publish, reduce, then gather.
+    mode : {"oneshot", "twoshot", "reduce_scatter", "direct"}
+    tp, hidden, top_k : int
+        The problem the kernels were compiled for; calls are checked against it.
+    fp32_weights, include_shared_expert, pdl : bool
+        Likewise.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For arguments that do not fit the contract, including ``params`` that
+        differ from the role's ABI.
+    RuntimeError
+        When the CUDA driver is missing or a CUDA call fails (the message
+        names the call).
+    """
+    ffi = _extension()
+    if not isinstance(cubin, bytes):
+        raise TypeError(f"cubin: expected bytes, got {type(cubin).__name__}")
+    if not cubin:
+        raise ValueError("cubin: expected a non-empty cubin, got b''")
+    if isinstance(kernels, (str, bytes, Mapping)) or not isinstance(kernels, Sequence):
+        raise TypeError(f"kernels={kernels!r}: expected a sequence of mappings")
+    records = []
+    for i, record in enumerate(kernels):
+        if not isinstance(record, Mapping):
+            raise TypeError(f"kernels[{i}]={record!r}: expected a mapping")
+        records.append(dict(record))
+    if not isinstance(mode, str):
+        raise TypeError(f"mode={mode!r}: expected a str, got {type(mode).__name__}")
+    ffi.load_kernel_set(
+        _int("kernel_set_id", kernel_set_id, -_INT64_MAX - 1, _INT64_MAX),
+        _int("device_ordinal", device_ordinal, 0, _DEVICE_ORDINAL_MAX),
+        cubin,
+        records,
+        mode,
+        _int("tp", tp, 1, _INT64_MAX),
+        _int("hidden", hidden, 1, _INT64_MAX),
+        _int("top_k", top_k, 1, _INT64_MAX),
+        _bool("fp32_weights", fp32_weights),
+        _bool("include_shared_expert", include_shared_expert),
+        _bool("pdl", pdl),
+    )
+
+
+def register_mailbox_device(
+    mailbox_id: int,
+    device_ordinal: int,
+    rank: int,
+    tp: int,
+    hidden: int,
+    capacity_m: int,
+    mailbox: int,
+    peer_table: int,
+    stage_state: int,
+    status: int,
+    timeout_ns: int,
+) -> None:
+    """Register one device's part of a mailbox for the FFI target.
+
+    Calls with this ``mailbox_id`` on this device read these addresses. A
+    second registration of the same (mailbox, device) replaces the first. The
+    call copies no device memory and needs no CUDA driver.
+
+    Parameters
+    ----------
+    mailbox_id : int
+        Id that calls pass as their ``mailbox_id`` attribute; >= 1, as 0 means
+        "no mailbox" (mode ``direct``). Ids of closed mailboxes are refused.
+    device_ordinal : int
+        CUDA device ordinal in this process (``jax.Device.local_hardware_id``).
+    rank : int
+        Position of the device along the TP axis, ``0 <= rank < tp``; not the
+        device ordinal.
+    tp, hidden, capacity_m : int
+        Layout of the mailbox: ``[STAGES][tp][capacity_m][hidden]`` bf16
+        contributions, then the gather area. A call's ``m`` must be at most
+        ``capacity_m``.
+    mailbox, peer_table, stage_state, status : int
+        Device addresses: this device's mailbox, its table of the ``tp`` peer
+        mailbox addresses, its stage words and its status block.
+    timeout_ns : int
+        How long a reduce waits for a peer before it records a timeout in the
+        status block.
+    """
+    ffi = _extension()
+    tp = _int("tp", tp, 1, _INT64_MAX)
+    ffi.register_mailbox_device(
+        _int("mailbox_id", mailbox_id, 1, _INT64_MAX, "an int in [1, 2**63), 0 means no mailbox"),
+        _int("device_ordinal", device_ordinal, 0, _DEVICE_ORDINAL_MAX),
+        _int("rank", rank, 0, tp - 1, f"an int in [0, tp={tp})"),
+        tp,
+        _int("hidden", hidden, 1, _INT64_MAX),
+        _int("capacity_m", capacity_m, 1, _UINT32_MAX),
+        _address("mailbox", mailbox),
+        _address("peer_table", peer_table),
+        _address("stage_state", stage_state),
+        _address("status", status),
+        _int("timeout_ns", timeout_ns, 0, _UINT64_MAX),
+    )
+
+
+def close_mailbox(mailbox_id: int) -> None:
+    """Forget a mailbox on every device, before its memory is freed.
+
+    Later calls of the op with this ``mailbox_id`` fail with a
+    ``FAILED_PRECONDITION`` error instead of writing to freed memory, and the
+    id cannot be registered again.
+    """
+    _extension().close_mailbox(_int("mailbox_id", mailbox_id, -_INT64_MAX - 1, _INT64_MAX))

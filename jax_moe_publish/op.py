@@ -1,0 +1,261 @@
+"""The public op: MoE finalize fused with the reduction over the TP group.
+
+`moe_finalize_publish` runs on one shard inside ``shard_map``;
+`sharded_moe_finalize_publish` wraps the ``shard_map`` for global arrays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_moe_publish import protocol, reference
+from jax_moe_publish.config import MAX_TOP_K, KernelConfig
+from jax_moe_publish.mailbox import Mailbox
+
+IMPLS = ("auto", "kernel", "reference")
+
+_kernel_set_ids: dict[str, int] = {}
+_kernel_set_counter = itertools.count(1)
+_kernel_set_lock = threading.Lock()
+
+
+def _kernel_set_id(key: str) -> int:
+    """A process-wide id per kernel set, shared by every mailbox that loads it."""
+    with _kernel_set_lock:
+        if key not in _kernel_set_ids:
+            _kernel_set_ids[key] = next(_kernel_set_counter)
+        return _kernel_set_ids[key]
+
+
+def _check_array(name, x, ndim, dtypes, shape=None):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {ndim} dimensions")
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        expected = " or ".join(jnp.dtype(d).name for d in dtypes)
+        raise TypeError(f"{name}.dtype={jnp.dtype(x.dtype).name}: expected {expected}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {tuple(shape)}")
+
+
+def _check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
+                  routed_scaling_factor):
+    if not isinstance(mailbox, Mailbox):
+        raise TypeError(f"mailbox: expected a jax_moe_publish.Mailbox, got {type(mailbox).__name__}")
+    mailbox.check_open()
+    _check_array("routed_output", routed_output, 2, [jnp.bfloat16])
+    if routed_output.shape[1] != mailbox.hidden:
+        raise ValueError(
+            f"routed_output.shape={tuple(routed_output.shape)}: hidden {routed_output.shape[1]} "
+            f"differs from the mailbox's hidden={mailbox.hidden}"
+        )
+    if routed_output.shape[0] >= 2**31:
+        raise ValueError(f"routed_output.shape[0]={routed_output.shape[0]}: expected fewer than 2**31 rows")
+    _check_array("expert_weights", expert_weights, 2, [jnp.bfloat16, jnp.float32])
+    m, top_k = expert_weights.shape
+    _check_array("permuted_indices", permuted_indices, 2, [jnp.int32], shape=(m, top_k))
+    if not 1 <= m <= mailbox.capacity_m:
+        raise ValueError(
+            f"m={m} (expert_weights.shape[0]): expected 1 <= m <= capacity_m={mailbox.capacity_m}"
+        )
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"top_k={top_k} (expert_weights.shape[1]): expected 1 <= top_k <= {MAX_TOP_K}")
+    if shared_output is not None:
+        _check_array("shared_output", shared_output, 2, [jnp.bfloat16], shape=(m, mailbox.hidden))
+    if not (isinstance(routed_scaling_factor, (int, float, np.floating)) and math.isfinite(routed_scaling_factor)):
+        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a finite float")
+
+
+def _check_axis(mailbox: Mailbox) -> None:
+    """The call is traced inside shard_map over the mailbox's axis, on the mailbox's mesh."""
+    try:
+        size = lax.axis_size(mailbox.axis_name)
+    except NameError:
+        raise ValueError(
+            f"moe_finalize_publish: axis {mailbox.axis_name!r} is not bound; call it inside "
+            f"jax.shard_map over the mailbox's axis (or use sharded_moe_finalize_publish)"
+        ) from None
+    mesh = jax.sharding.get_abstract_mesh()
+    expected = dict(mailbox.mesh.shape)
+    got = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {mailbox.axis_name: size}
+    if got != expected:
+        raise ValueError(f"mailbox={mailbox!r} belongs to a mesh of shape {expected}, but the call runs "
+                         f"on a mesh of shape {got}")
+
+
+def _kernel_config(config, mailbox, routed_output, expert_weights, shared_output, scale) -> KernelConfig:
+    hidden, top_k = mailbox.hidden, expert_weights.shape[1]
+    fp32_weights = jnp.dtype(expert_weights.dtype) == jnp.float32
+    include_shared = shared_output is not None
+    if config is None:
+        mode = "direct" if mailbox.tp == 1 else ("oneshot" if mailbox.mode == "allreduce" else "reduce_scatter")
+        return KernelConfig.default(
+            hidden=hidden, top_k=top_k, tp=mailbox.tp, mode=mode, routed_scaling_factor=float(scale),
+            include_shared_expert=include_shared, fp32_weights=fp32_weights,
+        )
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
+    allowed_modes = {"allreduce": ("oneshot", "twoshot"), "reduce_scatter": ("reduce_scatter",)}[mailbox.mode]
+    expected = {
+        "hidden": hidden, "top_k": top_k, "tp": mailbox.tp, "routed_scaling_factor": float(scale),
+        "include_shared_expert": include_shared, "fp32_weights": fp32_weights,
+    }
+    for field, value in expected.items():
+        if getattr(config, field) != value:
+            raise ValueError(f"config.{field}={getattr(config, field)!r}: expected {value!r} for these inputs")
+    if mailbox.tp > 1 and config.mode not in allowed_modes:
+        raise ValueError(f"config.mode={config.mode!r}: expected one of {allowed_modes} for a "
+                         f"mode={mailbox.mode!r} mailbox")
+    return config
+
+
+def moe_finalize_publish(
+    routed_output: jax.Array,
+    expert_weights: jax.Array,
+    permuted_indices: jax.Array,
+    shared_output: jax.Array | None = None,
+    *,
+    mailbox: Mailbox,
+    routed_scaling_factor: float = 1.0,
+    impl: str = "auto",
+    config: KernelConfig | None = None,
+) -> jax.Array:
+    """MoE finalize of this rank's experts, reduced over the TP group (one shard).
+
+    Call inside ``jax.shard_map`` over ``mailbox.axis_name``. With ``tp`` ranks
+    and rank ``r``'s partial
+
+    ``p_r[t] = bf16( sum_k (w[t,k] * scale) * routed[idx[t,k]] + shared[t] )``
+
+    (float32 accumulation in expert order; indices outside ``[0, num_rows)``,
+    such as -1, are skipped and never read), the result is
+
+    ``y[t] = bf16( sum_{r=0}^{tp-1} float32(p_r[t]) )``
+
+    summed in rank order, so it is bitwise identical on every rank. A partial's
+    -0.0 counts as +0.0. With tp = 1 it is ``p_0`` itself.
+
+    Parameters
+    ----------
+    routed_output : bf16 [num_rows, hidden]
+        This rank's routed expert output rows.
+    expert_weights : bf16 or float32 [m, top_k]
+    permuted_indices : int32 [m, top_k]
+    shared_output : bf16 [m, hidden] or None
+        This rank's shared expert output.
+    mailbox : Mailbox
+        Made for this mesh axis, ``hidden`` and ``capacity_m >= m``.
+    routed_scaling_factor : float
+    impl : {"auto", "kernel", "reference"}
+        ``auto``: the kernels on CUDA devices, the pure-JAX reference elsewhere.
+    config : KernelConfig, optional
+        Launch shapes (and ``oneshot`` or ``twoshot`` for an all-reduce
+        mailbox); by default ``KernelConfig.default`` for the problem.
+
+    Returns
+    -------
+    bf16 [m, hidden], or for a ``reduce_scatter`` mailbox bf16
+    [ceil(m / tp), hidden]: row i holds token ``i * tp + rank``, zero past m.
+    """
+    _check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
+                  routed_scaling_factor)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    _check_axis(mailbox)
+    kernel_config = _kernel_config(config, mailbox, routed_output, expert_weights, shared_output,
+                                   routed_scaling_factor)
+    if impl == "auto":
+        impl = "kernel" if mailbox.on_cuda else "reference"
+    if impl == "reference":
+        return reference.moe_finalize_publish(
+            routed_output, expert_weights, permuted_indices, shared_output,
+            axis_name=mailbox.axis_name, routed_scaling_factor=float(routed_scaling_factor),
+            mode=mailbox.mode,
+        )
+    if not mailbox.on_cuda:
+        raise ValueError(f"impl='kernel': mailbox={mailbox!r} is not on CUDA devices; use impl='auto' "
+                         "or 'reference'")
+    return _call_kernels(kernel_config, mailbox, routed_output, expert_weights, permuted_indices,
+                         shared_output, float(routed_scaling_factor))
+
+
+def _call_kernels(config, mailbox, routed_output, expert_weights, permuted_indices, shared_output, scale):
+    from jax_moe_publish import native
+    from jax_moe_publish.aot.store import default_store
+
+    artifact = default_store().get(config)
+    kernel_set_id = _kernel_set_id(config.key)
+    mailbox.ensure_loaded(artifact, kernel_set_id)
+    # The result has the reference's type, varying-axes marking included: the
+    # all-reduce is identical on every rank, like a psum.
+    result_type = jax.eval_shape(
+        lambda: reference.moe_finalize_publish(
+            routed_output, expert_weights, permuted_indices, shared_output,
+            axis_name=mailbox.axis_name, routed_scaling_factor=scale, mode=mailbox.mode,
+        )
+    )
+    if shared_output is None:
+        # Not read by kernels built without the shared expert; the handler checks its shape.
+        shared_output = jnp.zeros((0, mailbox.hidden), jnp.bfloat16)
+    call = jax.ffi.ffi_call(native.TARGET_NAME, result_type, has_side_effect=True)
+    return call(
+        routed_output, expert_weights, permuted_indices, shared_output,
+        kernel_set_id=np.int64(kernel_set_id),
+        mailbox_id=np.int64(mailbox.id if mailbox.tp > 1 else 0),
+    )
+
+
+def sharded_moe_finalize_publish(
+    mailbox: Mailbox,
+    routed_output: jax.Array,
+    expert_weights: jax.Array,
+    permuted_indices: jax.Array,
+    shared_output: jax.Array | None = None,
+    *,
+    routed_scaling_factor: float = 1.0,
+    impl: str = "auto",
+    config: KernelConfig | None = None,
+) -> jax.Array:
+    """`moe_finalize_publish` on global arrays whose leading axis is the TP rank.
+
+    Inputs are ``[tp, ...]`` stacks of the per-rank arguments (routed_output
+    ``[tp, num_rows, hidden]``, expert_weights and permuted_indices
+    ``[tp, m, top_k]``, shared_output ``[tp, m, hidden]``), laid out along
+    ``mailbox.axis_name`` of ``mailbox.mesh`` and replicated over its other
+    axes; rank r's arguments are at index r.
+
+    Returns
+    -------
+    All-reduce mailbox: bf16 [m, hidden], the group's sum (replicated).
+    Reduce-scatter mailbox: bf16 [tp, ceil(m/tp), hidden]; index r holds
+    rank r's rows (tokens ``i * tp + r``).
+    """
+    axis = mailbox.axis_name
+    args = [routed_output, expert_weights, permuted_indices] + ([] if shared_output is None else [shared_output])
+    names = ["routed_output", "expert_weights", "permuted_indices", "shared_output"]
+    for name, x in zip(names, args):
+        if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[0] != mailbox.tp:
+            raise ValueError(f"{name}.shape={getattr(x, 'shape', None)}: expected [tp={mailbox.tp}, ...] "
+                             "with the TP rank leading")
+    sharding = jax.sharding.NamedSharding(mailbox.mesh, P(axis))
+    args = [jax.reshard(x, sharding) for x in args]
+    scatter = mailbox.mode == "reduce_scatter"
+
+    def shard(*local):
+        routed, weights, indices = (x[0] for x in local[:3])
+        shared = local[3][0] if len(local) > 3 else None
+        out = moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox,
+                                   routed_scaling_factor=routed_scaling_factor, impl=impl, config=config)
+        return out[None] if scatter else out
+
+    out_specs = P(axis) if scatter else P()
+    return jax.shard_map(shard, mesh=mailbox.mesh, in_specs=P(axis), out_specs=out_specs)(*args)
