@@ -247,7 +247,7 @@ def sharded_moe_finalize_publish(
             raise ValueError(f"{name}.shape={getattr(x, 'shape', None)}: expected [tp={mailbox.tp}, ...] "
                              "with the TP rank leading")
     sharding = jax.sharding.NamedSharding(mailbox.mesh, P(axis))
-    args = [jax.reshard(x, sharding) for x in args]
+    args = [jax.device_put(x, sharding) for x in args]
     scatter = mailbox.mode == "reduce_scatter"
 
     def shard(*local):

@@ -1,0 +1,258 @@
+"""The public API on virtual CPU devices: reference semantics, sharding, mailbox and input validation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe_publish as jmp
+from jax_moe_publish import protocol
+from tests import numerics
+
+SCALES = (1.0, 2.5)
+
+
+def _stack(problems, field):
+    values = [getattr(p, field) for p in problems]
+    return None if values[0] is None else jnp.asarray(np.stack(values))
+
+
+def _run_sharded(mailbox, problems, scale):
+    return np.asarray(
+        jmp.sharded_moe_finalize_publish(
+            mailbox, _stack(problems, "routed"), _stack(problems, "weights"),
+            _stack(problems, "indices"), _stack(problems, "shared"), routed_scaling_factor=scale,
+        )
+    )
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize(
+    "hidden,top_k,m,fp32_weights,shared,invalid",
+    [
+        (64, 8, 5, False, True, 0.2),
+        (2880, 10, 3, True, True, 0.3),
+        (5120, 1, 2, False, False, 0.0),
+        (256, 6, 7, True, False, 1.0),  # every index skipped
+    ],
+)
+def test_reference_finalize_matches_float64(hidden, top_k, m, fp32_weights, shared, invalid, scale):
+    rng = np.random.default_rng()
+    problem = numerics.random_problem(rng, m=m, hidden=hidden, top_k=top_k, fp32_weights=fp32_weights,
+                                      shared=shared, invalid_fraction=invalid)
+    out = jmp.reference.moe_finalize(
+        jnp.asarray(problem.routed), jnp.asarray(problem.weights), jnp.asarray(problem.indices),
+        None if problem.shared is None else jnp.asarray(problem.shared), routed_scaling_factor=scale,
+    )
+    expected, bound = numerics.expected_sum([problem], scale)
+    numerics.assert_close(out, expected, bound)
+
+
+@pytest.mark.parametrize("mesh_shape,axes", [((4,), ("tp",)), ((2, 2), ("dp", "tp"))])
+@pytest.mark.parametrize("mode", ["allreduce", "reduce_scatter"])
+def test_sharded_reference_matches_float64(mesh_shape, axes, mode):
+    mesh = jax.make_mesh(mesh_shape, axes)
+    tp = mesh.shape["tp"]
+    rng = np.random.default_rng()
+    m, hidden = 7, 128  # m not a multiple of tp
+    problems = [numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)]
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=16, mode=mode) as mailbox:
+        out = _run_sharded(mailbox, problems, 2.5)
+    expected, bound = numerics.expected_sum(problems, 2.5)
+    if mode == "allreduce":
+        numerics.assert_close(out, expected, bound)
+    else:
+        assert out.shape == (tp, protocol.owned_rows(m, tp), hidden)
+        for rank in range(tp):
+            numerics.assert_close(out[rank], numerics.owned(expected, tp, rank),
+                                  numerics.owned(bound, tp, rank) + 1e-30, what=f"rank {rank}")
+
+
+def test_reversed_mesh_ranks_follow_the_axis_not_the_device_id():
+    devices = jax.devices()[:2][::-1]
+    mesh = jax.sharding.Mesh(np.array(devices), ("tp",))
+    rng = np.random.default_rng()
+    problems = [numerics.random_problem(rng, m=5, hidden=64, top_k=3) for _ in range(2)]
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, mode="reduce_scatter") as mailbox:
+        out = _run_sharded(mailbox, problems, 1.0)
+    expected, bound = numerics.expected_sum(problems, 1.0)
+    for rank in range(2):
+        numerics.assert_close(out[rank], numerics.owned(expected, 2, rank), numerics.owned(bound, 2, rank) + 1e-30)
+
+
+def test_groups_of_size_one_reduce_nothing():
+    mesh = jax.make_mesh((2, 1), ("dp", "tp"))
+    rng = np.random.default_rng()
+    problem = numerics.random_problem(rng, m=4, hidden=64, top_k=2)
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=4) as mailbox:
+        assert mailbox.tp == 1 and mailbox.transport == "direct"
+        out = _run_sharded(mailbox, [problem], 2.5)
+    expected, bound = numerics.expected_sum([problem], 2.5)
+    numerics.assert_close(out, expected, bound)
+
+
+def test_negative_zero_partials_sum_to_positive_zero():
+    mesh = jax.make_mesh((2,), ("tp",))
+    # A tiny negative product rounds to bf16 -0.0; all-skipped tokens give shared = -0.0.
+    routed = np.full((2, 4, 64), -1e-38, np.float32).astype(numerics.BF16)
+    weights = np.full((2, 3, 2), 1e-5, np.float32)
+    indices = np.array([[[0, 1], [-1, -1], [2, -1]]] * 2, np.int32)
+    shared = np.full((2, 3, 64), -0.0, np.float32).astype(numerics.BF16)
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=4) as mailbox:
+        out = jmp.sharded_moe_finalize_publish(mailbox, jnp.asarray(routed), jnp.asarray(weights),
+                                               jnp.asarray(indices), jnp.asarray(shared))
+    bits = np.asarray(out).view(np.uint16)
+    assert np.all(bits == 0), "every element is +0.0"
+
+
+def test_cpu_mailbox_allocates_nothing_and_closes_once():
+    mesh = jax.make_mesh((4,), ("tp",))
+    mailbox = jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8)
+    assert not mailbox.on_cuda and mailbox.status() == []
+    mailbox.check()
+    with mailbox:
+        assert not mailbox.closed
+    assert mailbox.closed
+    mailbox.close()
+    with pytest.raises(ValueError, match="closed"):
+        mailbox.check_open()
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+MESH_AXES = ("tp",)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2,), MESH_AXES)
+
+
+def _valid_args(m=3, hidden=64, top_k=4):
+    rng = np.random.default_rng()
+    problem = numerics.random_problem(rng, m=m, hidden=hidden, top_k=top_k)
+    return dict(routed_output=jnp.asarray(problem.routed), expert_weights=jnp.asarray(problem.weights),
+                permuted_indices=jnp.asarray(problem.indices), shared_output=jnp.asarray(problem.shared))
+
+
+def _call_in_shard_map(mesh, mailbox, args, **kwargs):
+    def shard(routed, weights, indices, shared):
+        return jmp.moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox, **kwargs)
+
+    names = ("routed_output", "expert_weights", "permuted_indices", "shared_output")
+    return jax.shard_map(shard, mesh=mesh, in_specs=P(), out_specs=P())(*(args[n] for n in names))
+
+
+BAD_INPUTS = [
+    # (case, change to the valid arguments, exception, words the message must contain)
+    ("routed dtype", dict(routed_output=lambda a: a.astype(jnp.float32)), TypeError, ["routed_output.dtype=float32", "bfloat16"]),
+    ("routed rank", dict(routed_output=lambda a: a[None]), ValueError, ["routed_output.shape", "2 dimensions"]),
+    ("routed hidden", dict(routed_output=lambda a: a[:, :32]), ValueError, ["routed_output.shape", "hidden=64"]),
+    ("weights dtype", dict(expert_weights=lambda a: a.astype(jnp.int32)), TypeError, ["expert_weights.dtype=int32"]),
+    ("indices dtype", dict(permuted_indices=lambda a: a.astype(jnp.int16)), TypeError, ["permuted_indices.dtype=int16", "int32"]),
+    ("indices m", dict(permuted_indices=lambda a: a[:2]), ValueError, ["permuted_indices.shape=(2, 4)", "(3, 4)"]),
+    ("indices top_k", dict(permuted_indices=lambda a: a[:, :3]), ValueError, ["permuted_indices.shape=(3, 3)"]),
+    ("shared m", dict(shared_output=lambda a: a[:2]), ValueError, ["shared_output.shape=(2, 64)", "(3, 64)"]),
+    ("shared dtype", dict(shared_output=lambda a: a.astype(jnp.float32)), TypeError, ["shared_output.dtype=float32"]),
+]
+
+
+@pytest.mark.parametrize("case,change,error,words", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_arrays_name_the_argument(mesh, case, change, error, words):
+    args = _valid_args()
+    for name, edit in change.items():
+        args[name] = edit(args[name])
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8) as mailbox, pytest.raises(error) as raised:
+        _call_in_shard_map(mesh, mailbox, args)
+    for word in words:
+        assert word in str(raised.value)
+
+
+BAD_CALLS = [
+    ("m above capacity", dict(m=9), {}, ValueError, ["m=9", "capacity_m=8"]),
+    ("top_k too large", dict(top_k=65), {}, ValueError, ["top_k=65"]),
+    ("scale not finite", {}, dict(routed_scaling_factor=float("nan")), ValueError, ["routed_scaling_factor=nan"]),
+    ("impl unknown", {}, dict(impl="cuda"), ValueError, ["impl='cuda'"]),
+    ("kernel on cpu", {}, dict(impl="kernel"), ValueError, ["impl='kernel'", "not on CUDA"]),
+    ("config type", {}, dict(config="fast"), TypeError, ["config", "KernelConfig"]),
+    ("config hidden", {}, dict(config=jmp.KernelConfig(hidden=128, top_k=4, tp=2)), ValueError, ["config.hidden=128"]),
+    ("config scale", {}, dict(config=jmp.KernelConfig(hidden=64, top_k=4, tp=2)), ValueError, ["config.routed_scaling_factor=1.0"]),
+]
+
+
+@pytest.mark.parametrize("case,shape,kwargs,error,words", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_calls_name_the_argument(mesh, case, shape, kwargs, error, words):
+    args = _valid_args(**shape)
+    kwargs = {"routed_scaling_factor": 2.5, **kwargs}
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8) as mailbox, pytest.raises(error) as raised:
+        _call_in_shard_map(mesh, mailbox, args, **kwargs)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_twoshot_config_on_a_reduce_scatter_mailbox_is_refused(mesh):
+    config = jmp.KernelConfig(hidden=64, top_k=4, tp=2, mode="twoshot", routed_scaling_factor=2.5)
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, mode="reduce_scatter") as mailbox:
+        with pytest.raises(ValueError, match="config.mode='twoshot'"):
+            _call_in_shard_map(mesh, mailbox, _valid_args(), routed_scaling_factor=2.5, config=config)
+
+
+def test_call_outside_shard_map_is_refused(mesh):
+    args = _valid_args()
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8) as mailbox:
+        with pytest.raises(ValueError, match="axis 'tp' is not bound"):
+            jmp.moe_finalize_publish(**args, mailbox=mailbox)
+
+
+def test_mailbox_from_another_mesh_is_refused():
+    small = jax.make_mesh((2,), ("tp",))
+    large = jax.make_mesh((2, 2), ("dp", "tp"))
+    with jmp.Mailbox(small, "tp", hidden=64, capacity_m=8) as mailbox:
+        with pytest.raises(ValueError, match="belongs to a mesh of shape"):
+            _call_in_shard_map(large, mailbox, _valid_args())
+
+
+def test_closed_mailbox_is_refused(mesh):
+    mailbox = jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8)
+    mailbox.close()
+    with pytest.raises(ValueError, match="is closed"):
+        _call_in_shard_map(mesh, mailbox, _valid_args())
+
+
+def test_not_a_mailbox_is_refused(mesh):
+    with pytest.raises(TypeError, match="mailbox: expected a jax_moe_publish.Mailbox"):
+        _call_in_shard_map(mesh, "mailbox", _valid_args())
+
+
+BAD_MAILBOXES = [
+    (dict(axis_name="ep"), ValueError, "axis_name='ep'"),
+    (dict(hidden=60), ValueError, "hidden=60"),
+    (dict(capacity_m=0), ValueError, "capacity_m=0"),
+    (dict(mode="allgather"), ValueError, "mode='allgather'"),
+    (dict(transport="nvls"), ValueError, "transport='nvls'"),
+    (dict(timeout_s=-1), ValueError, "timeout_s=-1"),
+]
+
+
+@pytest.mark.parametrize("change,error,words", BAD_MAILBOXES, ids=[str(c[0]) for c in BAD_MAILBOXES])
+def test_bad_mailbox_arguments(mesh, change, error, words):
+    kwargs = {"axis_name": "tp", "hidden": 64, "capacity_m": 8, **change}
+    with pytest.raises(error, match=words.replace("(", r"\(")):
+        jmp.Mailbox(mesh, **kwargs)
+
+
+def test_multicast_is_refused_where_nvls_is_disabled(mesh, monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    with pytest.raises(ValueError, match="NCCL_NVLS_ENABLE=0"):
+        jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, transport="multicast")
+
+
+def test_sharded_wrapper_wants_the_rank_axis_first(mesh):
+    args = _valid_args()
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8) as mailbox:
+        with pytest.raises(ValueError, match=r"routed_output.shape=\(\d+, 64\): expected \[tp=2"):
+            jmp.sharded_moe_finalize_publish(mailbox, args["routed_output"], args["expert_weights"][None],
+                                             args["permuted_indices"][None])
