@@ -57,12 +57,12 @@ void Require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument(message);
 }
 
-Mode ParseMode(const std::string& mode) {
+Mode ParseMode(const std::string& where, const std::string& mode) {
   if (mode == "oneshot") return Mode::kOneshot;
   if (mode == "twoshot") return Mode::kTwoshot;
   if (mode == "reduce_scatter") return Mode::kReduceScatter;
   if (mode == "direct") return Mode::kDirect;
-  throw std::invalid_argument("mode=" + Quote(mode) +
+  throw std::invalid_argument(where + ": mode=" + Quote(mode) +
                               ": expected one of 'oneshot', 'twoshot', 'reduce_scatter', 'direct'");
 }
 
@@ -70,8 +70,14 @@ Mode ParseMode(const std::string& mode) {
 // record is refused the same way on machines without a GPU.
 KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSpec>& specs,
                             const KernelSetSpec& spec) {
-  KernelSet set{ParseMode(spec.mode), spec.tp,   spec.hidden, spec.top_k, spec.fp32_weights,
-                spec.include_shared_expert, spec.pdl, {}};
+  KernelSet set{ParseMode(where, spec.mode),
+                spec.tp,
+                spec.hidden,
+                spec.top_k,
+                spec.fp32_weights,
+                spec.include_shared_expert,
+                spec.pdl,
+                {}};
   Require(spec.tp >= 1, where + ": tp=" + std::to_string(spec.tp) + ": expected >= 1");
   Require((set.mode == Mode::kDirect) == (spec.tp == 1),
           where + ": tp=" + std::to_string(spec.tp) + " with mode=" + Quote(spec.mode) +

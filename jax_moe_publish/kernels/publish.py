@@ -68,8 +68,15 @@ class FinalizePublishKernel:
         in_range = Int32(fragment < cfg.fragments)
         row_offset = Int64(fragment) * (self.elements * BF16_BYTES)
 
-        # Stage the token's rows and scaled weights once per CTA. Invalid rows
-        # get weight 0 so that a NaN weight on a skipped expert stays skipped.
+        shared_row = shared + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset
+        if cutlass.const_expr(cfg.load_shared_expert_before_pdl):
+            shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
+        if cutlass.const_expr(cfg.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+        # Stage the token's rows and scaled weights once per CTA, after the wait:
+        # in XLA the kernel just before may be the router that writes them.
+        # Invalid rows get weight 0 so that a NaN weight on a skipped expert
+        # stays skipped.
         allocator = cutlass.utils.SmemAllocator()
         sRows = allocator.allocate_array(Int32, cfg.top_k)
         sWeights = allocator.allocate_array(Float32, cfg.top_k)
@@ -92,11 +99,6 @@ class FinalizePublishKernel:
                     cute.arch.store((sWeights + k).llvm_ptr, Float32(0.0))
         cute.arch.barrier()
 
-        shared_row = shared + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset
-        if cutlass.const_expr(cfg.load_shared_expert_before_pdl):
-            shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
-        if cutlass.const_expr(cfg.enable_pdl):
-            cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(cfg.include_shared_expert and not cfg.load_shared_expert_before_pdl):
             shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
 

@@ -1,0 +1,222 @@
+"""The op through jit + shard_map on NVIDIA GPUs: the FFI call, the Mailbox and the kernels together.
+
+Kernels come from the prebuilt ``tests`` preset (``$JAX_MOE_PUBLISH_KERNEL_DIR``)
+or are compiled on demand where CuTe DSL is installed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe_publish as jmp
+import numerics
+from jax_moe_publish import protocol
+from jax_moe_publish.aot import presets
+
+CAPACITY = 64
+M_VALUES = (1, 3, 37, CAPACITY)
+
+
+def _gpus(count):
+    return [d for d in jax.devices() if d.platform == "gpu"][:count]
+
+
+def _mesh(count, reverse=False):
+    devices = _gpus(count)
+    return jax.sharding.Mesh(np.array(devices[::-1] if reverse else devices), ("tp",))
+
+
+def _problems(rng, tp, m, config):
+    return [
+        numerics.random_problem(rng, m=m, hidden=config.hidden, top_k=config.top_k,
+                                fp32_weights=config.fp32_weights, shared=config.include_shared_expert)
+        for _ in range(tp)
+    ]
+
+
+def _per_rank_outputs(mailbox, problems, scale, config=None):
+    """Each rank's own output buffer (NumPy), in rank order, from one jitted shard_map call."""
+    mesh = mailbox.mesh
+    stacks = [np.stack([getattr(p, f) for p in problems]) for f in ("routed", "weights", "indices")]
+    shared = None if problems[0].shared is None else np.stack([p.shared for p in problems])
+    scatter = mailbox.mode == "reduce_scatter"
+
+    def shard(routed, weights, indices, *rest):
+        out = jmp.moe_finalize_publish(routed[0], weights[0], indices[0], rest[0][0] if rest else None,
+                                       mailbox=mailbox, routed_scaling_factor=scale, config=config,
+                                       impl="kernel")
+        return out[None] if scatter else out
+
+    args = [jax.device_put(jnp.asarray(x), jax.sharding.NamedSharding(mesh, P("tp")))
+            for x in stacks + ([] if shared is None else [shared])]
+    step = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("tp"), out_specs=P("tp") if scatter else P()))
+    out = step(*args)
+    by_device = {s.device: np.asarray(s.data) for s in out.addressable_shards}
+    return [by_device[d].reshape(by_device[d].shape[-2:]) for d in mesh.devices.flat]
+
+
+def _check(outputs, problems, scale, mode):
+    expected, bound = numerics.expected_sum(problems, scale)
+    tp = len(problems)
+    for rank, out in enumerate(outputs):
+        if mode == "reduce_scatter":
+            numerics.assert_close(out, numerics.owned(expected, tp, rank),
+                                  numerics.owned(bound, tp, rank), what=f"rank {rank}")
+        else:
+            numerics.assert_close(out, expected, bound, what=f"rank {rank}")
+    if mode != "reduce_scatter":
+        for rank, out in enumerate(outputs[1:], 1):
+            assert np.array_equal(out.view(np.uint16), outputs[0].view(np.uint16)), f"rank {rank} differs"
+
+
+def _mailbox_mode(config):
+    return "reduce_scatter" if config.mode == "reduce_scatter" else "allreduce"
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("config", presets.test_variants(2), ids=lambda c: c.key)
+def test_variants_match_float64_on_two_gpus(config):
+    rng = np.random.default_rng()
+    mesh = _mesh(2)
+    with jmp.Mailbox(mesh, "tp", hidden=config.hidden, capacity_m=CAPACITY, mode=_mailbox_mode(config)) as mb:
+        for m in M_VALUES:
+            problems = _problems(rng, 2, m, config)
+            outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor, config=config)
+            _check(outputs, problems, config.routed_scaling_factor, config.mode)
+        mb.check()
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("config", presets.test_variants(1), ids=lambda c: c.key)
+def test_direct_variants_match_float64_on_one_gpu(config):
+    rng = np.random.default_rng()
+    with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
+        for m in M_VALUES:
+            problems = _problems(rng, 1, m, config)
+            outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor, config=config)
+            _check(outputs, problems, config.routed_scaling_factor, "direct")
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("mode", ["allreduce", "reduce_scatter"])
+@pytest.mark.parametrize("problem", presets.TEST_DEFAULT_PROBLEMS, ids=lambda p: f"h{p['hidden']}-k{p['top_k']}")
+def test_default_configs_both_modes_and_reversed_mesh(problem, mode):
+    rng = np.random.default_rng()
+    scale = problem["routed_scaling_factor"]
+    config = jmp.KernelConfig.default(tp=2, mode="oneshot", **problem)
+    for reverse in (False, True):
+        with jmp.Mailbox(_mesh(2, reverse), "tp", hidden=config.hidden, capacity_m=CAPACITY, mode=mode) as mb:
+            for m in (1, 37):
+                problems = _problems(rng, 2, m, config)
+                outputs = _per_rank_outputs(mb, problems, scale)
+                _check(outputs, problems, scale, mode if mode == "reduce_scatter" else "oneshot")
+
+
+def _chain(mailbox, layers, scale, impl="auto"):
+    """``layers`` calls in one jit; each layer's output is the next layer's shared input."""
+
+    def shard(routed, weights, indices, shared):
+        outputs = []
+        y = shared
+        for layer in range(layers):
+            y = jmp.moe_finalize_publish(routed[layer], weights[layer], indices[layer], y,
+                                         mailbox=mailbox, routed_scaling_factor=scale, impl=impl)
+            outputs.append(y)
+        return jnp.stack(outputs)
+
+    return jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=(P(), P(), P(), P()), out_specs=P()))
+
+
+def _chain_inputs(rng, layers, m, hidden, top_k):
+    num_rows = m * top_k
+    routed = rng.standard_normal((layers, num_rows, hidden), dtype=np.float32).astype(numerics.BF16)
+    weights = rng.uniform(0.05, 0.3, (layers, m, top_k)).astype(np.float32)
+    indices = rng.integers(-1, num_rows, (layers, m, top_k)).astype(np.int32)
+    shared = rng.standard_normal((m, hidden), dtype=np.float32).astype(numerics.BF16)
+    return routed, weights, indices, shared
+
+
+@pytest.mark.gpus(2)
+def test_chained_calls_with_varying_m_rotate_the_stages():
+    """500 calls through XLA, in chains of 10, with a random m per chain and fresh data."""
+    rng = np.random.default_rng()
+    hidden, top_k, scale, layers = 7168, 8, 2.5, 10
+    mesh = _mesh(2)
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=CAPACITY) as mb:
+        chains = {}
+        calls = 0
+        while calls < 500:
+            m = int(rng.choice([1, 5, 17, CAPACITY]))
+            if m not in chains:
+                chains[m] = _chain(mb, layers, scale)
+            inputs = _chain_inputs(rng, layers, m, hidden, top_k)
+            out = np.asarray(chains[m](*map(jnp.asarray, inputs)))
+            _check_replicated_chain(out, inputs, scale, tp=2)
+            calls += layers
+        mb.check()
+        assert calls == 500
+
+
+def _check_replicated_chain(out, inputs, scale, tp):
+    """Replicated inputs make every rank's partial the same p, so each layer is bf16(tp * p)."""
+    routed, weights, indices, shared = inputs
+    previous = shared
+    for layer in range(out.shape[0]):
+        problem = numerics.Problem(routed[layer], weights[layer], indices[layer], previous)
+        expected, bound = numerics.expected_sum([problem] * tp, scale)
+        numerics.assert_close(out[layer], expected, bound, what=f"layer {layer}")
+        previous = out[layer]
+
+
+@pytest.mark.gpus(2)
+def test_command_buffer_chain_of_32_layers():
+    """Under XLA's default command-buffer settings the custom call is captured and stays right."""
+    rng = np.random.default_rng()
+    hidden, top_k, scale, layers, m = 7168, 8, 2.5, 32, 8
+    with jmp.Mailbox(_mesh(2), "tp", hidden=hidden, capacity_m=CAPACITY) as mb:
+        chain = _chain(mb, layers, scale)
+        for _ in range(3):  # replays of the captured graph
+            inputs = _chain_inputs(rng, layers, m, hidden, top_k)
+            args = list(map(jnp.asarray, inputs))
+            out = np.asarray(chain(*args))
+            _check_replicated_chain(out, inputs, scale, tp=2)
+        hlo = chain.lower(*args).compile().as_text()
+        assert "command_buffer" in hlo, "XLA did not put the chain into a command buffer"
+        mb.check()
+
+
+@pytest.mark.gpus(1)
+def test_single_gpu_direct_path_has_no_mailbox_memory():
+    rng = np.random.default_rng()
+    config = jmp.KernelConfig.default(tp=1, **presets.TEST_DEFAULT_PROBLEMS[0])
+    with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
+        assert mb.transport == "direct" and mb.status() == []
+        problems = _problems(rng, 1, 37, config)
+        outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor)
+        _check(outputs, problems, config.routed_scaling_factor, "direct")
+
+
+@pytest.mark.gpus(2)
+def test_call_after_close_is_an_error_not_a_crash():
+    rng = np.random.default_rng()
+    config = jmp.KernelConfig.default(tp=2, **presets.TEST_DEFAULT_PROBLEMS[0])
+    mb = jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY)
+    problems = _problems(rng, 2, 3, config)
+    _per_rank_outputs(mb, problems, config.routed_scaling_factor)
+    mb.close()
+    with pytest.raises(ValueError, match="is closed"):
+        _per_rank_outputs(mb, problems, config.routed_scaling_factor)
+
+
+@pytest.mark.gpus(2)
+def test_status_block_stays_healthy():
+    rng = np.random.default_rng()
+    config = jmp.KernelConfig.default(tp=2, **presets.TEST_DEFAULT_PROBLEMS[0])
+    with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
+        for _ in range(4):
+            _per_rank_outputs(mb, _problems(rng, 2, 5, config), config.routed_scaling_factor)
+        assert all(s["code"] == protocol.STATUS_OK for s in mb.status())
