@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import numbers
 from typing import Literal
 
 from jax_moe_publish import protocol
@@ -21,6 +22,8 @@ MODES = ("oneshot", "twoshot", "reduce_scatter", "direct")
 TRANSPORTS = ("unicast", "multicast", "direct")
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
+_INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads")
+_BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -88,17 +91,26 @@ class KernelConfig:
     arch: str = "sm_90a"
 
     def __post_init__(self) -> None:
+        # Normalize types first, so that equal configs have equal keys.
+        for field in _INT_FIELDS:
+            value = getattr(self, field)
+            _require(
+                isinstance(value, numbers.Integral) and not isinstance(value, bool),
+                field, value, "an int",
+            )
+            object.__setattr__(self, field, int(value))
+        for field in _BOOL_FIELDS:
+            value = getattr(self, field)
+            _require(isinstance(value, bool), field, value, "a bool")
+        scale = self.routed_scaling_factor
         _require(
-            isinstance(self.hidden, int) and self.hidden > 0, "hidden", self.hidden, "a positive int"
+            isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale),
+            "routed_scaling_factor", scale, "a finite float",
         )
-        _require(
-            isinstance(self.top_k, int) and 1 <= self.top_k <= MAX_TOP_K,
-            "top_k", self.top_k, f"an int in [1, {MAX_TOP_K}]",
-        )
-        _require(
-            isinstance(self.tp, int) and 1 <= self.tp <= protocol.MAX_TP,
-            "tp", self.tp, f"an int in [1, {protocol.MAX_TP}]",
-        )
+        object.__setattr__(self, "routed_scaling_factor", float(scale) + 0.0)  # -0.0 -> 0.0
+        _require(self.hidden > 0, "hidden", self.hidden, "a positive int")
+        _require(1 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k, f"an int in [1, {MAX_TOP_K}]")
+        _require(1 <= self.tp <= protocol.MAX_TP, "tp", self.tp, f"an int in [1, {protocol.MAX_TP}]")
         _require(self.mode in MODES, "mode", self.mode, f"one of {MODES}")
         _require(self.transport in TRANSPORTS, "transport", self.transport, f"one of {TRANSPORTS}")
         if self.tp == 1:
@@ -127,18 +139,10 @@ class KernelConfig:
             )
         for field in ("threads", "reduce_threads"):
             value = getattr(self, field)
-            _require(
-                isinstance(value, int) and 32 <= value <= 1024 and value % 32 == 0,
-                field, value, "a multiple of 32 in [32, 1024]",
-            )
+            _require(32 <= value <= 1024 and value % 32 == 0, field, value, "a multiple of 32 in [32, 1024]")
         _require(
-            isinstance(self.prefetch_group, int) and 1 <= self.prefetch_group <= self.top_k,
+            1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",
-        )
-        _require(
-            isinstance(self.routed_scaling_factor, (int, float))
-            and math.isfinite(self.routed_scaling_factor),
-            "routed_scaling_factor", self.routed_scaling_factor, "a finite float",
         )
         if self.load_shared_expert_before_pdl:
             _require(
@@ -147,7 +151,6 @@ class KernelConfig:
                 "False unless include_shared_expert and enable_pdl are both True",
             )
         _require(self.arch in ARCHS, "arch", self.arch, f"one of {ARCHS}")
-        object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
 
     # Derived launch geometry: the single place it is computed.
 

@@ -21,6 +21,13 @@ _FINGERPRINTED = ("config.py", "protocol.py", "kernels")
 PUBLISH_PARAMS = ["u64"] * 6 + ["u32"] * 4
 REDUCE_PARAMS = ["u64"] * 6 + ["u32"] * 3
 EXPECTED_PARAMS = {"publish": PUBLISH_PARAMS, "reduce": REDUCE_PARAMS, "gather": REDUCE_PARAMS}
+# The kernels of a call, in launch order, by mode.
+ROLES = {
+    "direct": ["publish"],
+    "oneshot": ["publish", "reduce"],
+    "reduce_scatter": ["publish", "reduce"],
+    "twoshot": ["publish", "reduce", "gather"],
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,12 +81,19 @@ class KernelArtifact:
         """Built from the kernel sources of this installation."""
         return self.metadata.get("source_fingerprint") == source_fingerprint()
 
-    def check_abi(self) -> None:
-        """Every kernel's parameter list is the one its role requires."""
+    def check(self, key: str) -> None:
+        """The artifact is the one named ``key``, with the kernels its mode needs and the
+        parameter list each kernel role requires."""
+        if self.metadata.get("key") != key:
+            raise RuntimeError(f"kernel artifact {self.metadata.get('key')!r} was loaded for {key!r}")
+        roles = [kernel["role"] for kernel in self.metadata["kernels"]]
+        expected_roles = ROLES[self.metadata["config"]["mode"]]
+        if roles != expected_roles:
+            raise RuntimeError(f"kernel artifact {key} has kernels {roles}, expected {expected_roles}")
         for kernel in self.metadata["kernels"]:
             expected = EXPECTED_PARAMS[kernel["role"]]
             if kernel["params"] != expected:
                 raise RuntimeError(
-                    f"kernel {kernel['symbol']} ({kernel['role']}) of {self.metadata['key']} has "
+                    f"kernel {kernel['symbol']} ({kernel['role']}) of {key} has "
                     f"parameters {kernel['params']}, expected {expected}"
                 )

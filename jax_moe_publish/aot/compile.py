@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import re
 import tempfile
+import threading
 
 from jax_moe_publish.aot.artifact import KernelArtifact, source_fingerprint
 from jax_moe_publish.config import KernelConfig
 
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
 _PARAM = re.compile(r"\.param\s+\.(\w+)\s+\w+")
+# CuTe DSL keeps global compiler state: one compile at a time per process.
+_COMPILE_LOCK = threading.Lock()
 
 
 def dsl_version() -> str:
@@ -38,7 +41,7 @@ def compile_config(config: KernelConfig) -> KernelArtifact:
     program = MoePublishProgram(config)
     address, extent = Int64(0), Int32(0)
     # The DSL writes the kept cubin and PTX to files too; keep them out of the caller's folder.
-    with tempfile.TemporaryDirectory(prefix="jax_moe_publish-") as dump_dir:
+    with _COMPILE_LOCK, tempfile.TemporaryDirectory(prefix="jax_moe_publish-") as dump_dir:
         compiled = cute.compile(
             program,
             *([address] * 11),

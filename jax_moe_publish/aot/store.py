@@ -77,36 +77,27 @@ class KernelStore:
                 self.stats.memory_hits += 1
                 return self._memory[key]
             artifact = self._find_or_build(config)
-            artifact.check_abi()
+            artifact.check(key)
             self._memory[key] = artifact
             return artifact
 
     def _find_or_build(self, config: KernelConfig) -> KernelArtifact:
         key = config.key
+        stale = []
         for directory in self.prebuilt_dirs:
             artifact = KernelArtifact.load(directory, key)
             if artifact is None:
                 continue
-            if not artifact.is_current:
-                raise MissingKernelError(
-                    f"prebuilt kernel {key} in {directory} was built from other kernel sources "
-                    f"(fingerprint {artifact.metadata.get('source_fingerprint')}, this installation "
-                    f"has {source_fingerprint()}); rebuild it: {build_command(config, str(directory))}"
-                )
-            self.stats.prebuilt_hits += 1
-            return artifact
+            if artifact.is_current:
+                self.stats.prebuilt_hits += 1
+                return artifact
+            stale.append(directory)
         artifact = KernelArtifact.load(self.cache_dir, key)
         if artifact is not None:
             self.stats.disk_hits += 1
             return artifact
         if not dsl_available():
-            where = os.pathsep.join(map(str, self.prebuilt_dirs)) or "(unset)"
-            raise MissingKernelError(
-                f"no compiled kernel for {config} in ${KERNEL_DIR_ENV}={where} or in the cache "
-                f"{self.cache_dir}, and CuTe DSL (the 'compile' extra, nvidia-cutlass-dsl) is not "
-                f"installed to build it. On a machine with CuTe DSL run:\n  "
-                f"{build_command(config)}\nand point ${KERNEL_DIR_ENV} at DIR."
-            )
+            raise MissingKernelError(self._missing_message(config, stale))
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         with filelock.FileLock(str(self.cache_dir / f"{key}.lock")):
             artifact = KernelArtifact.load(self.cache_dir, key)
@@ -119,6 +110,22 @@ class KernelStore:
             artifact.save(self.cache_dir)
             self.stats.compiles += 1
             return artifact
+
+    def _missing_message(self, config: KernelConfig, stale: list) -> str:
+        key = config.key
+        if stale:
+            return (
+                f"prebuilt kernel {key} in {stale[0]} was built from other kernel sources (this "
+                f"installation's fingerprint is {source_fingerprint()}), and CuTe DSL is not installed "
+                f"to build it; rebuild it where CuTe DSL is: {build_command(config, str(stale[0]))}"
+            )
+        where = os.pathsep.join(map(str, self.prebuilt_dirs)) or "(unset)"
+        return (
+            f"no compiled kernel for {config} in ${KERNEL_DIR_ENV}={where} or in the cache "
+            f"{self.cache_dir}, and CuTe DSL (the 'compile' extra, nvidia-cutlass-dsl) is not "
+            f"installed to build it. On a machine with CuTe DSL run:\n  "
+            f"{build_command(config)}\nand point ${KERNEL_DIR_ENV} at DIR."
+        )
 
 
 _default_store: KernelStore | None = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils
+import cutlass.memory
 from cutlass import Float32, Int32, Int64
 
 from jax_moe_publish import protocol
@@ -77,7 +77,7 @@ class FinalizePublishKernel:
         # in XLA the kernel just before may be the router that writes them.
         # Invalid rows get weight 0 so that a NaN weight on a skipped expert
         # stays skipped.
-        allocator = cutlass.utils.SmemAllocator()
+        allocator = cutlass.memory.SmemAllocator()
         sRows = allocator.allocate_array(Int32, cfg.top_k)
         sWeights = allocator.allocate_array(Float32, cfg.top_k)
         for round_ in cutlass.range_constexpr(self.metadata_rounds):

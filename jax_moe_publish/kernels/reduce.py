@@ -105,8 +105,8 @@ class LamportReduceKernel:
                     ptx.store_words(
                         out + Int64(row) * self.row_bytes + fragment_offset, [Uint32(0)] * WORDS
                     )
-        if cutlass.const_expr(cfg.mode != "twoshot"):
-            self._finish_call(stage, stage_state)
+        # In twoshot the gather ends the call and advances the stage.
+        self._finish_call(stage, stage_state, advance=cfg.mode != "twoshot")
 
     @cute.kernel
     def gather(
@@ -135,7 +135,7 @@ class LamportReduceKernel:
             )
             ptx.store_words(out + Int64(token) * self.row_bytes + fragment_offset, sources[0])
             ptx.store_words(slot, EMPTY)
-        self._finish_call(stage, stage_state)
+        self._finish_call(stage, stage_state, advance=True)
 
     # Pieces shared by both kernels (traced inline).
 
@@ -216,16 +216,18 @@ class LamportReduceKernel:
         ptx.store_words(address, words)
 
     @cute.jit
-    def _finish_call(self, stage, stage_state) -> None:
-        """Advance the stage and count the call (block 0), then release dependents."""
-        block, _, _ = cute.arch.block_idx()
-        tidx, _, _ = cute.arch.thread_idx()
-        if block == 0 and tidx == 0:
-            ptx.store_volatile_s32(
-                stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES
-            )
-            call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
-            ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
+    def _finish_call(self, stage, stage_state, advance: cutlass.Constexpr[bool]) -> None:
+        """With ``advance``, move to the next stage and count the call (block 0);
+        then release the dependent launch."""
+        if cutlass.const_expr(advance):
+            block, _, _ = cute.arch.block_idx()
+            tidx, _, _ = cute.arch.thread_idx()
+            if block == 0 and tidx == 0:
+                ptx.store_volatile_s32(
+                    stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES
+                )
+                call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
+                ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
         if cutlass.const_expr(self.config.enable_pdl):
             cute.arch.barrier()
             cute.arch.griddepcontrol_launch_dependents()

@@ -1,0 +1,527 @@
+"""Compile tier (CPU, CI): every preset compiles, the PTX says what the kernels promise,
+the store finds or builds artifacts in its documented order, and the CLI builds them.
+
+CuTe DSL compiles for sm_90a/sm_100a without a GPU; nothing here launches a kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import copy
+import dataclasses
+import importlib.metadata
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from jax_moe_publish.aot import artifact, compile, presets, store  # noqa: E402
+from jax_moe_publish.aot.__main__ import main as cli_main  # noqa: E402
+from jax_moe_publish.aot.compile import compile_config  # noqa: E402  (bound before tests patch it)
+from jax_moe_publish.config import KernelConfig  # noqa: E402
+
+PRESET_CONFIGS = list(dict.fromkeys(c for build in presets.PRESETS.values() for c in build()))
+MULTICAST_CONFIGS = [
+    KernelConfig(hidden=1024, top_k=4, tp=4, mode="oneshot", transport="multicast"),
+    KernelConfig(hidden=2880, top_k=6, tp=2, mode="oneshot", transport="multicast",
+                 elements_per_thread=4, enable_pdl=False),
+]
+SM100_CONFIG = KernelConfig.default(hidden=2048, top_k=8, tp=2, mode="twoshot", arch="sm_100a")
+ALL_CONFIGS = PRESET_CONFIGS + MULTICAST_CONFIGS + [SM100_CONFIG]
+# Small problems for the store tests: each compile takes about 0.1 s.
+SMALL = KernelConfig.default(hidden=512, top_k=2, tp=2)
+OTHER_SMALL = SMALL.replace(top_k=3)
+
+
+def expected_roles(config: KernelConfig) -> list[str]:
+    roles = ["publish"]
+    if config.tp > 1:
+        roles.append("reduce")
+    if config.mode == "twoshot":
+        roles.append("gather")
+    return roles
+
+
+def _ids(configs) -> list[str]:
+    return [c.key for c in configs]
+
+
+def _kernel_params(configs, roles=("publish", "reduce", "gather")):
+    """(config, role) of every kernel of ``configs`` whose role is in ``roles``."""
+    return [
+        pytest.param(c, role, id=f"{c.key}-{role}")
+        for c in configs
+        for role in expected_roles(c)
+        if role in roles
+    ]
+
+
+class Builds:
+    """Compiles each config once per session: saved under ``root``, returned as loaded back."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self._artifacts: dict[str, artifact.KernelArtifact] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, config: KernelConfig) -> artifact.KernelArtifact:
+        with self._lock:
+            if config.key not in self._artifacts:
+                compile_config(config).save(self.root)
+                self._artifacts[config.key] = artifact.KernelArtifact.load(self.root, config.key)
+            return self._artifacts[config.key]
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory) -> Builds:
+    return Builds(tmp_path_factory.mktemp("kernels"))
+
+
+# PTX parsing.
+
+_ENTRY_START = re.compile(r"^[ \t]*(?:\.visible[ \t]+)?\.entry[ \t]+(\w+)", re.M)
+
+
+def kernel_bodies(ptx: str) -> dict[str, str]:
+    """The text of each ``.entry``, by symbol: from its ``.entry`` line to the next one."""
+    starts = list(_ENTRY_START.finditer(ptx))
+    ends = [match.start() for match in starts[1:]] + [len(ptx)]
+    return {match.group(1): ptx[match.start():end] for match, end in zip(starts, ends)}
+
+
+def kernels_by_role(built: artifact.KernelArtifact) -> dict[str, str]:
+    bodies = kernel_bodies(built.ptx)
+    return {kernel["role"]: bodies[kernel["symbol"]] for kernel in built.metadata["kernels"]}
+
+
+def opcodes(body: str, prefix: str) -> list[str]:
+    """Full opcodes (``ld.global.nc.v4.u32``) of the instructions that start with ``prefix``,
+    predicated or not, in text order."""
+    return re.findall(rf"^[ \t]*(?:@!?%?\w+[ \t]+)?({re.escape(prefix)}[\w.:]*)", body, re.M)
+
+
+def first(body: str, text: str) -> int:
+    """Offset of the first occurrence of ``text`` (len(body) when absent)."""
+    index = body.find(text)
+    return len(body) if index < 0 else index
+
+
+def publish_load(config: KernelConfig) -> str:
+    """The vector load of routed and shared rows: 8 bf16 → 16 bytes (v4), 4 bf16 → 8 bytes (v2)."""
+    vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
+    return f"ld.global.nc.L1::no_allocate.{vector}.u32"
+
+
+# Metadata of every compiled config.
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
+def test_metadata(builds, config):
+    built = builds(config)
+    meta = built.metadata
+    assert meta["key"] == config.key
+    assert KernelConfig.from_dict(meta["config"]) == config
+    assert meta["arch"] == config.arch
+    assert meta["dsl_version"] == importlib.metadata.version("nvidia-cutlass-dsl")
+    assert meta["source_fingerprint"] == artifact.source_fingerprint()
+    assert meta["pdl"] is config.enable_pdl
+    assert f".target {config.arch}" in built.ptx
+
+    kernels = meta["kernels"]
+    assert [k["role"] for k in kernels] == expected_roles(config)
+    entries = compile.ptx_entry_params(built.ptx)
+    assert set(entries) == {k["symbol"] for k in kernels}  # no kernel missing, none extra
+    assert set(kernel_bodies(built.ptx)) == set(entries)
+    rows = "m" if config.mode == "oneshot" else "owned"
+    geometry = {  # role: (block, smem, ctas_per_row, rows)
+        "publish": (config.threads, config.top_k * 8, config.ctas_per_token, "m"),  # int32 + f32 per k
+        "reduce": (config.reduce_threads, 0, config.reduce_ctas_per_token, rows),
+        "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
+    }
+    for kernel in kernels:
+        role = kernel["role"]
+        assert kernel["symbol"].startswith(f"kernel_cutlass_{role}_")
+        assert kernel["params"] == artifact.EXPECTED_PARAMS[role]
+        assert kernel["params"] == entries[kernel["symbol"]]
+        launch = (kernel["block"], kernel["smem"], kernel["ctas_per_row"], kernel["rows"])
+        assert launch == geometry[role]
+        assert kernel["symbol"].encode() in built.cubin
+
+    assert built.cubin.startswith(b"\x7fELF")
+    assert int.from_bytes(built.cubin[18:20], "little") == 190  # e_machine: EM_CUDA
+    built.check(built.metadata["key"])
+
+
+def test_ptx_entry_params_parses_every_entry():
+    ptx = """
+.visible .entry first(
+\t.param .u64 first_param_0,
+\t.param .u32 first_param_1
+)
+{ ret; }
+.entry second(
+\t.param .u32 second_param_0
+)
+{ ret; }
+"""
+    assert compile.ptx_entry_params(ptx) == {"first": ["u64", "u32"], "second": ["u32"]}
+    assert list(kernel_bodies(ptx)) == ["first", "second"]
+
+
+# What the PTX of each kernel must (not) contain.
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
+def test_publish_loads(builds, config):
+    body = kernels_by_role(builds(config))["publish"]
+    load = publish_load(config)
+    # One vector load per routed row and one for the shared row, all of the configured width.
+    vector_loads = [op for op in opcodes(body, "ld.global") if re.search(r"\.v\d", op)]
+    assert vector_loads == [load] * (config.top_k + config.include_shared_expert)
+    if config.enable_pdl:
+        # Routed rows are the preceding kernel's output: read only after griddepcontrol.wait.
+        before_wait = body[:body.index("griddepcontrol.wait")]
+        assert before_wait.count(load) == (1 if config.load_shared_expert_before_pdl else 0)
+    assert not opcodes(body, "trap") and "%globaltimer" not in body  # the publish never waits
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
+def test_publish_fan_out(builds, config):
+    """Unicast oneshot stores to all tp peers, owner modes to the owner, multicast through one
+    multimem.st, direct to the output."""
+    body = kernels_by_role(builds(config))["publish"]
+    multicast = config.transport == "multicast"
+    if multicast:
+        stores = 0
+    elif config.mode == "oneshot":
+        stores = config.tp
+    else:
+        stores = 1
+    vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
+    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * stores
+    assert opcodes(body, "multimem.st") == ([f"multimem.st.global.{vector}.bf16x2"] if multicast else [])
+    # Unicast reads one peer-table entry per store; multicast and direct read none.
+    assert len(opcodes(body, "ld.global.nc.u64")) == (stores if config.transport == "unicast" else 0)
+
+
+@pytest.mark.parametrize("config, role", _kernel_params(ALL_CONFIGS, ("reduce", "gather")))
+def test_reduce_ptx(builds, config, role):
+    body = kernels_by_role(builds(config))[role]
+    # Every mailbox read is a 16-byte volatile poll: a cached load could spin forever.
+    vector_loads = [op for op in opcodes(body, "ld.") if re.search(r"\.v\d", op)]
+    assert vector_loads and set(vector_loads) == {"ld.volatile.global.v4.u32"}
+    assert opcodes(body, "trap") == ["trap"]  # the bounded wait aborts ...
+    assert "%globaltimer" in body  # ... after timeout_ns on the global timer
+    assert "multimem" not in body
+
+
+@pytest.mark.parametrize("config, role", _kernel_params(ALL_CONFIGS))
+def test_pdl_instructions(builds, config, role):
+    """griddepcontrol.wait and .launch_dependents are in every kernel exactly when PDL is on."""
+    body = kernels_by_role(builds(config))[role]
+    expected = 1 if config.enable_pdl else 0
+    assert len(opcodes(body, "griddepcontrol.wait")) == expected
+    assert len(opcodes(body, "griddepcontrol.launch_dependents")) == expected
+    if config.enable_pdl:
+        # Stage words and mailboxes are touched only after the predecessor has finished, and
+        # dependents are released only after the last stage word is written.
+        assert first(body, ".volatile") > body.index("griddepcontrol.wait")
+        assert body.rfind("st.volatile.global.s32") < body.index("griddepcontrol.launch_dependents")
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
+def test_no_local_memory(builds, config):
+    """Register arrays stay in registers: no stack frame, no local loads or stores."""
+    ptx = builds(config).ptx
+    assert not re.search(r"\.local\b", ptx)
+    assert "__local_depot" not in ptx
+
+
+def test_multimem_only_in_multicast_builds(builds):
+    multicast = MULTICAST_CONFIGS[0]
+    unicast = multicast.replace(transport="unicast")
+    assert "multimem.st" in kernels_by_role(builds(multicast))["publish"]
+    assert "multimem" not in builds(unicast).ptx
+
+
+def test_sm100a(builds):
+    built = builds(SM100_CONFIG)
+    assert ".target sm_100a" in built.ptx and ".target sm_90a" not in built.ptx
+    assert built.metadata["arch"] == "sm_100a"
+    assert built.cubin.startswith(b"\x7fELF")
+
+
+# The store: memory, prebuilt folders, the disk cache, then CuTe DSL.
+
+
+def run_python(args, cwd) -> subprocess.CompletedProcess:
+    """A child Python that imports the same jax_moe_publish as this test."""
+    env = dict(os.environ)
+    package_root = str(artifact.PACKAGE_DIR.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture
+def compile_calls(monkeypatch) -> list:
+    """Records the configs that the store compiles (it imports compile_config at call time)."""
+    calls = []
+
+    def recording(config):
+        calls.append(config)
+        return compile_config(config)
+
+    monkeypatch.setattr(compile, "compile_config", recording)
+    return calls
+
+
+def new_store(tmp_path, prebuilt_dirs=()) -> store.KernelStore:
+    return store.KernelStore(cache_dir=tmp_path / "cache", prebuilt_dirs=list(prebuilt_dirs))
+
+
+def test_store_memory_disk_and_compile(tmp_path, compile_calls):
+    first_store = new_store(tmp_path)
+    built = first_store.get(SMALL)
+    assert first_store.stats == store.StoreStats(compiles=1)
+    assert first_store.get(SMALL) is built
+    assert first_store.stats == store.StoreStats(compiles=1, memory_hits=1)
+    # The cache is keyed by the kernel-source fingerprint, then the config key.
+    assert (first_store.cache_dir / f"{SMALL.key}.cubin").read_bytes() == built.cubin
+    assert first_store.cache_dir == tmp_path / "cache" / artifact.source_fingerprint()
+
+    second_store = new_store(tmp_path)  # a new process, in effect
+    assert second_store.get(SMALL).metadata == built.metadata
+    assert second_store.stats == store.StoreStats(disk_hits=1)
+
+    second_store.get(OTHER_SMALL)
+    assert second_store.stats == store.StoreStats(disk_hits=1, compiles=1)
+    assert compile_calls == [SMALL, OTHER_SMALL]
+
+
+def test_store_uses_prebuilt_folder(tmp_path, builds, compile_calls):
+    builds(SMALL).save(tmp_path / "prebuilt")
+    kernels = new_store(tmp_path, [tmp_path / "empty", tmp_path / "prebuilt"])
+    assert kernels.get(SMALL).cubin == builds(SMALL).cubin
+    assert kernels.stats == store.StoreStats(prebuilt_hits=1)
+    assert compile_calls == []
+    assert not kernels.cache_dir.exists()  # a prebuilt hit is not copied into the cache
+
+
+def _save_stale(built, folder):
+    stale = dataclasses.replace(built, metadata={**built.metadata, "source_fingerprint": "0" * 16})
+    stale.save(folder)
+
+
+def test_store_without_dsl_rejects_stale_prebuilt(tmp_path, builds, compile_calls, monkeypatch):
+    _save_stale(builds(SMALL), tmp_path / "prebuilt")
+    monkeypatch.setattr(store, "dsl_available", lambda: False)
+    with pytest.raises(store.MissingKernelError, match="rebuild") as error:
+        new_store(tmp_path, [tmp_path / "prebuilt"]).get(SMALL)
+    assert store.build_command(SMALL, str(tmp_path / "prebuilt")) in str(error.value)
+    assert compile_calls == []
+
+
+def test_store_with_dsl_recompiles_over_stale_prebuilt(tmp_path, builds, compile_calls):
+    _save_stale(builds(SMALL), tmp_path / "prebuilt")
+    kernels = new_store(tmp_path, [tmp_path / "prebuilt"])
+    assert kernels.get(SMALL).is_current
+    assert kernels.stats == store.StoreStats(compiles=1)
+
+
+def test_store_without_dsl_names_the_build_command(tmp_path, monkeypatch, compile_calls):
+    monkeypatch.setattr(store, "dsl_available", lambda: False)
+    with pytest.raises(store.MissingKernelError) as error:
+        new_store(tmp_path).get(SMALL)
+    message = str(error.value)
+    assert "python -m jax_moe_publish.aot build" in message
+    assert store.KERNEL_DIR_ENV in message
+    for name, value in SMALL.to_dict().items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        assert f"--{name.replace('_', '-')} {text}" in message, name
+    assert compile_calls == []
+
+
+def test_check_rejects_wrong_params(tmp_path, builds):
+    wrong = copy.deepcopy(builds(SMALL).metadata)
+    wrong["kernels"][-1]["params"] = wrong["kernels"][-1]["params"][:-1]
+    artifact.KernelArtifact(builds(SMALL).cubin, builds(SMALL).ptx, wrong).save(tmp_path / "prebuilt")
+    loaded = artifact.KernelArtifact.load(tmp_path / "prebuilt", SMALL.key)
+    symbol = wrong["kernels"][-1]["symbol"]
+    with pytest.raises(RuntimeError, match=re.escape(symbol)):
+        loaded.check(SMALL.key)
+    kernels = new_store(tmp_path, [tmp_path / "prebuilt"])
+    with pytest.raises(RuntimeError, match="expected"):
+        kernels.get(SMALL)
+    with pytest.raises(RuntimeError):  # not remembered as good
+        kernels.get(SMALL)
+
+
+def test_store_reads_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(store.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    folders = [str(tmp_path / "a"), "", str(tmp_path / "b")]  # empty entries are skipped
+    monkeypatch.setenv(store.KERNEL_DIR_ENV, os.pathsep.join(folders))
+    kernels = store.KernelStore()
+    assert kernels.cache_dir == tmp_path / "cache" / artifact.source_fingerprint()
+    assert kernels.prebuilt_dirs == [tmp_path / "a", tmp_path / "b"]
+
+
+@pytest.mark.parametrize("shared_store", [True, False], ids=["one-store", "two-stores"])
+def test_concurrent_gets_compile_once(tmp_path, monkeypatch, shared_store):
+    """Threads of one store share its lock; two stores on one cache share the file lock."""
+    calls = []
+
+    def slow(config):  # widen the window in which a second compile could start
+        calls.append(config)
+        time.sleep(0.3)
+        return compile_config(config)
+
+    monkeypatch.setattr(compile, "compile_config", slow)
+    stores = [new_store(tmp_path)] * 2 if shared_store else [new_store(tmp_path), new_store(tmp_path)]
+    barrier = threading.Barrier(len(stores))
+
+    def get(kernels):
+        barrier.wait()
+        return kernels.get(SMALL)
+
+    with concurrent.futures.ThreadPoolExecutor(len(stores)) as pool:
+        results = list(pool.map(get, stores))
+    assert calls == [SMALL]
+    assert results[0].metadata == results[1].metadata
+    totals = collections.Counter()
+    for kernels in {id(s): s for s in stores}.values():
+        totals.update(dataclasses.asdict(kernels.stats))
+    assert totals["compiles"] == 1
+    assert totals["memory_hits"] + totals["disk_hits"] == 1
+
+
+# Two stores (two cache folders) compile different configs in two threads.
+_RACE = """
+import concurrent.futures, sys, threading
+from jax_moe_publish.aot.store import KernelStore
+from jax_moe_publish.config import KernelConfig
+
+configs = [KernelConfig.default(hidden=512, top_k=k, tp=2) for k in (2, 3)]
+stores = [KernelStore(cache_dir=f"{sys.argv[1]}/{k}", prebuilt_dirs=[]) for k in (2, 3)]
+barrier = threading.Barrier(2)
+
+def get(kernels, config):
+    barrier.wait()
+    return kernels.get(config).metadata["key"]
+
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    assert list(pool.map(get, stores, configs)) == [c.key for c in configs]
+"""
+
+
+def test_concurrent_compiles_of_different_configs(tmp_path):
+    # In a child: a failed concurrent compile can leave the DSL unable to compile again.
+    result = run_python(["-c", _RACE, str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+# The CLI.
+
+
+def run_cli(args, cwd) -> subprocess.CompletedProcess:
+    """``python -m jax_moe_publish.aot ARGS`` in ``cwd``."""
+    return run_python(["-m", "jax_moe_publish.aot", *args], cwd)
+
+
+def built_files(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def three_files(key: str) -> list[str]:
+    return [f"{key}.cubin", f"{key}.json", f"{key}.ptx"]
+
+
+def test_cli_builds_explicit_config(tmp_path):
+    (tmp_path / "cwd").mkdir()
+    out = tmp_path / "out"
+    result = run_cli(["build", "--hidden", "1024", "--top-k", "4", "--tp", "2", "--mode", "twoshot",
+                      "--out", str(out)], cwd=tmp_path / "cwd")
+    assert result.returncode == 0, result.stderr
+    key = KernelConfig.default(hidden=1024, top_k=4, tp=2, mode="twoshot").key
+    assert built_files(out) == three_files(key)
+    lines = result.stdout.splitlines()
+    assert re.fullmatch(rf"\[1/1\] {re.escape(key)}\s+\d+\.\d s", lines[0])
+    assert lines[-1] == f"built 1 kernel sets into {out}"
+    assert built_files(tmp_path / "cwd") == []  # the DSL's dump files go elsewhere
+    artifact.KernelArtifact.load(out, key).check(key)
+
+
+def test_build_command_rebuilds_the_config(tmp_path):
+    config = KernelConfig(
+        hidden=2880, top_k=10, tp=2, mode="reduce_scatter", routed_scaling_factor=0.1,
+        fp32_weights=True, elements_per_thread=4, threads=96, prefetch_group=3,
+        load_shared_expert_before_pdl=True, reduce_threads=64, arch="sm_100a",
+    )
+    out = tmp_path / "out"
+    command = shlex.split(store.build_command(config, str(out)))
+    assert command[:4] == ["python", "-m", "jax_moe_publish.aot", "build"]
+    result = run_cli(command[3:], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert built_files(out) == three_files(config.key)
+    assert artifact.KernelArtifact.load(out, config.key).metadata["config"] == config.to_dict()
+
+
+def test_cli_bad_value_exits_nonzero(tmp_path):
+    result = run_cli(["build", "--hidden", "1024", "--top-k", "0", "--tp", "2", "--out", str(tmp_path)],
+                     cwd=tmp_path)
+    assert result.returncode != 0
+    assert "KernelConfig.top_k=0" in result.stderr
+    assert built_files(tmp_path) == []
+
+
+EXPLICIT = ["--hidden", "1024", "--top-k", "4", "--tp", "2"]
+CLI_ERRORS = [
+    (EXPLICIT + ["--prefetch-group", "5"], "KernelConfig.prefetch_group=5"),
+    (EXPLICIT + ["--tp", "1", "--mode", "oneshot"], "KernelConfig.mode='oneshot'"),
+    (EXPLICIT + ["--routed-scaling-factor", "nan"], "KernelConfig.routed_scaling_factor=nan"),
+    (EXPLICIT + ["--arch", "sm_80"], "KernelConfig.arch='sm_80'"),
+    (EXPLICIT + ["--enable-pdl", "maybe"], "--enable-pdl: expected true or false"),
+    (EXPLICIT + ["--top-k", "four"], "--top-k: invalid int value"),
+    (["--hidden", "1024"], "needs --top-k --tp"),
+    (["--preset", "llama"], "--preset: invalid choice"),
+    ([], "nothing to build"),
+]
+
+
+@pytest.mark.parametrize("args, message", CLI_ERRORS, ids=[m for _, m in CLI_ERRORS])
+def test_cli_errors(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.setattr(compile, "compile_config", lambda config: pytest.fail("compiled"))
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["build", *args, "--out", str(tmp_path)])
+    code = exit_.value.code
+    assert code not in (0, None)
+    # Config errors exit with the message; argparse prints its own and exits with 2.
+    assert message in (code if isinstance(code, str) else capsys.readouterr().err)
+
+
+def test_cli_presets(tmp_path, monkeypatch, capsys):
+    """--preset is repeatable, takes --arch, and is deduplicated; each build prints its progress."""
+    built = []
+
+    def fake_compile(config):
+        built.append(config)
+        return artifact.KernelArtifact(b"\x7fELF", "", {"key": config.key})
+
+    monkeypatch.setattr(compile, "compile_config", fake_compile)
+    assert cli_main(["build", "--preset", "qwen3-moe", "--preset", "tests", "--preset", "qwen3-moe",
+                     "--arch", "sm_100a", "--out", str(tmp_path)]) == 0
+    expected = list(dict.fromkeys(presets.qwen3_moe("sm_100a") + presets.tests("sm_100a")))
+    assert built == expected
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[:-1]] == [
+        [f"[{i}/{len(expected)}]", config.key] for i, config in enumerate(expected, 1)
+    ]

@@ -1,0 +1,226 @@
+"""`KernelConfig`: validation, the defaults, the key and the dict round trip (no DSL, no GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jax_moe_publish.config import ARCHS, KernelConfig
+
+# A valid oneshot config; each invalid case below changes a few fields of it.
+BASE = dict(hidden=1024, top_k=4, tp=2)
+DIRECT = dict(tp=1, mode="direct", transport="direct")
+
+# (changes to BASE, the field the error must name, the bad value it must show)
+INVALID = [
+    ({"hidden": 0}, "hidden", 0),
+    ({"hidden": -8}, "hidden", -8),
+    ({"hidden": 1024.0}, "hidden", 1024.0),
+    ({"hidden": 1020, **DIRECT}, "hidden", 1020),  # not a multiple of elements_per_thread=8
+    ({"hidden": 1022, "elements_per_thread": 4, **DIRECT}, "hidden", 1022),
+    ({"hidden": 1028, "elements_per_thread": 4}, "hidden", 1028),  # tp > 1 needs 16-byte lanes
+    ({"top_k": 0}, "top_k", 0),
+    ({"top_k": 65}, "top_k", 65),
+    ({"tp": 0}, "tp", 0),
+    ({"tp": 9}, "tp", 9),
+    ({"tp": 1}, "mode", "oneshot"),
+    ({"mode": "direct", "transport": "direct"}, "mode", "direct"),
+    ({"mode": "twoshot", "transport": "multicast"}, "mode", "twoshot"),
+    ({"mode": "reduce_scatter", "transport": "multicast"}, "mode", "reduce_scatter"),
+    ({"mode": "allreduce"}, "mode", "allreduce"),
+    ({"transport": "nvls"}, "transport", "nvls"),
+    ({"transport": "direct"}, "transport", "direct"),
+    ({**DIRECT, "transport": "unicast"}, "transport", "unicast"),
+    ({"elements_per_thread": 2}, "elements_per_thread", 2),
+    ({"elements_per_thread": 16}, "elements_per_thread", 16),
+    ({"elements_per_thread": 8.0}, "elements_per_thread", 8.0),
+    ({"include_shared_expert": "no"}, "include_shared_expert", "no"),
+    ({"top_k": True}, "top_k", True),
+    ({"threads": 0}, "threads", 0),
+    ({"threads": 33}, "threads", 33),
+    ({"threads": 2048}, "threads", 2048),
+    ({"reduce_threads": 48}, "reduce_threads", 48),
+    ({"prefetch_group": 0}, "prefetch_group", 0),
+    ({"prefetch_group": 5}, "prefetch_group", 5),  # > top_k
+    ({"routed_scaling_factor": math.nan}, "routed_scaling_factor", math.nan),
+    ({"routed_scaling_factor": math.inf}, "routed_scaling_factor", math.inf),
+    ({"routed_scaling_factor": -math.inf}, "routed_scaling_factor", -math.inf),
+    ({"load_shared_expert_before_pdl": True, "include_shared_expert": False},
+     "load_shared_expert_before_pdl", True),
+    ({"load_shared_expert_before_pdl": True, "enable_pdl": False},
+     "load_shared_expert_before_pdl", True),
+    ({"arch": "sm_80"}, "arch", "sm_80"),
+    ({"arch": "sm_90"}, "arch", "sm_90"),
+]
+
+
+def _case_id(case) -> str:
+    changes = case.values[0] if hasattr(case, "values") else case[0]
+    return ",".join(f"{k}={v}" for k, v in changes.items())
+
+
+@pytest.mark.parametrize("changes, field, value", INVALID, ids=[_case_id(c) for c in INVALID])
+def test_invalid_config_names_field_and_value(changes, field, value):
+    """Every way of building a config validates, and the message names the field and value."""
+    valid = KernelConfig(**BASE)
+    builders = {
+        "constructor": lambda: KernelConfig(**{**BASE, **changes}),
+        "replace": lambda: valid.replace(**changes),
+        "from_dict": lambda: KernelConfig.from_dict({**valid.to_dict(), **changes}),
+    }
+    for name, build in builders.items():
+        with pytest.raises(ValueError, match=re.escape(f"KernelConfig.{field}={value!r}")):
+            build()
+            pytest.fail(f"{name} accepted {changes}")
+
+
+# (problem, mode, transport, elements_per_thread, prefetch_group, ctas_per_token, reduce_ctas_per_token)
+DEFAULT_PROBLEMS = [
+    (dict(hidden=7168, top_k=8, tp=1), "direct", "direct", 8, 4, 7, 7),
+    (dict(hidden=7168, top_k=8, tp=2), "oneshot", "unicast", 8, 4, 7, 7),
+    (dict(hidden=5120, top_k=6, tp=8, mode="twoshot"), "twoshot", "unicast", 8, 4, 5, 5),
+    (dict(hidden=2880, top_k=10, tp=4, mode="reduce_scatter"), "reduce_scatter", "unicast", 8, 4, 3, 3),
+    (dict(hidden=2052, top_k=2, tp=1), "direct", "direct", 4, 2, 5, 2),  # 2052 % 8 = 4
+    (dict(hidden=4096, top_k=1, tp=2, arch="sm_100a", routed_scaling_factor=2.5,
+          include_shared_expert=False, fp32_weights=True), "oneshot", "unicast", 8, 1, 4, 4),
+]
+
+
+@pytest.mark.parametrize(
+    "problem, mode, transport, elements, prefetch, ctas, reduce_ctas", DEFAULT_PROBLEMS,
+    ids=[",".join(f"{k}={v}" for k, v in p[0].items()) for p in DEFAULT_PROBLEMS],
+)
+def test_default(problem, mode, transport, elements, prefetch, ctas, reduce_ctas):
+    config = KernelConfig.default(**problem)
+    for name, value in problem.items():
+        assert getattr(config, name) == value, name
+    assert (config.mode, config.transport) == (mode, transport)
+    assert (config.elements_per_thread, config.prefetch_group) == (elements, prefetch)
+    assert (config.threads, config.reduce_threads, config.enable_pdl) == (128, 128, True)
+    assert not config.load_shared_expert_before_pdl
+    assert (config.ctas_per_token, config.reduce_ctas_per_token) == (ctas, reduce_ctas)
+
+
+@pytest.mark.parametrize("problem, field", [
+    (dict(hidden=1028, top_k=8, tp=2), "hidden"),  # 8-byte fragments cannot fill 16-byte lanes
+    (dict(hidden=1024, top_k=8, tp=1, mode="oneshot"), "mode"),
+    (dict(hidden=1024, top_k=0, tp=2), "top_k"),
+    (dict(hidden=1024, top_k=8, tp=2, arch="sm_89"), "arch"),
+])
+def test_default_validates(problem, field):
+    with pytest.raises(ValueError, match=re.escape(f"KernelConfig.{field}=")):
+        KernelConfig.default(**problem)
+
+
+# One valid new value per field of KernelConfig(**BASE).
+CHANGED = {
+    "hidden": 2048,
+    "top_k": 8,
+    "tp": 4,
+    "mode": "twoshot",
+    "transport": "multicast",
+    "routed_scaling_factor": 2.5,
+    "include_shared_expert": False,
+    "fp32_weights": True,
+    "elements_per_thread": 4,
+    "threads": 256,
+    "prefetch_group": 2,
+    "load_shared_expert_before_pdl": True,
+    "enable_pdl": False,
+    "reduce_threads": 64,
+    "arch": "sm_100a",
+}
+
+
+def test_key_changes_with_every_field():
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(KernelConfig)}
+    base = KernelConfig(**BASE)
+    keys = {base.key}
+    for name, value in CHANGED.items():
+        changed = base.replace(**{name: value})
+        assert getattr(changed, name) == value and changed != base
+        assert changed.key != base.key, name
+        keys.add(changed.key)
+    assert len(keys) == len(CHANGED) + 1
+
+
+def test_key_is_stable_for_equal_configs():
+    assert KernelConfig(**BASE).key == KernelConfig(**BASE).key
+    # The scale is stored as a float, so 2 and 2.0 name the same cubin.
+    as_int = KernelConfig(**BASE, routed_scaling_factor=2)
+    assert as_int.routed_scaling_factor == 2.0 and type(as_int.routed_scaling_factor) is float
+    assert as_int.key == KernelConfig(**BASE, routed_scaling_factor=2.0).key
+
+
+def test_replace_copies_and_config_is_frozen():
+    base = KernelConfig(**BASE)
+    changed = base.replace(top_k=8)
+    assert (base.top_k, changed.top_k) == (4, 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.top_k = 8
+
+
+@st.composite
+def valid_configs(draw) -> KernelConfig:
+    """Any valid config: the draws respect every cross-field rule of `KernelConfig`."""
+    tp = draw(st.integers(1, 8))
+    if tp == 1:
+        mode, transport = "direct", "direct"
+    else:
+        mode = draw(st.sampled_from(["oneshot", "twoshot", "reduce_scatter"]))
+        transport = draw(st.sampled_from(["unicast", "multicast"])) if mode == "oneshot" else "unicast"
+    elements = draw(st.sampled_from([4, 8]))
+    top_k = draw(st.integers(1, 64))
+    include_shared, enable_pdl = draw(st.booleans()), draw(st.booleans())
+    return KernelConfig(
+        hidden=(8 if tp > 1 else elements) * draw(st.integers(1, 4096)),
+        top_k=top_k,
+        tp=tp,
+        mode=mode,
+        transport=transport,
+        routed_scaling_factor=draw(st.floats(allow_nan=False, allow_infinity=False)),
+        include_shared_expert=include_shared,
+        fp32_weights=draw(st.booleans()),
+        elements_per_thread=elements,
+        threads=32 * draw(st.integers(1, 32)),
+        prefetch_group=draw(st.integers(1, top_k)),
+        load_shared_expert_before_pdl=include_shared and enable_pdl and draw(st.booleans()),
+        enable_pdl=enable_pdl,
+        reduce_threads=32 * draw(st.integers(1, 32)),
+        arch=draw(st.sampled_from(ARCHS)),
+    )
+
+
+@given(valid_configs())
+def test_dict_round_trip(config):
+    # Through JSON, as the sidecar stores it.
+    restored = KernelConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert restored == config
+    assert restored.key == config.key
+    assert restored.replace() == config
+
+
+@given(valid_configs())
+def test_key_names_the_problem(config):
+    prefix = f"{config.mode}-h{config.hidden}-k{config.top_k}-tp{config.tp}-{config.arch}-"
+    assert config.key.startswith(prefix)
+    assert re.fullmatch(r"[A-Za-z0-9_.-]+-[0-9a-f]{12}", config.key)  # a safe file name
+
+
+def _covers(ctas: int, span: int, hidden: int) -> bool:
+    """``ctas`` CTAs of ``span`` elements cover ``hidden`` with less than one CTA to spare."""
+    return (ctas - 1) * span < hidden <= ctas * span
+
+
+@given(valid_configs())
+def test_grid_covers_a_row(config):
+    assert _covers(config.ctas_per_token, config.threads * config.elements_per_thread, config.hidden)
+    if config.tp > 1:
+        # 8 bf16 per 16-byte reduce fragment.
+        assert _covers(config.reduce_ctas_per_token, config.reduce_threads * 8, config.hidden)
