@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 from jax_moe_publish import protocol
-from tests import numerics
+import numerics
 
 SCALES = (1.0, 2.5)
 
