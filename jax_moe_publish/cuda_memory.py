@@ -58,6 +58,15 @@ def init() -> None:
         _initialized = True
 
 
+def _retain_primary_context(ordinal: int):
+    """Take a reference on device ``ordinal``'s primary context; returns the CUdevice."""
+    driver = _driver()
+    init()
+    device = check(driver.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    check(driver.cuDevicePrimaryCtxRetain(device), f"cuDevicePrimaryCtxRetain({ordinal})")
+    return device
+
+
 @contextlib.contextmanager
 def primary_context(ordinal: int):
     """Make device ``ordinal``'s primary context current (the one JAX/XLA uses)."""
@@ -100,7 +109,12 @@ class GroupMemory:
         self.capacity_m = capacity_m
         self.elements = protocol.mailbox_elements(self.tp, capacity_m, hidden)
         self.ranks: list[RankMemory] = []
+        # Hold each primary context for the group's lifetime: the driver resets a
+        # primary context (freeing everything in it) when its last reference goes.
+        self._contexts = []
         try:
+            for ordinal in self.ordinals:
+                self._contexts.append(_retain_primary_context(ordinal))
             for rank, ordinal in enumerate(self.ordinals):
                 memory = RankMemory(ordinal, rank, 0, 0, 0, 0, 0, 0)
                 self.ranks.append(memory)
@@ -163,6 +177,8 @@ class GroupMemory:
         for memory in self.ranks:
             with primary_context(memory.ordinal):
                 check(driver.cuMemcpyHtoD(memory.peer_table, table, len(table)), "cuMemcpyHtoD(peer_table)")
+                # A copy from pageable memory may return before it lands.
+                check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def status(self, rank: int) -> list[int]:
         """The status words of ``rank``, read from host memory (works after a device fault)."""
@@ -187,3 +203,6 @@ class GroupMemory:
                 if memory.status_host:
                     check(driver.cuMemFreeHost(memory.status_host), "cuMemFreeHost")
         self.ranks = []
+        for device in self._contexts:
+            check(driver.cuDevicePrimaryCtxRelease(device), "cuDevicePrimaryCtxRelease")
+        self._contexts = []

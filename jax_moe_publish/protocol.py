@@ -20,6 +20,8 @@ ACTIVE_STAGE = 1
 """Stage the last publish wrote; read by the reduce."""
 CALL_COUNT = 2
 """Completed calls on this device (wraps at 2**32)."""
+TIMEOUT_CLAIM = 3
+"""Set once by the first thread that times out, so one thread writes the diagnostic."""
 STAGE_STATE_WORDS = 8
 
 # int32 words of the per-device status block (host-mapped where possible).

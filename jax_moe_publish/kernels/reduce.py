@@ -188,16 +188,19 @@ class LamportReduceKernel:
                         self._record_timeout(stage, token, missing, stage_state, status)
         return [[rValues[i, w] for w in range(WORDS)] for i in range(len(slots))]
 
+    @cute.jit
     def _record_timeout(self, stage, token, missing, stage_state, status) -> None:
-        """Write the diagnostic (code last, after a fence) and abort the kernel."""
-        call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
-        ptx.store_volatile_s32(status + protocol.STATUS_STAGE * 4, stage)
-        ptx.store_volatile_s32(status + protocol.STATUS_TOKEN * 4, token)
-        ptx.store_volatile_s32(status + protocol.STATUS_MISSING_RANKS * 4, missing)
-        ptx.store_volatile_s32(status + protocol.STATUS_CALL * 4, call)
-        ptx.fence_system()
-        ptx.store_volatile_s32(status + protocol.STATUS_CODE * 4, protocol.STATUS_TIMEOUT)
-        ptx.fence_system()
+        """The first thread to time out writes the diagnostic (code last, after a
+        fence); every timed-out thread aborts the kernel."""
+        if ptx.claim_s32(stage_state + protocol.TIMEOUT_CLAIM * 4) == 0:
+            call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
+            ptx.store_volatile_s32(status + protocol.STATUS_STAGE * 4, stage)
+            ptx.store_volatile_s32(status + protocol.STATUS_TOKEN * 4, token)
+            ptx.store_volatile_s32(status + protocol.STATUS_MISSING_RANKS * 4, missing)
+            ptx.store_volatile_s32(status + protocol.STATUS_CALL * 4, call)
+            ptx.fence_system()
+            ptx.store_volatile_s32(status + protocol.STATUS_CODE * 4, protocol.STATUS_TIMEOUT)
+            ptx.fence_system()
         ptx.trap()
 
     def _sum(self, sources: list) -> list:

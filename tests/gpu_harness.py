@@ -1,0 +1,393 @@
+"""Runs a `KernelArtifact` on real GPUs through the CUDA driver API, the way the C++ launcher does.
+
+The kernel tests use it to exercise the cubins without JAX or the FFI library.
+It replays the launcher's contract from the artifact's metadata:
+
+* each kernel of ``metadata["kernels"]`` is launched in the listed order with
+  grid = rows * ctas_per_row (rows: ``m``, or ``ceil(m / tp)`` for ``owned``),
+  its block and dynamic shared memory, and the PDL attribute
+  (``PROGRAMMATIC_STREAM_SERIALIZATION = 1``) on every launch when ``metadata["pdl"]``;
+* publish parameters: ``(routed, weights, indices, shared, stage_state,
+  destination, num_rows, m, capacity_m, rank)``; destination is the rank's peer
+  table, or the output in mode ``direct`` (then stage_state = 0,
+  capacity_m = m, rank = 0);
+* reduce and gather parameters: ``(mailbox, peer_table, stage_state, status,
+  out, timeout_ns, m, capacity_m, rank)``.
+
+A group call launches every rank's publish, then every rank's reduce, then
+every rank's gather, all asynchronously on per-device streams: a reduce spins
+until its peers' publishes land, so the host never waits between ranks'
+launches. Only then does it wait for all devices, with a host-side deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+
+import numpy as np
+from cuda.bindings import driver
+
+import numerics
+from jax_moe_publish import protocol
+from jax_moe_publish.aot.artifact import KernelArtifact
+from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.cuda_memory import CudaError, GroupMemory, check, init, primary_context
+
+PROGRAMMATIC_STREAM_SERIALIZATION = (
+    driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+)
+PUBLISH_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 4
+WAIT_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 3
+# Dynamic shared memory above this needs an explicit opt-in per function (as in ffi/registry.cc).
+DEFAULT_SMEM_LIMIT = 48 * 1024
+MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+POLL_S = 50e-6
+
+
+def device_count() -> int:
+    """CUDA devices visible to this process."""
+    init()
+    return check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
+
+
+class Device:
+    """One GPU: a reference on its primary context, a stream and the kernels loaded into it.
+
+    The reference keeps the primary context, and every allocation made in it
+    (`GroupMemory`'s included), alive between the scoped pushes of
+    `primary_context`: the driver resets a primary context when its last
+    reference is released.
+
+    A device whose kernels outlive a host deadline is *wedged*: it refuses all
+    further work and is never freed, since every free would wait for them.
+    """
+
+    wedged = False
+
+    def __init__(self, ordinal: int) -> None:
+        init()
+        self.ordinal = ordinal
+        self._handle = check(driver.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+        check(driver.cuDevicePrimaryCtxRetain(self._handle), f"cuDevicePrimaryCtxRetain({ordinal})")
+        self._modules: dict[str, tuple[object, list]] = {}
+        with self.current():
+            # Non-blocking, like XLA's streams: nothing on the legacy stream orders our work.
+            flags = int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            self.stream = check(driver.cuStreamCreate(flags), "cuStreamCreate")
+
+    def current(self):
+        """Context manager: this device's primary context is current."""
+        if self.wedged:
+            raise RuntimeError(f"device {self.ordinal} still runs kernels that outlived a host deadline")
+        return primary_context(self.ordinal)
+
+    def functions(self, artifact: KernelArtifact) -> list:
+        """The artifact's kernels on this device, in metadata order (loaded once)."""
+        key = artifact.metadata["key"]
+        if key not in self._modules:
+            image = np.frombuffer(artifact.cubin, np.uint8)
+            with self.current():
+                module = check(driver.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData({key})")
+                functions = []
+                for kernel in artifact.metadata["kernels"]:
+                    symbol = kernel["symbol"]
+                    function = check(
+                        driver.cuModuleGetFunction(module, symbol.encode()),
+                        f"cuModuleGetFunction({symbol})",
+                    )
+                    if kernel["smem"] > DEFAULT_SMEM_LIMIT:
+                        check(
+                            driver.cuFuncSetAttribute(function, MAX_DYNAMIC_SMEM, kernel["smem"]),
+                            f"cuFuncSetAttribute({symbol})",
+                        )
+                    functions.append(function)
+            self._modules[key] = (module, functions)
+        return self._modules[key][1]
+
+    def launch(self, function, kernel: dict, rows: int, params: tuple, types: tuple, pdl: bool) -> None:
+        """Enqueue one kernel of the artifact: grid = rows * ctas_per_row."""
+        config = driver.CUlaunchConfig()
+        config.gridDimX = rows * kernel["ctas_per_row"]
+        config.gridDimY = 1
+        config.gridDimZ = 1
+        config.blockDimX = kernel["block"]
+        config.blockDimY = 1
+        config.blockDimZ = 1
+        config.sharedMemBytes = kernel["smem"]
+        config.hStream = self.stream
+        if pdl:
+            attribute = driver.CUlaunchAttribute()
+            attribute.id = PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attribute]
+        config.numAttrs = 1 if pdl else 0
+        with self.current():
+            check(
+                driver.cuLaunchKernelEx(config, function, (tuple(map(int, params)), types), 0),
+                f"cuLaunchKernelEx({kernel['role']}, device {self.ordinal})",
+            )
+
+    def wait(self, deadline: float) -> None:
+        """Wait for the stream, polling, until ``deadline`` (time.monotonic()); a kernel error raises."""
+        with self.current():
+            while True:
+                result = driver.cuStreamQuery(self.stream)
+                if result[0] != driver.CUresult.CUDA_ERROR_NOT_READY:
+                    check(result, f"cuStreamQuery(device {self.ordinal})")
+                    return
+                if time.monotonic() > deadline:
+                    self.wedged = True
+                    raise TimeoutError(
+                        f"device {self.ordinal}: kernels still running at the host deadline; "
+                        "the device is left running and refuses further work"
+                    )
+                time.sleep(POLL_S)
+
+    def upload(self, address: int, array: np.ndarray) -> None:
+        """Copy ``array`` to ``address`` in stream order; returns once the copy is done."""
+        array = np.ascontiguousarray(array)
+        with self.current():
+            check(
+                driver.cuMemcpyHtoDAsync(address, array.ctypes.data, array.nbytes, self.stream),
+                "cuMemcpyHtoDAsync",
+            )
+            check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def download(self, address: int, dtype, shape) -> np.ndarray:
+        """A copy of device memory at ``address``, read in stream order."""
+        out = np.empty(shape, dtype)
+        with self.current():
+            check(
+                driver.cuMemcpyDtoHAsync(out.ctypes.data, address, out.nbytes, self.stream),
+                "cuMemcpyDtoHAsync",
+            )
+            check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        return out
+
+    def fill16(self, address: int, value: int, count: int) -> None:
+        """Set ``count`` 16-bit words at ``address`` to ``value``, in stream order."""
+        with self.current():
+            check(driver.cuMemsetD16Async(address, int(value), count, self.stream), "cuMemsetD16Async")
+
+    def close(self) -> None:
+        if self.wedged:
+            return
+        with self.current():
+            check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            check(driver.cuStreamDestroy(self.stream), "cuStreamDestroy")
+            for module, _ in self._modules.values():
+                check(driver.cuModuleUnload(module), "cuModuleUnload")
+        self._modules = {}
+        check(driver.cuDevicePrimaryCtxRelease(self._handle), f"cuDevicePrimaryCtxRelease({self.ordinal})")
+
+
+class Buffer:
+    """``nbytes`` of device memory on one device."""
+
+    def __init__(self, device: Device, nbytes: int) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        with device.current():
+            self.address = int(check(driver.cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})"))
+
+    def upload(self, array: np.ndarray) -> None:
+        """Write ``array``'s bytes at the start of the buffer."""
+        if array.nbytes > self.nbytes:
+            raise ValueError(f"array of {array.nbytes} B does not fit a buffer of {self.nbytes} B")
+        self.device.upload(self.address, array)
+
+    def download(self, dtype, shape) -> np.ndarray:
+        """The start of the buffer as an array of ``dtype`` and ``shape``."""
+        return self.device.download(self.address, dtype, shape)
+
+    def poison(self) -> None:
+        """Fill the whole buffer with `numerics.POISON_BF16`, so that unwritten elements show."""
+        self.device.fill16(self.address, numerics.POISON_BF16, self.nbytes // 2)
+
+    def free(self) -> None:
+        with self.device.current():
+            check(driver.cuMemFree(self.address), "cuMemFree")
+
+
+class RankBuffers:
+    """One rank's inputs and output, for calls of up to ``max_m`` tokens and ``max_rows`` routed rows.
+
+    Allocated once and reused: `upload` writes a problem at the start of each
+    buffer and remembers its number of routed rows.
+    """
+
+    def __init__(self, device: Device, config: KernelConfig, max_m: int, max_rows: int) -> None:
+        self.config = config
+        self.max_m = max_m
+        self.max_rows = max_rows
+        row_bytes = config.hidden * 2
+        weight_bytes = 4 if config.fp32_weights else 2
+        self.routed = Buffer(device, max_rows * row_bytes)
+        self.weights = Buffer(device, max_m * config.top_k * weight_bytes)
+        self.indices = Buffer(device, max_m * config.top_k * 4)
+        self.shared = Buffer(device, max_m * row_bytes) if config.include_shared_expert else None
+        self.out = Buffer(device, max_m * row_bytes)
+        self.num_rows = 0
+
+    def upload(self, problem: numerics.Problem) -> None:
+        weights_dtype = np.float32 if self.config.fp32_weights else numerics.BF16
+        if problem.weights.dtype != weights_dtype:
+            raise TypeError(
+                f"problem.weights is {problem.weights.dtype}, the config expects {weights_dtype}"
+            )
+        if (problem.shared is None) == self.config.include_shared_expert:
+            raise ValueError(
+                f"problem.shared is {'absent' if problem.shared is None else 'present'}, but "
+                f"include_shared_expert={self.config.include_shared_expert}"
+            )
+        self.routed.upload(problem.routed)
+        self.weights.upload(problem.weights)
+        self.indices.upload(problem.indices.astype(np.int32))
+        if self.shared is not None:
+            self.shared.upload(problem.shared)
+        self.num_rows = problem.routed.shape[0]
+
+    def output(self) -> np.ndarray:
+        """The whole output buffer as raw bf16 bits: uint16 ``[max_m, hidden]``."""
+        return self.out.download(np.uint16, (self.max_m, self.config.hidden))
+
+    def free(self) -> None:
+        for buffer in (self.routed, self.weights, self.indices, self.shared, self.out):
+            if buffer is not None:
+                buffer.free()
+
+
+class GroupLauncher:
+    """One artifact loaded on the devices of a group (rank r on ``devices[r]``), with its mailbox memory.
+
+    ``memory`` is None in mode ``direct`` (tp = 1), which has no mailbox.
+    """
+
+    def __init__(self, artifact: KernelArtifact, devices: list[Device], memory: GroupMemory | None,
+                 timeout_ns: int) -> None:
+        self.config = KernelConfig.from_dict(artifact.metadata["config"])
+        if self.config.transport == "multicast":
+            raise ValueError(f"{artifact.metadata['key']}: the harness has no multicast memory")
+        if (memory is None) != (self.config.mode == "direct"):
+            raise ValueError(
+                f"mode {self.config.mode!r} with memory={memory!r}: a mailbox is needed exactly when tp > 1"
+            )
+        self.devices = devices[: self.config.tp]
+        self.memory = memory
+        self.timeout_ns = timeout_ns
+        self.kernels = artifact.metadata["kernels"]
+        self.roles = tuple(kernel["role"] for kernel in self.kernels)
+        self.pdl = bool(artifact.metadata["pdl"])
+        self.functions = [device.functions(artifact) for device in self.devices]
+        self._buffers: list[RankBuffers] = []
+
+    def allocate(self, max_m: int, max_rows: int) -> list[RankBuffers]:
+        """Buffers for every rank, freed by `close`."""
+        buffers = [RankBuffers(device, self.config, max_m, max_rows) for device in self.devices]
+        self._buffers += buffers
+        return buffers
+
+    def launch(self, buffers: list[RankBuffers], m: int, roles: tuple[str, ...] | None = None) -> None:
+        """Enqueue the kernels of one call for every rank, role by role; ``roles`` limits which."""
+        if self.memory is not None and m > self.memory.capacity_m:
+            raise ValueError(f"m={m} exceeds the mailbox's capacity_m={self.memory.capacity_m}")
+        for index, kernel in enumerate(self.kernels):
+            if roles is not None and kernel["role"] not in roles:
+                continue
+            rows = m if kernel["rows"] == "m" else protocol.owned_rows(m, self.config.tp)
+            for rank, device in enumerate(self.devices):
+                params, types = self._params(kernel["role"], rank, buffers[rank], m)
+                device.launch(self.functions[rank][index], kernel, rows, params, types, self.pdl)
+
+    def _params(self, role: str, rank: int, buffers: RankBuffers, m: int) -> tuple[tuple, tuple]:
+        if role == "publish":
+            if self.memory is None:
+                stage_state, destination, capacity_m, publish_rank = 0, buffers.out.address, m, 0
+            else:
+                memory = self.memory.ranks[rank]
+                stage_state, destination = memory.stage_state, memory.peer_table
+                capacity_m, publish_rank = self.memory.capacity_m, rank
+            shared = 0 if buffers.shared is None else buffers.shared.address
+            values = (buffers.routed.address, buffers.weights.address, buffers.indices.address, shared,
+                      stage_state, destination, buffers.num_rows, m, capacity_m, publish_rank)
+            return values, PUBLISH_TYPES
+        memory = self.memory.ranks[rank]
+        values = (memory.mailbox, memory.peer_table, memory.stage_state, memory.status,
+                  buffers.out.address, self.timeout_ns, m, self.memory.capacity_m, rank)
+        return values, WAIT_TYPES
+
+    def synchronize(self) -> None:
+        """Wait for every rank's device. The host deadline comes after any kernel wait would
+        have timed out, so a lost contribution is reported by the kernel with its status words."""
+        deadline = time.monotonic() + 3 * self.timeout_ns / 1e9
+        try:
+            for device in self.devices:
+                device.wait(deadline)
+        except (CudaError, TimeoutError) as error:
+            if self.memory is None:
+                raise
+            statuses = [self.status(rank) for rank in range(self.config.tp)]
+            raise type(error)(f"{error}; status words by rank: {statuses}") from error
+
+    def run(self, buffers: list[RankBuffers], m: int) -> None:
+        """One whole call on every rank, then wait for all of them."""
+        self.launch(buffers, m)
+        self.synchronize()
+
+    def mailbox(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rank's mailbox as raw bf16 bits: (contributions ``[STAGES][tp][capacity_m][hidden]``,
+        gather area ``[STAGES][capacity_m][hidden]``)."""
+        memory = self.memory
+        words = self.devices[rank].download(memory.ranks[rank].mailbox, np.uint16, memory.elements)
+        split = protocol.contribution_elements(memory.tp, memory.capacity_m, memory.hidden)
+        contributions = words[:split].reshape(
+            protocol.STAGES, memory.tp, memory.capacity_m, memory.hidden
+        )
+        gather = words[split:].reshape(protocol.STAGES, memory.capacity_m, memory.hidden)
+        return contributions, gather
+
+    def stage_state(self, rank: int) -> np.ndarray:
+        """Rank's stage-state words (int32), indexed by `protocol.NEXT_STAGE` etc."""
+        return self.devices[rank].download(
+            self.memory.ranks[rank].stage_state, np.int32, protocol.STAGE_STATE_WORDS
+        )
+
+    def status(self, rank: int) -> list[int]:
+        """Rank's status words, read from host memory (valid even after a kernel trap)."""
+        return self.memory.status(rank)
+
+    def close(self) -> None:
+        for buffers in self._buffers:
+            buffers.free()
+        self._buffers = []
+
+
+@contextlib.contextmanager
+def open_group(artifact: KernelArtifact, devices: list[Device], *, capacity_m: int,
+               timeout_ns: int):
+    """A `GroupLauncher` on ``devices[:tp]`` with fresh mailbox memory (none for tp = 1), freed at exit."""
+    config = KernelConfig.from_dict(artifact.metadata["config"])
+    if len(devices) < config.tp:
+        raise ValueError(f"{artifact.metadata['key']} needs {config.tp} devices, got {len(devices)}")
+    group = devices[: config.tp]
+    memory = None
+    if config.tp > 1:
+        memory = GroupMemory([d.ordinal for d in group], hidden=config.hidden, capacity_m=capacity_m)
+    launcher = None
+    try:
+        # GroupMemory writes the peer tables with copies from pageable memory, which
+        # can still be in flight when they return; our streams do not wait for them.
+        for device in group:
+            with device.current():
+                check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+        launcher = GroupLauncher(artifact, group, memory, timeout_ns)
+        yield launcher
+    finally:
+        # A wedged device would make every free wait forever.
+        if not any(device.wedged for device in group):
+            if launcher is not None:
+                launcher.close()
+            if memory is not None:
+                memory.free()

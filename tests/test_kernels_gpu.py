@@ -1,0 +1,243 @@
+"""GPU tests of the device kernels, run through `gpu_harness` on one or two GPUs.
+
+Every config comes from `presets.test_variants`, the set prebuilt for the GPU
+machine. A call's outputs are compared with the float64 model of `numerics`;
+the allreduce modes must also agree bit for bit across ranks. After every
+call the protocol state is checked too: the status block is zero (healthy),
+the stage words have advanced once per call, and every mailbox lane is back
+to the empty sentinel (every consumed slot re-armed, nothing stale).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import gpu_harness
+import numerics
+from jax_moe_publish import protocol
+from jax_moe_publish.aot import presets
+from jax_moe_publish.aot.store import default_store
+
+pytestmark = pytest.mark.gpu
+
+CAPACITY_M = 64
+M_VALUES = (1, 3, 37, CAPACITY_M)
+TIMEOUT_NS = 10 * 10**9  # a lost contribution traps after 10 s instead of hanging
+MAX_GPUS = 2
+
+# Consecutive calls on one mailbox: a small capacity and few routed rows keep
+# fresh data for every call cheap.
+ROUNDS = 200
+ROUNDS_CAPACITY_M = 16
+ROUNDS_ROUTED_ROWS = 16
+CHAINED_CALLS = 12
+
+TP1_CONFIGS = presets.test_variants(1)
+TP2_CONFIGS = presets.test_variants(2)
+# One config of each multi-rank mode, for the tests of consecutive calls.
+TP2_MODE_CONFIGS = [
+    next(c for c in TP2_CONFIGS if c.mode == mode) for mode in presets.MULTI_RANK_MODES
+]
+TP2_ONESHOT_CONFIGS = [c for c in TP2_CONFIGS if c.mode == "oneshot"]
+
+
+def _key(config) -> str:
+    return config.key
+
+
+def _rng(*labels) -> np.random.Generator:
+    """A generator seeded from ``labels``: every check draws its own reproducible data."""
+    return np.random.default_rng(zlib.crc32(repr(labels).encode()))
+
+
+@pytest.fixture(scope="session")
+def devices():
+    opened = [gpu_harness.Device(i) for i in range(min(MAX_GPUS, gpu_harness.device_count()))]
+    yield opened
+    for device in opened:
+        device.close()
+
+
+def _group(config, devices, capacity_m):
+    return gpu_harness.open_group(
+        default_store().get(config), devices, capacity_m=capacity_m, timeout_ns=TIMEOUT_NS
+    )
+
+
+def _routed_rows(config, m: int) -> int:
+    """Routed rows of a random problem of m tokens (the `numerics.random_problem` default)."""
+    return max(1, m * config.top_k // 2)
+
+
+def _random_problems(config, m: int, rng, num_rows: int) -> list[numerics.Problem]:
+    """Fresh inputs for every rank, with -1 and out-of-range indices."""
+    return [
+        numerics.random_problem(
+            rng, m=m, hidden=config.hidden, top_k=config.top_k, num_rows=num_rows,
+            fp32_weights=config.fp32_weights, shared=config.include_shared_expert,
+        )
+        for _ in range(config.tp)
+    ]
+
+
+def _prepare(buffers, problems) -> None:
+    for rank_buffers, problem in zip(buffers, problems):
+        rank_buffers.upload(problem)
+        rank_buffers.out.poison()
+
+
+def _output_rows(config, m: int) -> int:
+    return protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
+
+
+def _check_outputs(config, outputs: list[np.ndarray], problems, m: int) -> None:
+    """Every rank's output (raw bf16 bits) against the float64 model of the call."""
+    total, bound = numerics.expected_sum(problems, config.routed_scaling_factor)
+    rows = _output_rows(config, m)
+    for rank, bits in enumerate(outputs):
+        what = f"{config.key} m={m} rank {rank}"
+        assert np.all(bits[rows:] == numerics.POISON_BF16), f"{what}: rows past {rows} were written"
+        out = bits[:rows].view(numerics.BF16)
+        if config.mode == "reduce_scatter":
+            reference = numerics.owned(total, config.tp, rank)
+            numerics.assert_close(out, reference, numerics.owned(bound, config.tp, rank), what=what)
+            unused = np.arange(rows) * config.tp + rank >= m
+            assert np.all(bits[:rows][unused] == 0), f"{what}: rows of no token are not +0.0"
+        else:
+            numerics.assert_close(out, total, bound, what=what)
+    if config.mode in ("oneshot", "twoshot"):
+        for rank, bits in enumerate(outputs[1:], 1):
+            assert np.array_equal(bits[:rows], outputs[0][:rows]), (
+                f"{config.key} m={m}: rank {rank}'s output differs in bits from rank 0's"
+            )
+
+
+def _check_protocol_state(launcher, calls: int) -> None:
+    """After ``calls`` complete calls on a mailbox: healthy, advanced, and every lane empty again."""
+    for rank in range(launcher.config.tp):
+        what = f"{launcher.config.key} rank {rank} after {calls} calls"
+        assert launcher.status(rank) == [0] * protocol.STATUS_WORDS, f"{what}: status words set"
+        state = launcher.stage_state(rank)
+        assert state[protocol.NEXT_STAGE] == calls % protocol.STAGES, f"{what}: stage words {state}"
+        assert state[protocol.ACTIVE_STAGE] == (calls - 1) % protocol.STAGES, f"{what}: {state}"
+        assert state[protocol.CALL_COUNT] == calls, f"{what}: stage words {state}"
+        for name, area in zip(("contributions", "gather area"), launcher.mailbox(rank)):
+            stale = np.argwhere(area != protocol.EMPTY_BF16)
+            assert stale.size == 0, (
+                f"{what}: {len(stale)} {name} lanes not re-armed, first at {stale[0]}"
+            )
+
+
+def _negative_zero_problems(config, m: int, rng) -> list[numerics.Problem]:
+    """Inputs whose partials are bf16 -0.0 (or zero) before the publish sanitizes them.
+
+    Routed values near -1e-38 times weights near 1e-5 (and a scale <= 2.5, top-k
+    <= 10) give float32 sums near -1e-42, far below half of bf16's smallest
+    subnormal (about 4.6e-41), so each rounds to -0.0. Every third token has
+    only -1 indices: its partial is just the shared row, -0.0 (or nothing).
+    """
+    problems = _random_problems(config, m, rng, _routed_rows(config, m))
+    for problem in problems:
+        problem.routed = (-rng.uniform(0.5e-38, 1e-38, problem.routed.shape)).astype(numerics.BF16)
+        problem.weights = rng.uniform(0.5e-5, 1e-5, problem.weights.shape).astype(problem.weights.dtype)
+        problem.indices[::3] = -1
+        if problem.shared is not None:
+            problem.shared = np.full(problem.shared.shape, -0.0, numerics.BF16)
+    return problems
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("m", M_VALUES, ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("config", TP1_CONFIGS, ids=_key)
+def test_direct_finalize_matches_model(config, m, devices):
+    rng = _rng(config.key, m)
+    problems = _random_problems(config, m, rng, _routed_rows(config, m))
+    with _group(config, devices, CAPACITY_M) as launcher:
+        buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+        _prepare(buffers, problems)
+        launcher.run(buffers, m)
+        _check_outputs(config, [buffers[0].output()], problems, m)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("m", M_VALUES, ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("config", TP2_CONFIGS, ids=_key)
+def test_group_call_matches_model(config, m, devices):
+    rng = _rng(config.key, m)
+    problems = _random_problems(config, m, rng, _routed_rows(config, m))
+    with _group(config, devices, CAPACITY_M) as launcher:
+        buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+        _prepare(buffers, problems)
+        launcher.run(buffers, m)
+        _check_outputs(config, [b.output() for b in buffers], problems, m)
+        _check_protocol_state(launcher, calls=1)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("config", TP2_ONESHOT_CONFIGS, ids=_key)
+def test_negative_zero_is_never_published(config, devices):
+    m = 37
+    problems = _negative_zero_problems(config, m, _rng(config.key, "negative zero"))
+    with _group(config, devices, CAPACITY_M) as launcher:
+        buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+        _prepare(buffers, problems)
+        launcher.launch(buffers, m, roles=("publish",))
+        launcher.synchronize()
+        for rank in range(config.tp):
+            what = f"rank {rank}'s mailbox after the publishes"
+            contributions, gather = launcher.mailbox(rank)
+            published = contributions[0, :, :m]
+            assert not np.any(published == protocol.EMPTY_BF16), f"{what}: a lane holds the sentinel"
+            assert np.all(published == 0), f"{what}: published lanes are not +0.0"
+            assert np.all(contributions[0, :, m:] == protocol.EMPTY_BF16), f"{what}: slots past m"
+            assert np.all(contributions[1:] == protocol.EMPTY_BF16), f"{what}: other stages written"
+            assert np.all(gather == protocol.EMPTY_BF16), f"{what}: gather area written"
+            assert launcher.stage_state(rank)[protocol.ACTIVE_STAGE] == 0, what
+        # The rest of the call: it must find every slot filled, so it cannot hang.
+        launcher.launch(buffers, m, roles=launcher.roles[1:])
+        launcher.synchronize()
+        outputs = [b.output() for b in buffers]
+        _check_outputs(config, outputs, problems, m)
+        for rank, bits in enumerate(outputs):
+            assert np.all(bits[:m] == 0), f"rank {rank}: a zero result is not +0.0"
+        _check_protocol_state(launcher, calls=1)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("config", TP2_MODE_CONFIGS, ids=_key)
+def test_consecutive_rounds_cycle_the_stages(config, devices):
+    rng = _rng(config.key, "rounds")
+    with _group(config, devices, ROUNDS_CAPACITY_M) as launcher:
+        buffers = launcher.allocate(ROUNDS_CAPACITY_M, ROUNDS_ROUTED_ROWS)
+        for round_ in range(ROUNDS):
+            m = int(rng.integers(1, ROUNDS_CAPACITY_M, endpoint=True))
+            problems = _random_problems(config, m, rng, ROUNDS_ROUTED_ROWS)
+            _prepare(buffers, problems)
+            launcher.run(buffers, m)
+            _check_outputs(config, [b.output() for b in buffers], problems, m)
+            _check_protocol_state(launcher, calls=round_ + 1)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("config", TP2_MODE_CONFIGS, ids=_key)
+def test_chained_calls_without_host_waits(config, devices):
+    """Calls enqueued back to back, as XLA issues them: ranks drift apart by up to a call
+    and PDL overlaps each call with the previous one; each call has its own buffers."""
+    rng = _rng(config.key, "chained")
+    with _group(config, devices, ROUNDS_CAPACITY_M) as launcher:
+        calls = []
+        for _ in range(CHAINED_CALLS):
+            m = int(rng.integers(1, ROUNDS_CAPACITY_M, endpoint=True))
+            problems = _random_problems(config, m, rng, ROUNDS_ROUTED_ROWS)
+            buffers = launcher.allocate(ROUNDS_CAPACITY_M, ROUNDS_ROUTED_ROWS)
+            _prepare(buffers, problems)
+            calls.append((m, problems, buffers))
+        for m, _, buffers in calls:
+            launcher.launch(buffers, m)
+        launcher.synchronize()
+        for m, problems, buffers in calls:
+            _check_outputs(config, [b.output() for b in buffers], problems, m)
+        _check_protocol_state(launcher, calls=CHAINED_CALLS)
