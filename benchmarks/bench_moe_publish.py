@@ -1,18 +1,20 @@
 """Side-by-side timing of jax-moe-publish against XLA's finalize + psum, on the same GPUs in one run.
 
-For every case it builds chains of L layers inside one ``jit`` + ``shard_map``,
-each layer with its own inputs (so XLA can neither hoist nor merge layers) and
-each layer's output fed into the next layer's shared-expert input, as in a
-model (without a shared expert, an ``optimization_barrier`` ties the next
-layer's weights to the output instead):
+For every case one ``jit`` + ``shard_map`` runs a ``fori_loop`` whose body is a
+chain of L = 32 layers, each layer with its own inputs (so XLA can neither
+hoist nor merge layers) and each layer's output fed into the next layer's
+shared-expert input, as in a model (without a shared expert, the output is
+tied to the next layer's router weights by a tiny fusion, on both paths):
 
 * ``ours``: `moe_finalize_publish` (the kernels);
 * ``xla``: the same finalize in ``jnp`` followed by ``lax.psum`` (tp > 1), or
   the ``jnp`` finalize alone, which XLA fuses (tp = 1).
 
-Time per call = ``(T(L=40) - T(L=8)) / 32``, so launch and loop overhead cancel.
-Each T is the median of ``--reps`` timed runs after a warm-up; the spread is
-the 10th-90th percentile of the per-call estimates.
+Time per call = ``(T(12 iterations) - T(4 iterations)) / (8 * 32)``: one
+dispatch per run, so host dispatch cancels, and the loop's own cost per
+iteration is spread over 32 calls. Each T is the median of ``--reps`` timed
+runs after a warm-up; the spread is the 10th-90th percentile of the paired
+per-call estimates.
 
     python benchmarks/bench_moe_publish.py --out results.json [--no-command-buffer]
 """
@@ -34,6 +36,7 @@ def _parse():
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-command-buffer", action="store_true",
                         help="turn XLA command buffers (CUDA graphs) off for this run")
+    parser.add_argument("--hlo", help="write the optimized HLO of the first case's chains here")
     return parser.parse_args()
 
 
@@ -54,7 +57,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
 
-SHORT, LONG = 8, 40
+LAYERS = 32
+SHORT, LONG = 4, 12  # loop iterations
 PROBLEMS = {
     "deepseek-v3": dict(hidden=7168, top_k=8, shared=True, scale=2.5),
     "qwen3-moe": dict(hidden=4096, top_k=8, shared=False, scale=1.0),
@@ -72,38 +76,53 @@ def xla_finalize(routed, weights, indices, shared, scale):
     return out.astype(jnp.bfloat16)
 
 
-def make_chain(impl, mailbox, layers, problem, config):
-    scale, with_shared = problem["scale"], problem["shared"]
+def make_chain(impl, mailbox, problem, config, iterations):
+    """``iterations`` passes over a chain of LAYERS calls, in one jitted program."""
+    scale, with_shared, top_k = problem["scale"], problem["shared"], problem["top_k"]
+
+    def layer(args, y):
+        routed, weights, indices = args
+        if not with_shared:
+            weights = weights + 0.0 * y[:, :top_k].astype(jnp.float32)
+        if impl == "ours":
+            return jmp.moe_finalize_publish(routed, weights, indices, y if with_shared else None,
+                                            mailbox=mailbox, routed_scaling_factor=scale,
+                                            impl="kernel", config=config)
+        out = xla_finalize(routed, weights, indices, y if with_shared else None, scale)
+        return lax.psum(out, "tp") if mailbox.tp > 1 else out
 
     def shard(routed, weights, indices, shared):
-        y = shared[0]
-        for layer in range(layers):
-            y, w = lax.optimization_barrier((y, weights[0, layer]))
-            args = (routed[0, layer], w, indices[0, layer], y if with_shared else None)
-            if impl == "ours":
-                y = jmp.moe_finalize_publish(*args, mailbox=mailbox, routed_scaling_factor=scale,
-                                             impl="kernel", config=config)
-            else:
-                y = xla_finalize(*args, scale)
-                if mailbox.tp > 1:
-                    y = lax.psum(y, "tp")
-        return y
+        def body(_, y):
+            for index in range(LAYERS):
+                y = layer((routed[index][0], weights[index][0], indices[index][0]), y)
+            return y
 
-    return jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=P("tp"), out_specs=P()))
+        return lax.fori_loop(0, iterations, body, shared[0])
+
+    # With tp = 1 XLA's output is not marked invariant (there is no psum): skip that check.
+    return jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=P("tp"), out_specs=P(),
+                                 check_vma=mailbox.tp > 1))
 
 
-def chain_inputs(mesh, layers, m, problem, key):
+def chain_inputs(mesh, m, problem, key):
+    """Per-layer lists of [tp, ...] arrays (routed, weights, indices) and the first shared input."""
     tp, hidden, top_k = mesh.shape["tp"], problem["hidden"], problem["top_k"]
     num_rows = m * top_k
     sharding = jax.sharding.NamedSharding(mesh, P("tp"))
-    keys = jax.random.split(key, 4)
-    routed = jax.random.normal(keys[0], (tp, layers, num_rows, hidden), jnp.bfloat16)
-    weights = jax.random.uniform(keys[1], (tp, layers, m, top_k), jnp.float32, 0.0, 0.25)
-    # Each token's experts are distinct rows, as after a routing permutation.
-    order = jax.random.permutation(keys[2], num_rows).reshape(m, top_k).astype(jnp.int32)
-    indices = jnp.broadcast_to(order, (tp, layers, m, top_k))
-    shared = jax.random.normal(keys[3], (tp, m, hidden), jnp.bfloat16) * 0.1
-    return [jax.device_put(x, sharding) for x in (routed, weights, indices, shared)]
+
+    def put(x):
+        return jax.device_put(x, sharding)
+
+    routed, weights, indices = [], [], []
+    for layer_key in jax.random.split(key, LAYERS):
+        keys = jax.random.split(layer_key, 3)
+        routed.append(put(jax.random.normal(keys[0], (tp, num_rows, hidden), jnp.bfloat16)))
+        weights.append(put(jax.random.uniform(keys[1], (tp, m, top_k), jnp.float32, 0.0, 0.25)))
+        # Each token's experts are distinct rows, as after a routing permutation.
+        order = jax.random.permutation(keys[2], num_rows).reshape(m, top_k).astype(jnp.int32)
+        indices.append(put(jnp.broadcast_to(order, (tp, m, top_k))))
+    shared = put(jax.random.normal(key, (tp, m, hidden), jnp.bfloat16) * 0.1)
+    return routed, weights, indices, shared
 
 
 def time_runs(fn, args, reps):
@@ -116,12 +135,13 @@ def time_runs(fn, args, reps):
     return np.array(times)
 
 
-def per_call_us(chains, inputs, reps):
+def per_call_us(programs, inputs, reps):
     """Median per-call time and the 10-90 % spread of paired per-call estimates."""
-    short = time_runs(chains[SHORT], inputs[SHORT], reps)
-    long = time_runs(chains[LONG], inputs[LONG], reps)
-    estimates = (np.sort(long) - np.sort(short)) / (LONG - SHORT) * 1e6
-    median = (np.median(long) - np.median(short)) / (LONG - SHORT) * 1e6
+    short = time_runs(programs[SHORT], inputs, reps)
+    long = time_runs(programs[LONG], inputs, reps)
+    calls = (LONG - SHORT) * LAYERS
+    estimates = (np.sort(long) - np.sort(short)) / calls * 1e6
+    median = (np.median(long) - np.median(short)) / calls * 1e6
     return {"us": float(median), "p10": float(np.percentile(estimates, 10)),
             "p90": float(np.percentile(estimates, 90))}
 
@@ -137,12 +157,15 @@ def measure_case(mesh, name, m, mode, reps, key):
     )
     result = {"problem": name, "m": m, "tp": tp, "mode": mode}
     with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
-        inputs = {L: chain_inputs(mesh, L, m, problem, key) for L in (SHORT, LONG)}
+        inputs = chain_inputs(mesh, m, problem, key)
         outputs = {}
         for impl in ("ours", "xla"):
-            chains = {L: make_chain(impl, mailbox, L, problem, config) for L in (SHORT, LONG)}
-            outputs[impl] = np.asarray(chains[SHORT](*inputs[SHORT]), np.float64)
-            result[impl] = per_call_us(chains, inputs, reps)
+            programs = {n: make_chain(impl, mailbox, problem, config, n) for n in (1, SHORT, LONG)}
+            outputs[impl] = np.asarray(programs[1](*inputs), np.float64)
+            result[impl] = per_call_us(programs, inputs, reps)
+            if ARGS.hlo and not os.path.exists(f"{ARGS.hlo}.{impl}.txt"):
+                with open(f"{ARGS.hlo}.{impl}.txt", "w") as f:
+                    f.write(programs[SHORT].lower(*inputs).compile().as_text())
         mailbox.check()
     # Both chains compute the same layers: their outputs must agree before their times count.
     difference = np.linalg.norm(outputs["ours"] - outputs["xla"]) / np.linalg.norm(outputs["xla"])
@@ -159,7 +182,8 @@ def environment():
                             cwd=os.path.dirname(__file__)).stdout.strip()
     return {"date": datetime.date.today().isoformat(), "gpu": gpu.device_kind, "gpus": smi,
             "jax": jax.__version__, "commit": commit or os.environ.get("JMP_COMMIT", "unknown"),
-            "command_buffer": not ARGS.no_command_buffer, "chain": [SHORT, LONG], "reps": ARGS.reps}
+            "command_buffer": not ARGS.no_command_buffer, "layers": LAYERS,
+            "iterations": [SHORT, LONG], "reps": ARGS.reps}
 
 
 def main():

@@ -61,7 +61,8 @@ CudaDriver Load() {
       Resolve(get_proc_address, "cuModuleUnload", &cuda.ModuleUnload, &error) &&
       Resolve(get_proc_address, "cuModuleGetFunction", &cuda.ModuleGetFunction, &error) &&
       Resolve(get_proc_address, "cuFuncSetAttribute", &cuda.FuncSetAttribute, &error) &&
-      Resolve(get_proc_address, "cuLaunchKernelEx", &cuda.LaunchKernelEx, &error);
+      Resolve(get_proc_address, "cuLaunchKernelEx", &cuda.LaunchKernelEx, &error) &&
+      Resolve(get_proc_address, "cuStreamIsCapturing", &cuda.StreamIsCapturing, &error);
   if (!resolved) {
     cuda.error = error;
     return cuda;

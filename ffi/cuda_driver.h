@@ -30,6 +30,7 @@ struct CudaDriver {
   PFN_cuModuleGetFunction_v2000 ModuleGetFunction = nullptr;
   PFN_cuFuncSetAttribute_v9000 FuncSetAttribute = nullptr;
   PFN_cuLaunchKernelEx_v11060 LaunchKernelEx = nullptr;
+  PFN_cuStreamIsCapturing_v10000 StreamIsCapturing = nullptr;
 };
 
 // The process-wide driver table, loaded on first call (thread-safe). Check

@@ -97,4 +97,9 @@ NB_MODULE(_ffi, m) {
       "close_mailbox",
       [](int64_t mailbox_id) { Registry::Get().CloseMailbox(mailbox_id); },
       nb::arg("mailbox_id"));
+
+  m.def("execute_counts", []() {
+    jax_moe_publish::ExecuteCounts counts = jax_moe_publish::GetExecuteCounts();
+    return nb::make_tuple(counts.captured, counts.direct);
+  });
 }

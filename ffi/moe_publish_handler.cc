@@ -13,6 +13,7 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -25,6 +26,9 @@ namespace ffi = xla::ffi;
 
 namespace jax_moe_publish {
 namespace {
+
+std::atomic<uint64_t> captured_executes{0};
+std::atomic<uint64_t> direct_executes{0};
 
 ffi::Error FailedPrecondition(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
@@ -191,6 +195,13 @@ ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed
 
   // A kernel set exists on this device, so the driver is loaded.
   const CudaDriver& cuda = GetCudaDriver();
+  // Counted so that tests can tell whether XLA captured the call in a graph.
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (CUresult result = cuda.StreamIsCapturing(stream, &capture); result != CUDA_SUCCESS) {
+    return ffi::Error::Internal(CudaErrorMessage(cuda, "cuStreamIsCapturing", result));
+  }
+  (capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? captured_executes : direct_executes)
+      .fetch_add(1, std::memory_order_relaxed);
   for (const Kernel& kernel : set->kernels) {
     void** params = kernel.role == Role::kPublish ? publish_params : wait_params;
     const int64_t rows = kernel.rows == Rows::kM ? m : owned;
@@ -202,6 +213,12 @@ ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed
 }
 
 }  // namespace
+
+ExecuteCounts GetExecuteCounts() {
+  return {captured_executes.load(std::memory_order_relaxed),
+          direct_executes.load(std::memory_order_relaxed)};
+}
+
 }  // namespace jax_moe_publish
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePublish, jax_moe_publish::MoePublishImpl,

@@ -3,8 +3,22 @@
 #ifndef JAX_MOE_PUBLISH_FFI_MOE_PUBLISH_HANDLER_H_
 #define JAX_MOE_PUBLISH_FFI_MOE_PUBLISH_HANDLER_H_
 
+#include <cstdint>
+
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoePublish);
+
+namespace jax_moe_publish {
+
+// Calls that launched their kernels since the process started: `captured`
+// while XLA recorded a CUDA graph (command buffer), `direct` on a live stream.
+struct ExecuteCounts {
+  uint64_t captured;
+  uint64_t direct;
+};
+ExecuteCounts GetExecuteCounts();
+
+}  // namespace jax_moe_publish
 
 #endif  // JAX_MOE_PUBLISH_FFI_MOE_PUBLISH_HANDLER_H_

@@ -238,3 +238,9 @@ def close_mailbox(mailbox_id: int) -> None:
     id cannot be registered again.
     """
     _extension().close_mailbox(_int("mailbox_id", mailbox_id, -_INT64_MAX - 1, _INT64_MAX))
+
+
+def execute_counts() -> tuple[int, int]:
+    """(captured, direct): calls of the op that launched inside a CUDA graph capture
+    (an XLA command buffer) and on a live stream, since the process started."""
+    return tuple(_extension().execute_counts())

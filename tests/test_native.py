@@ -234,3 +234,8 @@ def test_registry_checks_mailbox_id_behind_the_glue():
         native._ffi.register_mailbox_device(**_mailbox_args(rank=2))
     with pytest.raises(ValueError, match="status is a null device pointer"):
         native._ffi.register_mailbox_device(**_mailbox_args(status=0))
+
+
+def test_execute_counts_start_at_zero_without_calls():
+    captured, direct = native.execute_counts()
+    assert (captured, direct) == (0, 0)
