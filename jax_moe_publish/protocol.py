@@ -15,9 +15,10 @@ EMPTY_U32 = 0x80008000
 
 # int32 words of the per-device stage state.
 NEXT_STAGE = 0
-"""Stage the next publish writes; advanced by the last kernel of a call."""
-ACTIVE_STAGE = 1
-"""Stage the last publish wrote; read by the reduce."""
+"""Stage of the current call, read by every kernel of it; the last kernel of the call
+advances it once all of its CTAs have read it."""
+ARRIVALS = 1
+"""CTAs of the call's last kernel that have read the stage; reset to 0 by the last one."""
 CALL_COUNT = 2
 """Completed calls on this device (wraps at 2**32)."""
 TIMEOUT_CLAIM = 3

@@ -142,7 +142,7 @@ def test_metadata(builds, config):
     assert set(kernel_bodies(built.ptx)) == set(entries)
     rows = "m" if config.mode == "oneshot" else "owned"
     geometry = {  # role: (block, smem, ctas_per_row, rows)
-        "publish": (config.threads, config.top_k * 8, config.ctas_per_token, "m"),  # int32 + f32 per k
+        "publish": (config.threads, 0, config.ctas_per_token, "m"),
         "reduce": (config.reduce_threads, 0, config.reduce_ctas_per_token, rows),
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
     }
@@ -230,11 +230,22 @@ def test_pdl_instructions(builds, config, role):
     expected = 1 if config.enable_pdl else 0
     assert len(opcodes(body, "griddepcontrol.wait")) == expected
     assert len(opcodes(body, "griddepcontrol.launch_dependents")) == expected
-    if config.enable_pdl:
-        # Stage words and mailboxes are touched only after the predecessor has finished, and
-        # dependents are released only after the last stage word is written.
-        assert first(body, ".volatile") > body.index("griddepcontrol.wait")
-        assert body.rfind("st.volatile.global.s32") < body.index("griddepcontrol.launch_dependents")
+    if not config.enable_pdl:
+        return
+    wait = body.index("griddepcontrol.wait")
+    release = body.index("griddepcontrol.launch_dependents")
+    if role == "publish":
+        # The stage and the inputs are read only after the predecessor has finished; the
+        # reduce is released then, before the first store.
+        assert wait < release < first(body, "st.global")
+        if config.mode != "direct":
+            assert first(body, "ld.volatile") > wait
+    else:
+        # A reduce reads the stage before it releases the next kernel (which may advance
+        # it), and ends the call only after its predecessor, the publish, has finished.
+        assert first(body, "ld.volatile") < release
+        if "atom.global.add" in body:
+            assert wait < body.index("atom.global.add") < body.rfind("st.volatile.global.s32")
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))

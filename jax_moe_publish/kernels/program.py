@@ -41,7 +41,7 @@ class MoePublishProgram:
 
     def launches(self) -> list[KernelLaunch]:
         cfg = self.config
-        result = [KernelLaunch("publish", cfg.threads, self.publisher.smem_bytes, cfg.ctas_per_token, "m")]
+        result = [KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_token, "m")]
         if cfg.mode != "direct":
             rows = "m" if cfg.mode == "oneshot" else "owned"
             result.append(KernelLaunch("reduce", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, rows))

@@ -169,6 +169,15 @@ def store_volatile_s32(address: Int64, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def fetch_add_s32(address: Int64, value, *, loc=None, ip=None) -> Int32:
+    """Atomically add ``value`` to the int32 at ``address``; returns the old value."""
+    return Int32(
+        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+             "atom.global.add.s32 $0, [$1], $2;", "=r,l,r", side_effects=True, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
 def claim_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Atomically set the int32 at ``address`` from 0 to 1; returns the old value (0: claimed)."""
     return Int32(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory
 from cutlass import Float32, Int32, Int64
 
 from jax_moe_publish import protocol
@@ -39,12 +38,6 @@ class FinalizePublishKernel:
         self.elements = config.elements_per_thread
         self.words = self.elements // 2
         self.prefetch_groups = -(-config.top_k // config.prefetch_group)
-        self.metadata_rounds = -(-config.top_k // config.threads)
-
-    @property
-    def smem_bytes(self) -> int:
-        """Staged row indices (int32) and scaled weights (float32) of one token."""
-        return self.config.top_k * 8
 
     @cute.kernel
     def publish(
@@ -72,33 +65,12 @@ class FinalizePublishKernel:
         if cutlass.const_expr(cfg.load_shared_expert_before_pdl):
             shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
         if cutlass.const_expr(cfg.enable_pdl):
+            # Every input may come from the kernel just before (the router, the
+            # experts), so nothing else is read before this wait.
             cute.arch.griddepcontrol_wait()
-        # Stage the token's rows and scaled weights once per CTA, after the wait:
-        # in XLA the kernel just before may be the router that writes them.
-        # Invalid rows get weight 0 so that a NaN weight on a skipped expert
-        # stays skipped.
-        allocator = cutlass.memory.SmemAllocator()
-        sRows = allocator.allocate_array(Int32, cfg.top_k)
-        sWeights = allocator.allocate_array(Float32, cfg.top_k)
-        for round_ in cutlass.range_constexpr(self.metadata_rounds):
-            k = tidx + round_ * cfg.threads
-            if k < cfg.top_k:
-                element = Int64(token) * cfg.top_k + Int64(k)
-                row = ptx.load_s32(indices + element * 4)
-                if cutlass.const_expr(cfg.fp32_weights):
-                    weight = ptx.load_f32(weights + element * 4)
-                else:
-                    weight = ptx.load_bf16_as_f32(weights + element * BF16_BYTES)
-                if cutlass.const_expr(cfg.routed_scaling_factor != 1.0):
-                    weight = weight * Float32(cfg.routed_scaling_factor)
-                cute.arch.store((sRows + k).llvm_ptr, row)
-                if row >= 0 and row < num_rows:
-                    cute.arch.store((sWeights + k).llvm_ptr, weight)
-                else:
-                    cute.arch.store((sRows + k).llvm_ptr, Int32(-1))
-                    cute.arch.store((sWeights + k).llvm_ptr, Float32(0.0))
-        cute.arch.barrier()
-
+            # The reduce reads only the mailbox and the stage word, so it may start
+            # polling now, while this grid is still publishing.
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(cfg.include_shared_expert and not cfg.load_shared_expert_before_pdl):
             shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
 
@@ -107,6 +79,22 @@ class FinalizePublishKernel:
             stage = ptx.load_volatile_s32(stage_state + protocol.NEXT_STAGE * 4)
 
         if in_range != 0 and token < m:
+            # Every thread reads the token's indices and weights itself (the warp's
+            # loads of one address are one transaction): no shared memory, no barrier.
+            rows, scaled_weights = [], []
+            for k in cutlass.range_constexpr(cfg.top_k):
+                element = Int64(token) * cfg.top_k + Int64(k)
+                row = ptx.load_s32(indices + element * 4)
+                if cutlass.const_expr(cfg.fp32_weights):
+                    weight = ptx.load_f32(weights + element * 4)
+                else:
+                    weight = ptx.load_bf16_as_f32(weights + element * BF16_BYTES)
+                if cutlass.const_expr(cfg.routed_scaling_factor != 1.0):
+                    weight = weight * Float32(cfg.routed_scaling_factor)
+                valid = (row >= 0) & (row < num_rows)
+                rows.append((row, Int32(valid)))
+                # A skipped expert's weight is 0 so that a NaN weight stays skipped.
+                scaled_weights.append(Float32(cutlass.select_(valid, weight, Float32(0.0))))
             accumulator = [Float32(0.0)] * self.elements
             for group in cutlass.range_constexpr(self.prefetch_groups):
                 members = [
@@ -117,14 +105,11 @@ class FinalizePublishKernel:
                 # Issue every load of the group before the first use.
                 loaded = []
                 for k in members:
-                    row = cute.arch.load((sRows + k).llvm_ptr, Int32)
+                    row, valid = rows[k]
                     source = routed + Int64(row) * (cfg.hidden * BF16_BYTES) + row_offset
-                    loaded.append(
-                        ptx.load_words(source, self.words, predicate=Int32(row >= 0))
-                    )
+                    loaded.append(ptx.load_words(source, self.words, predicate=valid))
                 for k, words in zip(members, loaded):
-                    weight = cute.arch.load((sWeights + k).llvm_ptr, Float32)
-                    accumulator = self._accumulate(accumulator, words, weight)
+                    accumulator = self._accumulate(accumulator, words, scaled_weights[k])
             if cutlass.const_expr(cfg.include_shared_expert):
                 accumulator = self._accumulate(accumulator, shared_words, None)
             packed = [
@@ -132,13 +117,6 @@ class FinalizePublishKernel:
                 for i in range(self.words)
             ]
             self._store(packed, token, row_offset, destination, capacity_m, rank, stage)
-
-        if cutlass.const_expr(cfg.transport != "direct"):
-            if block == 0 and tidx == 0:
-                ptx.store_volatile_s32(stage_state + protocol.ACTIVE_STAGE * 4, stage)
-        if cutlass.const_expr(cfg.enable_pdl):
-            cute.arch.barrier()
-            cute.arch.griddepcontrol_launch_dependents()
 
     def _accumulate(self, accumulator: list, words: list, weight) -> list:
         """accumulator + weight * bf16(words), or + bf16(words) when weight is None."""

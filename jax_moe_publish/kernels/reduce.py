@@ -15,7 +15,8 @@ Two kernels cover the three modes:
   ``i`` of its output and zeros for rows past ``m``.
 * ``gather`` (twoshot): every token not owned here, from gather slot ``[stage][t]``.
 
-The kernel that ends a call advances ``NEXT_STAGE`` and ``CALL_COUNT``.
+Every kernel reads the call's stage from ``NEXT_STAGE``; the last CTA of the
+kernel that ends the call to arrive advances it and ``CALL_COUNT``.
 
 A wait that outlasts ``timeout_ns`` (a kernel parameter; 0 waits forever)
 records the stage, token, missing ranks and call number in the status block and
@@ -62,9 +63,7 @@ class LamportReduceKernel:
     ) -> None:
         cfg = self.config
         row, fragment = self._position()
-        if cutlass.const_expr(cfg.enable_pdl):
-            cute.arch.griddepcontrol_wait()
-        stage = ptx.load_volatile_s32(stage_state + protocol.ACTIVE_STAGE * 4)
+        stage = self._start_call(stage_state)
         fragment_offset = Int64(fragment) * FRAGMENT_BYTES
         if fragment < cfg.reduce_fragments:
             if cutlass.const_expr(cfg.mode == "oneshot"):
@@ -123,9 +122,7 @@ class LamportReduceKernel:
     ) -> None:
         cfg = self.config
         token, fragment = self._position()
-        if cutlass.const_expr(cfg.enable_pdl):
-            cute.arch.griddepcontrol_wait()
-        stage = ptx.load_volatile_s32(stage_state + protocol.ACTIVE_STAGE * 4)
+        stage = self._start_call(stage_state)
         fragment_offset = Int64(fragment) * FRAGMENT_BYTES
         owner = token % cfg.tp
         if fragment < cfg.reduce_fragments and owner != rank and token < m:
@@ -218,19 +215,37 @@ class LamportReduceKernel:
         """Write one reduced fragment: the place for a fused epilogue."""
         ptx.store_words(address, words)
 
+    def _start_call(self, stage_state) -> Int32:
+        """Read the call's stage, then let the next kernel launch.
+
+        No ``griddepcontrol.wait`` first: this kernel reads only the mailbox
+        (guarded by the sentinel) and the stage word, which only the last kernel
+        of the previous call wrote, and that call finished before the publish of
+        this one passed its own wait. So the wait loops start while the publish
+        is still running.
+        """
+        stage = ptx.load_volatile_s32(stage_state + protocol.NEXT_STAGE * 4)
+        if cutlass.const_expr(self.config.enable_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        return stage
+
     @cute.jit
     def _finish_call(self, stage, stage_state, advance: cutlass.Constexpr[bool]) -> None:
-        """With ``advance``, move to the next stage and count the call (block 0);
-        then release the dependent launch."""
-        if cutlass.const_expr(advance):
-            block, _, _ = cute.arch.block_idx()
-            tidx, _, _ = cute.arch.thread_idx()
-            if block == 0 and tidx == 0:
-                ptx.store_volatile_s32(
-                    stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES
-                )
-                call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
-                ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
+        """Wait for the predecessor grid (so that the call ends after its publish), and
+        with ``advance`` let the last CTA to arrive move the stage and count the call."""
         if cutlass.const_expr(self.config.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(advance):
+            # Every thread of this CTA has read the stage before the CTA arrives.
             cute.arch.barrier()
-            cute.arch.griddepcontrol_launch_dependents()
+            tidx, _, _ = cute.arch.thread_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            if tidx == 0:
+                arrived = ptx.fetch_add_s32(stage_state + protocol.ARRIVALS * 4, 1)
+                if arrived == grid - 1:
+                    ptx.store_volatile_s32(stage_state + protocol.ARRIVALS * 4, 0)
+                    ptx.store_volatile_s32(
+                        stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES
+                    )
+                    call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
+                    ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
