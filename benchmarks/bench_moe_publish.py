@@ -16,7 +16,20 @@ iteration is spread over 32 calls. Each T is the median of ``--reps`` timed
 runs after a warm-up; the spread is the 10th-90th percentile of the paired
 per-call estimates.
 
-    python benchmarks/bench_moe_publish.py --out results.json [--no-command-buffer]
+Each case also gets a *floor* (`report.bytes_per_rank` states the byte model):
+the slowest of its HBM bytes at the device copy bandwidth, its NVLink bytes at
+the peer-to-peer copy bandwidth and one tiny dependent XLA kernel, all three
+measured once per run, on the same GPUs. ``ours_over_floor`` is our time as a
+multiple of it. At the end the results print as a Markdown table
+(``benchmarks/report.py`` renders saved runs, merges them and plots them).
+
+``--configs`` also times `tuning_variants` of our kernels per case and prints
+the table it chose from. Every variant needs its cubin: build them where CuTe
+DSL is with ``--build-kernels DIR`` (or print one build command per kernel
+with ``--list-configs``), given the same ``--problems/--tp/--modes``.
+
+    python benchmarks/bench_moe_publish.py --out results.json [--no-command-buffer] [--configs [M ...]]
+    python benchmarks/bench_moe_publish.py --build-kernels kernels/ --tp 1 2
 """
 
 from __future__ import annotations
@@ -28,16 +41,31 @@ import sys
 
 def _parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file for every figure")
+    parser.add_argument("--out", help="JSON file for every figure (needed unless --list-configs or "
+                                      "--build-kernels)")
     parser.add_argument("--problems", nargs="+", default=["deepseek-v3", "qwen3-moe"])
     parser.add_argument("--m", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--tp", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--modes", nargs="+", default=["oneshot", "twoshot"])
+    parser.add_argument("--modes", nargs="+", default=["oneshot", "twoshot"], choices=["oneshot", "twoshot"],
+                        help="all-reduce modes for tp > 1 (tp = 1 runs 'direct')")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-command-buffer", action="store_true",
                         help="turn XLA command buffers (CUDA graphs) off for this run")
-    parser.add_argument("--hlo", help="write the optimized HLO of the first case's chains here")
-    return parser.parse_args()
+    parser.add_argument("--hlo", help="write the optimized HLO of the first case's chains and of the "
+                                      "empty-call chain to HLO.<name>.txt")
+    parser.add_argument("--configs", nargs="*", type=int, metavar="M",
+                        help="also time every launch variant of tuning_variants() for ours, at these m "
+                             "(no value: at every m); costs GPU time and needs the variants' cubins")
+    parser.add_argument("--list-configs", action="store_true",
+                        help="print a build command for every kernel the cases (and their tuning "
+                             "variants) need, then exit")
+    parser.add_argument("--build-kernels", metavar="DIR",
+                        help="compile every kernel the cases (and their tuning variants) need into DIR, "
+                             "then exit; needs CuTe DSL, not a GPU")
+    args = parser.parse_args()
+    if args.out is None and not (args.list_configs or args.build_kernels):
+        parser.error("--out is required to measure")
+    return args
 
 
 ARGS = _parse() if __name__ == "__main__" else None
@@ -45,6 +73,7 @@ if ARGS is not None and ARGS.no_command_buffer:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 
 import datetime  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -56,6 +85,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
+import report  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
 LAYERS = 32
 SHORT, LONG = 4, 12  # loop iterations
@@ -63,6 +93,118 @@ PROBLEMS = {
     "deepseek-v3": dict(hidden=7168, top_k=8, shared=True, scale=2.5),
     "qwen3-moe": dict(hidden=4096, top_k=8, shared=False, scale=1.0),
 }
+WEIGHT_BYTES = 4  # the chains pass float32 router weights
+# Launch shapes that --configs tries; tuning_variants keeps the valid ones per case.
+TUNING_GRID = {
+    "threads": (128, 256),
+    "elements_per_thread": (4, 8),
+    "prefetch_group": (4, 8),
+    "reduce_threads": (128, 256),
+    "enable_pdl": (True, False),
+}
+COPY_SHAPE = (2**15, 2**16)  # bf16: 4 GiB, far past any cache
+P2P_SHAPE = (2**14, 2**15)  # bf16: 1 GiB
+TINY_SHAPE = (8,)
+EMPTY_CALL = "tiny dependent XLA kernel"
+
+
+def case_config(problem, tp, mode):
+    """The default `jmp.KernelConfig` of a case (``mode`` is ``direct`` exactly when tp = 1)."""
+    spec = PROBLEMS[problem]
+    return jmp.KernelConfig.default(
+        hidden=spec["hidden"], top_k=spec["top_k"], tp=tp, mode=mode,
+        routed_scaling_factor=spec["scale"], include_shared_expert=spec["shared"],
+        fp32_weights=WEIGHT_BYTES == 4,
+    )
+
+
+def tuning_variants(problem, tp, mode):
+    """The launch shapes ``--configs`` times for one case: the default first, then the rest of TUNING_GRID.
+
+    Values a case cannot take are left out (``prefetch_group`` above top-k,
+    ``elements_per_thread`` not dividing hidden), and ``reduce_threads`` is not
+    varied for ``direct``, which has no reduce kernel.
+
+    Returns
+    -------
+    list of `jmp.KernelConfig`, distinct, the default first.
+    """
+    base = case_config(problem, tp, mode)
+    grid = {
+        "threads": TUNING_GRID["threads"],
+        "elements_per_thread": tuple(e for e in TUNING_GRID["elements_per_thread"] if base.hidden % e == 0),
+        "prefetch_group": tuple(g for g in TUNING_GRID["prefetch_group"] if g <= base.top_k),
+        "enable_pdl": TUNING_GRID["enable_pdl"],
+    }
+    if mode != "direct":
+        grid["reduce_threads"] = TUNING_GRID["reduce_threads"]
+    variants = [base.replace(**dict(zip(grid, values))) for values in itertools.product(*grid.values())]
+    return list(dict.fromkeys([base, *variants]))
+
+
+def modes_for(tp):
+    return ARGS.modes if tp > 1 else ["direct"]
+
+
+def needed_configs(tp_sizes, tuning):
+    """Every kernel config the cases of this run use: defaults, plus their tuning variants if ``tuning``."""
+    configs = []
+    for tp in tp_sizes:
+        for name in ARGS.problems:
+            for mode in modes_for(tp):
+                configs += tuning_variants(name, tp, mode) if tuning else [case_config(name, tp, mode)]
+    return list(dict.fromkeys(configs))
+
+
+def case_flags():
+    """The command-line flags that choose the cases, to repeat in a build command."""
+    return (f"--problems {' '.join(ARGS.problems)} --tp {' '.join(map(str, ARGS.tp))} "
+            f"--modes {' '.join(ARGS.modes)}")
+
+
+def list_configs(configs):
+    """Print one ``python -m jax_moe_publish.aot build`` command per config: a shell script."""
+    from jax_moe_publish.aot.store import build_command
+
+    print(f"# {len(configs)} kernel sets; or in one process: "
+          f"python benchmarks/bench_moe_publish.py --build-kernels DIR {case_flags()}")
+    for config in configs:
+        print(build_command(config))
+
+
+def build_kernels(configs, directory):
+    """Compile ``configs`` into ``directory`` (needs CuTe DSL), skipping those built from these sources."""
+    from jax_moe_publish.aot.artifact import KernelArtifact
+    from jax_moe_publish.aot.compile import compile_config
+
+    for index, config in enumerate(configs, 1):
+        existing = KernelArtifact.load(directory, config.key)
+        if existing is not None and existing.is_current:
+            print(f"[{index}/{len(configs)}] {config.key}  already built", flush=True)
+            continue
+        start = time.perf_counter()
+        compile_config(config).save(directory)
+        print(f"[{index}/{len(configs)}] {config.key}  {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{len(configs)} kernel sets in {directory}; point $JAX_MOE_PUBLISH_KERNEL_DIR at it")
+
+
+def check_kernels(configs):
+    """Find every kernel before any timing, so that a missing cubin stops the run at once, not hours in."""
+    from jax_moe_publish.aot.store import MissingKernelError, default_store
+
+    missing = []
+    for config in configs:
+        try:
+            default_store().get(config)
+        except MissingKernelError:
+            missing.append(config.key)
+    if missing:
+        named = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise SystemExit(
+            f"{len(missing)} of {len(configs)} kernels missing ({named}). Where CuTe "
+            f"DSL is, run: python benchmarks/bench_moe_publish.py --build-kernels DIR {case_flags()}\n"
+            f"and point $JAX_MOE_PUBLISH_KERNEL_DIR at DIR here."
+        )
 
 
 def xla_finalize(routed, weights, indices, shared, scale):
@@ -103,6 +245,18 @@ def make_chain(impl, mailbox, problem, config, iterations):
     # where XLA's path has no psum).
     return jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=P("tp"), out_specs=P(),
                                  check_vma=False))
+
+
+def make_tiny_chain(iterations):
+    """``iterations`` passes over LAYERS dependent one-op kernels on a tiny array: the cost of any call."""
+
+    def body(_, y):
+        for _ in range(LAYERS):
+            # The barrier keeps XLA from fusing the chain into one kernel.
+            y = lax.optimization_barrier(y + 1.0)
+        return y
+
+    return jax.jit(lambda y: lax.fori_loop(0, iterations, body, y))
 
 
 def chain_inputs(mesh, m, problem, key):
@@ -147,15 +301,74 @@ def per_call_us(programs, inputs, reps):
             "p90": float(np.percentile(estimates, 90))}
 
 
-def measure_case(mesh, name, m, mode, reps, key):
+def transfer_seconds(op, big, tiny, reps):
+    """Median time of ``op(big)`` less that of ``op(tiny)``: the transfer without host dispatch and wait."""
+    return float(np.median(time_runs(op, (big,), reps)) - np.median(time_runs(op, (tiny,), reps)))
+
+
+def measure_floors(gpus, reps):
+    """The three limits every case's floor is made of, measured once on this run's GPUs.
+
+    * ``copy``: a jitted ``x * 0.5`` of a 4 GiB bf16 array on GPU 0 (a real
+      multiply, so XLA must read and write every byte), bytes read + written
+      per second;
+    * ``p2p``: ``jax.device_put`` of a 1 GiB array from GPU 0 to GPU 1 and
+      back, bytes one way per second, the faster direction (None with one GPU);
+    * ``empty_call``: per-call time of a chain of tiny dependent XLA kernels,
+      timed like the cases.
+    """
+    first = gpus[0]
+    tiny = jnp.zeros(TINY_SHAPE, jnp.bfloat16, device=first)
+    big = jnp.ones(COPY_SHAPE, jnp.bfloat16, device=first)
+    seconds = transfer_seconds(jax.jit(lambda x: x * 0.5), big, tiny, reps)
+    floors = {"copy": {"bytes_per_s": 2 * big.nbytes / seconds, "array_bytes": big.nbytes,
+                       "what": "jitted x * 0.5 on GPU 0, bytes read + written"},
+              "p2p": None}
+    del big
+    if len(gpus) > 1:
+        second = gpus[1]
+        forward_big = jnp.ones(P2P_SHAPE, jnp.bfloat16, device=first)
+        backward_big = jnp.ones(P2P_SHAPE, jnp.bfloat16, device=second)
+        forward = transfer_seconds(lambda x: jax.device_put(x, second), forward_big, tiny, reps)
+        backward = transfer_seconds(lambda x: jax.device_put(x, first), backward_big,
+                                    jax.device_put(tiny, second), reps)
+        size = forward_big.nbytes
+        floors["p2p"] = {"bytes_per_s": size / min(forward, backward), "forward_bytes_per_s": size / forward,
+                         "backward_bytes_per_s": size / backward, "array_bytes": size,
+                         "what": "jax.device_put GPU 0 -> GPU 1 and back, bytes one way, the faster"}
+        del forward_big, backward_big
+    programs = {n: make_tiny_chain(n) for n in (SHORT, LONG)}
+    carry = jnp.zeros(TINY_SHAPE, jnp.float32, device=first)
+    floors["empty_call"] = {**per_call_us(programs, (carry,), reps), "what": EMPTY_CALL}
+    if ARGS.hlo:
+        # To confirm that the chain stayed LAYERS separate kernels per iteration.
+        with open(f"{ARGS.hlo}.empty_call.txt", "w") as f:
+            f.write(programs[SHORT].lower(carry).compile().as_text())
+    return floors
+
+
+def time_variants(mailbox, problem, configs, inputs, reps):
+    """Per-call time of ours under each config; ``configs[0]`` is the default, whose bits all must match."""
+    variants = []
+    reference = None
+    for config in configs:
+        programs = {n: make_chain("ours", mailbox, problem, config, n) for n in (SHORT, LONG)}
+        bits = np.asarray(programs[SHORT](*inputs)).view(np.uint16)
+        reference = bits if reference is None else reference
+        # Direct mode has no reduce kernel: its reduce_threads is not a choice.
+        launch = {f: getattr(config, f) for f in TUNING_GRID
+                  if f != "reduce_threads" or config.mode != "direct"}
+        variants.append({"key": config.key, "launch": launch,
+                         **per_call_us(programs, inputs, reps),
+                         "same_bits_as_default": bool(np.array_equal(bits, reference))})
+    best = min(range(len(variants)), key=lambda i: variants[i]["us"])
+    return {"variants": variants, "best": best}
+
+
+def measure_case(mesh, name, m, mode, reps, key, floors, tune):
     problem = PROBLEMS[name]
     tp = mesh.shape["tp"]
-    mode = mode if tp > 1 else "direct"
-    config = jmp.KernelConfig.default(
-        hidden=problem["hidden"], top_k=problem["top_k"], tp=tp, mode=mode,
-        routed_scaling_factor=problem["scale"], include_shared_expert=problem["shared"],
-        fp32_weights=True,
-    )
+    config = case_config(name, tp, mode)
     result = {"problem": name, "m": m, "tp": tp, "mode": mode}
     with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
         inputs = chain_inputs(mesh, m, problem, key)
@@ -167,11 +380,18 @@ def measure_case(mesh, name, m, mode, reps, key):
             if ARGS.hlo and not os.path.exists(f"{ARGS.hlo}.{impl}.txt"):
                 with open(f"{ARGS.hlo}.{impl}.txt", "w") as f:
                     f.write(programs[SHORT].lower(*inputs).compile().as_text())
+        if tune:
+            result["tuning"] = time_variants(mailbox, problem, tuning_variants(name, tp, mode), inputs, reps)
         mailbox.check()
     # Both chains compute the same layers: their outputs must agree before their times count.
     difference = np.linalg.norm(outputs["ours"] - outputs["xla"]) / np.linalg.norm(outputs["xla"])
     result["relative_difference"] = float(difference)
     result["ratio"] = result["ours"]["us"] / result["xla"]["us"]
+    # The op's own traffic: the tiny fusion that ties layers without a shared expert is left out.
+    traffic = report.bytes_per_rank(mode=mode, tp=tp, m=m, hidden=problem["hidden"], top_k=problem["top_k"],
+                                    shared_expert=problem["shared"], weight_bytes=WEIGHT_BYTES)
+    result["floor"] = report.case_floor(traffic, floors)
+    result["ours_over_floor"] = result["ours"]["us"] / result["floor"]["us"]
     return result
 
 
@@ -179,37 +399,71 @@ def environment():
     gpu = jax.devices()[0]
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip().splitlines()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(__file__)).stdout.strip()
+    git = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    # The device machines get a copy of the tree without git history: pass JMP_COMMIT there.
+    commit = os.environ.get("JMP_COMMIT") or (git.stdout.strip() if git.returncode == 0 else "")
     return {"date": datetime.date.today().isoformat(), "gpu": gpu.device_kind, "gpus": smi,
             "jax": jax.__version__, "commit": commit or os.environ.get("JMP_COMMIT", "unknown"),
             "command_buffer": not ARGS.no_command_buffer, "layers": LAYERS,
-            "iterations": [SHORT, LONG], "reps": ARGS.reps}
+            "iterations": [SHORT, LONG], "reps": ARGS.reps, "configs": ARGS.configs}
+
+
+def print_tuning(tuning):
+    print(f"    {'launch variant of ours':72} {'us':>9}")
+    for index, variant in enumerate(tuning["variants"]):
+        notes = ["default"] if index == 0 else []
+        notes += ["best"] if index == tuning["best"] else []
+        notes += [] if variant["same_bits_as_default"] else ["BITS DIFFER FROM DEFAULT"]
+        print(f"    {report.format_launch(variant['launch']):72} {variant['us']:9.2f}  {' '.join(notes)}")
 
 
 def main():
+    if ARGS.list_configs or ARGS.build_kernels:
+        configs = needed_configs(ARGS.tp, tuning=True)
+        if ARGS.list_configs:
+            list_configs(configs)
+        if ARGS.build_kernels:
+            build_kernels(configs, ARGS.build_kernels)
+        return 0
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    tp_sizes = [tp for tp in ARGS.tp if tp <= len(gpus)]
+    for tp in sorted(set(ARGS.tp) - set(tp_sizes)):
+        print(f"skipping tp={tp}: {len(gpus)} GPU(s)")
+    if not tp_sizes:
+        raise SystemExit(f"no case can run: {len(gpus)} GPU(s) for --tp {' '.join(map(str, ARGS.tp))}")
+    check_kernels(needed_configs(tp_sizes, tuning=ARGS.configs is not None))
+    floors = measure_floors(gpus, ARGS.reps)
+    p2p = floors["p2p"]
+    print(f"floors: copy {floors['copy']['bytes_per_s'] / 1e9:.0f} GB/s (read + write), "
+          + (f"peer copy {p2p['bytes_per_s'] / 1e9:.0f} GB/s (one way), " if p2p else "")
+          + f"{EMPTY_CALL} {floors['empty_call']['us']:.2f} us", flush=True)
     results = []
     key = jax.random.key(0)
-    print(f"{'problem':12} {'tp':>2} {'mode':8} {'m':>5} {'ours us':>9} {'xla us':>9} {'ratio':>6} {'diff':>8}")
-    for tp in ARGS.tp:
-        if tp > len(gpus):
-            print(f"skipping tp={tp}: {len(gpus)} GPU(s)")
-            continue
+    print(f"{'problem':12} {'tp':>2} {'mode':8} {'m':>5} {'ours us':>9} {'xla us':>9} {'ratio':>6} {'diff':>8} "
+          f"{'floor us':>9} {'bound':10} {'/floor':>6}")
+    for tp in tp_sizes:
         mesh = jax.sharding.Mesh(np.array(gpus[:tp]), ("tp",))
         for name in ARGS.problems:
-            for mode in (ARGS.modes if tp > 1 else ["direct"]):
+            for mode in modes_for(tp):
                 for m in ARGS.m:
                     key, sub = jax.random.split(key)
-                    r = measure_case(mesh, name, m, mode, ARGS.reps, sub)
+                    tune = ARGS.configs is not None and (not ARGS.configs or m in ARGS.configs)
+                    r = measure_case(mesh, name, m, mode, ARGS.reps, sub, floors, tune)
                     results.append(r)
                     print(f"{name:12} {tp:>2} {r['mode']:8} {m:>5} {r['ours']['us']:9.2f} "
-                          f"{r['xla']['us']:9.2f} {r['ratio']:6.3f} {r['relative_difference']:8.1e}",
+                          f"{r['xla']['us']:9.2f} {r['ratio']:6.3f} {r['relative_difference']:8.1e} "
+                          f"{r['floor']['us']:9.2f} {r['floor']['bound']:10} {r['ours_over_floor']:6.2f}",
                           flush=True)
+                    if tune:
+                        print_tuning(r["tuning"])
+    data = {"environment": environment(), "floors": floors, "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
     with open(ARGS.out, "w") as f:
-        json.dump({"environment": environment(), "results": results}, f, indent=1)
-    print(f"wrote {ARGS.out}")
+        json.dump(data, f, indent=1)
+    print(f"wrote {ARGS.out}\n")
+    print(report.render_markdown(data))
+    return 0
 
 
 if __name__ == "__main__":
