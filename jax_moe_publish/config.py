@@ -22,6 +22,8 @@ MODES = ("oneshot", "twoshot", "reduce_scatter", "direct")
 TRANSPORTS = ("unicast", "multicast", "direct")
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
+SMALL_M = 64
+"""Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl")
 
@@ -206,17 +208,24 @@ class KernelConfig:
         routed_scaling_factor: float = 1.0,
         include_shared_expert: bool = True,
         fp32_weights: bool = False,
+        m: int | None = None,
         arch: str = "sm_90a",
     ) -> "KernelConfig":
-        """The default launch shape for a problem.
+        """The measured default launch shape for a problem of ``m`` tokens.
 
         ``mode`` defaults to ``direct`` for tp = 1 and ``oneshot`` otherwise.
-        The publish uses 16-byte accesses wherever ``hidden`` allows them.
+        Up to ``SMALL_M`` tokens a call is latency-bound: 8-byte publish
+        fragments (twice the threads in flight), all rows of a group of 8
+        loaded before use and 256-thread reduce CTAs were fastest in the tuning
+        sweep on 2x H200 (hidden 7168, top-k 8, m = 8 and 64, tp = 1 and 2:
+        ``benchmarks/results/2026-11-30-h200x2-tuning.json``). Larger or unknown
+        ``m`` keeps 16-byte fragments, which the bandwidth-bound sizes need.
         """
         if mode is None:
             mode = "direct" if tp == 1 else "oneshot"
         transport = "direct" if mode == "direct" else "unicast"
-        elements = 8 if hidden % 8 == 0 else 4
+        small = m is not None and m <= SMALL_M
+        elements = 8 if hidden % 8 == 0 and not small else 4
         return cls(
             hidden=hidden,
             top_k=top_k,
@@ -228,7 +237,7 @@ class KernelConfig:
             fp32_weights=fp32_weights,
             elements_per_thread=elements,
             threads=128,
-            prefetch_group=min(4, top_k),
-            reduce_threads=128,
+            prefetch_group=min(8 if small else 4, top_k),
+            reduce_threads=256 if small else 128,
             arch=arch,
         )

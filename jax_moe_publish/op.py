@@ -100,7 +100,7 @@ def _kernel_config(config, mailbox, routed_output, expert_weights, shared_output
         mode = "direct" if mailbox.tp == 1 else ("oneshot" if mailbox.mode == "allreduce" else "reduce_scatter")
         return KernelConfig.default(
             hidden=hidden, top_k=top_k, tp=mailbox.tp, mode=mode, routed_scaling_factor=float(scale),
-            include_shared_expert=include_shared, fp32_weights=fp32_weights,
+            include_shared_expert=include_shared, fp32_weights=fp32_weights, m=expert_weights.shape[0],
         )
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
@@ -159,7 +159,7 @@ def moe_finalize_publish(
         ``auto``: the kernels on CUDA devices, the pure-JAX reference elsewhere.
     config : KernelConfig, optional
         Launch shapes (and ``oneshot`` or ``twoshot`` for an all-reduce
-        mailbox); by default ``KernelConfig.default`` for the problem.
+        mailbox); by default ``KernelConfig.default`` for the problem and its m.
 
     Returns
     -------

@@ -6,10 +6,14 @@ lets them run on a machine without CuTe DSL.
 
 from __future__ import annotations
 
-from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.config import SMALL_M, KernelConfig
 
 TP_SIZES = (1, 2, 4, 8)
 MULTI_RANK_MODES = ("oneshot", "twoshot", "reduce_scatter")
+
+
+# One m of each launch-shape class of `KernelConfig.default`: latency-bound and bandwidth-bound.
+DEFAULT_SHAPE_MS = (SMALL_M, SMALL_M + 1)
 
 
 def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str) -> list[KernelConfig]:
@@ -17,13 +21,14 @@ def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str) -> li
     for fp32_weights in (False, True):
         for tp in TP_SIZES:
             for mode in ("direct",) if tp == 1 else MULTI_RANK_MODES:
-                configs.append(
-                    KernelConfig.default(
-                        hidden=hidden, top_k=top_k, tp=tp, mode=mode,
-                        routed_scaling_factor=scale, include_shared_expert=shared,
-                        fp32_weights=fp32_weights, arch=arch,
+                for m in DEFAULT_SHAPE_MS:
+                    configs.append(
+                        KernelConfig.default(
+                            hidden=hidden, top_k=top_k, tp=tp, mode=mode,
+                            routed_scaling_factor=scale, include_shared_expert=shared,
+                            fp32_weights=fp32_weights, m=m, arch=arch,
+                        )
                     )
-                )
     return configs
 
 
@@ -82,9 +87,10 @@ def test_defaults(tp: int) -> list[KernelConfig]:
     """The default configs that the op tests reach through the public API."""
     modes = ("direct",) if tp == 1 else MULTI_RANK_MODES
     return [
-        KernelConfig.default(tp=tp, mode=mode, **problem)
+        KernelConfig.default(tp=tp, mode=mode, m=m, **problem)
         for problem in TEST_DEFAULT_PROBLEMS
         for mode in modes
+        for m in DEFAULT_SHAPE_MS
     ]
 
 
