@@ -28,6 +28,15 @@ def _asm(result_type, operands, text, constraints, *, side_effects, loc, ip):
     )
 
 
+def _scalar_at(address, instruction, result_type, register, side_effects, loc, ip, operands=""):
+    """``instruction result, [address]<operands>;`` for one scalar result."""
+    return _asm(
+        result_type, [Int64(address).ir_value(loc=loc, ip=ip)],
+        f"{instruction} $0, [$1]{operands};", f"={register},l",
+        side_effects=side_effects, loc=loc, ip=ip,
+    )
+
+
 def _words_out(result, words, loc, ip):
     return [
         Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(words)
@@ -114,19 +123,13 @@ def multimem_store_words(address: Int64, values: list, *, loc=None, ip=None) -> 
 @dsl_user_op
 def load_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Non-coherent load of one int32 of read-only input."""
-    return Int32(
-        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip)],
-             "ld.global.nc.s32 $0, [$1];", "=r,l", side_effects=False, loc=loc, ip=ip)
-    )
+    return Int32(_scalar_at(address, "ld.global.nc.s32", T.i32(), "r", False, loc, ip))
 
 
 @dsl_user_op
 def load_f32(address: Int64, *, loc=None, ip=None) -> Float32:
     """Non-coherent load of one float32 of read-only input."""
-    return Float32(
-        _asm(T.f32(), [Int64(address).ir_value(loc=loc, ip=ip)],
-             "ld.global.nc.f32 $0, [$1];", "=f,l", side_effects=False, loc=loc, ip=ip)
-    )
+    return Float32(_scalar_at(address, "ld.global.nc.f32", T.f32(), "f", False, loc, ip))
 
 
 @dsl_user_op
@@ -144,19 +147,13 @@ def load_bf16_as_f32(address: Int64, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def load_u64(address: Int64, *, loc=None, ip=None) -> Int64:
     """Non-coherent load of one 64-bit word (peer tables)."""
-    return Int64(
-        _asm(T.i64(), [Int64(address).ir_value(loc=loc, ip=ip)],
-             "ld.global.nc.u64 $0, [$1];", "=l,l", side_effects=False, loc=loc, ip=ip)
-    )
+    return Int64(_scalar_at(address, "ld.global.nc.u64", T.i64(), "l", False, loc, ip))
 
 
 @dsl_user_op
 def load_volatile_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Volatile load of one int32 (stage words)."""
-    return Int32(
-        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip)],
-             "ld.volatile.global.s32 $0, [$1];", "=r,l", side_effects=True, loc=loc, ip=ip)
-    )
+    return Int32(_scalar_at(address, "ld.volatile.global.s32", T.i32(), "r", True, loc, ip))
 
 
 @dsl_user_op
@@ -180,10 +177,7 @@ def fetch_add_s32(address: Int64, value, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def claim_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Atomically set the int32 at ``address`` from 0 to 1; returns the old value (0: claimed)."""
-    return Int32(
-        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip)],
-             "atom.global.cas.b32 $0, [$1], 0, 1;", "=r,l", side_effects=True, loc=loc, ip=ip)
-    )
+    return Int32(_scalar_at(address, "atom.global.cas.b32", T.i32(), "r", True, loc, ip, operands=", 0, 1"))
 
 
 @dsl_user_op
