@@ -225,7 +225,7 @@ def xla_finalize(routed, weights, indices, shared, scale):
 
 def make_chain(impl, mailbox, problem, config, iterations):
     """``iterations`` passes over a chain of LAYERS calls, in one jitted program."""
-    scale, with_shared, top_k = problem["scale"], problem["shared"], problem["top_k"]
+    scale, with_shared = problem["scale"], problem["shared"]
 
     def layer(args, y):
         routed, weights, indices = args

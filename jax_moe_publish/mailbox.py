@@ -242,9 +242,10 @@ class Mailbox:
         self.close()
 
     def __del__(self) -> None:
+        # No CUDA calls from a finalizer (it may run during interpreter shutdown):
+        # an unclosed mailbox's memory goes with the process.
         if not getattr(self, "_closed", True) and getattr(self, "_memories", None):
-            warnings.warn(f"{self!r} was not closed; closing it now", ResourceWarning, stacklevel=2)
-            self.close()
+            warnings.warn(f"{self!r} was never closed", ResourceWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("cuda" if self.on_cuda else "reference")

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_publish import protocol, reference
+from jax_moe_publish import reference
 from jax_moe_publish.config import MAX_TOP_K, KernelConfig
 from jax_moe_publish.mailbox import Mailbox
 
