@@ -6,6 +6,7 @@ until `close`. Every rank of a group must call the op on it in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -58,7 +59,8 @@ class Mailbox:
         where ``NCCL_NVLS_ENABLE=0``.
     timeout_s : float
         A reduce that waits longer than this for a peer aborts with a
-        diagnostic instead of hanging (0 waits forever).
+        diagnostic instead of hanging (0 waits forever); run steps under
+        `diagnose` to get it as `MailboxStatusError`.
 
     On a mesh of non-CUDA devices, or when the axis has size 1, nothing is
     allocated: the op runs the reference (or the single-GPU direct kernel).
@@ -208,18 +210,45 @@ class Mailbox:
 
     def check(self) -> None:
         """Raise `MailboxStatusError` if any device recorded a timed-out wait."""
+        message = self._timeout_message()
+        if message is not None:
+            raise MailboxStatusError(message)
+
+    @contextlib.contextmanager
+    def diagnose(self):
+        """Turn a failed step into the mailbox's diagnostic, if a wait timed out.
+
+        ``with mailbox.diagnose(): out = step(...); out.block_until_ready()``
+
+        A timed-out wait aborts its kernel, so XLA raises a generic launch
+        failure. If an exception escapes the block and a device of this mailbox
+        recorded a timeout, `MailboxStatusError` is raised from it, naming the
+        rank(s) that never arrived; any other exception passes through unchanged.
+        The status blocks are host memory, still readable after the fault.
+        """
+        try:
+            yield self
+        except Exception as error:
+            message = self._timeout_message()
+            if message is None:
+                raise
+            raise MailboxStatusError(message) from error
+
+    def _timeout_message(self) -> str | None:
+        """The `MailboxStatusError` message for the devices that recorded a timeout; None if healthy."""
         failures = [s for s in self.status() if s["code"] != protocol.STATUS_OK]
-        if failures:
-            lines = [
-                f"device {s['device']} (rank {s['rank']}): call {s['call']}, stage {s['stage']}, "
-                f"token {s['token']}: no data from rank(s) {s['missing_ranks']}"
-                for s in failures
-            ]
-            raise MailboxStatusError(
-                "a mailbox wait timed out:\n  " + "\n  ".join(lines) + "\nLikely causes: the ranks "
-                "called the op in a different order or a different number of times, or a peer "
-                "process died."
-            )
+        if not failures:
+            return None
+        lines = [
+            f"device {s['device']} (rank {s['rank']}), after {s['call']} completed call(s), stage "
+            f"{s['stage']}, token {s['token']}: no data from rank(s) {s['missing_ranks']}"
+            for s in failures
+        ]
+        return (
+            f"{self!r}: a mailbox wait timed out:\n  " + "\n  ".join(lines) + "\nLikely causes: the "
+            "ranks called the op in a different order or a different number of times, or a peer "
+            "process died."
+        )
 
     def close(self) -> None:
         """Free the device memory; later calls on this mailbox raise. Safe to call twice."""

@@ -59,6 +59,9 @@ def moe_finalize(
     if routed_scaling_factor != 1.0:
         weights = weights * jnp.float32(routed_scaling_factor)
     weights = jnp.where(valid, weights, jnp.float32(0.0))
+    if num_rows == 0:
+        # Nothing is valid; one zero row keeps the (masked) gather well-formed.
+        routed_output = jnp.zeros((1, routed_output.shape[1]), routed_output.dtype)
     accumulator = jnp.zeros((m, routed_output.shape[1]), jnp.float32)
     for k in range(top_k):
         rows = jnp.where(valid[:, k, None], routed_output[safe_indices[:, k]].astype(jnp.float32), 0.0)

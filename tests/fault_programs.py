@@ -1,0 +1,720 @@
+"""Child-process programs for the GPU fault tests (`test_faults_gpu`) and `tools/sanitize.sh`.
+
+A kernel that traps (a timed-out mailbox wait) loses its device's CUDA
+context for the rest of the process, so each fault runs in a process of its
+own::
+
+    python tests/fault_programs.py PROGRAM [options]
+
+A program prints one line ``RESULT {json}`` on stdout, the last of its output.
+After a fault no memory is freed (every free would fail): the program prints
+its result and leaves with ``os._exit``.
+
+Programs on the kernel harness (`gpu_harness`, one prebuilt ``tests``-preset
+config per mode, ranks launched one by one):
+
+* ``silent-peer``: one rank runs whole calls, the other never publishes. The
+  running rank's wait must trap within the timeout and record the diagnostic.
+* ``double-publish``: rank 1 publishes calls n and n+1 with no reduce between,
+  then rank 0 runs call n. Shows what rank 0's reduce reads.
+* ``mismatched-m``: the ranks run the same call with different m.
+* ``nonfinite``: NaN and Inf inputs, every mode, against the float64 model.
+* ``negative-zero``: inputs whose partials round to -0.0 (the empty sentinel),
+  every mode, several calls: no wait may stall.
+* ``sanitize``: a few healthy calls in oneshot and twoshot, for
+  ``compute-sanitizer``; it ends with a normal exit.
+
+Programs on the public API (jit + shard_map on two GPUs, the FFI handler):
+
+* ``api-timeout``: rank 1 skips the op (a `lax.cond` on the rank); rank 0's
+  wait traps, and `Mailbox.diagnose` must turn XLA's error into
+  `MailboxStatusError`; then the mailbox is closed, as `with Mailbox` would.
+* ``two-mailboxes``: two jitted functions on two mailboxes, called
+  alternately; then one mailbox is closed and its compiled function called.
+* ``closed-chain``: a chain of calls that XLA captures in a command buffer,
+  replayed, then called again after its mailbox is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+from cuda.bindings import driver
+
+import gpu_harness
+import numerics
+from jax_moe_publish import protocol
+from jax_moe_publish.aot import presets
+from jax_moe_publish.aot.store import default_store
+from jax_moe_publish.cuda_memory import CudaError, check
+
+RESULT_PREFIX = "RESULT "
+MODES = presets.MULTI_RANK_MODES
+CAPACITY_M = 16
+ROUTED_ROWS = 16
+FAULT_TIMEOUT_NS = 200 * 10**6
+HEALTHY_TIMEOUT_NS = 2 * 10**9
+SANITIZE_TIMEOUT_NS = 120 * 10**9  # instrumented kernels poll slowly
+HOST_DEADLINE_S = 20.0  # far past every kernel timeout used here: reaching it is a hang
+POLL_S = 50e-6
+
+
+def finish(result: dict) -> None:
+    """Print the result and leave at once: after a fault, no cleanup can succeed."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# --- kernel harness ----------------------------------------------------------------------------
+
+
+def config_for(mode: str):
+    """The first ``tests``-preset variant of ``mode`` for two GPUs (prebuilt for the GPU machine)."""
+    return next(c for c in presets.test_variants(2) if c.mode == mode)
+
+
+@contextlib.contextmanager
+def group(mode: str, timeout_ns: int):
+    """A `gpu_harness.GroupLauncher` of ``mode`` on GPUs 0 and 1."""
+    devices = [gpu_harness.Device(ordinal) for ordinal in range(2)]
+    artifact = default_store().get(config_for(mode))
+    with gpu_harness.open_group(artifact, devices, capacity_m=CAPACITY_M, timeout_ns=timeout_ns) as launcher:
+        yield launcher
+    for device in devices:
+        device.close()
+
+
+def random_problem(config, rng, m: int) -> numerics.Problem:
+    return numerics.random_problem(
+        rng, m=m, hidden=config.hidden, top_k=config.top_k, num_rows=ROUTED_ROWS,
+        fp32_weights=config.fp32_weights, shared=config.include_shared_expert,
+    )
+
+
+def prepare(rank_buffers, problem) -> None:
+    rank_buffers.upload(problem)
+    rank_buffers.out.poison()
+
+
+def launch_rank(launcher, rank: int, rank_buffers, m: int, roles=None) -> None:
+    """Enqueue one rank's kernels of a call (all of them, or those of ``roles``) on its device."""
+    for index, kernel in enumerate(launcher.kernels):
+        if roles is not None and kernel["role"] not in roles:
+            continue
+        rows = m if kernel["rows"] == "m" else protocol.owned_rows(m, launcher.config.tp)
+        params, types = launcher._params(kernel["role"], rank, rank_buffers, m)
+        launcher.devices[rank].launch(
+            launcher.functions[rank][index], kernel, rows, params, types, launcher.pdl
+        )
+
+
+def _query(device) -> str | None:
+    """None while the device's stream runs; "" once it finished; the error text after a fault."""
+    try:
+        with device.current():
+            result = driver.cuStreamQuery(device.stream)
+            if result[0] == driver.CUresult.CUDA_ERROR_NOT_READY:
+                return None
+            check(result, f"cuStreamQuery(device {device.ordinal})")
+    except CudaError as error:
+        return str(error)
+    return ""
+
+
+def wait_ranks(launcher, ranks, start: float) -> dict:
+    """Poll the ranks' devices together until each finishes or faults, or the host deadline.
+
+    Returns, per rank: ``completed``, ``error`` (text or None), ``hung`` and
+    ``elapsed_s`` (from ``start`` until the host saw the outcome).
+    """
+    outcomes = {}
+    pending = list(ranks)
+    while pending:
+        for rank in list(pending):
+            text = _query(launcher.devices[rank])
+            if text is not None:
+                outcomes[rank] = {"completed": text == "", "error": text or None, "hung": False,
+                                  "elapsed_s": time.monotonic() - start}
+                pending.remove(rank)
+        if pending and time.monotonic() - start > HOST_DEADLINE_S:
+            for rank in pending:
+                outcomes[rank] = {"completed": False, "error": None, "hung": True,
+                                  "elapsed_s": time.monotonic() - start}
+            break
+        time.sleep(POLL_S)
+    return {str(rank): outcome for rank, outcome in outcomes.items()}
+
+
+def status(launcher, rank: int) -> dict:
+    """Rank's status block (host memory: readable after a fault), decoded."""
+    words = launcher.status(rank)
+    mask = words[protocol.STATUS_MISSING_RANKS]
+    return {
+        "words": words,
+        "code": words[protocol.STATUS_CODE],
+        "stage": words[protocol.STATUS_STAGE],
+        "token": words[protocol.STATUS_TOKEN],
+        "missing_ranks": [r for r in range(launcher.config.tp) if mask >> r & 1],
+        "call": words[protocol.STATUS_CALL],
+    }
+
+
+def truncated(problem: numerics.Problem, m: int) -> numerics.Problem:
+    """The first m tokens of ``problem``."""
+    shared = None if problem.shared is None else problem.shared[:m]
+    return numerics.Problem(problem.routed, problem.weights[:m], problem.indices[:m], shared)
+
+
+def output_failure(config, bits: np.ndarray, problems, m: int, rank: int) -> str | None:
+    """Why rank's output (raw bf16 bits) is not the float64 model of ``problems``; None if it is."""
+    total, bound = numerics.expected_sum(problems, config.routed_scaling_factor)
+    scatter = config.mode == "reduce_scatter"
+    rows = protocol.owned_rows(m, config.tp) if scatter else m
+    if not np.all(bits[rows:] == numerics.POISON_BF16):
+        return f"rank {rank}: rows past {rows} were written"
+    reference = numerics.owned(total, config.tp, rank) if scatter else total
+    reference_bound = numerics.owned(bound, config.tp, rank) if scatter else bound
+    try:
+        numerics.assert_close(bits[:rows].view(numerics.BF16), reference, reference_bound, what=f"rank {rank}")
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
+def stale_slots(launcher, rank: int) -> list[list]:
+    """Mailbox rows of ``rank`` holding any non-empty lane: ``[area, stage, src, slot]`` (gather: src -1)."""
+    contributions, gather = launcher.mailbox(rank)
+    rows = [["contributions", *map(int, index)]
+            for index in np.argwhere(np.any(contributions != protocol.EMPTY_BF16, axis=-1))]
+    rows += [["gather", int(stage), -1, int(slot)]
+             for stage, slot in np.argwhere(np.any(gather != protocol.EMPTY_BF16, axis=-1))]
+    return rows
+
+
+def stage_words(launcher, rank: int) -> dict:
+    state = launcher.stage_state(rank)
+    return {"next_stage": int(state[protocol.NEXT_STAGE]), "arrivals": int(state[protocol.ARRIVALS]),
+            "call_count": int(state[protocol.CALL_COUNT])}
+
+
+def silent_peer(args) -> None:
+    """``--warmup`` healthy calls, then a call that only ``1 - silent`` runs."""
+    silent = args.silent_rank
+    waiting = 1 - silent
+    m = 5
+    rng = np.random.default_rng(args.seed)
+    with group(args.mode, FAULT_TIMEOUT_NS) as launcher:
+        config = launcher.config
+        buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
+        for _ in range(args.warmup):
+            problems = [random_problem(config, rng, m) for _ in range(config.tp)]
+            for rank_buffers, problem in zip(buffers, problems):
+                prepare(rank_buffers, problem)
+            launcher.run(buffers, m)
+        prepare(buffers[waiting], random_problem(config, rng, m))
+        start = time.monotonic()
+        launch_rank(launcher, waiting, buffers[waiting], m)
+        outcome = wait_ranks(launcher, [waiting], start)[str(waiting)]
+        finish({
+            "mode": config.mode, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "warmup": args.warmup,
+            "waiting": waiting, "silent": silent, "outcome": outcome,
+            "status": [status(launcher, rank) for rank in range(config.tp)],
+        })
+
+
+def double_publish(args) -> None:
+    """Rank 1 publishes calls n and n+1 back to back with no reduce; then rank 0 runs call n
+    and rank 1 the rest of call n; then one healthy call on both."""
+    m = 5
+    rng = np.random.default_rng(args.seed)
+    with group(args.mode, FAULT_TIMEOUT_NS) as launcher:
+        config = launcher.config
+        call_n = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
+        call_next = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
+        problems_n = [random_problem(config, rng, m) for _ in range(config.tp)]
+        problem_next = random_problem(config, rng, m)
+        for rank_buffers, problem in zip(call_n, problems_n):
+            prepare(rank_buffers, problem)
+        prepare(call_next[1], problem_next)
+
+        start = time.monotonic()
+        launch_rank(launcher, 1, call_n[1], m, roles=("publish",))
+        launch_rank(launcher, 1, call_next[1], m, roles=("publish",))
+        publishes = wait_ranks(launcher, [1], start)["1"]
+        stage_after_publishes = stage_words(launcher, 1)
+
+        # Rank 0's whole call n, and the rest of rank 1's (its waits), together: in
+        # twoshot each rank's gather waits for the other's reduce.
+        start = time.monotonic()
+        launch_rank(launcher, 0, call_n[0], m)
+        launch_rank(launcher, 1, call_n[1], m, roles=launcher.roles[1:])
+        outcomes = wait_ranks(launcher, range(config.tp), start)
+
+        outputs = [call_n[rank].output() for rank in range(config.tp)]
+        mixed = [problems_n[0], problem_next]
+        result = {
+            "mode": config.mode, "publishes": publishes, "outcomes": outcomes,
+            "stage_after_publishes": stage_after_publishes,
+            # None where the output IS the model of those partials.
+            "differs_from_call_n": [output_failure(config, bits, problems_n, m, rank)
+                                    for rank, bits in enumerate(outputs)],
+            "differs_from_mixed": [output_failure(config, bits, mixed, m, rank)
+                                   for rank, bits in enumerate(outputs)],
+            "status": [status(launcher, rank) for rank in range(config.tp)],
+            "stage": [stage_words(launcher, rank) for rank in range(config.tp)],
+            "stale": [stale_slots(launcher, rank) for rank in range(config.tp)],
+        }
+        problems = [random_problem(config, rng, m) for _ in range(config.tp)]
+        for rank_buffers, problem in zip(call_n, problems):
+            prepare(rank_buffers, problem)
+        launcher.run(call_n, m)
+        result["next_call_failures"] = [
+            output_failure(config, call_n[rank].output(), problems, m, rank) for rank in range(config.tp)
+        ]
+        finish(result)
+
+
+def mismatched_m(args) -> None:
+    """Rank r runs one whole call with ``args.m[r]`` tokens."""
+    ms = args.m
+    rng = np.random.default_rng(args.seed)
+    with group(args.mode, FAULT_TIMEOUT_NS) as launcher:
+        config = launcher.config
+        buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
+        problems = [random_problem(config, rng, m) for m in ms]
+        for rank_buffers, problem in zip(buffers, problems):
+            prepare(rank_buffers, problem)
+        start = time.monotonic()
+        for rank, m in enumerate(ms):
+            launch_rank(launcher, rank, buffers[rank], m)
+        outcomes = wait_ranks(launcher, range(config.tp), start)
+        result = {
+            "mode": config.mode, "m": ms, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "outcomes": outcomes,
+            "status": [status(launcher, rank) for rank in range(config.tp)],
+            "output_failure": {}, "stale": {}, "stage": {},
+        }
+        # A rank that completed: its output against the model of the tokens both ranks have,
+        # and what its mailbox still holds. A faulted device can no longer be read.
+        shared_m = min(ms)
+        common = [truncated(problem, shared_m) for problem in problems]
+        for rank in range(config.tp):
+            if outcomes[str(rank)]["completed"]:
+                result["output_failure"][str(rank)] = output_failure(
+                    config, buffers[rank].output(), common, ms[rank], rank
+                )
+                result["stale"][str(rank)] = stale_slots(launcher, rank)
+                result["stage"][str(rank)] = stage_words(launcher, rank)
+        finish(result)
+
+
+def _nonfinite_problems(config, rng, m: int) -> list[numerics.Problem]:
+    """Two ranks' inputs with NaN and Inf placed so that each token tests one rule.
+
+    Rows 1-3 of ``routed`` hold NaN (columns 0-15), +Inf and -Inf (columns
+    16-31); row 0 stays finite (the float64 model reads it for skipped experts).
+    token 0: rank 0 reads the NaN row; token 1: rank 0 reads +Inf; token 2:
+    rank 0 reads +Inf and -Inf (NaN); token 3: rank 0 +Inf, rank 1 -Inf (NaN
+    only in the sum); token 4: a NaN weight on index -1 (skipped: finite);
+    token 5: a NaN weight on a valid index; token 6: +Inf and -Inf in the
+    shared rows of different columns.
+    """
+    problems = []
+    for rank in range(config.tp):
+        problem = random_problem(config, rng, m)
+        problem.indices = rng.integers(4, ROUTED_ROWS, problem.indices.shape).astype(np.int32)
+        routed = problem.routed.astype(np.float32)
+        routed[1, :16] = np.nan
+        routed[2, 16:32] = np.inf
+        routed[3, 16:32] = -np.inf
+        problem.routed = routed.astype(numerics.BF16)
+        weights = problem.weights.astype(np.float32)
+        if rank == 0:
+            problem.indices[0, 0] = 1
+            problem.indices[1, 0] = 2
+            problem.indices[2, 0] = 2
+            problem.indices[2, -1] = 3  # (with top_k 1 token 2 reads only -Inf)
+            problem.indices[3, 0] = 2
+            weights[5, 0] = np.nan
+        else:
+            problem.indices[3, 0] = 3
+        problem.indices[4, 0] = -1
+        weights[4, 0] = np.nan
+        problem.weights = weights.astype(problem.weights.dtype)
+        if problem.shared is not None:
+            shared = problem.shared.astype(np.float32)
+            shared[6, 40 + rank] = np.inf if rank == 0 else -np.inf
+            problem.shared = shared.astype(numerics.BF16)
+        problems.append(problem)
+    return problems
+
+
+def _nonfinite_failure(config, bits: np.ndarray, problems, m: int, rank: int) -> str | None:
+    """Why rank's output does not carry NaN and Inf where the float64 model does; None if it does."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        total, bound = numerics.expected_sum(problems, config.routed_scaling_factor)
+    scatter = config.mode == "reduce_scatter"
+    rows = protocol.owned_rows(m, config.tp) if scatter else m
+    if scatter:
+        total, bound = numerics.owned(total, config.tp, rank), numerics.owned(bound, config.tp, rank)
+    out = bits[:rows].view(numerics.BF16).astype(np.float64)
+    nan = np.isnan(total)
+    if not np.array_equal(np.isnan(out), nan):
+        return f"rank {rank}: NaN at {np.argwhere(np.isnan(out) != nan)[:5].tolist()} differs from the model"
+    inf = np.isinf(total)
+    if not np.array_equal(out[inf], total[inf]):
+        return f"rank {rank}: Inf values differ from the model at {np.argwhere(inf)[:5].tolist()}"
+    finite = ~(nan | inf)
+    if not np.all(np.isfinite(out[finite])):
+        return f"rank {rank}: non-finite output where the model is finite"
+    if not np.all(np.abs(out[finite] - total[finite]) <= bound[finite]):
+        return f"rank {rank}: finite elements outside the bound"
+    if not np.all(bits[rows:] == numerics.POISON_BF16):
+        return f"rank {rank}: rows past {rows} were written"
+    return None
+
+
+def _negative_zero_problems(config, rng, m: int) -> list[numerics.Problem]:
+    """Inputs whose partials round to bf16 -0.0 before the publish turns them into +0.0.
+
+    Routed values near -1e-38 times weights near 1e-5 give float32 sums near
+    -1e-42, below half of bf16's smallest subnormal; every third token has only
+    -1 indices, so its partial is the shared row: -0.0.
+    """
+    problems = [random_problem(config, rng, m) for _ in range(config.tp)]
+    for problem in problems:
+        problem.routed = (-rng.uniform(0.5e-38, 1e-38, problem.routed.shape)).astype(numerics.BF16)
+        problem.weights = rng.uniform(0.5e-5, 1e-5, problem.weights.shape).astype(problem.weights.dtype)
+        problem.indices[::3] = -1
+        if problem.shared is not None:
+            problem.shared = np.full(problem.shared.shape, -0.0, numerics.BF16)
+    return problems
+
+
+def _special_values(args, make_problems, failure, calls: int) -> None:
+    """``calls`` healthy calls per mode on inputs from ``make_problems``, each output checked by ``failure``."""
+    m = 7
+    rng = np.random.default_rng(args.seed)
+    report = {}
+    for mode in MODES:
+        with group(mode, HEALTHY_TIMEOUT_NS) as launcher:
+            config = launcher.config
+            buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
+            failures = []
+            start = time.monotonic()
+            for call in range(calls):
+                problems = make_problems(config, rng, m)
+                for rank_buffers, problem in zip(buffers, problems):
+                    prepare(rank_buffers, problem)
+                launcher.run(buffers, m)
+                outputs = [b.output() for b in buffers]
+                failures += [f"call {call}: {text}" for rank, bits in enumerate(outputs)
+                             if (text := failure(config, bits, problems, m, rank))]
+                if config.mode != "reduce_scatter" and not np.array_equal(outputs[0][:m], outputs[1][:m]):
+                    failures.append(f"call {call}: the ranks' outputs differ in bits")
+            elapsed = time.monotonic() - start
+            stale = [stale_slots(launcher, rank) for rank in range(config.tp)]
+            if any(stale):
+                failures.append(f"lanes not re-armed: {stale}")
+            report[mode] = {"calls": calls, "elapsed_s": elapsed, "failures": failures}
+    finish(report)
+
+
+def nonfinite(args) -> None:
+    _special_values(args, _nonfinite_problems, _nonfinite_failure, calls=2)
+
+
+def _zero_failure(config, bits: np.ndarray, problems, m: int, rank: int) -> str | None:
+    rows = protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
+    if not np.all(bits[:rows] == 0):
+        return f"rank {rank}: {np.sum(bits[:rows] != 0)} elements are not +0.0"
+    return None
+
+
+def negative_zero(args) -> None:
+    # Four calls: every stage is used, and stage 0 a second time.
+    _special_values(args, _negative_zero_problems, _zero_failure, calls=protocol.STAGES + 1)
+
+
+def sanitize(args) -> dict:
+    """A few healthy calls per mode with checked outputs; returns normally (no fault)."""
+    rng = np.random.default_rng(args.seed)
+    report = {}
+    for mode in ("oneshot", "twoshot"):
+        with group(mode, SANITIZE_TIMEOUT_NS) as launcher:
+            config = launcher.config
+            buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
+            failures = []
+            for m in (1, 5, CAPACITY_M):
+                problems = [random_problem(config, rng, m) for _ in range(config.tp)]
+                for rank_buffers, problem in zip(buffers, problems):
+                    prepare(rank_buffers, problem)
+                launcher.run(buffers, m)
+                failures += [f"m={m}: {text}" for rank, b in enumerate(buffers)
+                             if (text := output_failure(config, b.output(), problems, m, rank))]
+            report[mode] = {"key": config.key, "failures": failures}
+    return report
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+API_PROBLEM = presets.TEST_DEFAULT_PROBLEMS[3]  # the example's problem: its default configs are prebuilt
+API_M = 5
+CHAIN_LAYERS = 8
+
+
+def _api():
+    """(jax, jmp, mesh over GPUs 0 and 1), imported only by the public-API programs."""
+    import jax
+
+    import jax_moe_publish as jmp
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"][:2]
+    if len(gpus) < 2:
+        raise RuntimeError(f"two GPUs needed, JAX sees {jax.devices()}")
+    return jax, jmp, jax.sharding.Mesh(np.array(gpus), ("tp",))
+
+
+def _api_mailbox(jmp, mesh, timeout_s: float = 5.0):
+    return jmp.Mailbox(mesh, "tp", hidden=API_PROBLEM["hidden"], capacity_m=CAPACITY_M, timeout_s=timeout_s)
+
+
+def _api_config(jmp):
+    return jmp.KernelConfig.default(tp=2, mode="oneshot", m=API_M, **API_PROBLEM)
+
+
+def _api_problems(jmp, rng, tp: int) -> list[numerics.Problem]:
+    config = _api_config(jmp)
+    return [random_problem(config, rng, API_M) for _ in range(tp)]
+
+
+def _api_args(jax, mesh, problems):
+    """Per-rank inputs stacked on a leading rank axis and laid out along ``tp``."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    fields = ("routed", "weights", "indices", "shared")
+    return [jax.device_put(np.stack([getattr(p, f) for p in problems]), NamedSharding(mesh, P("tp")))
+            for f in fields]
+
+
+def _api_step(jax, jmp, mailbox):
+    """jit(shard_map) of one call on ``mailbox``: [tp, ...] stacks in, [tp, m, hidden] out (one row per rank)."""
+    from jax.sharding import PartitionSpec as P
+
+    def shard(routed, weights, indices, shared):
+        out = jmp.moe_finalize_publish(
+            routed[0], weights[0], indices[0], shared[0], mailbox=mailbox,
+            routed_scaling_factor=API_PROBLEM["routed_scaling_factor"], impl="kernel",
+        )
+        return out[None]
+
+    return jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=P("tp"), out_specs=P("tp")))
+
+
+def _api_failure(out: np.ndarray, problems) -> str | None:
+    """Why the per-rank outputs ``out`` [tp, m, hidden] are not the group's sum; None if they are."""
+    total, bound = numerics.expected_sum(problems, API_PROBLEM["routed_scaling_factor"])
+    failures = []
+    for rank, rank_out in enumerate(out):
+        try:
+            numerics.assert_close(rank_out, total, bound, what=f"rank {rank}")
+        except AssertionError as error:
+            failures.append(str(error))
+    if not np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16)):
+        failures.append("the ranks' outputs differ in bits")
+    return "; ".join(failures) or None
+
+
+def _outcome(call) -> dict:
+    """Run ``call``; how it ended: ``raised`` (exception type or None), ``message``, ``cause``."""
+    start = time.monotonic()
+    try:
+        value = call()
+    except Exception as error:
+        cause = error.__cause__
+        return {"raised": type(error).__name__, "message": str(error), "value": None,
+                "cause": None if cause is None else f"{type(cause).__name__}: {cause}",
+                "elapsed_s": time.monotonic() - start}
+    return {"raised": None, "message": None, "value": value, "cause": None,
+            "elapsed_s": time.monotonic() - start}
+
+
+def api_timeout(args) -> None:
+    """One healthy call, then a call in which rank 1 skips the op, under `Mailbox.diagnose`."""
+    jax, jmp, mesh = _api()
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(args.seed)
+    mailbox = _api_mailbox(jmp, mesh, timeout_s=FAULT_TIMEOUT_NS / 1e9)
+    healthy = _api_step(jax, jmp, mailbox)
+    problems = _api_problems(jmp, rng, 2)
+    healthy_failure = _api_failure(np.asarray(healthy(*_api_args(jax, mesh, problems))), problems)
+
+    def shard(routed, weights, indices, shared):
+        def publish():
+            return jmp.moe_finalize_publish(
+                routed[0], weights[0], indices[0], shared[0], mailbox=mailbox,
+                routed_scaling_factor=API_PROBLEM["routed_scaling_factor"], impl="kernel",
+            )
+
+        def skip():
+            return jax.numpy.zeros((API_M, API_PROBLEM["hidden"]), jax.numpy.bfloat16)
+
+        return lax.cond(lax.axis_index("tp") == 0, publish, skip)[None]
+
+    # The branches differ per rank by design, so the varying-axes check is off.
+    faulty = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    inputs = _api_args(jax, mesh, _api_problems(jmp, rng, 2))
+    compiled = faulty.lower(*inputs).compile()
+
+    def step():
+        with mailbox.diagnose():
+            compiled(*inputs).block_until_ready()
+
+    outcome = _outcome(step)
+    outcome.pop("value")
+    status_words = mailbox.status()
+    # What `with Mailbox(...)` does next: an error here would replace the diagnostic.
+    closing = _outcome(mailbox.close)
+    closing.pop("value")
+    finish({"healthy_failure": healthy_failure, "mailbox_id": mailbox.id, "outcome": outcome,
+            "timeout_s": FAULT_TIMEOUT_NS / 1e9, "status": status_words, "close_after_fault": closing})
+
+
+def two_mailboxes(args) -> None:
+    """Calls alternate between two mailboxes' jitted functions; then mailbox a is closed and its
+    compiled function called again; then mailbox b must still work."""
+    jax, jmp, mesh = _api()
+    from jax_moe_publish import native
+
+    rng = np.random.default_rng(args.seed)
+    mailboxes = {"a": _api_mailbox(jmp, mesh), "b": _api_mailbox(jmp, mesh)}
+    steps = {name: _api_step(jax, jmp, mailbox) for name, mailbox in mailboxes.items()}
+    captured_before, _ = native.execute_counts()
+    failures = []
+    for call in range(12):
+        name = "ab"[call % 2]
+        problems = _api_problems(jmp, rng, 2)
+        if text := _api_failure(np.asarray(steps[name](*_api_args(jax, mesh, problems))), problems):
+            failures.append(f"call {call} on {name}: {text}")
+    captured_after, _ = native.execute_counts()
+
+    mailboxes["a"].close()
+    closed = _outcome(lambda: np.asarray(steps["a"](*_api_args(jax, mesh, _api_problems(jmp, rng, 2)))))
+    closed["value"] = None if closed["value"] is None else "an array"
+    problems = _api_problems(jmp, rng, 2)
+    after = _outcome(lambda: _api_failure(np.asarray(steps["b"](*_api_args(jax, mesh, problems))), problems))
+    finish({
+        "alternate_failures": failures, "captured_calls": captured_after - captured_before,
+        "closed_id": mailboxes["a"].id, "closed_call": closed, "other_mailbox_after": after,
+        "status_b": mailboxes["b"].status(),
+    })
+
+
+def closed_chain(args) -> None:
+    """A chain of CHAIN_LAYERS calls in one jit, run three times on the same input arrays (XLA
+    records its command buffer, then replays it), then run again after its mailbox is closed."""
+    jax, jmp, mesh = _api()
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jax_moe_publish import native
+
+    rng = np.random.default_rng(args.seed)
+    mailbox = _api_mailbox(jmp, mesh)
+    scale = API_PROBLEM["routed_scaling_factor"]
+
+    def shard(routed, weights, indices, shared):
+        y = shared
+        outputs = []
+        for layer in range(CHAIN_LAYERS):
+            y = jmp.moe_finalize_publish(routed[layer], weights[layer], indices[layer], y, mailbox=mailbox,
+                                         routed_scaling_factor=scale, impl="kernel")
+            outputs.append(y)
+        return jnp.stack(outputs)
+
+    chain = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P(), out_specs=P()))
+    config = _api_config(jmp)
+    layers = [random_problem(config, rng, API_M) for _ in range(CHAIN_LAYERS)]
+    # Placed once, so that every run reads the same input buffers.
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    inputs = [jax.device_put(np.stack([getattr(p, f) for p in layers]), replicated)
+              for f in ("routed", "weights", "indices")]
+    inputs.append(jax.device_put(layers[0].shared, replicated))
+
+    def check(out) -> str | None:
+        # Replicated inputs: every rank's partial is the same p, so layer l is bf16(tp * p).
+        previous = layers[0].shared
+        for layer, problem in enumerate(layers):
+            expected, bound = numerics.expected_sum(
+                [numerics.Problem(problem.routed, problem.weights, problem.indices, previous)] * 2, scale
+            )
+            try:
+                numerics.assert_close(out[layer], expected, bound, what=f"layer {layer}")
+            except AssertionError as error:
+                return str(error)
+            previous = out[layer]
+        return None
+
+    captured_before, direct_before = native.execute_counts()
+    failures = []
+    for run in range(3):
+        out = chain(*inputs)
+        if text := check(np.asarray(out)):
+            failures.append(f"run {run}: {text}")
+        del out  # lets XLA hand the next run the same output buffers
+    captured, direct = native.execute_counts()
+    mailbox.close()
+    closed = _outcome(lambda: check(np.asarray(chain(*inputs))))
+    finish({
+        "failures": failures, "closed_id": mailbox.id, "closed_call": closed,
+        "handler_executes_before_close": {"captured": captured - captured_before, "direct": direct - direct_before},
+        "handler_executes_after_close": dict(zip(("captured", "direct"), (
+            n - m for n, m in zip(native.execute_counts(), (captured, direct))))),
+    })
+
+
+PROGRAMS = {
+    "silent-peer": silent_peer,
+    "double-publish": double_publish,
+    "mismatched-m": mismatched_m,
+    "nonfinite": nonfinite,
+    "negative-zero": negative_zero,
+    "sanitize": sanitize,
+    "api-timeout": api_timeout,
+    "two-mailboxes": two_mailboxes,
+    "closed-chain": closed_chain,
+}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("program", choices=sorted(PROGRAMS))
+    parser.add_argument("--mode", choices=MODES, default="oneshot")
+    parser.add_argument("--silent-rank", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--warmup", type=int, default=2, help="healthy calls before the fault")
+    parser.add_argument("--m", type=int, nargs=2, default=(3, 5), help="m of rank 0 and rank 1")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        result = PROGRAMS[args.program](args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    # Only `sanitize` returns (the others leave through `finish`): a normal exit, so the
+    # sanitizer sees every allocation freed.
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

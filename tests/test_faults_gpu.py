@@ -1,0 +1,214 @@
+"""Faults and misuse on two GPUs: every case ends in an error that names the fault, or in
+behaviour that is documented here, and never in a hang.
+
+Each case runs one program of `fault_programs` in a child process, because a
+trapped kernel loses its device's CUDA context for the rest of the process.
+The parent never touches the GPUs: it reads the child's JSON result, and a
+child that outlives ``CHILD_TIMEOUT_S`` is killed and reported as a hang.
+Run with ``-rP`` to see the time to error of each fault.
+
+What the protocol guarantees, and what it does not:
+
+* A peer that never publishes: the waiting rank traps after ``timeout_s`` and
+  its status block names the peer, the stage, the token and the call.
+* Ranks that run different m in the same call: the rank with the larger m
+  waits for tokens that never come and traps; the rank with the smaller m
+  returns the correct sum of the tokens both have, and keeps the other rank's
+  extra contributions in its mailbox (harmless only because the group cannot
+  go on once a device has trapped).
+* A rank that publishes twice without reducing (not reachable through the op,
+  which always launches publish and reduce together): NOT detected. The second
+  publish overwrites the first in the same stage, since only the reduce
+  advances the stage, and both ranks silently return rank 0's call n summed
+  with rank 1's call n+1. The test below asserts exactly that, so that a fix
+  shows up.
+* Through the public API, a rank that skips the op makes the other rank's
+  wait trap; `Mailbox.diagnose` turns XLA's launch failure into
+  `MailboxStatusError`. A closed mailbox is refused by the FFI handler; a
+  command buffer that XLA recorded before the close never runs the handler
+  again, which the last test probes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jax_moe_publish import protocol
+
+pytestmark = pytest.mark.gpus(2)
+
+PROGRAMS = pathlib.Path(__file__).with_name("fault_programs.py")
+RESULT_PREFIX = "RESULT "
+CHILD_TIMEOUT_S = 300
+TIME_TO_ERROR_S = 5.0
+"""A fault must be reported within the kernel timeout plus this."""
+
+
+def run_program(program: str, *options: str, env: dict | None = None) -> dict:
+    """Run ``fault_programs.py program options`` in a fresh process; its JSON result."""
+    # No preallocation: this process (or an earlier test's JAX) may already hold GPU memory.
+    environment = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})}
+    command = [sys.executable, str(PROGRAMS), program, *options]
+    try:
+        child = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                               env=environment)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"{program} {' '.join(options)} hung: killed after {CHILD_TIMEOUT_S} s\n"
+                    f"stdout: {error.stdout}\nstderr: {error.stderr}")
+    lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert child.returncode == 0 and lines, (
+        f"{program} {' '.join(options)} exited with {child.returncode} and no result\n"
+        f"stdout: {child.stdout[-4000:]}\nstderr: {child.stderr[-4000:]}"
+    )
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def _assert_timed_out(status: dict, *, missing: list[int], call: int, tokens: range) -> None:
+    assert status["code"] == protocol.STATUS_TIMEOUT, f"no timeout recorded: {status}"
+    assert status["missing_ranks"] == missing, f"wrong missing ranks: {status}"
+    assert status["call"] == call and status["stage"] == call % protocol.STAGES, f"wrong call: {status}"
+    assert status["token"] in tokens, f"token outside {tokens}: {status}"
+
+
+def _assert_faulted_in_time(outcome: dict, timeout_s: float, what: str) -> None:
+    assert not outcome["hung"], f"{what}: still running at the host deadline: {outcome}"
+    assert not outcome["completed"] and outcome["error"], f"{what}: no error: {outcome}"
+    assert 0.9 * timeout_s <= outcome["elapsed_s"] < timeout_s + TIME_TO_ERROR_S, (
+        f"{what}: error after {outcome['elapsed_s']:.3f} s with a {timeout_s} s timeout"
+    )
+    print(f"{what}: time to error {outcome['elapsed_s']:.3f} s (timeout {timeout_s} s): {outcome['error']}")
+
+
+@pytest.mark.parametrize("mode,silent", [("oneshot", 1), ("twoshot", 1), ("reduce_scatter", 1), ("oneshot", 0)])
+def test_silent_peer_traps_within_the_timeout(mode, silent):
+    result = run_program("silent-peer", "--mode", mode, "--silent-rank", str(silent))
+    waiting = result["waiting"]
+    _assert_faulted_in_time(result["outcome"], result["timeout_s"], f"{mode}, rank {silent} silent")
+    _assert_timed_out(result["status"][waiting], missing=[silent], call=result["warmup"],
+                      tokens=range(result["m"]))
+    assert result["status"][silent]["words"] == [0] * protocol.STATUS_WORDS
+
+
+@pytest.mark.parametrize("mode", ["oneshot", "twoshot", "reduce_scatter"])
+def test_double_publish_silently_returns_the_later_call(mode):
+    """Documents a weakness: see the module docstring."""
+    result = run_program("double-publish", "--mode", mode)
+    assert result["publishes"]["completed"], result["publishes"]
+    assert result["stage_after_publishes"]["next_stage"] == 0, "a publish moved the stage"
+    for rank, outcome in result["outcomes"].items():
+        assert outcome["completed"], f"rank {rank}: {outcome}"
+    assert result["differs_from_mixed"] == [None, None], (
+        f"not the sum of rank 0's call n and rank 1's call n+1: {result['differs_from_mixed']}"
+    )
+    assert all(result["differs_from_call_n"]), "a rank returned the right sum: the protocol changed"
+    assert all(s["code"] == protocol.STATUS_OK for s in result["status"]), result["status"]
+    assert result["stage"] == [{"next_stage": 1, "arrivals": 0, "call_count": 1}] * 2, result["stage"]
+    assert result["stale"] == [[], []], f"lanes left filled: {result['stale']}"
+    assert result["next_call_failures"] == [None, None], "the next call is wrong"
+
+
+def _leftovers(mode: str, small_rank: int, large_rank: int, small_m: int, large_m: int) -> list[list]:
+    """Contribution slots of the smaller-m rank's mailbox that keep the larger-m rank's extra tokens."""
+    if mode == "oneshot":
+        slots = range(small_m, large_m)
+    else:  # owner modes: token t goes to rank t % tp, slot t // tp
+        slots = [t // 2 for t in range(small_m, large_m) if t % 2 == small_rank]
+    return [["contributions", 0, large_rank, slot] for slot in slots]
+
+
+@pytest.mark.parametrize("ms", [(3, 5), (5, 3)], ids=lambda ms: f"m{ms[0]}-m{ms[1]}")
+@pytest.mark.parametrize("mode", ["oneshot", "twoshot", "reduce_scatter"])
+def test_mismatched_m_traps_the_rank_with_more_tokens(mode, ms):
+    result = run_program("mismatched-m", "--mode", mode, "--m", *map(str, ms))
+    small, large = (0, 1) if ms[0] < ms[1] else (1, 0)
+    outcomes = result["outcomes"]
+    _assert_faulted_in_time(outcomes[str(large)], result["timeout_s"], f"{mode}, m={ms}, rank {large}")
+    _assert_timed_out(result["status"][large], missing=[small], call=0, tokens=range(min(ms), max(ms)))
+    assert outcomes[str(small)]["completed"], f"rank {small}: {outcomes[str(small)]}"
+    assert result["status"][small]["words"] == [0] * protocol.STATUS_WORDS
+    assert result["output_failure"][str(small)] is None, result["output_failure"][str(small)]
+    assert result["stage"][str(small)] == {"next_stage": 1, "arrivals": 0, "call_count": 1}
+    assert sorted(result["stale"][str(small)]) == _leftovers(mode, small, large, min(ms), max(ms))
+
+
+def test_nan_and_inf_propagate_like_the_model():
+    result = run_program("nonfinite")
+    for mode, report in result.items():
+        assert report["failures"] == [], f"{mode}: {report['failures']}"
+
+
+def test_negative_zero_partials_never_stall_a_wait():
+    result = run_program("negative-zero")
+    for mode, report in result.items():
+        assert report["failures"] == [], f"{mode}: {report['failures']}"
+        # Far below the 2 s timeout: no wait came near it.
+        assert report["elapsed_s"] < 1.0, f"{mode}: {report['calls']} calls took {report['elapsed_s']:.3f} s"
+
+
+@pytest.fixture(scope="module")
+def api_timeout():
+    """One run of ``api-timeout``: rank 1 skips the op in a call made through the public API."""
+    return run_program("api-timeout")
+
+
+def test_api_timeout_raises_the_mailbox_diagnostic(api_timeout):
+    result = api_timeout
+    assert result["healthy_failure"] is None, result["healthy_failure"]
+    outcome = result["outcome"]
+    assert outcome["raised"] == "MailboxStatusError", f"diagnose() did not explain the failure: {outcome}"
+    for words in ("(rank 0)", "no data from rank(s) [1]", "different order", "process died"):
+        assert words in outcome["message"], f"{words!r} missing from: {outcome['message']}"
+    assert outcome["cause"], "the XLA error is not chained"
+    assert outcome["elapsed_s"] < result["timeout_s"] + TIME_TO_ERROR_S, outcome
+    print(f"public API, rank 1 skips the op: time to error {outcome['elapsed_s']:.3f} s "
+          f"(timeout {result['timeout_s']} s)\n{outcome['message']}\ncaused by: {outcome['cause']}")
+    _assert_timed_out(result["status"][0], missing=[1], call=1, tokens=range(5))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known bug, not yet fixed: GroupMemory.free calls cuCtxSynchronize, which fails on the dead "
+    "context, so close() raises CudaError over the MailboxStatusError"))
+def test_close_after_a_fault_does_not_hide_the_diagnostic(api_timeout):
+    """``with Mailbox(...)`` closes the mailbox while the diagnostic propagates: an error from
+    close() would replace it."""
+    closing = api_timeout["close_after_fault"]
+    assert closing["raised"] is None, f"Mailbox.close() after a device fault raised: {closing}"
+
+
+@pytest.mark.parametrize("command_buffers", ["off", "on"])
+def test_two_mailboxes_alternate_and_a_closed_one_errors(command_buffers):
+    env = {}
+    if command_buffers == "off":
+        env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    result = run_program("two-mailboxes", env=env)
+    assert result["alternate_failures"] == [], result["alternate_failures"]
+    closed = result["closed_call"]
+    assert closed["raised"] and f"mailbox {result['closed_id']} is closed" in closed["message"], (
+        f"calling a compiled function of a closed mailbox (handler executes captured in command "
+        f"buffers: {result['captured_calls']}): {closed}"
+    )
+    after = result["other_mailbox_after"]
+    assert after["raised"] is None and after["value"] is None, f"the other mailbox broke: {after}"
+    assert all(s["code"] == protocol.STATUS_OK for s in result["status_b"])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known bug, not yet fixed: a replayed XLA command buffer skips the FFI handler, so the kernels "
+    "run on the freed memory of a closed mailbox instead of raising"))
+def test_closed_mailbox_in_a_replayed_command_buffer_errors():
+    """A command buffer recorded before `close` must not replay the kernels onto freed memory."""
+    result = run_program("closed-chain")
+    assert result["failures"] == [], result["failures"]
+    assert result["handler_executes_before_close"]["captured"] > 0, (
+        f"XLA never captured the chain, so no replay was tried: {result}"
+    )
+    closed = result["closed_call"]
+    assert closed["raised"] and f"mailbox {result['closed_id']} is closed" in closed["message"], (
+        f"after close: {closed}; handler executes after close: {result['handler_executes_after_close']}"
+    )

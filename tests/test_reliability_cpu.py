@@ -1,0 +1,210 @@
+"""Reliability tests that run in CI without a GPU.
+
+* A property test draws valid problems (shapes, weight dtypes, shared expert,
+  scale, tp, mode) and index patterns (all -1, duplicates, out of range on
+  either side, mixed), runs them through the public API on the virtual CPU
+  devices (the reference path) and checks the result against the NumPy
+  float64 model of `numerics`.
+* The mailbox's timeout diagnostic: `Mailbox.check` and `Mailbox.diagnose`
+  build one message from the status words, naming the rank that never arrived
+  and the likely causes.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_moe_publish as jmp
+import numerics
+from jax_moe_publish import protocol
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INDEX_PATTERNS = ("valid", "all -1", "duplicates", "below range", "above range", "mixed")
+
+
+def _indices(rng, pattern: str, m: int, top_k: int, num_rows: int) -> np.ndarray:
+    """int32 [m, top_k] indices of one rank; with no routed rows every index is invalid."""
+    if num_rows == 0 or pattern == "all -1":
+        return np.full((m, top_k), -1, np.int32)
+    valid = rng.integers(0, num_rows, (m, top_k))
+    below = rng.choice([-1, -2, INT32_MIN, int(rng.integers(INT32_MIN, 0))], (m, top_k))
+    above = rng.choice([num_rows, num_rows + 1, INT32_MAX, int(rng.integers(num_rows, INT32_MAX))], (m, top_k))
+    if pattern == "valid":
+        out = valid
+    elif pattern == "duplicates":
+        # Every expert of a token on one row, and a few rows shared by all tokens.
+        out = np.repeat(rng.integers(0, min(num_rows, 3), (m, 1)), top_k, axis=1)
+    elif pattern == "below range":
+        out = np.where(rng.random((m, top_k)) < 0.5, below, valid)
+    elif pattern == "above range":
+        out = np.where(rng.random((m, top_k)) < 0.5, above, valid)
+    else:
+        duplicate = np.repeat(valid[:, :1], top_k, axis=1)
+        out = np.choose(rng.integers(0, 5, (m, top_k)), [valid, below, above, duplicate, np.full_like(valid, -1)])
+    return out.astype(np.int32)
+
+
+@st.composite
+def problems(draw):
+    """A valid call of the public API: (tp, mode, scale, per-rank `numerics.Problem`s)."""
+    tp = draw(st.sampled_from((1, 2, 4)))
+    mode = draw(st.sampled_from(("allreduce", "reduce_scatter"))) if tp > 1 else "allreduce"
+    m = draw(st.integers(1, 40))
+    hidden = 8 * draw(st.integers(1, 64))
+    top_k = draw(st.integers(1, 10))
+    num_rows = draw(st.integers(0, 64))
+    fp32_weights = draw(st.booleans())
+    shared = draw(st.booleans())
+    scale = draw(st.sampled_from((1.0, 2.5, 0.5, -1.0)))
+    patterns = [draw(st.sampled_from(INDEX_PATTERNS)) for _ in range(tp)]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    ranks = []
+    for pattern in patterns:
+        ranks.append(numerics.Problem(
+            routed=rng.standard_normal((num_rows, hidden), dtype=np.float32).astype(numerics.BF16),
+            weights=rng.uniform(-1.0, 1.0, (m, top_k)).astype(np.float32 if fp32_weights else numerics.BF16),
+            indices=_indices(rng, pattern, m, top_k, num_rows),
+            shared=rng.standard_normal((m, hidden), dtype=np.float32).astype(numerics.BF16) if shared else None,
+        ))
+    return tp, mode, scale, ranks
+
+
+def _stack(ranks, field):
+    values = [getattr(p, field) for p in ranks]
+    return None if values[0] is None else jnp.asarray(np.stack(values))
+
+
+def _with_a_row(problem: numerics.Problem) -> numerics.Problem:
+    """``problem`` for the float64 model, which indexes row 0 even for skipped experts: with no
+    routed rows every index is invalid, so a zero row changes nothing."""
+    if problem.routed.shape[0]:
+        return problem
+    routed = np.zeros((1, problem.routed.shape[1]), problem.routed.dtype)
+    return numerics.Problem(routed, problem.weights, problem.indices, problem.shared)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_public_api_matches_float64_model(drawn):
+    tp, mode, scale, ranks = drawn
+    m, hidden = ranks[0].weights.shape[0], ranks[0].routed.shape[1]
+    mesh = jax.make_mesh((tp,), ("tp",))
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=m, mode=mode) as mailbox:
+        # Under jit: an eager shard_map runs op by op, about 20 times slower here.
+        call = jax.jit(lambda *args: jmp.sharded_moe_finalize_publish(
+            mailbox, *args, routed_scaling_factor=scale))
+        out = np.asarray(call(_stack(ranks, "routed"), _stack(ranks, "weights"),
+                              _stack(ranks, "indices"), _stack(ranks, "shared")))
+    expected, bound = numerics.expected_sum([_with_a_row(p) for p in ranks], scale)
+    if mode == "allreduce":
+        numerics.assert_close(out, expected, bound)
+    else:
+        assert out.shape == (tp, protocol.owned_rows(m, tp), hidden)
+        for rank in range(tp):
+            numerics.assert_close(out[rank], numerics.owned(expected, tp, rank),
+                                  numerics.owned(bound, tp, rank), what=f"rank {rank}")
+
+
+# --- the timeout diagnostic --------------------------------------------------------------------
+
+
+def _words(code=protocol.STATUS_OK, stage=0, token=0, missing=0, call=0) -> list[int]:
+    words = [0] * protocol.STATUS_WORDS
+    words[protocol.STATUS_CODE] = code
+    words[protocol.STATUS_STAGE] = stage
+    words[protocol.STATUS_TOKEN] = token
+    words[protocol.STATUS_MISSING_RANKS] = missing
+    words[protocol.STATUS_CALL] = call
+    return words
+
+
+class _FakeGroupMemory:
+    """The status words of a group's ranks, read the way `GroupMemory.status` reads them."""
+
+    def __init__(self, ordinals: list[int], words: list[list[int]]) -> None:
+        self.ranks = [types.SimpleNamespace(ordinal=o, rank=r) for r, o in enumerate(ordinals)]
+        self._words = words
+
+    def status(self, rank: int) -> list[int]:
+        return list(self._words[rank])
+
+
+@pytest.fixture
+def mailbox():
+    with jmp.Mailbox(jax.make_mesh((4,), ("tp",)), "tp", hidden=64, capacity_m=8) as mailbox:
+        yield mailbox
+
+
+# Rank 0 (device 3) waited in vain for ranks 1 and 3; the others are healthy.
+TIMED_OUT = _words(protocol.STATUS_TIMEOUT, stage=2, token=5, missing=0b1010, call=7)
+HEALTHY = _words()
+
+
+@pytest.fixture
+def timed_out(mailbox, monkeypatch):
+    """``mailbox`` whose status blocks report rank 0's timeout."""
+    records = [
+        {"device": 3, "rank": 0, "code": protocol.STATUS_TIMEOUT, "stage": 2, "token": 5,
+         "missing_ranks": [1, 3], "call": 7},
+    ] + [
+        {"device": 4 + r, "rank": r, "code": protocol.STATUS_OK, "stage": 0, "token": 0,
+         "missing_ranks": [], "call": 0}
+        for r in range(1, 4)
+    ]
+    monkeypatch.setattr(type(mailbox), "status", lambda self: records)
+    return mailbox
+
+
+def _assert_names_the_fault(message: str) -> None:
+    for words in ("device 3 (rank 0)", "after 7 completed call(s)", "stage 2", "token 5",
+                  "no data from rank(s) [1, 3]", "different order", "process died"):
+        assert words in message, f"{words!r} missing from: {message}"
+    assert "rank 1)" not in message and "rank 2)" not in message, "healthy ranks are reported"
+
+
+def test_status_decodes_the_words(mailbox):
+    mailbox._memories = [_FakeGroupMemory([3, 4, 5, 6], [TIMED_OUT, HEALTHY, HEALTHY, HEALTHY])]
+    try:
+        status = mailbox.status()
+    finally:
+        mailbox._memories = []
+    assert status[0] == {"device": 3, "rank": 0, "code": protocol.STATUS_TIMEOUT, "stage": 2,
+                         "token": 5, "missing_ranks": [1, 3], "call": 7}
+    assert [s["code"] for s in status[1:]] == [protocol.STATUS_OK] * 3
+
+
+def test_check_names_the_missing_ranks_and_the_causes(timed_out):
+    with pytest.raises(jmp.MailboxStatusError) as raised:
+        timed_out.check()
+    _assert_names_the_fault(str(raised.value))
+
+
+def test_diagnose_turns_a_launch_failure_into_the_diagnostic(timed_out):
+    failure = RuntimeError("INTERNAL: CUDA error: unspecified launch failure")
+    with pytest.raises(jmp.MailboxStatusError) as raised, timed_out.diagnose():
+        raise failure
+    assert raised.value.__cause__ is failure
+    with pytest.raises(jmp.MailboxStatusError) as checked:
+        timed_out.check()
+    assert str(raised.value) == str(checked.value), "diagnose and check build different messages"
+    _assert_names_the_fault(str(raised.value))
+
+
+def test_diagnose_passes_other_errors_through(mailbox):
+    failure = ValueError("not a mailbox problem")
+    with pytest.raises(ValueError) as raised, mailbox.diagnose():
+        raise failure
+    assert raised.value is failure
+    mailbox.check()
+
+
+def test_diagnose_is_silent_without_an_error(timed_out):
+    with timed_out.diagnose() as entered:
+        assert entered is timed_out
