@@ -382,20 +382,8 @@ def _nonfinite_failure(config, bits: np.ndarray, problems, m: int, rank: int) ->
 
 
 def _negative_zero_problems(config, rng, m: int) -> list[numerics.Problem]:
-    """Inputs whose partials round to bf16 -0.0 before the publish turns them into +0.0.
-
-    Routed values near -1e-38 times weights near 1e-5 give float32 sums near
-    -1e-42, below half of bf16's smallest subnormal; every third token has only
-    -1 indices, so its partial is the shared row: -0.0.
-    """
-    problems = [random_problem(config, rng, m) for _ in range(config.tp)]
-    for problem in problems:
-        problem.routed = (-rng.uniform(0.5e-38, 1e-38, problem.routed.shape)).astype(numerics.BF16)
-        problem.weights = rng.uniform(0.5e-5, 1e-5, problem.weights.shape).astype(problem.weights.dtype)
-        problem.indices[::3] = -1
-        if problem.shared is not None:
-            problem.shared = np.full(problem.shared.shape, -0.0, numerics.BF16)
-    return problems
+    """Inputs whose partials round to bf16 -0.0 before the publish turns them into +0.0."""
+    return numerics.make_negative_zero([random_problem(config, rng, m) for _ in range(config.tp)], rng)
 
 
 def _special_values(args, make_problems, failure, calls: int) -> None:

@@ -100,3 +100,31 @@ def owned(x: np.ndarray, tp: int, rank: int) -> np.ndarray:
     picked = x[rank::tp]
     out[: len(picked)] = picked
     return out
+
+
+def make_negative_zero(problems: list[Problem], rng) -> list[Problem]:
+    """Turn ``problems`` (in place) into inputs whose partials round to bf16 -0.0.
+
+    Routed values near -1e-38 times weights near 1e-5 (scale <= 2.5, top-k <= 10)
+    give float32 sums near -1e-42, far below half of bf16's smallest subnormal
+    (about 4.6e-41), so each rounds to -0.0. Every third token has only -1
+    indices: its partial is just the shared row, -0.0 (or nothing).
+    """
+    for problem in problems:
+        problem.routed = (-rng.uniform(0.5e-38, 1e-38, problem.routed.shape)).astype(BF16)
+        problem.weights = rng.uniform(0.5e-5, 1e-5, problem.weights.shape).astype(problem.weights.dtype)
+        problem.indices[::3] = -1
+        if problem.shared is not None:
+            problem.shared = np.full(problem.shared.shape, -0.0, BF16)
+    return problems
+
+
+def assert_group_close(out, expected, bound, *, mode: str, tp: int) -> None:
+    """A group's result against the float64 sum: the whole [m, hidden] for an all-reduce,
+    or each rank's owned rows of a [tp, ceil(m/tp), hidden] reduce-scatter."""
+    if mode != "reduce_scatter":
+        assert_close(out, expected, bound)
+        return
+    assert out.shape == (tp, -(-expected.shape[0] // tp), expected.shape[1])
+    for rank in range(tp):
+        assert_close(out[rank], owned(expected, tp, rank), owned(bound, tp, rank), what=f"rank {rank}")

@@ -132,21 +132,8 @@ def _check_protocol_state(launcher, calls: int) -> None:
 
 
 def _negative_zero_problems(config, m: int, rng) -> list[numerics.Problem]:
-    """Inputs whose partials are bf16 -0.0 (or zero) before the publish sanitizes them.
-
-    Routed values near -1e-38 times weights near 1e-5 (and a scale <= 2.5, top-k
-    <= 10) give float32 sums near -1e-42, far below half of bf16's smallest
-    subnormal (about 4.6e-41), so each rounds to -0.0. Every third token has
-    only -1 indices: its partial is just the shared row, -0.0 (or nothing).
-    """
-    problems = _random_problems(config, m, rng, _routed_rows(config, m))
-    for problem in problems:
-        problem.routed = (-rng.uniform(0.5e-38, 1e-38, problem.routed.shape)).astype(numerics.BF16)
-        problem.weights = rng.uniform(0.5e-5, 1e-5, problem.weights.shape).astype(problem.weights.dtype)
-        problem.indices[::3] = -1
-        if problem.shared is not None:
-            problem.shared = np.full(problem.shared.shape, -0.0, numerics.BF16)
-    return problems
+    """Inputs whose partials are bf16 -0.0 (or zero) before the publish sanitizes them."""
+    return numerics.make_negative_zero(_random_problems(config, m, rng, _routed_rows(config, m)), rng)
 
 
 def _check_one_call(config, m, devices) -> None:

@@ -9,7 +9,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
-from jax_moe_publish import protocol
 import numerics
 
 SCALES = (1.0, 2.5)
@@ -62,13 +61,7 @@ def test_sharded_reference_matches_float64(mesh_shape, axes, mode):
     with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=16, mode=mode) as mailbox:
         out = _run_sharded(mailbox, problems, 2.5)
     expected, bound = numerics.expected_sum(problems, 2.5)
-    if mode == "allreduce":
-        numerics.assert_close(out, expected, bound)
-    else:
-        assert out.shape == (tp, protocol.owned_rows(m, tp), hidden)
-        for rank in range(tp):
-            numerics.assert_close(out[rank], numerics.owned(expected, tp, rank),
-                                  numerics.owned(bound, tp, rank) + 1e-30, what=f"rank {rank}")
+    numerics.assert_group_close(out, expected, bound, mode=mode, tp=tp)
 
 
 def test_reversed_mesh_ranks_follow_the_axis_not_the_device_id():

@@ -103,13 +103,7 @@ def test_public_api_matches_float64_model(drawn):
         out = np.asarray(call(_stack(ranks, "routed"), _stack(ranks, "weights"),
                               _stack(ranks, "indices"), _stack(ranks, "shared")))
     expected, bound = numerics.expected_sum([_with_a_row(p) for p in ranks], scale)
-    if mode == "allreduce":
-        numerics.assert_close(out, expected, bound)
-    else:
-        assert out.shape == (tp, protocol.owned_rows(m, tp), hidden)
-        for rank in range(tp):
-            numerics.assert_close(out[rank], numerics.owned(expected, tp, rank),
-                                  numerics.owned(bound, tp, rank), what=f"rank {rank}")
+    numerics.assert_group_close(out, expected, bound, mode=mode, tp=tp)
 
 
 # --- the timeout diagnostic --------------------------------------------------------------------
