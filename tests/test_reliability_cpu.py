@@ -202,3 +202,28 @@ def test_diagnose_passes_other_errors_through(mailbox):
 def test_diagnose_is_silent_without_an_error(timed_out):
     with timed_out.diagnose() as entered:
         assert entered is timed_out
+
+
+def test_a_call_after_close_is_reported_as_the_close(mailbox, monkeypatch):
+    records = [{"device": 3 + r, "rank": r, "code": protocol.STATUS_CLOSED, "stage": 1, "token": 0,
+                "missing_ranks": [], "call": 4} for r in range(4)]
+    monkeypatch.setattr(type(mailbox), "status", lambda self: records)
+    with pytest.raises(jmp.MailboxStatusError) as raised, mailbox.diagnose():
+        raise RuntimeError("INTERNAL: CUDA error: unspecified launch failure")
+    message = str(raised.value)
+    for words in (f"mailbox {mailbox.id} is closed", "device(s) [3, 4, 5, 6]", "command buffers",
+                  "new Mailbox"):
+        assert words in message, f"{words!r} missing from: {message}"
+    assert "timed out" not in message
+
+
+def test_a_flagged_mailbox_says_it_is_halted(monkeypatch):
+    with jmp.Mailbox(jax.make_mesh((4,), ("tp",)), "tp", hidden=64, capacity_m=8,
+                     on_timeout="flag") as flagged:
+        records = [{"device": 3, "rank": 0, "code": protocol.STATUS_TIMEOUT, "stage": 2, "token": 5,
+                    "missing_ranks": [1, 3], "call": 7}]
+        monkeypatch.setattr(type(flagged), "status", lambda self: records)
+        with pytest.raises(jmp.MailboxStatusError) as raised:
+            flagged.check()
+    _assert_names_the_fault(str(raised.value))
+    assert "halted" in str(raised.value) and "NaN" in str(raised.value)
