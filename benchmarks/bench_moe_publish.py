@@ -3,9 +3,11 @@
 For every case one ``jit`` + ``shard_map`` runs a ``fori_loop`` whose body is a
 chain of L = 32 layers, each layer with its own inputs (so XLA can neither
 hoist nor merge layers) and each layer's output fed into the next layer's
-shared-expert input, as in a model (without a shared expert, an
-``optimization_barrier`` ties the output to the next layer's router weights,
-on both paths):
+shared-expert input, as in a model. Without a shared expert, the XLA path's
+layers are tied by adding ``y[:, :top_k] * zero`` to the next layer's weights,
+with ``zero`` a runtime argument XLA cannot fold (it fuses the add into the
+finalize); our custom call has side effects, so XLA can neither hoist nor
+merge it and it needs no tie:
 
 * ``ours``: `moe_finalize_publish` (the kernels);
 * ``xla``: the same finalize in ``jnp`` followed by ``lax.psum`` (tp > 1), or
@@ -227,22 +229,23 @@ def make_chain(impl, mailbox, problem, config, iterations):
     """``iterations`` passes over a chain of LAYERS calls, in one jitted program."""
     scale, with_shared = problem["scale"], problem["shared"]
 
-    def layer(args, y):
+    def layer(args, y, zero):
         routed, weights, indices = args
-        if not with_shared:
-            # A dependency XLA cannot simplify away (0 * y was folded and the layer hoisted).
-            y, weights = lax.optimization_barrier((y, weights))
         if impl == "ours":
             return jmp.moe_finalize_publish(routed, weights, indices, y if with_shared else None,
                                             mailbox=mailbox, routed_scaling_factor=scale,
                                             impl="kernel", config=config)
+        if not with_shared:
+            # Without it XLA hoists the loop-invariant layers out of the loop (an
+            # optimization_barrier or a literal 0 * y did not stop it).
+            weights = weights + (y[:, : weights.shape[1]] * zero).astype(weights.dtype)
         out = xla_finalize(routed, weights, indices, y if with_shared else None, scale)
         return lax.psum(out, "tp") if mailbox.tp > 1 else out
 
-    def shard(routed, weights, indices, shared):
+    def shard(routed, weights, indices, shared, zero):
         def body(_, y):
             for index in range(LAYERS):
-                y = layer((routed[index][0], weights[index][0], indices[index][0]), y)
+                y = layer((routed[index][0], weights[index][0], indices[index][0]), y, zero[0])
             return y
 
         return lax.fori_loop(0, iterations, body, shared[0])
@@ -266,7 +269,8 @@ def make_tiny_chain(iterations):
 
 
 def chain_inputs(mesh, m, problem, key):
-    """Per-layer lists of [tp, ...] arrays (routed, weights, indices) and the first shared input."""
+    """Per-layer lists of [tp, ...] arrays (routed, weights, indices), the first shared input and
+    a runtime zero per rank (see `make_chain`)."""
     tp, hidden, top_k = mesh.shape["tp"], problem["hidden"], problem["top_k"]
     num_rows = m * top_k
     sharding = jax.sharding.NamedSharding(mesh, P("tp"))
@@ -283,7 +287,7 @@ def chain_inputs(mesh, m, problem, key):
         order = jax.random.permutation(keys[2], num_rows).reshape(m, top_k).astype(jnp.int32)
         indices.append(put(jnp.broadcast_to(order, (tp, m, top_k))))
     shared = put(jax.random.normal(key, (tp, m, hidden), jnp.bfloat16) * 0.1)
-    return routed, weights, indices, shared
+    return routed, weights, indices, shared, put(jnp.zeros((tp,), jnp.float32))
 
 
 def time_runs(fn, args, reps):
