@@ -204,8 +204,9 @@ class ProcessMailboxMemory:
     def close(self) -> None:
         """Collective: unmap imports, wait for every process to do so, free local memory.
 
-        Raises the first failure (a peer that never reaches the barrier gives
-        `cluster.ProcessGroupError`) after the local memory is freed.
+        A peer that never reaches the barrier (a dead process) raises
+        `cluster.ProcessGroupError` once the local memory is freed; it wins
+        over CUDA errors, which a dead peer's faults may also cause.
         """
         if self._closed:
             return
@@ -216,7 +217,7 @@ class ProcessMailboxMemory:
         try:
             self._exchange("close").barrier("unmapped")
         except cluster.ProcessGroupError as error:
-            errors.append(error)
+            errors.insert(0, error)
         errors += self._free_local()
         if errors:
             raise errors[0]
