@@ -10,7 +10,8 @@ parent compares the processes' output hashes for bitwise equality. Each
 prints ``RESULT {json}``, waits at a last barrier (so that the coordinator,
 process 0, outlives the others) and leaves with ``os._exit``.
 
-* ``match``: calls with m in `M_VALUES`, fresh inputs each.
+* ``match``: for each of ``--modes`` and ``--problems``, a mailbox and calls
+  with m in `M_VALUES`, fresh inputs each.
 * ``chain``: ``--calls`` calls in jitted chains of `CHAIN_LAYERS`, each
   layer's output the next one's shared input, a random m per chain.
 * ``exit-mid-run``: healthy calls, then process 1 exits without a word; the
@@ -43,6 +44,7 @@ CAPACITY = 64
 M_VALUES = (1, 3, 37, CAPACITY)
 CHAIN_MS = (1, 5, 17, CAPACITY)
 CHAIN_LAYERS = 10
+MODES = ("allreduce", "reduce_scatter")
 HEALTHY_CALLS = 3
 # Problems with prebuilt kernels in the `tests` preset (jax_moe_publish.aot.presets.TEST_DEFAULT_PROBLEMS).
 PROBLEMS = (
@@ -78,7 +80,7 @@ class Process:
         self.tp = len(devices)
         (self.device,) = jax.local_devices()
         self.rank = devices.index(self.device)
-        self.problem = PROBLEMS[args.problem]
+        self.problem = PROBLEMS[args.problems[0]]
 
     def random_problems(self, rng, m: int) -> list[numerics.Problem]:
         p = self.problem
@@ -167,18 +169,21 @@ def finish(result: dict, *, barrier: bool = True) -> None:
 def match(args) -> None:
     proc = Process(args)
     rng = np.random.default_rng(args.seed)
-    calls = []
+    calls, mailboxes = [], []
     executes = proc.execute_counts()
-    with proc.mailbox(mode=args.mode, process_timeout_s=60) as mailbox:
-        step = proc.step(mailbox)
-        for m in M_VALUES:
-            problems = proc.random_problems(rng, m)
-            with mailbox.diagnose():
-                out = proc.local(step(*proc.inputs(problems)), args.mode)
-            calls.append({"m": m, "sha256": digest(out), "failure": proc.failure(out, problems, args.mode)})
-        status = mailbox.status()
-        allocated = len(status)
-    finish({**proc.describe(), "calls": calls, "status": status, "allocated_devices": allocated,
+    for problem in args.problems:
+        proc.problem = PROBLEMS[problem]
+        for mode in args.modes:
+            with proc.mailbox(mode=mode, process_timeout_s=60) as mailbox:
+                step = proc.step(mailbox)
+                for m in M_VALUES:
+                    problems = proc.random_problems(rng, m)
+                    with mailbox.diagnose():
+                        out = proc.local(step(*proc.inputs(problems)), mode)
+                    calls.append({"problem": problem, "mode": mode, "m": m, "sha256": digest(out),
+                                  "failure": proc.failure(out, problems, mode)})
+                mailboxes.append({"id": mailbox.id, "mode": mode, "status": mailbox.status()})
+    finish({**proc.describe(), "calls": calls, "mailboxes": mailboxes,
             "kernel_executes": proc.execute_counts() - executes})
 
 
@@ -319,8 +324,10 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu", type=int, help="this process's GPU; none: one CPU device")
     parser.add_argument("--order", choices=("straight", "mesh-reversed"), default="straight",
                         help="mesh-reversed: rank 0 is the last process's device")
-    parser.add_argument("--mode", choices=("allreduce", "reduce_scatter"), default="allreduce")
-    parser.add_argument("--problem", type=int, default=0, choices=range(len(PROBLEMS)))
+    parser.add_argument("--mode", choices=MODES, default="allreduce")
+    parser.add_argument("--modes", choices=MODES, nargs="+", default=list(MODES), help="match only")
+    parser.add_argument("--problems", type=int, nargs="+", default=[0], choices=range(len(PROBLEMS)),
+                        help="indices into PROBLEMS (match: each; others: the first)")
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--timeout", type=float, default=1.0, help="the mailbox's timeout_s")
     parser.add_argument("--process-timeout", type=float, default=5.0, help="the mailbox's process_timeout_s")
