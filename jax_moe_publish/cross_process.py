@@ -146,7 +146,8 @@ class ProcessMailboxMemory:
             local_groups.append((g, group, memory))
             for rank_memory in memory.ranks:
                 if (g, rank_memory.rank) in exported:
-                    export = sharing.export(rank_memory.vmm_handle, rank_memory.vmm_size)
+                    with primary_context(rank_memory.ordinal):
+                        export = sharing.export(rank_memory.vmm_handle, rank_memory.vmm_size)
                     self._exports.append(export)
                     exchange.publish(exchange.key("group", g, "rank", rank_memory.rank), export.payload)
         for g, group, memory in local_groups:

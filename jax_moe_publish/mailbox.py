@@ -151,6 +151,11 @@ class Mailbox:
             )
         return "unicast"
 
+    @staticmethod
+    def _local(devices) -> list:
+        """The devices of this process (a group may have others' too)."""
+        return [d for d in devices if d.process_index == jax.process_index()]
+
     def _spans_processes(self) -> bool:
         return any(d.process_index != jax.process_index() for d in self.mesh.devices.flat)
 
@@ -220,7 +225,7 @@ class Mailbox:
     # Kernel sets: loaded on every device of the mailbox before the first call.
 
     def ensure_loaded(self, artifact, kernel_set_id: int) -> None:
-        """Load ``artifact``'s cubin on every device of this mailbox (idempotent)."""
+        """Load ``artifact``'s cubin on every device of this mailbox in this process (idempotent)."""
         from jax_moe_publish import native
 
         key = artifact.metadata["key"]
@@ -230,7 +235,7 @@ class Mailbox:
                 return
             config = artifact.metadata["config"]
             for group in self.groups:
-                for device in group:
+                for device in self._local(group):
                     native.load_kernel_set(
                         kernel_set_id, device.local_hardware_id, artifact.cubin,
                         artifact.metadata["kernels"], mode=config["mode"], tp=config["tp"],

@@ -71,3 +71,27 @@ def test_a_process_that_never_creates_the_mailbox_times_out_the_others():
     assert outcome["raised"] == "ProcessGroupError" and outcome["timed_out"], outcome
     assert "process 1 never sent its record of mailbox" in outcome["message"], outcome["message"]
     assert 2 <= results[0]["elapsed_s"] < 10, results[0]["elapsed_s"]
+
+
+def test_kernels_load_only_on_this_processes_devices(monkeypatch):
+    """A group's devices in other processes have ordinals of their own process: loading there
+    would claim a GPU of this machine that is not ours."""
+    import threading
+    import types
+
+    import jax
+
+    from jax_moe_publish import native
+    from jax_moe_publish.mailbox import Mailbox
+
+    here, there = jax.process_index(), jax.process_index() + 1
+    mailbox = object.__new__(Mailbox)
+    device = lambda process, ordinal: types.SimpleNamespace(process_index=process, local_hardware_id=ordinal)
+    mailbox.groups = [[device(here, 0), device(there, 0)], [device(there, 1), device(here, 1)]]
+    mailbox._lock, mailbox._loaded, mailbox._closed = threading.Lock(), set(), False
+    loaded = []
+    monkeypatch.setattr(native, "load_kernel_set", lambda set_id, ordinal, *args, **kwargs: loaded.append(ordinal))
+    config = dict(mode="oneshot", tp=2, hidden=64, top_k=2, fp32_weights=False, include_shared_expert=True)
+    artifact = types.SimpleNamespace(cubin=b"cubin", metadata={"key": "k", "config": config, "kernels": [], "pdl": True})
+    mailbox.ensure_loaded(artifact, 7)
+    assert loaded == [0, 1]
