@@ -86,7 +86,7 @@ class ProcessMailboxMemory:
             exchange.abandon(f"{type(error).__name__}: {error}", owed)
             if not (isinstance(error, cluster.ProcessGroupError) and error.timed_out):
                 self._barrier_quietly(exchange, "setup")
-            self._release_local()
+            self._release_local()  # its own errors would hide the one that matters
             raise
         try:
             exchange.barrier("setup")
@@ -197,10 +197,10 @@ class ProcessMailboxMemory:
         return errors
 
     def _release_local(self) -> None:
-        """This process's side of a failed setup: unmap imports, free local memory."""
-        errors = self._release_imports() + self._free_local()
-        if errors:
-            raise errors[0]
+        """This process's side of a failed setup: unmap imports, free local memory, as far as
+        CUDA lets it (the setup's error is the one to raise)."""
+        self._release_imports()
+        self._free_local()
 
     def close(self) -> None:
         """Collective: unmap imports, wait for every process to do so, free local memory.
