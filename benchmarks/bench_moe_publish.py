@@ -453,6 +453,13 @@ def environment():
             "iterations": [SHORT, LONG], "reps": ARGS.reps, "configs": ARGS.configs}
 
 
+def write_json(data, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".partial", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(path + ".partial", path)
+
+
 def print_tuning(tuning):
     print(f"    {'launch variant of ours':72} {'us':>9}")
     for index, variant in enumerate(tuning["variants"]):
@@ -483,6 +490,7 @@ def main():
           + (f"peer copy {p2p['bytes_per_s'] / 1e9:.0f} GB/s (one way), " if p2p else "")
           + f"{EMPTY_CALL} {floors['empty_call']['us']:.2f} us", flush=True)
     results = []
+    data = {"environment": environment(), "floors": floors, "results": results}
     key = jax.random.key(0)
     print(f"{'problem':12} {'tp':>2} {'mode':8} {'m':>5} {'ours us':>9} {'xla us':>9} {'ratio':>6} {'diff':>8} "
           f"{'floor us':>9} {'bound':10} {'/floor':>6}")
@@ -501,10 +509,9 @@ def main():
                           flush=True)
                     if tune:
                         print_tuning(r["tuning"])
-    data = {"environment": environment(), "floors": floors, "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
-    with open(ARGS.out, "w") as f:
-        json.dump(data, f, indent=1)
+                    # After every case, so that a run cut short keeps what it measured.
+                    write_json(data, ARGS.out)
+    write_json(data, ARGS.out)
     print(f"wrote {ARGS.out}\n")
     print(report.render_markdown(data))
     return 0

@@ -24,10 +24,10 @@ A process whose setup fails publishes its error under every key the others
 wait for, then joins the barrier, so that every process raises it at once.
 
 Close: unmap what this process imported, barrier (so that importers let go
-before exporters free), free the local memory. With VMM the physical memory
-lives until its last mapping goes, so a barrier that times out (a dead peer)
-cannot make a surviving process touch freed memory; it is reported after the
-local memory is freed.
+before exporters free), close the local groups (`GroupMemory.close`: halt,
+then free). With VMM the physical memory lives until its last mapping goes,
+so a barrier that times out (a dead peer) cannot make a surviving process
+touch freed memory; it is raised after the local groups are closed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from __future__ import annotations
 import json
 
 from jax_moe_publish import cluster, sharing
-from jax_moe_publish.cuda_memory import GroupMemory, primary_context
+from jax_moe_publish.cuda_memory import CudaError, GroupMemory, primary_context
+from jax_moe_publish.mailbox import ON_TIMEOUT
 
 
 def signature(mailbox) -> dict:
@@ -45,7 +46,7 @@ def signature(mailbox) -> dict:
         "mesh_devices": [int(d.id) for d in mailbox.mesh.devices.flat],
         "mesh_shape": list(mailbox.mesh.devices.shape), "hidden": mailbox.hidden,
         "capacity_m": mailbox.capacity_m, "mode": mailbox.mode, "transport": mailbox.transport,
-        "timeout_ns": mailbox.timeout_ns,
+        "timeout_ns": mailbox.timeout_ns, "on_timeout": mailbox.on_timeout,
     }
 
 
@@ -141,6 +142,7 @@ class ProcessMailboxMemory:
             if all(o is None for o in ordinals):
                 continue
             memory = GroupMemory(ordinals, hidden=mailbox.hidden, capacity_m=mailbox.capacity_m,
+                                 on_timeout=ON_TIMEOUT[mailbox.on_timeout],
                                  shareable=any((g, r) in exported for r in range(mailbox.tp)))
             self.groups.append(memory)
             local_groups.append((g, group, memory))
@@ -172,53 +174,54 @@ class ProcessMailboxMemory:
         except cluster.ProcessGroupError:
             pass  # the error being raised says more
 
-    def _release_imports(self) -> list[Exception]:
-        errors = []
+    def _release_imports(self) -> list[int]:
+        """Unmap what this process imported; returns the devices whose context was lost to a
+        fault (the driver can unmap nothing there; the mapping goes with the process)."""
+        lost = []
         for ordinal, imported in self._imports:
             try:
                 with primary_context(ordinal):
                     imported.release()
-            except Exception as error:
-                errors.append(error)
+            except CudaError:
+                lost.append(ordinal)
         self._imports = []
-        return errors
+        return lost
 
-    def _free_local(self) -> list[Exception]:
-        errors = []
+    def _close_exports(self) -> None:
         for exported in self._exports:
             exported.close()
         self._exports = []
+
+    def _release_local(self) -> None:
+        """This process's side of a failed setup, as far as CUDA lets it (the setup's error is
+        the one to raise): unmap imports, free local memory."""
+        self._release_imports()
+        self._close_exports()
         for memory in self.groups:
             try:
                 memory.free()
-            except Exception as error:
-                errors.append(error)
+            except CudaError:
+                pass
         self.groups = []
-        return errors
 
-    def _release_local(self) -> None:
-        """This process's side of a failed setup: unmap imports, free local memory, as far as
-        CUDA lets it (the setup's error is the one to raise)."""
-        self._release_imports()
-        self._free_local()
+    def close(self) -> list[int]:
+        """Collective: unmap imports, wait for every process to do so, close the local groups.
 
-    def close(self) -> None:
-        """Collective: unmap imports, wait for every process to do so, free local memory.
-
-        A peer that never reaches the barrier (a dead process) raises
-        `cluster.ProcessGroupError` once the local memory is freed; it wins
-        over CUDA errors, which a dead peer's faults may also cause.
+        Returns the devices whose context was lost to an earlier fault, like
+        `GroupMemory.close`. A peer that never reaches the barrier (a dead
+        process) raises `cluster.ProcessGroupError`, after the local groups are
+        closed all the same.
         """
         if self._closed:
-            return
+            return []
         self._closed = True
         if not self.groups:
-            return
-        errors = self._release_imports()
+            return []
+        lost = self._release_imports()
         try:
             self._exchange("close").barrier("unmapped")
-        except cluster.ProcessGroupError as error:
-            errors.insert(0, error)
-        errors += self._free_local()
-        if errors:
-            raise errors[0]
+        finally:
+            self._close_exports()
+            for memory in self.groups:
+                lost += memory.close()
+        return sorted(set(lost))

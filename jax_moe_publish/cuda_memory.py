@@ -7,7 +7,8 @@ For each rank of a group this allocates, in its device's primary context:
   the empty sentinel. It is a VMM allocation (``cuMemCreate`` + ``cuMemMap``)
   mapped read-write for every device of the group, so peers store into it
   directly over NVLink;
-* the stage state: ``STAGE_STATE_WORDS`` int32, zero (stage 0, no calls yet);
+* the stage state: ``STAGE_STATE_WORDS`` int32, zero (stage 0, no calls yet,
+  running) but for ``ON_TIMEOUT``;
 * the peer table: ``tp`` u64, the mailbox address of each rank, by rank;
 * the status block: ``STATUS_WORDS`` int32 of pinned host memory mapped into
   the device, so the host can read a diagnostic even after the context is lost.
@@ -15,6 +16,11 @@ For each rank of a group this allocates, in its device's primary context:
 When the group spans processes, each process allocates its own ranks only
 (``shareable`` requests an exportable handle, see `sharing`) and writes the
 peer tables once it has mapped the other processes' mailboxes.
+
+`GroupMemory.close` halts the kernels before it frees the mailbox, and keeps
+the stage state and status block (a few hundred bytes) for the life of the
+process: an XLA command buffer recorded before the close can still launch the
+kernels, which then find ``HALT_CLOSED`` there instead of freed memory.
 
 Nothing here imports JAX.
 """
@@ -113,9 +119,10 @@ class GroupMemory:
     """
 
     def __init__(self, ordinals: list[int | None], *, hidden: int, capacity_m: int,
-                 shareable: bool = False) -> None:
+                 on_timeout: int = protocol.ON_TIMEOUT_ABORT, shareable: bool = False) -> None:
         self.ordinals = list(ordinals)
         self.local_ordinals = [o for o in self.ordinals if o is not None]
+        self.on_timeout = on_timeout
         self.tp = len(ordinals)
         self.hidden = hidden
         self.capacity_m = capacity_m
@@ -183,6 +190,7 @@ class GroupMemory:
                 check(driver.cuMemAlloc(protocol.STAGE_STATE_WORDS * 4), "cuMemAlloc(stage_state)")
             )
             check(driver.cuMemsetD32(memory.stage_state, 0, protocol.STAGE_STATE_WORDS), "cuMemsetD32")
+            self._set_word(memory, protocol.ON_TIMEOUT, self.on_timeout)
             memory.peer_table = int(check(driver.cuMemAlloc(self.tp * 8), "cuMemAlloc(peer_table)"))
             flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
             host = check(driver.cuMemHostAlloc(protocol.STATUS_WORDS * 4, flags), "cuMemHostAlloc(status)")
@@ -203,30 +211,77 @@ class GroupMemory:
                 # A copy from pageable memory may return before it lands.
                 check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
 
+    @staticmethod
+    def _set_word(memory: RankMemory, word: int, value: int) -> None:
+        """Store one int32 of ``memory``'s stage state (its context current; synchronous)."""
+        check(_driver().cuMemsetD32(memory.stage_state + 4 * word, value, 1), "cuMemsetD32(stage_state)")
+
     def status(self, rank: int) -> list[int]:
         """The status words of ``rank``, read from host memory (works after a device fault)."""
         memory = next(m for m in self.ranks if m.rank == rank)
         words = (ctypes.c_int32 * protocol.STATUS_WORDS).from_address(memory.status_host)
         return list(words)
 
-    def free(self) -> None:
-        """Release everything; safe to call twice."""
-        driver = _driver()
+    def close(self) -> list[int]:
+        """Halt the group's kernels, then free its mailboxes and peer tables.
+
+        The stage state and status block stay allocated, and the primary
+        contexts retained, for the life of the process, so that a kernel
+        launched later finds ``HALT_CLOSED`` and `status` keeps working.
+        Returns the devices whose context was lost to an earlier fault: the
+        driver can free nothing there, and that memory goes with the process.
+        """
+        lost = []
         for memory in self.ranks:
             with primary_context(memory.ordinal):
-                check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
-                if memory.mapped:
-                    check(driver.cuMemUnmap(memory.mailbox, memory.vmm_size), "cuMemUnmap")
-                if memory.mailbox:
-                    check(driver.cuMemAddressFree(memory.mailbox, memory.vmm_size), "cuMemAddressFree")
-                if memory.vmm_handle is not None:
-                    check(driver.cuMemRelease(memory.vmm_handle), "cuMemRelease")
-                for address in (memory.stage_state, memory.peer_table):
-                    if address:
-                        check(driver.cuMemFree(address), "cuMemFree")
-                if memory.status_host:
-                    check(driver.cuMemFreeHost(memory.status_host), "cuMemFreeHost")
+                try:
+                    check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+                    self._set_word(memory, protocol.HALT, protocol.HALT_CLOSED)
+                except CudaError:
+                    lost.append(memory.ordinal)
+                    continue
+                self._free_rank(memory, keep_control_words=True)
+        _quarantine.append(self)
+        return lost
+
+    def free(self) -> None:
+        """Release everything (no kernel may run on this group again); safe to call twice."""
+        for memory in self.ranks:
+            with primary_context(memory.ordinal):
+                check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+                self._free_rank(memory, keep_control_words=False)
         self.ranks = []
+        self._release_contexts()
+
+    def _free_rank(self, memory: RankMemory, *, keep_control_words: bool) -> None:
+        """Free what ``memory`` holds (its context current), field by field."""
+        driver = _driver()
+        if memory.mapped:
+            check(driver.cuMemUnmap(memory.mailbox, memory.vmm_size), "cuMemUnmap")
+            memory.mapped = False
+        if memory.mailbox:
+            check(driver.cuMemAddressFree(memory.mailbox, memory.vmm_size), "cuMemAddressFree")
+            memory.mailbox = 0
+        if memory.vmm_handle is not None:
+            check(driver.cuMemRelease(memory.vmm_handle), "cuMemRelease")
+            memory.vmm_handle = None
+        if memory.peer_table:
+            check(driver.cuMemFree(memory.peer_table), "cuMemFree")
+            memory.peer_table = 0
+        if keep_control_words:
+            return
+        if memory.stage_state:
+            check(driver.cuMemFree(memory.stage_state), "cuMemFree")
+            memory.stage_state = 0
+        if memory.status_host:
+            check(driver.cuMemFreeHost(memory.status_host), "cuMemFreeHost")
+            memory.status_host = 0
+
+    def _release_contexts(self) -> None:
         for device in self._contexts:
-            check(driver.cuDevicePrimaryCtxRelease(device), "cuDevicePrimaryCtxRelease")
+            check(_driver().cuDevicePrimaryCtxRelease(device), "cuDevicePrimaryCtxRelease")
         self._contexts = []
+
+
+_quarantine: list[GroupMemory] = []
+"""Closed groups: their control words outlive them (see `GroupMemory.close`)."""

@@ -19,6 +19,7 @@ from jax_moe_publish import protocol
 
 MODES = ("allreduce", "reduce_scatter")
 TRANSPORTS = ("auto", "unicast", "multicast")
+ON_TIMEOUT = {"abort": protocol.ON_TIMEOUT_ABORT, "flag": protocol.ON_TIMEOUT_FLAG}
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_PROCESS_TIMEOUT_S = 300.0
 
@@ -35,7 +36,8 @@ def _is_cuda(device) -> bool:
 
 
 class MailboxStatusError(RuntimeError):
-    """A reduce wait timed out on some device; the message says where and why."""
+    """A device of the mailbox recorded a failure (a timed-out wait, or a call after `close`);
+    the message says where and why."""
 
 
 class Mailbox:
@@ -59,9 +61,15 @@ class Mailbox:
         How publishes reach peers. ``auto`` is unicast. Multicast is refused
         where ``NCCL_NVLS_ENABLE=0``.
     timeout_s : float
-        A reduce that waits longer than this for a peer aborts with a
-        diagnostic instead of hanging (0 waits forever); run steps under
-        `diagnose` to get it as `MailboxStatusError`.
+        A reduce that waits longer than this for a peer records a diagnostic
+        instead of hanging (0 waits forever).
+    on_timeout : {"abort", "flag"}
+        What a timed-out wait does after recording it. ``abort`` traps the
+        kernel, so XLA raises (and the device's context is lost); run steps
+        under `diagnose` to get `MailboxStatusError`. ``flag`` halts the
+        mailbox instead: that call and every later one return NaN without
+        waiting, and `check` raises; the process and its GPUs stay usable, but
+        the mailbox is spent (make a new one).
     process_timeout_s : float
         When the mesh spans processes: how long setup and `close` wait for
         the other processes before raising `ProcessGroupError`.
@@ -88,6 +96,7 @@ class Mailbox:
         mode: str = "allreduce",
         transport: str = "auto",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_timeout: str = "abort",
         process_timeout_s: float = DEFAULT_PROCESS_TIMEOUT_S,
     ) -> None:
         if axis_name not in mesh.axis_names:
@@ -102,6 +111,8 @@ class Mailbox:
             raise ValueError(f"transport={transport!r}: expected one of {TRANSPORTS}")
         if not (isinstance(timeout_s, (int, float)) and 0 <= timeout_s < 3600):
             raise ValueError(f"timeout_s={timeout_s!r}: expected seconds in [0, 3600)")
+        if on_timeout not in ON_TIMEOUT:
+            raise ValueError(f"on_timeout={on_timeout!r}: expected one of {tuple(ON_TIMEOUT)}")
         if not (isinstance(process_timeout_s, (int, float)) and 0 < process_timeout_s <= 3600):
             raise ValueError(f"process_timeout_s={process_timeout_s!r}: expected seconds in (0, 3600]")
         self.mesh = mesh
@@ -113,6 +124,7 @@ class Mailbox:
         if self.tp > protocol.MAX_TP:
             raise ValueError(f"mesh axis {axis_name!r} has size {self.tp}: expected at most {protocol.MAX_TP}")
         self.timeout_ns = int(timeout_s * 1e9)
+        self.on_timeout = on_timeout
         self.id = next(_ids)
         self.groups = self._groups(mesh, axis_name)
         self.on_cuda = all(_is_cuda(d) for d in mesh.devices.flat)
@@ -165,7 +177,8 @@ class Mailbox:
         try:
             for group in self.groups:
                 ordinals = [d.local_hardware_id for d in group]
-                memory = GroupMemory(ordinals, hidden=self.hidden, capacity_m=self.capacity_m)
+                memory = GroupMemory(ordinals, hidden=self.hidden, capacity_m=self.capacity_m,
+                                     on_timeout=ON_TIMEOUT[self.on_timeout])
                 self._memories.append(memory)
                 self._register(memory)
         except BaseException:
@@ -257,7 +270,9 @@ class Mailbox:
             raise ValueError(f"mailbox={self!r} is closed: create a new Mailbox")
 
     def status(self) -> list[dict]:
-        """Per device: rank, and the diagnostic of a timed-out wait (``code`` 0 = healthy)."""
+        """Per device: rank, and the diagnostic of its first failure (``code`` 0 = healthy,
+        else ``protocol.STATUS_TIMEOUT`` or ``STATUS_CLOSED``). Works after `close` and after
+        a device fault: the status blocks are host memory that outlives both."""
         report = []
         for memory in self._memories:
             for rank_memory in memory.ranks:
@@ -274,49 +289,70 @@ class Mailbox:
         return report
 
     def check(self) -> None:
-        """Raise `MailboxStatusError` if any device recorded a timed-out wait."""
-        message = self._timeout_message()
+        """Raise `MailboxStatusError` if any device recorded a failure."""
+        message = self._failure_message()
         if message is not None:
             raise MailboxStatusError(message)
 
     @contextlib.contextmanager
     def diagnose(self):
-        """Turn a failed step into the mailbox's diagnostic, if a wait timed out.
+        """Turn a failed step into the mailbox's diagnostic.
 
         ``with mailbox.diagnose(): out = step(...); out.block_until_ready()``
 
-        A timed-out wait aborts its kernel, so XLA raises a generic launch
-        failure. If an exception escapes the block and a device of this mailbox
-        recorded a timeout, `MailboxStatusError` is raised from it, naming the
-        rank(s) that never arrived; any other exception passes through unchanged.
-        The status blocks are host memory, still readable after the fault.
+        A timed-out wait, or a kernel that runs on a closed mailbox, aborts, so
+        XLA raises a generic launch failure. If an exception escapes the block
+        and a device of this mailbox recorded a failure, `MailboxStatusError`
+        is raised from it, naming the rank(s) that never arrived or the close;
+        any other exception passes through unchanged.
         """
         try:
             yield self
         except Exception as error:
-            message = self._timeout_message()
+            message = self._failure_message()
             if message is None:
                 raise
             raise MailboxStatusError(message) from error
 
-    def _timeout_message(self) -> str | None:
-        """The `MailboxStatusError` message for the devices that recorded a timeout; None if healthy."""
+    def _failure_message(self) -> str | None:
+        """The `MailboxStatusError` message for the devices that recorded a failure; None if healthy."""
         failures = [s for s in self.status() if s["code"] != protocol.STATUS_OK]
         if not failures:
             return None
+        timeouts = [s for s in failures if s["code"] == protocol.STATUS_TIMEOUT]
         lines = [
             f"device {s['device']} (rank {s['rank']}), after {s['call']} completed call(s), stage "
             f"{s['stage']}, token {s['token']}: no data from rank(s) {s['missing_ranks']}"
-            for s in failures
+            for s in timeouts
         ]
-        return (
-            f"{self!r}: a mailbox wait timed out:\n  " + "\n  ".join(lines) + "\nLikely causes: the "
-            "ranks called the op in a different order or a different number of times, or a peer "
-            "process died."
-        )
+        if timeouts:
+            message = (
+                f"{self!r}: a mailbox wait timed out:\n  " + "\n  ".join(lines) + "\nLikely causes: "
+                "the ranks called the op in a different order or a different number of times, or a "
+                "peer process died."
+            )
+        else:
+            devices = sorted(s["device"] for s in failures)
+            message = (
+                f"mailbox {self.id} is closed, but kernels that use it still ran on device(s) "
+                f"{devices}: a function compiled before close() ran again (XLA replays its recorded "
+                "command buffers without the op's checks). Nothing touched the freed memory; trace "
+                "the function again with a new Mailbox."
+            )
+        if self.on_timeout == "flag":
+            message += "\nThe mailbox is halted: its calls return NaN. Make a new Mailbox."
+        return message
 
     def close(self) -> None:
-        """Free the device memory; later calls on this mailbox raise. Safe to call twice."""
+        """Free the mailbox memory; later calls on this mailbox raise. Safe to call twice.
+
+        A function compiled before the close may still launch the kernels
+        (XLA command buffers replay them without the op's checks): they find
+        the mailbox halted and touch none of its freed memory; the call fails
+        and `diagnose` / `check` report the close. After a device fault the
+        driver can free nothing on that device; this warns and leaves the
+        memory to the process.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -325,13 +361,17 @@ class Mailbox:
                 from jax_moe_publish import native
 
                 native.close_mailbox(self.id)
+            lost = []
             if self._processes is not None:
-                self._memories = []
-                self._processes.close()  # collective: frees the groups too
-                return
-            for memory in self._memories:
-                memory.free()
-            self._memories = []
+                lost = self._processes.close()  # collective: closes the groups too
+            else:
+                for memory in self._memories:
+                    lost += memory.close()
+        if lost:
+            warnings.warn(
+                f"{self!r}: device(s) {lost} lost their CUDA context to an earlier fault, so their "
+                "mailbox memory is not freed; it goes with the process", RuntimeWarning, stacklevel=2,
+            )
 
     def __enter__(self) -> "Mailbox":
         return self

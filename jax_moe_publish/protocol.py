@@ -21,13 +21,29 @@ ARRIVALS = 1
 """CTAs of the call's last kernel that have read the stage; reset to 0 by the last one."""
 CALL_COUNT = 2
 """Completed calls on this device (wraps at 2**32)."""
-TIMEOUT_CLAIM = 3
-"""Set once by the first thread that times out, so one thread writes the diagnostic."""
+DIAGNOSTIC_CLAIM = 3
+"""Set once by the first thread that records a diagnostic, so one thread writes it."""
+HALT = 4
+"""HALT_RUNNING, or why the kernels must no longer touch the mailbox (read at every kernel start)."""
+ON_TIMEOUT = 5
+"""ON_TIMEOUT_ABORT or ON_TIMEOUT_FLAG, set by the Mailbox; read only on the failure paths."""
 STAGE_STATE_WORDS = 8
+
+HALT_RUNNING = 0
+HALT_CLOSED = 1
+"""`Mailbox.close` freed the mailbox; a kernel that still runs (a replayed XLA command buffer)
+must not touch it."""
+HALT_FAILED = 2
+"""A wait timed out under ON_TIMEOUT_FLAG: later calls return NaN instead of waiting."""
+
+ON_TIMEOUT_ABORT = 0
+"""A timed-out wait (or a call on a closed mailbox) records the diagnostic and traps."""
+ON_TIMEOUT_FLAG = 1
+"""It records the diagnostic, halts the mailbox and returns NaN; `Mailbox.check` raises."""
 
 # int32 words of the per-device status block (host-mapped where possible).
 STATUS_CODE = 0
-"""0: healthy. STATUS_TIMEOUT: a reduce wait ran past its timeout."""
+"""STATUS_OK, STATUS_TIMEOUT or STATUS_CLOSED: the first failure seen on this device."""
 STATUS_STAGE = 1
 STATUS_TOKEN = 2
 STATUS_MISSING_RANKS = 3
@@ -37,6 +53,9 @@ STATUS_WORDS = 8
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
+"""A reduce wait ran past its timeout."""
+STATUS_CLOSED = 2
+"""A kernel ran on a closed mailbox (its call was recorded in a command buffer before the close)."""
 
 REDUCE_ELEMENTS = 8
 """bf16 lanes per reduce fragment: one 16-byte volatile load."""

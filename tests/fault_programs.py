@@ -15,6 +15,8 @@ config per mode, ranks launched one by one):
 
 * ``silent-peer``: one rank runs whole calls, the other never publishes. The
   running rank's wait must trap within the timeout and record the diagnostic.
+* ``flagged-silent-peer``: ``silent-peer`` on a mailbox that flags instead of
+  trapping: a healthy call, a call rank 1 skips, then a call on both.
 * ``double-publish``: rank 1 publishes calls n and n+1 with no reduce between,
   then rank 0 runs call n. Shows what rank 0's reduce reads.
 * ``mismatched-m``: the ranks run the same call with different m.
@@ -44,6 +46,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 
 import numpy as np
 from cuda.bindings import driver
@@ -82,11 +85,12 @@ def config_for(mode: str):
 
 
 @contextlib.contextmanager
-def group(mode: str, timeout_ns: int):
+def group(mode: str, timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT):
     """A `gpu_harness.GroupLauncher` of ``mode`` on GPUs 0 and 1."""
     devices = [gpu_harness.Device(ordinal) for ordinal in range(2)]
     artifact = default_store().get(config_for(mode))
-    with gpu_harness.open_group(artifact, devices, capacity_m=CAPACITY_M, timeout_ns=timeout_ns) as launcher:
+    with gpu_harness.open_group(artifact, devices, capacity_m=CAPACITY_M, timeout_ns=timeout_ns,
+                                on_timeout=on_timeout) as launcher:
         yield launcher
     for device in devices:
         device.close()
@@ -228,6 +232,44 @@ def silent_peer(args) -> None:
             "waiting": waiting, "silent": silent, "outcome": outcome,
             "status": [status(launcher, rank) for rank in range(config.tp)],
         })
+
+
+def flagged_silent_peer(args) -> None:
+    """Under ON_TIMEOUT_FLAG: a healthy call, a call that rank 1 skips, then a call on both."""
+    m = 5
+    rng = np.random.default_rng(args.seed)
+    with group(args.mode, FAULT_TIMEOUT_NS, protocol.ON_TIMEOUT_FLAG) as launcher:
+        config = launcher.config
+        buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
+        calls = []
+        for ranks in ([0, 1], [0], [0, 1]):
+            problems = [random_problem(config, rng, m) for _ in range(config.tp)]
+            for rank in ranks:
+                prepare(buffers[rank], problems[rank])
+            start = time.monotonic()
+            for rank in ranks:
+                launch_rank(launcher, rank, buffers[rank], m)
+            outcomes = wait_ranks(launcher, ranks, start)
+            calls.append({
+                "ranks": ranks, "outcomes": outcomes,
+                # None where the output is the model of the call's partials.
+                "output_failure": {str(r): output_failure(config, buffers[r].output(), problems, m, r)
+                                   for r in ranks if outcomes[str(r)]["completed"]},
+                "all_nan": {str(r): bool(np.all(np.isnan(_written(config, buffers[r].output(), m, r))))
+                            for r in ranks if outcomes[str(r)]["completed"]},
+                "status": [status(launcher, rank) for rank in range(config.tp)],
+                "halt": [int(launcher.stage_state(rank)[protocol.HALT]) for rank in range(config.tp)],
+            })
+        finish({"mode": config.mode, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "calls": calls})
+
+
+def _written(config, bits: np.ndarray, m: int, rank: int) -> np.ndarray:
+    """The rows of a rank's output that the call writes with data (as float32)."""
+    rows = protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
+    values = bits[:rows].view(numerics.BF16).astype(np.float32)
+    if config.mode == "reduce_scatter":
+        values = values[[i for i in range(rows) if i * config.tp + rank < m]]
+    return values
 
 
 def double_publish(args) -> None:
@@ -571,10 +613,14 @@ def api_timeout(args) -> None:
     outcome.pop("value")
     status_words = mailbox.status()
     # What `with Mailbox(...)` does next: an error here would replace the diagnostic.
-    closing = _outcome(mailbox.close)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        closing = _outcome(mailbox.close)
     closing.pop("value")
+    closing["warning"] = " | ".join(str(w.message) for w in caught)
     finish({"healthy_failure": healthy_failure, "mailbox_id": mailbox.id, "outcome": outcome,
-            "timeout_s": FAULT_TIMEOUT_NS / 1e9, "status": status_words, "close_after_fault": closing})
+            "timeout_s": FAULT_TIMEOUT_NS / 1e9, "status": status_words, "close_after_fault": closing,
+            "status_after_close": mailbox.status()})
 
 
 def two_mailboxes(args) -> None:
@@ -596,7 +642,12 @@ def two_mailboxes(args) -> None:
     captured_after, _ = native.execute_counts()
 
     mailboxes["a"].close()
-    closed = _outcome(lambda: np.asarray(steps["a"](*_api_args(jax, mesh, _api_problems(jmp, rng, 2)))))
+
+    def call_closed():
+        with mailboxes["a"].diagnose():
+            return np.asarray(steps["a"](*_api_args(jax, mesh, _api_problems(jmp, rng, 2))))
+
+    closed = _outcome(call_closed)
     closed["value"] = None if closed["value"] is None else "an array"
     problems = _api_problems(jmp, rng, 2)
     after = _outcome(lambda: _api_failure(np.asarray(steps["b"](*_api_args(jax, mesh, problems))), problems))
@@ -661,9 +712,15 @@ def closed_chain(args) -> None:
         del out  # lets XLA hand the next run the same output buffers
     captured, direct = native.execute_counts()
     mailbox.close()
-    closed = _outcome(lambda: check(np.asarray(chain(*inputs))))
+
+    def call_closed():
+        with mailbox.diagnose():
+            return check(np.asarray(chain(*inputs)))
+
+    closed = _outcome(call_closed)
     finish({
         "failures": failures, "closed_id": mailbox.id, "closed_call": closed,
+        "status_after": mailbox.status(),
         "handler_executes_before_close": {"captured": captured - captured_before, "direct": direct - direct_before},
         "handler_executes_after_close": dict(zip(("captured", "direct"), (
             n - m for n, m in zip(native.execute_counts(), (captured, direct))))),
@@ -672,6 +729,7 @@ def closed_chain(args) -> None:
 
 PROGRAMS = {
     "silent-peer": silent_peer,
+    "flagged-silent-peer": flagged_silent_peer,
     "double-publish": double_publish,
     "mismatched-m": mismatched_m,
     "nonfinite": nonfinite,

@@ -366,7 +366,7 @@ class GroupLauncher:
 
 @contextlib.contextmanager
 def open_group(artifact: KernelArtifact, devices: list[Device], *, capacity_m: int,
-               timeout_ns: int):
+               timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT):
     """A `GroupLauncher` on ``devices[:tp]`` with fresh mailbox memory (none for tp = 1), freed at exit."""
     config = KernelConfig.from_dict(artifact.metadata["config"])
     if len(devices) < config.tp:
@@ -374,7 +374,8 @@ def open_group(artifact: KernelArtifact, devices: list[Device], *, capacity_m: i
     group = devices[: config.tp]
     memory = None
     if config.tp > 1:
-        memory = GroupMemory([d.ordinal for d in group], hidden=config.hidden, capacity_m=capacity_m)
+        memory = GroupMemory([d.ordinal for d in group], hidden=config.hidden, capacity_m=capacity_m,
+                             on_timeout=on_timeout)
     launcher = None
     try:
         # GroupMemory writes the peer tables with copies from pageable memory, which

@@ -47,6 +47,8 @@ def finalize_f64(problem: Problem, scale: float):
     for k in range(top_k):
         idx = problem.indices[:, k]
         valid = (idx >= 0) & (idx < num_rows)
+        if not valid.any():  # also the case with no routed rows at all
+            continue
         w = np.where(valid, problem.weights[:, k].astype(np.float64) * scale, 0.0)
         term = w[:, None] * routed[np.where(valid, idx, 0)] * valid[:, None]
         exact += term
@@ -128,3 +130,29 @@ def assert_group_close(out, expected, bound, *, mode: str, tp: int) -> None:
     assert out.shape == (tp, -(-expected.shape[0] // tp), expected.shape[1])
     for rank in range(tp):
         assert_close(out[rank], owned(expected, tp, rank), owned(bound, tp, rank), what=f"rank {rank}")
+
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INDEX_PATTERNS = ("valid", "all -1", "duplicates", "below range", "above range", "mixed")
+
+
+def pattern_indices(rng, pattern: str, m: int, top_k: int, num_rows: int) -> np.ndarray:
+    """int32 [m, top_k] indices of one rank; with no routed rows every index is invalid."""
+    if num_rows == 0 or pattern == "all -1":
+        return np.full((m, top_k), -1, np.int32)
+    valid = rng.integers(0, num_rows, (m, top_k))
+    below = rng.choice([-1, -2, INT32_MIN, int(rng.integers(INT32_MIN, 0))], (m, top_k))
+    above = rng.choice([num_rows, num_rows + 1, INT32_MAX, int(rng.integers(num_rows, INT32_MAX))], (m, top_k))
+    if pattern == "valid":
+        out = valid
+    elif pattern == "duplicates":
+        # Every expert of a token on one row, and a few rows shared by all tokens.
+        out = np.repeat(rng.integers(0, min(num_rows, 3), (m, 1)), top_k, axis=1)
+    elif pattern == "below range":
+        out = np.where(rng.random((m, top_k)) < 0.5, below, valid)
+    elif pattern == "above range":
+        out = np.where(rng.random((m, top_k)) < 0.5, above, valid)
+    else:
+        duplicate = np.repeat(valid[:, :1], top_k, axis=1)
+        out = np.choose(rng.integers(0, 5, (m, top_k)), [valid, below, above, duplicate, np.full_like(valid, -1)])
+    return out.astype(np.int32)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
@@ -220,3 +222,54 @@ def test_status_block_stays_healthy():
         for _ in range(4):
             _per_rank_outputs(mb, _problems(rng, 2, 5, config), config.routed_scaling_factor)
         assert all(s["code"] == protocol.STATUS_OK for s in mb.status())
+
+
+@st.composite
+def _drawn_calls(draw, tp):
+    """A prebuilt ``tests``-preset config (its compile-time choices are fixed) and fresh data for
+    it: m, routed rows (none included) and one index pattern per rank, as in the CPU property test."""
+    config = draw(st.sampled_from(presets.test_variants(tp)))
+    m = draw(st.integers(1, CAPACITY))
+    num_rows = draw(st.integers(0, 64))
+    patterns = [draw(st.sampled_from(numerics.INDEX_PATTERNS)) for _ in range(tp)]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    problems = []
+    for pattern in patterns:
+        problem = numerics.random_problem(rng, m=m, hidden=config.hidden, top_k=config.top_k,
+                                          num_rows=max(num_rows, 1), fp32_weights=config.fp32_weights,
+                                          shared=config.include_shared_expert)
+        problems.append(numerics.Problem(
+            problem.routed[:num_rows], problem.weights,
+            numerics.pattern_indices(rng, pattern, m, config.top_k, num_rows), problem.shared,
+        ))
+    return config, problems
+
+
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.gpus(1)),
+                                pytest.param(2, marks=pytest.mark.gpus(2))])
+def test_property_draws_through_the_kernels(tp):
+    """A sample of the CPU property test's draws, through the kernel path."""
+    mailboxes = {}
+
+    @settings(max_examples=30, deadline=None, database=None)
+    @given(_drawn_calls(tp))
+    def check(drawn):
+        config, problems = drawn
+        mode = _mailbox_mode(config)
+        if mode not in mailboxes:
+            mailboxes[mode] = jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden, capacity_m=CAPACITY,
+                                          mode=mode)
+        mailbox = mailboxes[mode]
+        if mailbox.hidden != config.hidden:
+            mailbox.close()
+            mailbox = mailboxes[mode] = jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden,
+                                                    capacity_m=CAPACITY, mode=mode)
+        outputs = _per_rank_outputs(mailbox, problems, config.routed_scaling_factor, config=config)
+        _check(outputs, problems, config.routed_scaling_factor, config.mode)
+        mailbox.check()
+
+    try:
+        check()
+    finally:
+        for mailbox in mailboxes.values():
+            mailbox.close()

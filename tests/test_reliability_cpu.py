@@ -25,32 +25,6 @@ import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import protocol
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-INDEX_PATTERNS = ("valid", "all -1", "duplicates", "below range", "above range", "mixed")
-
-
-def _indices(rng, pattern: str, m: int, top_k: int, num_rows: int) -> np.ndarray:
-    """int32 [m, top_k] indices of one rank; with no routed rows every index is invalid."""
-    if num_rows == 0 or pattern == "all -1":
-        return np.full((m, top_k), -1, np.int32)
-    valid = rng.integers(0, num_rows, (m, top_k))
-    below = rng.choice([-1, -2, INT32_MIN, int(rng.integers(INT32_MIN, 0))], (m, top_k))
-    above = rng.choice([num_rows, num_rows + 1, INT32_MAX, int(rng.integers(num_rows, INT32_MAX))], (m, top_k))
-    if pattern == "valid":
-        out = valid
-    elif pattern == "duplicates":
-        # Every expert of a token on one row, and a few rows shared by all tokens.
-        out = np.repeat(rng.integers(0, min(num_rows, 3), (m, 1)), top_k, axis=1)
-    elif pattern == "below range":
-        out = np.where(rng.random((m, top_k)) < 0.5, below, valid)
-    elif pattern == "above range":
-        out = np.where(rng.random((m, top_k)) < 0.5, above, valid)
-    else:
-        duplicate = np.repeat(valid[:, :1], top_k, axis=1)
-        out = np.choose(rng.integers(0, 5, (m, top_k)), [valid, below, above, duplicate, np.full_like(valid, -1)])
-    return out.astype(np.int32)
-
-
 @st.composite
 def problems(draw):
     """A valid call of the public API: (tp, mode, scale, per-rank `numerics.Problem`s)."""
@@ -63,14 +37,14 @@ def problems(draw):
     fp32_weights = draw(st.booleans())
     shared = draw(st.booleans())
     scale = draw(st.sampled_from((1.0, 2.5, 0.5, -1.0)))
-    patterns = [draw(st.sampled_from(INDEX_PATTERNS)) for _ in range(tp)]
+    patterns = [draw(st.sampled_from(numerics.INDEX_PATTERNS)) for _ in range(tp)]
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     ranks = []
     for pattern in patterns:
         ranks.append(numerics.Problem(
             routed=rng.standard_normal((num_rows, hidden), dtype=np.float32).astype(numerics.BF16),
             weights=rng.uniform(-1.0, 1.0, (m, top_k)).astype(np.float32 if fp32_weights else numerics.BF16),
-            indices=_indices(rng, pattern, m, top_k, num_rows),
+            indices=numerics.pattern_indices(rng, pattern, m, top_k, num_rows),
             shared=rng.standard_normal((m, hidden), dtype=np.float32).astype(numerics.BF16) if shared else None,
         ))
     return tp, mode, scale, ranks
@@ -79,15 +53,6 @@ def problems(draw):
 def _stack(ranks, field):
     values = [getattr(p, field) for p in ranks]
     return None if values[0] is None else jnp.asarray(np.stack(values))
-
-
-def _with_a_row(problem: numerics.Problem) -> numerics.Problem:
-    """``problem`` for the float64 model, which indexes row 0 even for skipped experts: with no
-    routed rows every index is invalid, so a zero row changes nothing."""
-    if problem.routed.shape[0]:
-        return problem
-    routed = np.zeros((1, problem.routed.shape[1]), problem.routed.dtype)
-    return numerics.Problem(routed, problem.weights, problem.indices, problem.shared)
 
 
 @settings(max_examples=40, deadline=None)
@@ -102,7 +67,7 @@ def test_public_api_matches_float64_model(drawn):
             mailbox, *args, routed_scaling_factor=scale))
         out = np.asarray(call(_stack(ranks, "routed"), _stack(ranks, "weights"),
                               _stack(ranks, "indices"), _stack(ranks, "shared")))
-    expected, bound = numerics.expected_sum([_with_a_row(p) for p in ranks], scale)
+    expected, bound = numerics.expected_sum(ranks, scale)
     numerics.assert_group_close(out, expected, bound, mode=mode, tp=tp)
 
 
@@ -202,3 +167,28 @@ def test_diagnose_passes_other_errors_through(mailbox):
 def test_diagnose_is_silent_without_an_error(timed_out):
     with timed_out.diagnose() as entered:
         assert entered is timed_out
+
+
+def test_a_call_after_close_is_reported_as_the_close(mailbox, monkeypatch):
+    records = [{"device": 3 + r, "rank": r, "code": protocol.STATUS_CLOSED, "stage": 1, "token": 0,
+                "missing_ranks": [], "call": 4} for r in range(4)]
+    monkeypatch.setattr(type(mailbox), "status", lambda self: records)
+    with pytest.raises(jmp.MailboxStatusError) as raised, mailbox.diagnose():
+        raise RuntimeError("INTERNAL: CUDA error: unspecified launch failure")
+    message = str(raised.value)
+    for words in (f"mailbox {mailbox.id} is closed", "device(s) [3, 4, 5, 6]", "command buffers",
+                  "new Mailbox"):
+        assert words in message, f"{words!r} missing from: {message}"
+    assert "timed out" not in message
+
+
+def test_a_flagged_mailbox_says_it_is_halted(monkeypatch):
+    with jmp.Mailbox(jax.make_mesh((4,), ("tp",)), "tp", hidden=64, capacity_m=8,
+                     on_timeout="flag") as flagged:
+        records = [{"device": 3, "rank": 0, "code": protocol.STATUS_TIMEOUT, "stage": 2, "token": 5,
+                    "missing_ranks": [1, 3], "call": 7}]
+        monkeypatch.setattr(type(flagged), "status", lambda self: records)
+        with pytest.raises(jmp.MailboxStatusError) as raised:
+            flagged.check()
+    _assert_names_the_fault(str(raised.value))
+    assert "halted" in str(raised.value) and "NaN" in str(raised.value)

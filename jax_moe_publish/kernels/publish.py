@@ -15,6 +15,7 @@ accumulated in float32 in the order k = 0..top_k-1. An index outside
 * ``direct`` (tp = 1): row ``t`` of the output.
 
 Published values never hold bf16 -0.0 (the empty sentinel): it becomes +0.0.
+Nothing is stored while the mailbox is halted (``protocol.HALT``).
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ class FinalizePublishKernel:
             shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
 
         stage = Int32(0)
+        halt = Int32(protocol.HALT_RUNNING)
         if cutlass.const_expr(cfg.transport != "direct"):
             stage = ptx.load_volatile_s32(stage_state + protocol.NEXT_STAGE * 4)
+            # A halted mailbox may be freed (closed): store nothing; the reduce reports it.
+            halt = ptx.load_volatile_s32(stage_state + protocol.HALT * 4)
 
         if in_range != 0 and token < m:
             # Every thread reads the token's indices and weights itself (the warp's
@@ -116,7 +120,8 @@ class FinalizePublishKernel:
                 ptx.f32x2_to_bf16x2(accumulator[2 * i], accumulator[2 * i + 1])
                 for i in range(self.words)
             ]
-            self._store(packed, token, row_offset, destination, capacity_m, rank, stage)
+            if halt == protocol.HALT_RUNNING:
+                self._store(packed, token, row_offset, destination, capacity_m, rank, stage)
 
     def _accumulate(self, accumulator: list, words: list, weight) -> list:
         """accumulator + weight * bf16(words), or + bf16(words) when weight is None."""

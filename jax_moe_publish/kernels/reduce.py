@@ -19,8 +19,12 @@ Every kernel reads the call's stage from ``NEXT_STAGE``; the last CTA of the
 kernel that ends the call to arrive advances it and ``CALL_COUNT``.
 
 A wait that outlasts ``timeout_ns`` (a kernel parameter; 0 waits forever)
-records the stage, token, missing ranks and call number in the status block and
-traps, so the host gets an error instead of a hang.
+records the stage, token, missing ranks and call number in the status block.
+Then, by the mailbox's ``ON_TIMEOUT`` word, it traps (the host gets an error
+instead of a hang) or halts the mailbox and returns NaN. A kernel that finds
+the mailbox halted (``HALT``: closed, or failed under the flag option) never
+touches the mailbox: on a closed one it records that and traps (or, flagged,
+writes NaN); on a failed one it writes NaN.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ BF16_BYTES = 2
 FRAGMENT_BYTES = protocol.REDUCE_ELEMENTS * BF16_BYTES
 WORDS = protocol.REDUCE_ELEMENTS // 2
 EMPTY = [Uint32(protocol.EMPTY_U32)] * WORDS
+NAN_BF16X2 = 0x7FC07FC0
 
 
 class LamportReduceKernel:
@@ -63,7 +68,7 @@ class LamportReduceKernel:
     ) -> None:
         cfg = self.config
         row, fragment = self._position()
-        stage = self._start_call(stage_state)
+        stage, halt = self._start_call(stage_state)
         fragment_offset = Int64(fragment) * FRAGMENT_BYTES
         if fragment < cfg.reduce_fragments:
             if cutlass.const_expr(cfg.mode == "oneshot"):
@@ -72,7 +77,13 @@ class LamportReduceKernel:
             else:
                 token = row * cfg.tp + rank
                 slot = row
-            if token < m:
+            if cutlass.const_expr(cfg.mode == "reduce_scatter"):
+                destination = out + Int64(row) * self.row_bytes + fragment_offset
+            else:
+                destination = out + Int64(token) * self.row_bytes + fragment_offset
+            if token < m and halt != protocol.HALT_RUNNING:
+                self._halted(destination, halt, stage, token, stage_state, status)
+            if token < m and halt == protocol.HALT_RUNNING:
                 slots = [
                     mailbox + self._contribution_offset(stage, src, slot, capacity_m) + fragment_offset
                     for src in range(cfg.tp)
@@ -84,10 +95,7 @@ class LamportReduceKernel:
                 if cutlass.const_expr(cfg.mode == "twoshot"):
                     # The owner's row and the peers' gathered copies must carry the same bits.
                     total = [ptx.positive_zero_bf16x2(word) for word in total]
-                if cutlass.const_expr(cfg.mode == "reduce_scatter"):
-                    self._emit(out + Int64(row) * self.row_bytes + fragment_offset, total)
-                else:
-                    self._emit(out + Int64(token) * self.row_bytes + fragment_offset, total)
+                self._emit(destination, total)
                 if cutlass.const_expr(cfg.mode == "twoshot"):
                     gather_slot = (
                         self._gather_offset(stage, token, capacity_m) + fragment_offset
@@ -99,11 +107,9 @@ class LamportReduceKernel:
                         )
                 for address in slots:
                     ptx.store_words(address, EMPTY)
-            else:
-                if cutlass.const_expr(cfg.mode == "reduce_scatter"):
-                    ptx.store_words(
-                        out + Int64(row) * self.row_bytes + fragment_offset, [Uint32(0)] * WORDS
-                    )
+            if cutlass.const_expr(cfg.mode == "reduce_scatter"):
+                if token >= m:
+                    ptx.store_words(destination, [Uint32(0)] * WORDS)
         # In twoshot the gather ends the call and advances the stage.
         self._finish_call(stage, stage_state, advance=cfg.mode != "twoshot")
 
@@ -122,16 +128,20 @@ class LamportReduceKernel:
     ) -> None:
         cfg = self.config
         token, fragment = self._position()
-        stage = self._start_call(stage_state)
+        stage, halt = self._start_call(stage_state)
         fragment_offset = Int64(fragment) * FRAGMENT_BYTES
+        destination = out + Int64(token) * self.row_bytes + fragment_offset
         owner = token % cfg.tp
         if fragment < cfg.reduce_fragments and owner != rank and token < m:
-            slot = mailbox + self._gather_offset(stage, token, capacity_m) + fragment_offset
-            sources = self._wait(
-                [slot], [owner], stage, token, stage_state, status, timeout_ns
-            )
-            ptx.store_words(out + Int64(token) * self.row_bytes + fragment_offset, sources[0])
-            ptx.store_words(slot, EMPTY)
+            if halt != protocol.HALT_RUNNING:
+                self._halted(destination, halt, stage, token, stage_state, status)
+            else:
+                slot = mailbox + self._gather_offset(stage, token, capacity_m) + fragment_offset
+                sources = self._wait(
+                    [slot], [owner], stage, token, stage_state, status, timeout_ns
+                )
+                ptx.store_words(destination, sources[0])
+                ptx.store_words(slot, EMPTY)
         self._finish_call(stage, stage_state, advance=True)
 
     # Pieces shared by both kernels (traced inline).
@@ -172,6 +182,7 @@ class LamportReduceKernel:
                 missing = missing | (Int32(1) << ranks[i])
         if missing != 0:
             start = ptx.global_timer_ns()
+            timed_out = Int32(0)
             while missing != 0:
                 missing = Int32(0)
                 for i in cutlass.range_constexpr(len(slots)):
@@ -182,23 +193,40 @@ class LamportReduceKernel:
                         missing = missing | (Int32(1) << ranks[i])
                 if missing != 0 and timeout_ns > 0:
                     if ptx.global_timer_ns() - start > timeout_ns:
-                        self._record_timeout(stage, token, missing, stage_state, status)
+                        # Returns only under ON_TIMEOUT_FLAG, with the mailbox halted.
+                        self._record(protocol.STATUS_TIMEOUT, stage, token, missing, stage_state, status)
+                        ptx.store_volatile_s32(stage_state + protocol.HALT * 4, protocol.HALT_FAILED)
+                        timed_out = Int32(1)
+                        missing = Int32(0)
+            if timed_out != 0:
+                for i in cutlass.range_constexpr(len(slots)):
+                    for w in cutlass.range_constexpr(WORDS):
+                        rValues[i, w] = Uint32(NAN_BF16X2)
         return [[rValues[i, w] for w in range(WORDS)] for i in range(len(slots))]
 
     @cute.jit
-    def _record_timeout(self, stage, token, missing, stage_state, status) -> None:
-        """The first thread to time out writes the diagnostic (code last, after a
-        fence); every timed-out thread aborts the kernel."""
-        if ptx.claim_s32(stage_state + protocol.TIMEOUT_CLAIM * 4) == 0:
+    def _halted(self, destination, halt, stage, token, stage_state, status) -> None:
+        """A call on a halted mailbox: never touch the mailbox (a closed one is freed).
+        On a closed one record that and trap (unless flagged); otherwise return NaN."""
+        if halt == protocol.HALT_CLOSED:
+            self._record(protocol.STATUS_CLOSED, stage, token, 0, stage_state, status)
+        ptx.store_words(destination, [Uint32(NAN_BF16X2)] * WORDS)
+
+    @cute.jit
+    def _record(self, code, stage, token, missing, stage_state, status) -> None:
+        """The first thread to fail writes the diagnostic (code last, after a fence).
+        Then every failing thread traps, unless the mailbox asks for a flag instead."""
+        if ptx.claim_s32(stage_state + protocol.DIAGNOSTIC_CLAIM * 4) == 0:
             call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
             ptx.store_volatile_s32(status + protocol.STATUS_STAGE * 4, stage)
             ptx.store_volatile_s32(status + protocol.STATUS_TOKEN * 4, token)
             ptx.store_volatile_s32(status + protocol.STATUS_MISSING_RANKS * 4, missing)
             ptx.store_volatile_s32(status + protocol.STATUS_CALL * 4, call)
             ptx.fence_system()
-            ptx.store_volatile_s32(status + protocol.STATUS_CODE * 4, protocol.STATUS_TIMEOUT)
+            ptx.store_volatile_s32(status + protocol.STATUS_CODE * 4, code)
             ptx.fence_system()
-        ptx.trap()
+        if ptx.load_volatile_s32(stage_state + protocol.ON_TIMEOUT * 4) == protocol.ON_TIMEOUT_ABORT:
+            ptx.trap()
 
     def _sum(self, sources: list) -> list:
         """bf16 words of the float32 sum of ``sources``, in source order."""
@@ -215,8 +243,8 @@ class LamportReduceKernel:
         """Write one reduced fragment: the place for a fused epilogue."""
         ptx.store_words(address, words)
 
-    def _start_call(self, stage_state) -> Int32:
-        """Read the call's stage, then let the next kernel launch.
+    def _start_call(self, stage_state) -> tuple:
+        """Read the call's stage and the mailbox's HALT word, then let the next kernel launch.
 
         No ``griddepcontrol.wait`` first: this kernel reads only the mailbox
         (guarded by the sentinel) and the stage word, which only the last kernel
@@ -225,9 +253,10 @@ class LamportReduceKernel:
         is still running.
         """
         stage = ptx.load_volatile_s32(stage_state + protocol.NEXT_STAGE * 4)
+        halt = ptx.load_volatile_s32(stage_state + protocol.HALT * 4)
         if cutlass.const_expr(self.config.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        return stage
+        return stage, halt
 
     @cute.jit
     def _finish_call(self, stage, stage_state, advance: cutlass.Constexpr[bool]) -> None:
