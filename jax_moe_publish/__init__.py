@@ -6,6 +6,7 @@ over the TP group through Lamport mailboxes that peers write over NVLink.
 """
 
 from jax_moe_publish import reference
+from jax_moe_publish.cluster import ProcessGroupError
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.mailbox import Mailbox, MailboxStatusError
 from jax_moe_publish.op import moe_finalize_publish, sharded_moe_finalize_publish
@@ -14,6 +15,7 @@ __all__ = [
     "KernelConfig",
     "Mailbox",
     "MailboxStatusError",
+    "ProcessGroupError",
     "moe_finalize_publish",
     "reference",
     "sharded_moe_finalize_publish",

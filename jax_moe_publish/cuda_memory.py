@@ -13,6 +13,10 @@ For each rank of a group this allocates, in its device's primary context:
 * the status block: ``STATUS_WORDS`` int32 of pinned host memory mapped into
   the device, so the host can read a diagnostic even after the context is lost.
 
+When the group spans processes, each process allocates its own ranks only
+(``shareable`` requests an exportable handle, see `sharing`) and writes the
+peer tables once it has mapped the other processes' mailboxes.
+
 `GroupMemory.close` halts the kernels before it frees the mailbox, and keeps
 the stage state and status block (a few hundred bytes) for the life of the
 process: an XLA command buffer recorded before the close can still launch the
@@ -106,28 +110,39 @@ class RankMemory:
 
 
 class GroupMemory:
-    """The mailbox memory of one TP group; ``ordinals[r]`` is the device of rank ``r``."""
+    """The mailbox memory of one TP group in this process.
 
-    def __init__(self, ordinals: list[int], *, hidden: int, capacity_m: int,
-                 on_timeout: int = protocol.ON_TIMEOUT_ABORT) -> None:
+    ``ordinals[r]`` is the device of rank ``r``, or None for a rank of another
+    process. With every rank local the peer tables are written at once;
+    otherwise the caller maps the other processes' mailboxes and calls
+    `write_peer_tables`. ``shareable`` makes the mailboxes exportable.
+    """
+
+    def __init__(self, ordinals: list[int | None], *, hidden: int, capacity_m: int,
+                 on_timeout: int = protocol.ON_TIMEOUT_ABORT, shareable: bool = False) -> None:
         self.ordinals = list(ordinals)
+        self.local_ordinals = [o for o in self.ordinals if o is not None]
         self.on_timeout = on_timeout
         self.tp = len(ordinals)
         self.hidden = hidden
         self.capacity_m = capacity_m
+        self.shareable = shareable
         self.elements = protocol.mailbox_elements(self.tp, capacity_m, hidden)
         self.ranks: list[RankMemory] = []
         # Hold each primary context for the group's lifetime: the driver resets a
         # primary context (freeing everything in it) when its last reference goes.
         self._contexts = []
         try:
-            for ordinal in self.ordinals:
+            for ordinal in self.local_ordinals:
                 self._contexts.append(_retain_primary_context(ordinal))
             for rank, ordinal in enumerate(self.ordinals):
+                if ordinal is None:
+                    continue
                 memory = RankMemory(ordinal, rank, 0, 0, 0, 0, 0, 0)
                 self.ranks.append(memory)
                 self._allocate(memory)
-            self._write_peer_tables()
+            if len(self.ranks) == self.tp:
+                self.write_peer_tables([memory.mailbox for memory in self.ranks])
         except BaseException:
             self.free()
             raise
@@ -141,6 +156,10 @@ class GroupMemory:
             prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
             prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             prop.location.id = ordinal
+            if self.shareable:
+                from jax_moe_publish import sharing
+
+                prop.requestedHandleTypes = sharing.allocation_handle_type()
             granularity = check(
                 driver.cuMemGetAllocationGranularity(
                     prop,
@@ -159,7 +178,7 @@ class GroupMemory:
             check(driver.cuMemMap(address, size, 0, memory.vmm_handle, 0), "cuMemMap")
             memory.mapped = True
             access = []
-            for peer in self.ordinals:
+            for peer in self.local_ordinals:
                 desc = driver.CUmemAccessDesc()
                 desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 desc.location.id = peer
@@ -180,9 +199,12 @@ class GroupMemory:
             memory.status = int(check(driver.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
             check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
 
-    def _write_peer_tables(self) -> None:
+    def write_peer_tables(self, addresses: list[int]) -> None:
+        """Give every local rank the mailbox address of each rank, by rank (in this process)."""
         driver = _driver()
-        table = struct.pack(f"<{self.tp}Q", *(r.mailbox for r in self.ranks))
+        if len(addresses) != self.tp or not all(addresses):
+            raise ValueError(f"addresses={addresses}: expected {self.tp} non-null mailbox addresses")
+        table = struct.pack(f"<{self.tp}Q", *addresses)
         for memory in self.ranks:
             with primary_context(memory.ordinal):
                 check(driver.cuMemcpyHtoD(memory.peer_table, table, len(table)), "cuMemcpyHtoD(peer_table)")
@@ -196,7 +218,8 @@ class GroupMemory:
 
     def status(self, rank: int) -> list[int]:
         """The status words of ``rank``, read from host memory (works after a device fault)."""
-        words = (ctypes.c_int32 * protocol.STATUS_WORDS).from_address(self.ranks[rank].status_host)
+        memory = next(m for m in self.ranks if m.rank == rank)
+        words = (ctypes.c_int32 * protocol.STATUS_WORDS).from_address(memory.status_host)
         return list(words)
 
     def close(self) -> list[int]:

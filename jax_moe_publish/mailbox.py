@@ -21,6 +21,7 @@ MODES = ("allreduce", "reduce_scatter")
 TRANSPORTS = ("auto", "unicast", "multicast")
 ON_TIMEOUT = {"abort": protocol.ON_TIMEOUT_ABORT, "flag": protocol.ON_TIMEOUT_FLAG}
 DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_PROCESS_TIMEOUT_S = 300.0
 
 _ids = itertools.count(1)
 
@@ -69,10 +70,20 @@ class Mailbox:
         mailbox instead: that call and every later one return NaN without
         waiting, and `check` raises; the process and its GPUs stay usable, but
         the mailbox is spent (make a new one).
+    process_timeout_s : float
+        When the mesh spans processes: how long setup and `close` wait for
+        the other processes before raising `ProcessGroupError`.
 
     On a mesh of non-CUDA devices, or when the axis has size 1, nothing is
     allocated: the op runs the reference (or the single-GPU direct kernel).
     Use as a context manager, or call `close`.
+
+    A mesh may span processes (``jax.distributed``, one process per GPU or
+    per host). Then creation and `close` are collective: every process of the
+    mesh creates its Mailboxes in the same order and closes them. Processes
+    of one host map each other's mailboxes (`jax_moe_publish.cross_process`).
+    Where a TP group spans hosts nothing is allocated, and the op runs the
+    reference, whose ``psum`` XLA lowers to NCCL; see `spans_hosts`.
     """
 
     def __init__(
@@ -86,6 +97,7 @@ class Mailbox:
         transport: str = "auto",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_timeout: str = "abort",
+        process_timeout_s: float = DEFAULT_PROCESS_TIMEOUT_S,
     ) -> None:
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name={axis_name!r}: expected one of the mesh axes {mesh.axis_names}")
@@ -101,6 +113,8 @@ class Mailbox:
             raise ValueError(f"timeout_s={timeout_s!r}: expected seconds in [0, 3600)")
         if on_timeout not in ON_TIMEOUT:
             raise ValueError(f"on_timeout={on_timeout!r}: expected one of {tuple(ON_TIMEOUT)}")
+        if not (isinstance(process_timeout_s, (int, float)) and 0 < process_timeout_s <= 3600):
+            raise ValueError(f"process_timeout_s={process_timeout_s!r}: expected seconds in (0, 3600]")
         self.mesh = mesh
         self.axis_name = axis_name
         self.hidden = int(hidden)
@@ -115,11 +129,16 @@ class Mailbox:
         self.groups = self._groups(mesh, axis_name)
         self.on_cuda = all(_is_cuda(d) for d in mesh.devices.flat)
         self.transport = self._resolve_transport(transport)
+        self.process_timeout_s = float(process_timeout_s)
+        self.group_hosts: list[list[str]] | None = None
         self._memories = []
+        self._processes = None  # cross_process.ProcessMailboxMemory when the mesh spans processes
         self._loaded: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
-        if self.on_cuda and self.tp > 1:
+        if self.tp > 1 and self._spans_processes():
+            self._setup_across_processes()
+        elif self.on_cuda and self.tp > 1:
             self._allocate()
 
     @staticmethod
@@ -144,36 +163,82 @@ class Mailbox:
             )
         return "unicast"
 
+    @staticmethod
+    def _local(devices) -> list:
+        """The devices of this process (a group may have others' too)."""
+        return [d for d in devices if d.process_index == jax.process_index()]
+
+    def _spans_processes(self) -> bool:
+        return any(d.process_index != jax.process_index() for d in self.mesh.devices.flat)
+
     def _allocate(self) -> None:
-        from jax_moe_publish import native
         from jax_moe_publish.cuda_memory import GroupMemory
 
-        remote = [d for d in self.mesh.devices.flat if d.process_index != jax.process_index()]
-        if remote:
-            raise NotImplementedError(
-                f"Mailbox over mesh axis {self.axis_name!r} spans devices of other processes "
-                f"({remote[:2]}...): groups that cross processes are not supported"
-            )
         try:
             for group in self.groups:
                 ordinals = [d.local_hardware_id for d in group]
                 memory = GroupMemory(ordinals, hidden=self.hidden, capacity_m=self.capacity_m,
                                      on_timeout=ON_TIMEOUT[self.on_timeout])
                 self._memories.append(memory)
-                for rank_memory in memory.ranks:
-                    native.register_mailbox_device(
-                        self.id, rank_memory.ordinal, rank_memory.rank, self.tp, self.hidden,
-                        self.capacity_m, rank_memory.mailbox, rank_memory.peer_table,
-                        rank_memory.stage_state, rank_memory.status, self.timeout_ns,
-                    )
+                self._register(memory)
         except BaseException:
             self.close()
             raise
 
+    def _register(self, memory) -> None:
+        """Tell the FFI handler where the local ranks of ``memory`` find their mailbox."""
+        from jax_moe_publish import native
+
+        for rank_memory in memory.ranks:
+            native.register_mailbox_device(
+                self.id, rank_memory.ordinal, rank_memory.rank, self.tp, self.hidden,
+                self.capacity_m, rank_memory.mailbox, rank_memory.peer_table,
+                rank_memory.stage_state, rank_memory.status, self.timeout_ns,
+            )
+
+    def _setup_across_processes(self) -> None:
+        """Collective setup with the other processes of the mesh (see `cross_process`)."""
+        from jax_moe_publish.cross_process import ProcessMailboxMemory
+
+        if jax.process_index() not in {d.process_index for d in self.mesh.devices.flat}:
+            return  # no device here: nothing to share or allocate
+        registered = []
+
+        def register(memory):
+            registered.append(memory)
+            self._register(memory)
+
+        try:
+            self._processes = ProcessMailboxMemory(self, process=jax.process_index(),
+                                                   timeout_s=self.process_timeout_s, register=register)
+        except BaseException:
+            if registered:
+                from jax_moe_publish import native
+
+                native.close_mailbox(self.id)
+            self._closed = True
+            raise
+        self.group_hosts = self._processes.group_hosts
+        self._memories = list(self._processes.groups)
+
+    @property
+    def spans_hosts(self) -> bool:
+        """A TP group has devices on several hosts: the kernels cannot run, XLA's collectives do."""
+        return self._processes is not None and self._processes.spans_hosts
+
+    def hosts_message(self) -> str:
+        """Which hosts each TP group that spans hosts lives on (for errors and warnings)."""
+        lines = []
+        for g, hosts in enumerate(self.group_hosts or []):
+            if len(set(hosts)) > 1:
+                by_rank = ", ".join(f"rank {r}: {host}" for r, host in enumerate(hosts))
+                lines.append(f"TP group {g} spans hosts ({by_rank})")
+        return "; ".join(lines)
+
     # Kernel sets: loaded on every device of the mailbox before the first call.
 
     def ensure_loaded(self, artifact, kernel_set_id: int) -> None:
-        """Load ``artifact``'s cubin on every device of this mailbox (idempotent)."""
+        """Load ``artifact``'s cubin on every device of this mailbox in this process (idempotent)."""
         from jax_moe_publish import native
 
         key = artifact.metadata["key"]
@@ -183,7 +248,7 @@ class Mailbox:
                 return
             config = artifact.metadata["config"]
             for group in self.groups:
-                for device in group:
+                for device in self._local(group):
                     native.load_kernel_set(
                         kernel_set_id, device.local_hardware_id, artifact.cubin,
                         artifact.metadata["kernels"], mode=config["mode"], tp=config["tp"],
@@ -297,8 +362,11 @@ class Mailbox:
 
                 native.close_mailbox(self.id)
             lost = []
-            for memory in self._memories:
-                lost += memory.close()
+            if self._processes is not None:
+                lost = self._processes.close()  # collective: closes the groups too
+            else:
+                for memory in self._memories:
+                    lost += memory.close()
         if lost:
             warnings.warn(
                 f"{self!r}: device(s) {lost} lost their CUDA context to an earlier fault, so their "
@@ -318,7 +386,8 @@ class Mailbox:
             warnings.warn(f"{self!r} was never closed", ResourceWarning, stacklevel=2)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("cuda" if self.on_cuda else "reference")
+        state = "closed" if self._closed else (
+            "spans hosts" if self.spans_hosts else "cuda" if self.on_cuda else "reference")
         return (
             f"Mailbox(id={self.id}, axis={self.axis_name!r}, tp={self.tp}, hidden={self.hidden}, "
             f"capacity_m={self.capacity_m}, mode={self.mode!r}, {state})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ IMPLS = ("auto", "kernel", "reference")
 _kernel_set_ids: dict[str, int] = {}
 _kernel_set_counter = itertools.count(1)
 _kernel_set_lock = threading.Lock()
+_warned_host_fallback: set[int] = set()
 
 
 def _kernel_set_id(key: str) -> int:
@@ -156,7 +158,9 @@ def moe_finalize_publish(
         Made for this mesh axis, ``hidden`` and ``capacity_m >= m``.
     routed_scaling_factor : float
     impl : {"auto", "kernel", "reference"}
-        ``auto``: the kernels on CUDA devices, the pure-JAX reference elsewhere.
+        ``auto``: the kernels on CUDA devices, the pure-JAX reference elsewhere
+        and where the mailbox's TP group spans hosts (it warns once per
+        mailbox then; ``kernel`` raises).
     config : KernelConfig, optional
         Launch shapes (and ``oneshot`` or ``twoshot`` for an all-reduce
         mailbox); by default ``KernelConfig.default`` for the problem and its m.
@@ -173,19 +177,36 @@ def moe_finalize_publish(
     _check_axis(mailbox)
     kernel_config = _kernel_config(config, mailbox, routed_output, expert_weights, shared_output,
                                    routed_scaling_factor)
-    if impl == "auto":
-        impl = "kernel" if mailbox.on_cuda else "reference"
+    impl = _resolve_impl(impl, mailbox)
     if impl == "reference":
         return reference.moe_finalize_publish(
             routed_output, expert_weights, permuted_indices, shared_output,
             axis_name=mailbox.axis_name, routed_scaling_factor=float(routed_scaling_factor),
             mode=mailbox.mode,
         )
-    if not mailbox.on_cuda:
-        raise ValueError(f"impl='kernel': mailbox={mailbox!r} is not on CUDA devices; use impl='auto' "
-                         "or 'reference'")
     return _call_kernels(kernel_config, mailbox, routed_output, expert_weights, permuted_indices,
                          shared_output, float(routed_scaling_factor))
+
+
+def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
+    """``kernel`` or ``reference`` for this mailbox; ``auto`` falls back where the kernels cannot run."""
+    if mailbox.spans_hosts:
+        if impl == "kernel":
+            raise ValueError(f"impl='kernel': mailbox={mailbox!r} cannot run the kernels, as NVLink "
+                             f"does not join its hosts: {mailbox.hosts_message()}. Use impl='auto' "
+                             "(XLA's collectives) or keep each TP group on one host")
+        if impl == "auto" and mailbox.on_cuda and mailbox.id not in _warned_host_fallback:
+            _warned_host_fallback.add(mailbox.id)
+            warnings.warn(f"mailbox={mailbox!r}: {mailbox.hosts_message()}; NVLink does not join hosts, "
+                          "so moe_finalize_publish runs the reference (XLA's psum over NCCL) instead of "
+                          "the kernels", RuntimeWarning, stacklevel=3)
+        return "reference" if impl == "auto" else impl
+    if impl == "auto":
+        return "kernel" if mailbox.on_cuda else "reference"
+    if impl == "kernel" and not mailbox.on_cuda:
+        raise ValueError(f"impl='kernel': mailbox={mailbox!r} is not on CUDA devices; use impl='auto' "
+                         "or 'reference'")
+    return impl
 
 
 def _call_kernels(config, mailbox, routed_output, expert_weights, permuted_indices, shared_output, scale):

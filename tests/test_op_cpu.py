@@ -228,6 +228,7 @@ BAD_MAILBOXES = [
     (dict(transport="nvls"), ValueError, "transport='nvls'"),
     (dict(timeout_s=-1), ValueError, "timeout_s=-1"),
     (dict(on_timeout="hang"), ValueError, "on_timeout='hang'"),
+    (dict(process_timeout_s=0), ValueError, "process_timeout_s=0"),
 ]
 
 

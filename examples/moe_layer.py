@@ -1,0 +1,55 @@
+"""A tensor-parallel MoE layer whose finalize and all-reduce are one jax-moe-publish call (shared by the examples).
+
+Each rank holds a 1/tp slice of every expert's intermediate dimension (and of
+the shared expert), so its expert outputs are partial sums that the group must
+add up. The layer routes tokens, runs the sliced experts on expert-sorted rows,
+and calls `moe_finalize_publish`, which does the weighted top-k sum, adds the
+shared expert and reduces over the group.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import jax_moe_publish as jmp
+
+HIDDEN = 512
+EXPERTS = 16
+TOP_K = 4
+INTERMEDIATE = 256
+ROUTED_SCALE = 2.5
+
+
+def init_params(key, tp: int):
+    """Router (replicated), experts and shared expert sliced along the intermediate dim."""
+    k = jax.random.split(key, 5)
+    scale = HIDDEN**-0.5
+    return {
+        "router": jax.random.normal(k[0], (HIDDEN, EXPERTS), jnp.float32) * scale,
+        "w_in": jax.random.normal(k[1], (tp, EXPERTS, HIDDEN, INTERMEDIATE // tp), jnp.bfloat16) * scale,
+        "w_out": jax.random.normal(k[2], (tp, EXPERTS, INTERMEDIATE // tp, HIDDEN), jnp.bfloat16) * scale,
+        "shared_in": jax.random.normal(k[3], (tp, HIDDEN, INTERMEDIATE // tp), jnp.bfloat16) * scale,
+        "shared_out": jax.random.normal(k[4], (tp, INTERMEDIATE // tp, HIDDEN), jnp.bfloat16) * scale,
+    }
+
+
+def moe_layer(params, x, *, mailbox, impl):
+    """One shard of the layer: x bf16 [m, hidden] (replicated) -> bf16 [m, hidden] (the group's sum)."""
+    m = x.shape[0]
+    logits = x.astype(jnp.float32) @ params["router"]
+    top_logits, experts = jax.lax.top_k(logits, TOP_K)
+    weights = jax.nn.softmax(top_logits, axis=-1)  # float32 [m, top_k]
+    # Expert-sorted rows, as a grouped GEMM would produce them.
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    permuted_indices = jnp.argsort(order).astype(jnp.int32).reshape(m, TOP_K)
+    rows = x[order // TOP_K]
+    w_in, w_out = params["w_in"][0], params["w_out"][0]
+    hidden_rows = jax.nn.silu(jnp.einsum("rh,rhi->ri", rows, w_in[flat_experts[order]]))
+    routed_output = jnp.einsum("ri,rih->rh", hidden_rows, w_out[flat_experts[order]]).astype(jnp.bfloat16)
+    shared = (jax.nn.silu(x @ params["shared_in"][0]) @ params["shared_out"][0]).astype(jnp.bfloat16)
+    return jmp.moe_finalize_publish(
+        routed_output, weights, permuted_indices, shared,
+        mailbox=mailbox, routed_scaling_factor=ROUTED_SCALE, impl=impl,
+    )

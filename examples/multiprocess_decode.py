@@ -1,0 +1,175 @@
+"""Tensor parallelism across processes: one process per GPU under ``jax.distributed``.
+
+    python examples/multiprocess_decode.py [--processes N] [--tokens 16] [--layers 4] [--steps 20]
+
+The script starts N copies of itself (by default one per local GPU) joined by
+``jax.distributed`` through a coordinator on a free localhost port. Each copy
+owns one GPU, builds the mesh over every process's device, creates the
+`Mailbox` (creation is collective: the same Mailboxes in the same order in
+every process), and runs decode steps through a stack of MoE layers
+(``x += layer(x)``, `moe_layer.py`) whose finalize and all-reduce are one
+`moe_finalize_publish` call: the processes' GPUs write into each other's
+mailboxes over NVLink. Each process checks its result against the reference
+(XLA's ``psum``) and prints the error and the time per step.
+
+Without a GPU it starts N = 2 processes with one CPU device each (gloo
+collectives) on the reference path, and says so. ``--single-process`` runs the
+same steps in this process over every local device, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def _local_gpu_count() -> int:
+    """NVIDIA GPUs here, counted without starting JAX (which would claim them)."""
+    try:
+        from cuda.bindings import driver
+
+        (error,) = driver.cuInit(0)
+        return driver.cuDeviceGetCount()[1] if error == driver.CUresult.CUDA_SUCCESS else 0
+    except Exception:  # no bindings or no libcuda: a CPU machine
+        return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> int:
+    gpus = _local_gpu_count()
+    processes = args.processes or gpus or 2
+    if gpus and processes > gpus:
+        raise SystemExit(f"--processes {processes}: only {gpus} GPU(s) here, one per process")
+    if gpus:
+        print(f"{processes} processes, one GPU each: the jax-moe-publish kernels across processes, tp={processes}")
+    else:
+        print(f"no NVIDIA GPU found: {processes} CPU processes (gloo) on the pure-JAX reference path, "
+              f"tp={processes}")
+    port = _free_port()
+    children = [
+        subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--processes", str(processes),
+                          "--port", str(port), "--tokens", str(args.tokens), "--layers", str(args.layers),
+                          "--steps", str(args.steps)] + (["--gpu"] if gpus else []))
+        for i in range(processes)
+    ]
+    deadline = time.monotonic() + args.deadline
+    codes = []
+    for child in children:
+        try:
+            codes.append(child.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    if any(code != 0 for code in codes):
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        print(f"failed: exit codes {codes} (None: killed after {args.deadline} s)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def work(args) -> None:
+    """One process: its GPU (or CPU device), the global mesh, the mailbox and the decode steps.
+
+    With ``args.worker`` None: the only process, over every local device.
+    """
+    import jax
+
+    if args.worker is not None:
+        if not args.gpu:
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
+                                   process_id=args.worker, local_device_ids=[args.worker] if args.gpu else None)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_moe_publish as jmp
+    from moe_layer import HIDDEN, init_params, moe_layer  # examples/ is on sys.path
+
+    def say(text: str) -> None:
+        print(f"[{'single process' if args.worker is None else f'process {args.worker}'}] {text}", flush=True)
+
+    tp = jax.device_count()
+    mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices())
+
+    def global_array(value, spec):
+        """Every process computes the same host value; each supplies its own devices' part."""
+        value = np.asarray(value)
+        return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec), lambda index: value[index])
+
+    layers = []
+    for key in jax.random.split(jax.random.key(0), args.layers):
+        params = init_params(key, tp)
+        layers.append({name: global_array(value, P() if name == "router" else P("tp"))
+                       for name, value in params.items()})
+    x = global_array(jax.random.normal(jax.random.key(1), (args.tokens, HIDDEN), jnp.bfloat16), P())
+    specs = [{name: P() if name == "router" else P("tp") for name in layers[0]}] * args.layers
+
+    def build_step(mailbox, impl):
+        def decode(layers, x):
+            for params in layers:
+                x = x + moe_layer(params, x, mailbox=mailbox, impl=impl)
+            return x
+
+        return jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=(specs, P()), out_specs=P()))
+
+    with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=max(args.tokens, 64)) as mailbox:
+        device = jax.local_devices()[0]
+        rank = list(mesh.devices.flat).index(device)
+        say(f"{device} is rank {rank} of {tp} ({jax.process_count()} process(es)); {mailbox!r}")
+        step = build_step(mailbox, "auto")
+        with mailbox.diagnose():
+            got = np.asarray(step(layers, x).addressable_data(0), np.float64)
+        expected = np.asarray(build_step(mailbox, "reference")(layers, x).addressable_data(0), np.float64)
+        relative = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        say(f"tokens={args.tokens} layers={args.layers}: relative error against the reference {relative:.2e}")
+
+        out = step(layers, x)
+        out.block_until_ready()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            out = step(layers, x)
+        out.block_until_ready()
+        per_layer = (time.perf_counter() - start) / (args.steps * args.layers)
+        say(f"{per_layer * 1e6:.1f} us per MoE layer ({args.steps} steps of {args.layers} layers, "
+            f"{'GPU kernels' if mailbox.on_cuda else 'CPU reference'})")
+        mailbox.check()
+    if relative > 1e-2:
+        raise SystemExit(f"relative error {relative:.2e} exceeds 1e-2")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=0, help="default: one per local GPU, 2 without GPUs")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--deadline", type=float, default=600.0, help="seconds before the processes are killed")
+    parser.add_argument("--single-process", action="store_true",
+                        help="run the same steps in this one process over every local device")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gpu", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.single_process:
+        work(args)
+    elif args.worker is None:
+        sys.exit(launch(args))
+    else:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        work(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""A Mailbox whose mesh spans processes: its collective setup and close.
+
+Creation is collective. Every process of the mesh creates its Mailboxes in the
+same order, so a per-process counter gives the same mailbox id everywhere,
+and the id names the keys of this mailbox in JAX's distributed key-value
+store: ``jax_moe_publish/mailbox/<id>/...``. Setup, in every process:
+
+1. Publish ``{host, signature}`` under ``process/<p>`` and read every other
+   process's record. The signatures (the mailbox's parameters and mesh) must
+   agree: a mismatch means the processes created different mailboxes.
+2. If a TP group spans hosts, stop: nothing is allocated (NVLink does not
+   join hosts here) and the op runs XLA's collectives. Likewise on non-CUDA
+   devices.
+3. Allocate the mailbox memory of this process's devices, and export the
+   mailbox of each rank whose group reaches into other processes under
+   ``group/<g>/rank/<r>`` (`sharing`).
+4. Import and map those of the other processes' ranks, write the peer tables
+   (addresses as this process sees them) and register the local devices with
+   the FFI handler.
+5. Barrier. Every import is done, so the exported descriptors are closed and
+   this process's keys deleted.
+
+A process whose setup fails publishes its error under every key the others
+wait for, then joins the barrier, so that every process raises it at once.
+
+Close: unmap what this process imported, barrier (so that importers let go
+before exporters free), close the local groups (`GroupMemory.close`: halt,
+then free). With VMM the physical memory lives until its last mapping goes,
+so a barrier that times out (a dead peer) cannot make a surviving process
+touch freed memory; it is raised after the local groups are closed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jax_moe_publish import cluster, sharing
+from jax_moe_publish.cuda_memory import CudaError, GroupMemory, primary_context
+from jax_moe_publish.mailbox import ON_TIMEOUT
+
+
+def signature(mailbox) -> dict:
+    """What every process must agree on for one mailbox."""
+    return {
+        "axis_name": mailbox.axis_name, "mesh_axes": list(mailbox.mesh.axis_names),
+        "mesh_devices": [int(d.id) for d in mailbox.mesh.devices.flat],
+        "mesh_shape": list(mailbox.mesh.devices.shape), "hidden": mailbox.hidden,
+        "capacity_m": mailbox.capacity_m, "mode": mailbox.mode, "transport": mailbox.transport,
+        "timeout_ns": mailbox.timeout_ns, "on_timeout": mailbox.on_timeout,
+    }
+
+
+def _differences(mine: dict, theirs: dict) -> str:
+    keys = sorted(set(mine) | set(theirs))
+    return ", ".join(f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} there"
+                     for k in keys if mine.get(k) != theirs.get(k))
+
+
+class ProcessMailboxMemory:
+    """This process's part of a cross-process mailbox: its groups' memory and its imports.
+
+    ``group_hosts[g][r]`` is the host of rank ``r`` of group ``g``; ``groups``
+    holds the `GroupMemory` of every group with a device here (empty when
+    nothing is allocated). ``register(memory)`` registers a group's local
+    devices with the FFI handler.
+    """
+
+    def __init__(self, mailbox, *, process: int, timeout_s: float, register, client=None) -> None:
+        self.mailbox_id = mailbox.id
+        self.process = process
+        self.processes = sorted({int(d.process_index) for d in mailbox.mesh.devices.flat})
+        self.groups: list[GroupMemory] = []
+        self.group_hosts: list[list[str]] = []
+        self._exports: list[sharing.Exported] = []
+        self._imports: list[tuple[int, sharing.Imported]] = []  # (device that maps it, mapping)
+        self._timeout_s = timeout_s
+        self._client = client
+        self._closed = False
+        exchange = self._exchange("setup")
+        owed = [exchange.key("process", process)] + [
+            exchange.key("group", g, "rank", r) for g, r in self._exported_ranks(mailbox)
+        ]
+        try:
+            self._setup(mailbox, exchange, register)
+        except BaseException as error:
+            # Keys stay in the store: a process may still be about to read them.
+            exchange.abandon(f"{type(error).__name__}: {error}", owed)
+            if not (isinstance(error, cluster.ProcessGroupError) and error.timed_out):
+                self._barrier_quietly(exchange, "setup")
+            self._release_local()  # its own errors would hide the one that matters
+            raise
+        try:
+            exchange.barrier("setup")
+            failures = exchange.failures()
+            if failures:
+                raise cluster.ProcessGroupError(
+                    f"mailbox {mailbox.id}: setup failed in another process:\n  " + "\n  ".join(failures))
+        except BaseException:
+            self._release_local()
+            raise
+        for exported in self._exports:
+            exported.close()
+        exchange.forget()
+
+    @property
+    def spans_hosts(self) -> bool:
+        return any(len(set(hosts)) > 1 for hosts in self.group_hosts)
+
+    def _exchange(self, step: str) -> cluster.Exchange:
+        return cluster.Exchange(f"jax_moe_publish/mailbox/{self.mailbox_id}/{step}", self.processes,
+                                self.process, self._timeout_s, self._client)
+
+    def _exported_ranks(self, mailbox) -> list[tuple[int, int]]:
+        """(group, rank) of this process's devices in groups that reach into other processes."""
+        ranks = []
+        for g, group in enumerate(mailbox.groups):
+            owners = [d.process_index for d in group]
+            if len(set(owners)) > 1:
+                ranks += [(g, r) for r, owner in enumerate(owners) if owner == self.process]
+        return ranks
+
+    def _setup(self, mailbox, exchange: cluster.Exchange, register) -> None:
+        mine = {"host": cluster.host_identity(), "signature": signature(mailbox)}
+        exchange.publish(exchange.key("process", self.process), json.dumps(mine).encode())
+        records = {self.process: mine}
+        for other in self.processes:
+            if other != self.process:
+                what = f"its record of mailbox {mailbox.id}"
+                records[other] = json.loads(exchange.fetch(exchange.key("process", other), other, what))
+                if records[other]["signature"] != mine["signature"]:
+                    raise ValueError(
+                        f"mailbox {mailbox.id} differs between processes {self.process} and {other} "
+                        f"({_differences(mine['signature'], records[other]['signature'])}): every "
+                        "process must create the same Mailboxes in the same order")
+        self.group_hosts = [[records[d.process_index]["host"] for d in group] for group in mailbox.groups]
+        if not mailbox.on_cuda or self.spans_hosts:
+            return
+        exported = set(self._exported_ranks(mailbox))
+        local_groups = []
+        for g, group in enumerate(mailbox.groups):
+            ordinals = [d.local_hardware_id if d.process_index == self.process else None for d in group]
+            if all(o is None for o in ordinals):
+                continue
+            memory = GroupMemory(ordinals, hidden=mailbox.hidden, capacity_m=mailbox.capacity_m,
+                                 on_timeout=ON_TIMEOUT[mailbox.on_timeout],
+                                 shareable=any((g, r) in exported for r in range(mailbox.tp)))
+            self.groups.append(memory)
+            local_groups.append((g, group, memory))
+            for rank_memory in memory.ranks:
+                if (g, rank_memory.rank) in exported:
+                    with primary_context(rank_memory.ordinal):
+                        export = sharing.export(rank_memory.vmm_handle, rank_memory.vmm_size)
+                    self._exports.append(export)
+                    exchange.publish(exchange.key("group", g, "rank", rank_memory.rank), export.payload)
+        for g, group, memory in local_groups:
+            addresses = {m.rank: m.mailbox for m in memory.ranks}
+            for rank, device in enumerate(group):
+                if rank in addresses:
+                    continue
+                payload = exchange.fetch(exchange.key("group", g, "rank", rank), device.process_index,
+                                         f"the mailbox handle of group {g} rank {rank} ({device})")
+                ordinal = memory.local_ordinals[0]
+                with primary_context(ordinal):
+                    imported = sharing.import_mapping(payload, memory.local_ordinals)
+                self._imports.append((ordinal, imported))
+                addresses[rank] = imported.address
+            memory.write_peer_tables([addresses[r] for r in range(mailbox.tp)])
+            register(memory)
+
+    @staticmethod
+    def _barrier_quietly(exchange: cluster.Exchange, name: str) -> None:
+        try:
+            exchange.barrier(name)
+        except cluster.ProcessGroupError:
+            pass  # the error being raised says more
+
+    def _release_imports(self) -> list[int]:
+        """Unmap what this process imported; returns the devices whose context was lost to a
+        fault (the driver can unmap nothing there; the mapping goes with the process)."""
+        lost = []
+        for ordinal, imported in self._imports:
+            try:
+                with primary_context(ordinal):
+                    imported.release()
+            except CudaError:
+                lost.append(ordinal)
+        self._imports = []
+        return lost
+
+    def _close_exports(self) -> None:
+        for exported in self._exports:
+            exported.close()
+        self._exports = []
+
+    def _release_local(self) -> None:
+        """This process's side of a failed setup, as far as CUDA lets it (the setup's error is
+        the one to raise): unmap imports, free local memory."""
+        self._release_imports()
+        self._close_exports()
+        for memory in self.groups:
+            try:
+                memory.free()
+            except CudaError:
+                pass
+        self.groups = []
+
+    def close(self) -> list[int]:
+        """Collective: unmap imports, wait for every process to do so, close the local groups.
+
+        Returns the devices whose context was lost to an earlier fault, like
+        `GroupMemory.close`. A peer that never reaches the barrier (a dead
+        process) raises `cluster.ProcessGroupError`, after the local groups are
+        closed all the same.
+        """
+        if self._closed:
+            return []
+        self._closed = True
+        if not self.groups:
+            return []
+        lost = self._release_imports()
+        try:
+            self._exchange("close").barrier("unmapped")
+        finally:
+            self._close_exports()
+            for memory in self.groups:
+                lost += memory.close()
+        return sorted(set(lost))
