@@ -241,9 +241,10 @@ def flagged_silent_peer(args) -> None:
     with group(args.mode, FAULT_TIMEOUT_NS, protocol.ON_TIMEOUT_FLAG) as launcher:
         config = launcher.config
         buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
-        calls = []
+        calls, history = [], []
         for ranks in ([0, 1], [0], [0, 1]):
             problems = [random_problem(config, rng, m) for _ in range(config.tp)]
+            history.append(problems)
             for rank in ranks:
                 prepare(buffers[rank], problems[rank])
             start = time.monotonic()
@@ -260,6 +261,22 @@ def flagged_silent_peer(args) -> None:
                 "status": [status(launcher, rank) for rank in range(config.tp)],
                 "halt": [int(launcher.stage_state(rank)[protocol.HALT]) for rank in range(config.tp)],
             })
+        # In the last call rank 1 consumes what halted rank 0 published in the call rank 1
+        # skipped: per written row, NaN or that mix; anything else is a protocol change.
+        mixed = [history[1][0], history[2][1]]
+        total, bound = numerics.expected_sum(mixed, config.routed_scaling_factor)
+        if config.mode == "reduce_scatter":
+            total, bound = numerics.owned(total, config.tp, 1), numerics.owned(bound, config.tp, 1)
+        rows = _written(config, buffers[1].output(), m, 1)
+        kinds = []
+        for row, values in enumerate(rows):
+            if np.all(np.isnan(values)):
+                kinds.append("nan")
+            elif np.all(np.abs(values - total[row]) <= bound[row] + 1e-30):
+                kinds.append("mixed")
+            else:
+                kinds.append("other")
+        calls[-1]["rank_1_rows"] = kinds
         finish({"mode": config.mode, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "calls": calls})
 
 
@@ -337,23 +354,25 @@ def mismatched_m(args) -> None:
         start = time.monotonic()
         for rank, m in enumerate(ms):
             launch_rank(launcher, rank, buffers[rank], m)
-        outcomes = wait_ranks(launcher, range(config.tp), start)
+        # The rank with fewer tokens completes at once. Read it before the other rank's
+        # trap: after a trap on one GPU, copies from the other failed too (2x H200).
+        small = int(np.argmin(ms))
+        outcomes = wait_ranks(launcher, [small], start)
         result = {
-            "mode": config.mode, "m": ms, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "outcomes": outcomes,
-            "status": [status(launcher, rank) for rank in range(config.tp)],
+            "mode": config.mode, "m": ms, "timeout_s": FAULT_TIMEOUT_NS / 1e9,
             "output_failure": {}, "stale": {}, "stage": {},
         }
-        # A rank that completed: its output against the model of the tokens both ranks have,
-        # and what its mailbox still holds. A faulted device can no longer be read.
-        shared_m = min(ms)
-        common = [truncated(problem, shared_m) for problem in problems]
-        for rank in range(config.tp):
-            if outcomes[str(rank)]["completed"]:
-                result["output_failure"][str(rank)] = output_failure(
-                    config, buffers[rank].output(), common, ms[rank], rank
-                )
-                result["stale"][str(rank)] = stale_slots(launcher, rank)
-                result["stage"][str(rank)] = stage_words(launcher, rank)
+        if outcomes[str(small)]["completed"]:
+            time.sleep(0.02)  # the other rank's publish of its extra tokens lands meanwhile
+            common = [truncated(problem, min(ms)) for problem in problems]
+            result["output_failure"][str(small)] = output_failure(
+                config, buffers[small].output(), common, ms[small], small
+            )
+            result["stale"][str(small)] = stale_slots(launcher, small)
+            result["stage"][str(small)] = stage_words(launcher, small)
+        outcomes.update(wait_ranks(launcher, [1 - small], start))
+        result["outcomes"] = outcomes
+        result["status"] = [status(launcher, rank) for rank in range(config.tp)]
         finish(result)
 
 

@@ -23,7 +23,10 @@ What the protocol guarantees, and what it does not:
   with rank 1's call n+1. The test below asserts exactly that, so that a fix
   shows up.
 * Under ``on_timeout="flag"`` nothing traps: the timed-out call returns NaN,
-  the mailbox halts, and its later calls return NaN without waiting.
+  the mailbox halts on that device, and its later calls return NaN without
+  waiting. A peer that skipped a call is one call behind: its next call
+  returns the halted rank's last partial summed with its own (the mix below),
+  and only its call after that times out.
 * Through the public API, a rank that skips the op makes the other rank's
   wait trap; `Mailbox.diagnose` turns XLA's launch failure into
   `MailboxStatusError`. A closed mailbox is refused by the FFI handler; a
@@ -115,12 +118,14 @@ def test_a_flagged_mailbox_returns_nan_and_halts_instead_of_trapping(mode):
     assert skipped["halt"] == [protocol.HALT_FAILED, protocol.HALT_RUNNING], skipped["halt"]
     print(f"{mode}, flagged: time to NaN + flag {waited['elapsed_s']:.3f} s (timeout {timeout_s} s)")
 
-    # Then the halted rank returns NaN at once and publishes nothing, so its peer times out too.
+    # Then the halted rank returns NaN at once and publishes nothing. Its peer, which skipped
+    # the previous call, reads what rank 0 published then: the documented mix of two calls
+    # (rows it owns), or NaN where it waited for rank 0 in vain (twoshot's gather).
     assert all(o["completed"] for o in after["outcomes"].values()), after
     assert after["outcomes"]["0"]["elapsed_s"] < 0.5 * timeout_s, f"a halted rank waited: {after}"
-    assert after["all_nan"] == {"0": True, "1": True}, after["all_nan"]
-    _assert_timed_out(after["status"][1], missing=[0], call=1, tokens=range(result["m"]))
-    assert after["halt"] == [protocol.HALT_FAILED] * 2, after["halt"]
+    assert after["all_nan"]["0"], "a halted rank returned numbers"
+    assert "other" not in after["rank_1_rows"], after["rank_1_rows"]
+    assert after["halt"][0] == protocol.HALT_FAILED, after["halt"]
 
 
 @pytest.mark.parametrize("mode", ["oneshot", "twoshot", "reduce_scatter"])

@@ -42,6 +42,7 @@ FRAGMENT_BYTES = protocol.REDUCE_ELEMENTS * BF16_BYTES
 WORDS = protocol.REDUCE_ELEMENTS // 2
 EMPTY = [Uint32(protocol.EMPTY_U32)] * WORDS
 NAN_BF16X2 = 0x7FC07FC0
+DIAGNOSTIC_WAIT_NS = 100 * 10**6
 
 
 class LamportReduceKernel:
@@ -226,6 +227,16 @@ class LamportReduceKernel:
             ptx.store_volatile_s32(status + protocol.STATUS_CODE * 4, code)
             ptx.fence_system()
         if ptx.load_volatile_s32(stage_state + protocol.ON_TIMEOUT * 4) == protocol.ON_TIMEOUT_ABORT:
+            # A trap aborts the whole grid, the claimer's stores in flight included: trap
+            # only once the code is visible in host memory (bounded, should the claimer
+            # itself have been stopped).
+            start = ptx.global_timer_ns()
+            waiting = Int32(1)
+            while waiting != 0:
+                if ptx.load_volatile_s32(status + protocol.STATUS_CODE * 4) != protocol.STATUS_OK:
+                    waiting = Int32(0)
+                if ptx.global_timer_ns() - start > DIAGNOSTIC_WAIT_NS:
+                    waiting = Int32(0)
             ptx.trap()
 
     def _sum(self, sources: list) -> list:
