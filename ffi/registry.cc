@@ -112,18 +112,22 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
   Require(spec.top_k >= 1, where + ": top_k=" + std::to_string(spec.top_k) + ": expected >= 1");
 
   std::vector<Role> roles = ExpectedRoles(set.mode, set.epilogue);
+  const std::string kind = "mode " + Quote(spec.mode) +
+                           (set.epilogue == Epilogue::kNone
+                                ? std::string()
+                                : " with epilogue " + Quote(spec.epilogue));
   std::vector<std::string> given_roles;
   for (const KernelSpec& kernel : specs) given_roles.push_back(kernel.role);
   Require(given_roles.size() == roles.size(),
-          where + ": kernels have roles " + ListRepr(given_roles) + ": mode " + Quote(spec.mode) +
-              " expects " + RolesRepr(roles));
+          where + ": kernels have roles " + ListRepr(given_roles) + ": " + kind + " expects " +
+              RolesRepr(roles));
   for (size_t i = 0; i < specs.size(); ++i) {
     const KernelSpec& kernel = specs[i];
     const Role role = roles[i];
     const std::string name = where + ": kernels[" + std::to_string(i) + "]";
-    Require(kernel.role == RoleName(role), name + ": role=" + Quote(kernel.role) + ": mode " +
-                                               Quote(spec.mode) + " expects roles " +
-                                               RolesRepr(roles) + " in this order");
+    Require(kernel.role == RoleName(role), name + ": role=" + Quote(kernel.role) + ": " + kind +
+                                               " expects roles " + RolesRepr(roles) +
+                                               " in this order");
     Require(!kernel.symbol.empty(), name + ": symbol is empty");
     Require(kernel.block >= 1 && kernel.block <= 1024,
             name + ": block=" + std::to_string(kernel.block) + ": expected 1 to 1024 threads");
