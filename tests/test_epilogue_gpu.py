@@ -231,7 +231,7 @@ def test_epilogue_chain_feeds_residual_out_forward():
     hidden, top_k, scale, layers, m, eps = 7168, 8, 2.5, 16, 8, 1e-6
     num_rows = m * top_k
     routed = rng.standard_normal((layers, num_rows, hidden), dtype=np.float32).astype(numerics.BF16)
-    weights = rng.uniform(0.05, 0.3, (layers, m, top_k)).astype(np.float32)
+    weights = rng.uniform(0.05, 0.3, (layers, m, top_k)).astype(numerics.BF16)  # the tests preset's kernels
     indices = rng.integers(-1, num_rows, (layers, m, top_k)).astype(np.int32)
     shared, _ = numerics.epilogue_inputs(rng, m, hidden, residual_scale=1.0)
     residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
