@@ -98,12 +98,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
             for j in cutlass.range_constexpr(self.fragments_per_thread):
                 offset, present = self._fragment(tidx, j)
                 if present != 0:
-                    slots = [
-                        mailbox + self._contribution_offset(stage, src, row, capacity_m) + offset
-                        for src in range(cfg.tp)
-                    ]
-                    sources = self._wait(
-                        slots, list(range(cfg.tp)), stage, token, stage_state, status, timeout_ns
+                    slots, sources = self._wait_contributions(
+                        mailbox, stage, row, offset, capacity_m, token, stage_state, status, timeout_ns
                     )
                     total = self._sum(sources)
                     for address in slots:
