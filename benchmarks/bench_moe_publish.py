@@ -13,6 +13,13 @@ merge it and it needs no tie:
 * ``xla``: the same finalize in ``jnp`` followed by ``lax.psum`` (tp > 1), or
   the ``jnp`` finalize alone, which XLA fuses (tp = 1).
 
+With ``--epilogue`` every problem also runs as ``<problem>+rmsnorm``: each layer
+adds its result to the residual stream and applies RMSNorm, ours fused into the
+reduce (``residual=``, ``norm_weight=``), XLA's as ``psum`` then the ``jnp`` add
+and RMSNorm in the same ``jit``; each layer's ``out`` feeds the next layer's
+shared input and its ``residual_out`` the next layer's residual. Twoshot has no
+fused epilogue, so those cases run oneshot only.
+
 Time per call = ``(T(12 iterations) - T(4 iterations)) / (8 * 32)``: one
 dispatch per run, so host dispatch cancels, and the loop's own cost per
 iteration is spread over 32 calls. Each T is the median of ``--reps`` timed
@@ -51,6 +58,9 @@ def _parse():
     parser.add_argument("--tp", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=["oneshot", "twoshot"], choices=["oneshot", "twoshot"],
                         help="all-reduce modes for tp > 1 (tp = 1 runs 'direct')")
+    parser.add_argument("--epilogue", action="store_true",
+                        help="also time each problem with the residual add + RMSNorm epilogue, as "
+                             "case '<problem>+rmsnorm' (oneshot for tp > 1)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-command-buffer", action="store_true",
                         help="turn XLA command buffers (CUDA graphs) off for this run")
@@ -96,6 +106,8 @@ PROBLEMS = {
     "deepseek-v3": dict(hidden=7168, top_k=8, shared=True, scale=2.5),
     "qwen3-moe": dict(hidden=4096, top_k=8, shared=False, scale=1.0),
 }
+EPILOGUE_SUFFIX = "+rmsnorm"
+NORM_EPS = 1e-6
 WEIGHT_BYTES = 4  # the chains pass float32 router weights
 # Launch shapes that --configs tries; tuning_variants keeps the valid ones per case.
 TUNING_GRID = {
@@ -111,14 +123,21 @@ TINY_SHAPE = (8,)
 EMPTY_CALL = "tiny dependent XLA kernel"
 
 
+def problem_spec(name):
+    """The problem of a case name: ``PROBLEMS[name]``, or for ``<problem>+rmsnorm`` that
+    problem with ``epilogue`` set."""
+    base = name.removesuffix(EPILOGUE_SUFFIX)
+    return {**PROBLEMS[base], "epilogue": name != base}
+
+
 def case_config(problem, tp, mode, m):
     """The default `jmp.KernelConfig` of a case, as the op picks it (``mode`` is ``direct``
-    exactly when tp = 1)."""
-    spec = PROBLEMS[problem]
+    exactly when tp = 1; there the op runs the epilogue in ``jnp``)."""
+    spec = problem_spec(problem)
     return jmp.KernelConfig.default(
         hidden=spec["hidden"], top_k=spec["top_k"], tp=tp, mode=mode,
         routed_scaling_factor=spec["scale"], include_shared_expert=spec["shared"],
-        fp32_weights=WEIGHT_BYTES == 4, m=m,
+        fp32_weights=WEIGHT_BYTES == 4, m=m, epilogue="rmsnorm" if spec["epilogue"] and tp > 1 else "none",
     )
 
 
@@ -146,16 +165,26 @@ def tuning_variants(problem, tp, mode, m):
     return list(dict.fromkeys([base, *variants]))
 
 
-def modes_for(tp):
-    return ARGS.modes if tp > 1 else ["direct"]
+def case_problems():
+    """The problem names of this run's cases: ``--problems``, and with ``--epilogue`` their
+    ``+rmsnorm`` cases too."""
+    return ARGS.problems + ([name + EPILOGUE_SUFFIX for name in ARGS.problems] if ARGS.epilogue else [])
+
+
+def modes_for(tp, problem):
+    if tp == 1:
+        return ["direct"]
+    if problem_spec(problem)["epilogue"]:
+        return [mode for mode in ARGS.modes if mode != "twoshot"]
+    return ARGS.modes
 
 
 def needed_configs(tp_sizes, tuning):
     """Every kernel config the cases of this run use: defaults, plus their tuning variants if ``tuning``."""
     configs = []
     for tp in tp_sizes:
-        for name in ARGS.problems:
-            for mode in modes_for(tp):
+        for name in case_problems():
+            for mode in modes_for(tp, name):
                 for m in ARGS.m:
                     configs += (tuning_variants(name, tp, mode, m) if tuning
                                 else [case_config(name, tp, mode, m)])
@@ -165,7 +194,7 @@ def needed_configs(tp_sizes, tuning):
 def case_flags():
     """The command-line flags that choose the cases, to repeat in a build command."""
     return (f"--problems {' '.join(ARGS.problems)} --tp {' '.join(map(str, ARGS.tp))} "
-            f"--modes {' '.join(ARGS.modes)}")
+            f"--modes {' '.join(ARGS.modes)}" + (" --epilogue" if ARGS.epilogue else ""))
 
 
 def list_configs(configs):
@@ -226,29 +255,42 @@ def xla_finalize(routed, weights, indices, shared, scale):
 
 
 def make_chain(impl, mailbox, problem, config, iterations):
-    """``iterations`` passes over a chain of LAYERS calls, in one jitted program."""
-    scale, with_shared = problem["scale"], problem["shared"]
+    """``iterations`` passes over a chain of LAYERS calls, in one jitted program.
 
-    def layer(args, y, zero):
-        routed, weights, indices = args
+    The loop carries ``y`` (the next shared input), and with the epilogue also the
+    residual stream; the program returns the final ``y``.
+    """
+    scale, with_shared, epilogue = problem["scale"], problem["shared"], problem["epilogue"]
+
+    def layer(args, carry, zero):
+        routed, weights, indices, norm_weight = args
+        y, residual = carry
+        shared = y if with_shared else None
+        norm = dict(residual=residual, norm_weight=norm_weight, norm_eps=NORM_EPS) if epilogue else {}
         if impl == "ours":
-            return jmp.moe_finalize_publish(routed, weights, indices, y if with_shared else None,
-                                            mailbox=mailbox, routed_scaling_factor=scale,
-                                            impl="kernel", config=config)
+            result = jmp.moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox,
+                                              routed_scaling_factor=scale, impl="kernel", config=config,
+                                              **norm)
+            return result if epilogue else (result, residual)
         if not with_shared:
             # Without it XLA hoists the loop-invariant layers out of the loop (an
             # optimization_barrier or a literal 0 * y did not stop it).
             weights = weights + (y[:, : weights.shape[1]] * zero).astype(weights.dtype)
-        out = xla_finalize(routed, weights, indices, y if with_shared else None, scale)
-        return lax.psum(out, "tp") if mailbox.tp > 1 else out
+        out = xla_finalize(routed, weights, indices, shared, scale)
+        out = lax.psum(out, "tp") if mailbox.tp > 1 else out
+        if not epilogue:
+            return out, residual
+        # The add and RMSNorm as a JAX user writes them (the reference's rounding points).
+        return jmp.reference.add_rmsnorm(out, residual, norm_weight, eps=NORM_EPS)
 
-    def shard(routed, weights, indices, shared, zero):
-        def body(_, y):
+    def shard(routed, weights, indices, norm_weights, shared, residual, zero):
+        def body(_, carry):
             for index in range(LAYERS):
-                y = layer((routed[index][0], weights[index][0], indices[index][0]), y, zero[0])
-            return y
+                args = (routed[index][0], weights[index][0], indices[index][0], norm_weights[index][0])
+                carry = layer(args, carry, zero[0])
+            return carry
 
-        return lax.fori_loop(0, iterations, body, shared[0])
+        return lax.fori_loop(0, iterations, body, (shared[0], residual[0]))[0]
 
     # Without varying-axes types the loop carry's type need not track psum (and tp = 1,
     # where XLA's path has no psum).
@@ -269,8 +311,9 @@ def make_tiny_chain(iterations):
 
 
 def chain_inputs(mesh, m, problem, key):
-    """Per-layer lists of [tp, ...] arrays (routed, weights, indices), the first shared input and
-    a runtime zero per rank (see `make_chain`)."""
+    """Per-layer lists of [tp, ...] arrays (routed, weights, indices, RMSNorm weights), the first
+    shared input, the first residual (read only with the epilogue) and a runtime zero per rank
+    (see `make_chain`)."""
     tp, hidden, top_k = mesh.shape["tp"], problem["hidden"], problem["top_k"]
     num_rows = m * top_k
     sharding = jax.sharding.NamedSharding(mesh, P("tp"))
@@ -278,16 +321,22 @@ def chain_inputs(mesh, m, problem, key):
     def put(x):
         return jax.device_put(x, sharding)
 
-    routed, weights, indices = [], [], []
+    routed, weights, indices, norm_weights = [], [], [], []
     for layer_key in jax.random.split(key, LAYERS):
-        keys = jax.random.split(layer_key, 3)
+        keys = jax.random.split(layer_key, 4)
         routed.append(put(jax.random.normal(keys[0], (tp, num_rows, hidden), jnp.bfloat16)))
         weights.append(put(jax.random.uniform(keys[1], (tp, m, top_k), jnp.float32, 0.0, 0.25)))
         # Each token's experts are distinct rows, as after a routing permutation.
         order = jax.random.permutation(keys[2], num_rows).reshape(m, top_k).astype(jnp.int32)
         indices.append(put(jnp.broadcast_to(order, (tp, m, top_k))))
-    shared = put(jax.random.normal(key, (tp, m, hidden), jnp.bfloat16) * 0.1)
-    return routed, weights, indices, shared, put(jnp.zeros((tp,), jnp.float32))
+        # The same on every rank, as a model's replicated norm weight.
+        gamma = 1.0 + 0.1 * jax.random.normal(keys[3], (hidden,), jnp.float32)
+        norm_weights.append(put(jnp.broadcast_to(gamma.astype(jnp.bfloat16), (tp, hidden))))
+    shared_key, residual_key = jax.random.split(key)
+    shared = put(jax.random.normal(shared_key, (tp, m, hidden), jnp.bfloat16) * 0.1)
+    # Replicated, as the residual stream of an all-reduce model.
+    residual = put(jnp.broadcast_to(jax.random.normal(residual_key, (m, hidden), jnp.bfloat16), (tp, m, hidden)))
+    return routed, weights, indices, norm_weights, shared, residual, put(jnp.zeros((tp,), jnp.float32))
 
 
 def time_runs(fn, args, reps):
@@ -411,7 +460,7 @@ def time_variants(mailbox, problem, configs, inputs, reps):
 
 
 def measure_case(mesh, name, m, mode, reps, key, floors, tune):
-    problem = PROBLEMS[name]
+    problem = problem_spec(name)
     tp = mesh.shape["tp"]
     config = case_config(name, tp, mode, m)
     result = {"problem": name, "m": m, "tp": tp, "mode": mode}
@@ -437,7 +486,8 @@ def measure_case(mesh, name, m, mode, reps, key, floors, tune):
     result["ratio"] = result["ours"]["us"] / result["xla"]["us"]
     # The op's own traffic only.
     traffic = report.bytes_per_rank(mode=mode, tp=tp, m=m, hidden=problem["hidden"], top_k=problem["top_k"],
-                                    shared_expert=problem["shared"], weight_bytes=WEIGHT_BYTES)
+                                    shared_expert=problem["shared"], weight_bytes=WEIGHT_BYTES,
+                                    residual_norm=problem["epilogue"])
     result["floor"] = report.case_floor(traffic, floors)
     result["ours_over_floor"] = result["ours"]["us"] / result["floor"]["us"]
     return result
@@ -500,8 +550,8 @@ def main():
           f"{'floor us':>9} {'bound':10} {'/floor':>6}")
     for tp in tp_sizes:
         mesh = jax.sharding.Mesh(np.array(gpus[:tp]), ("tp",))
-        for name in ARGS.problems:
-            for mode in modes_for(tp):
+        for name in case_problems():
+            for mode in modes_for(tp, name):
                 for m in ARGS.m:
                     key, sub = jax.random.split(key)
                     tune = ARGS.configs is not None and (not ARGS.configs or m in ARGS.configs)

@@ -27,7 +27,7 @@ LAUNCH_FIELDS = ("threads", "elements_per_thread", "prefetch_group", "reduce_thr
 
 
 def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, shared_expert: bool,
-                   weight_bytes: int = 4) -> dict[str, float]:
+                   weight_bytes: int = 4, residual_norm: bool = False) -> dict[str, float]:
     """HBM and NVLink bytes that one rank moves in one call of the op: the traffic model of the floor.
 
     With ``row = m * hidden * 2`` (one bf16 [m, hidden] array), every mode
@@ -57,6 +57,11 @@ def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, share
           hbm = inputs + 3 * row + row / tp + 4 * (tp - 1) / tp * row
           nvlink = 2 * (tp - 1) / tp * row     (publish, then fan-out)
 
+    * ``residual_norm`` (the residual add + RMSNorm epilogue) adds reading the
+      residual and the norm weight and writing ``residual_out``::
+
+          hbm += 2 * row + hidden * 2
+
     Parameters
     ----------
     mode : {"direct", "oneshot", "twoshot"}
@@ -64,6 +69,8 @@ def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, share
     shared_expert : bool
     weight_bytes : int
         Bytes per router weight: 4 (float32) or 2 (bf16).
+    residual_norm : bool
+        The call has the epilogue (in any mode).
 
     Returns
     -------
@@ -79,6 +86,8 @@ def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, share
     inputs = m * top_k * hidden * BF16_BYTES + m * top_k * (INDEX_BYTES + weight_bytes)
     if shared_expert:
         inputs += row
+    if residual_norm:
+        inputs += 2 * row + hidden * BF16_BYTES
     if mode == "direct":
         return {"hbm": float(inputs + row), "nvlink": 0.0}
     if mode == "oneshot":

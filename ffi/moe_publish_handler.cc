@@ -1,7 +1,8 @@
-// XLA FFI handler "jax_moe_publish": one call of the MoE finalize and its TP
-// reduction. It checks the call against its kernel set and this device's
-// mailbox, then launches the set's kernels (publish, reduce, gather) on XLA's
-// stream.
+// XLA FFI handlers "jax_moe_publish" (one call of the MoE finalize and its TP
+// reduction) and "jax_moe_publish_rmsnorm" (the same, with the residual add +
+// RMSNorm epilogue fused into the reduce). They check the call against its
+// kernel set and this device's mailbox, then launch the set's kernels
+// (publish, reduce or reduce_norm, gather) on XLA's stream.
 //
 // It is command-buffer compatible: execute reads only host state registered
 // before the first call and launches, with no allocation, synchronisation or
@@ -14,6 +15,7 @@
 #include <cuda.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -56,6 +58,29 @@ ffi::Error CheckMatrix(const char* name, const ffi::AnyBuffer& buffer, ffi::Data
   return ffi::Error::InvalidArgument(message.str());
 }
 
+// Checks that `buffer` is bf16[cols] (norm_weight).
+ffi::Error CheckVector(const char* name, const ffi::AnyBuffer& buffer, int64_t cols,
+                       int64_t kernel_set_id) {
+  ffi::AnyBuffer::Dimensions dims = buffer.dimensions();
+  if (buffer.element_type() == ffi::DataType::BF16 && dims.size() == 1 && dims[0] == cols) {
+    return ffi::Error::Success();
+  }
+  std::ostringstream message;
+  message << name << ": got " << buffer.element_type() << "[";
+  for (size_t i = 0; i < dims.size(); ++i) message << (i ? ", " : "") << dims[i];
+  message << "], expected " << ffi::DataType::BF16 << "[" << cols << "] (hidden of kernel set "
+          << kernel_set_id << ")";
+  return ffi::Error::InvalidArgument(message.str());
+}
+
+// The operands of the epilogue: given exactly when the target is jax_moe_publish_rmsnorm.
+struct NormOperands {
+  ffi::AnyBuffer residual;
+  ffi::AnyBuffer norm_weight;
+  ffi::AnyBuffer residual_out;
+  float eps;
+};
+
 ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel, bool pdl,
                   int64_t rows, void** params) {
   // Lets the kernel start while its predecessor (XLA's, or ours) finishes; the
@@ -86,10 +111,11 @@ uint64_t Address(const ffi::AnyBuffer& buffer) {
   return reinterpret_cast<uintptr_t>(buffer.untyped_data());
 }
 
-ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed,
-                          ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer shared,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t kernel_set_id,
-                          int64_t mailbox_id) {
+// One call of either target; `norm` is null for jax_moe_publish.
+ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer& routed,
+                          const ffi::AnyBuffer& weights, const ffi::AnyBuffer& indices,
+                          const ffi::AnyBuffer& shared, const ffi::AnyBuffer& out,
+                          int64_t kernel_set_id, int64_t mailbox_id, const NormOperands* norm) {
   const Registry& registry = Registry::Get();
   const KernelSet* set = registry.FindKernelSet(kernel_set_id, device);
   if (set == nullptr) {
@@ -97,6 +123,13 @@ ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed
                               " is not loaded on device " + std::to_string(device) +
                               ": load_kernel_set must be called for this device before the "
                               "first call");
+  }
+  const bool rmsnorm = set->epilogue == Epilogue::kRmsNorm;
+  if (rmsnorm != (norm != nullptr)) {
+    return ffi::Error::InvalidArgument(
+        "kernel set " + std::to_string(kernel_set_id) + " has epilogue " +
+        (rmsnorm ? "'rmsnorm'" : "'none'") + ": call it through target " +
+        (rmsnorm ? "jax_moe_publish_rmsnorm" : "jax_moe_publish"));
   }
 
   MailboxDevice mailbox;  // Stays zero in mode direct, which has no mailbox.
@@ -148,13 +181,31 @@ ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed
                       ? "m from weights, hidden"
                       : "a [0, hidden] placeholder, since include_shared_expert is false,",
                   kernel_set_id),
-      CheckMatrix("out", *out, ffi::DataType::BF16, scatter ? owned : m, set->hidden,
+      CheckMatrix("out", out, ffi::DataType::BF16, scatter ? owned : m, set->hidden,
                   scatter ? "ceil(m / tp) rows in mode reduce_scatter, hidden"
                           : "m from weights, hidden",
                   kernel_set_id),
   };
   for (const ffi::Error& error : errors) {
     if (error.failure()) return error;
+  }
+  if (norm != nullptr) {
+    const char* rows_rule =
+        scatter ? "ceil(m / tp) rows in mode reduce_scatter, hidden" : "m from weights, hidden";
+    const ffi::Error norm_errors[] = {
+        CheckMatrix("residual", norm->residual, ffi::DataType::BF16, scatter ? owned : m,
+                    set->hidden, rows_rule, kernel_set_id),
+        CheckVector("norm_weight", norm->norm_weight, set->hidden, kernel_set_id),
+        CheckMatrix("residual_out", norm->residual_out, ffi::DataType::BF16, scatter ? owned : m,
+                    set->hidden, rows_rule, kernel_set_id),
+    };
+    for (const ffi::Error& error : norm_errors) {
+      if (error.failure()) return error;
+    }
+    if (!(std::isfinite(norm->eps) && norm->eps > 0.0f)) {
+      return ffi::Error::InvalidArgument("norm_eps=" + std::to_string(norm->eps) +
+                                         ": expected a finite float32 > 0");
+    }
   }
   if (set->mode != Mode::kDirect) {
     const std::string name = "mailbox " + std::to_string(mailbox_id);
@@ -179,7 +230,7 @@ ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed
   uint64_t weights_address = Address(weights);
   uint64_t indices_address = Address(indices);
   uint64_t shared_address = Address(shared);
-  uint64_t out_address = Address(*out);
+  uint64_t out_address = Address(out);
   uint64_t destination = set->mode == Mode::kDirect ? out_address : mailbox.peer_table;
   uint32_t num_rows = static_cast<uint32_t>(routed.dimensions()[0]);
   uint32_t m32 = static_cast<uint32_t>(m);
@@ -192,6 +243,18 @@ ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed
   void* wait_params[] = {&mailbox.mailbox, &mailbox.peer_table, &mailbox.stage_state,
                          &mailbox.status,  &out_address,        &mailbox.timeout_ns,
                          &m32,             &capacity_m,         &rank};
+  // Unused (zero) without the epilogue.
+  uint64_t residual_address = norm != nullptr ? Address(norm->residual) : 0;
+  uint64_t norm_weight_address = norm != nullptr ? Address(norm->norm_weight) : 0;
+  uint64_t residual_out_address = norm != nullptr ? Address(norm->residual_out) : 0;
+  float eps = norm != nullptr ? norm->eps : 0.0f;
+  void* wait_norm_params[] = {&mailbox.mailbox,     &mailbox.peer_table,
+                              &mailbox.stage_state, &mailbox.status,
+                              &out_address,         &mailbox.timeout_ns,
+                              &m32,                 &capacity_m,
+                              &rank,                &residual_address,
+                              &norm_weight_address, &residual_out_address,
+                              &eps};
 
   // A kernel set exists on this device, so the driver is loaded.
   const CudaDriver& cuda = GetCudaDriver();
@@ -203,13 +266,34 @@ ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed
   (capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? captured_executes : direct_executes)
       .fetch_add(1, std::memory_order_relaxed);
   for (const Kernel& kernel : set->kernels) {
-    void** params = kernel.role == Role::kPublish ? publish_params : wait_params;
+    void** params = kernel.role == Role::kPublish      ? publish_params
+                    : kernel.role == Role::kReduceNorm ? wait_norm_params
+                                                       : wait_params;
     const int64_t rows = kernel.rows == Rows::kM ? m : owned;
     if (ffi::Error error = Launch(cuda, stream, kernel, set->pdl, rows, params); error.failure()) {
       return error;
     }
   }
   return ffi::Error::Success();
+}
+
+ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed,
+                          ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer shared,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t kernel_set_id,
+                          int64_t mailbox_id) {
+  return MoePublishCall(stream, device, routed, weights, indices, shared, *out, kernel_set_id,
+                        mailbox_id, nullptr);
+}
+
+ffi::Error MoePublishRmsNormImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed,
+                                 ffi::AnyBuffer weights, ffi::AnyBuffer indices,
+                                 ffi::AnyBuffer shared, ffi::AnyBuffer residual,
+                                 ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> residual_out, int64_t kernel_set_id,
+                                 int64_t mailbox_id, float norm_eps) {
+  const NormOperands norm{residual, norm_weight, *residual_out, norm_eps};
+  return MoePublishCall(stream, device, routed, weights, indices, shared, *out, kernel_set_id,
+                        mailbox_id, &norm);
 }
 
 }  // namespace
@@ -232,4 +316,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePublish, jax_moe_publish::MoePublishImpl,
                                   .Ret<xla::ffi::AnyBuffer>()                 // out
                                   .Attr<int64_t>("kernel_set_id")
                                   .Attr<int64_t>("mailbox_id"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePublishRmsNorm, jax_moe_publish::MoePublishRmsNormImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<CUstream>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()             // device
+                                  .Arg<xla::ffi::AnyBuffer>()                 // routed
+                                  .Arg<xla::ffi::AnyBuffer>()                 // weights
+                                  .Arg<xla::ffi::AnyBuffer>()                 // indices
+                                  .Arg<xla::ffi::AnyBuffer>()                 // shared
+                                  .Arg<xla::ffi::AnyBuffer>()                 // residual
+                                  .Arg<xla::ffi::AnyBuffer>()                 // norm_weight
+                                  .Ret<xla::ffi::AnyBuffer>()                 // out
+                                  .Ret<xla::ffi::AnyBuffer>()                 // residual_out
+                                  .Attr<int64_t>("kernel_set_id")
+                                  .Attr<int64_t>("mailbox_id")
+                                  .Attr<float>("norm_eps"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,4 +1,5 @@
-// The XLA FFI handler of target "jax_moe_publish" (see moe_publish_handler.cc).
+// The XLA FFI handlers of targets "jax_moe_publish" and "jax_moe_publish_rmsnorm"
+// (see moe_publish_handler.cc).
 
 #ifndef JAX_MOE_PUBLISH_FFI_MOE_PUBLISH_HANDLER_H_
 #define JAX_MOE_PUBLISH_FFI_MOE_PUBLISH_HANDLER_H_
@@ -8,6 +9,8 @@
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoePublish);
+// Target "jax_moe_publish_rmsnorm": the same call with the residual add + RMSNorm epilogue.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoePublishRmsNorm);
 
 namespace jax_moe_publish {
 

@@ -22,19 +22,33 @@ const std::vector<std::string>& ExpectedParams(Role role) {
   // mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank
   static const std::vector<std::string> wait = {"u64", "u64", "u64", "u64", "u64",
                                                 "u64", "u32", "u32", "u32"};
-  return role == Role::kPublish ? publish : wait;
+  // The wait parameters, then residual, norm_weight, residual_out, eps
+  static const std::vector<std::string> wait_norm = {"u64", "u64", "u64", "u64", "u64",
+                                                     "u64", "u32", "u32", "u32", "u64",
+                                                     "u64", "u64", "f32"};
+  switch (role) {
+    case Role::kPublish:
+      return publish;
+    case Role::kReduceNorm:
+      return wait_norm;
+    case Role::kReduce:
+    case Role::kGather:
+      break;
+  }
+  return wait;
 }
 
-// The kernels each mode launches, in order.
-std::vector<Role> ExpectedRoles(Mode mode) {
+// The kernels each mode launches, in order; the epilogue replaces reduce by reduce_norm.
+std::vector<Role> ExpectedRoles(Mode mode, Epilogue epilogue) {
+  const Role reduce = epilogue == Epilogue::kNone ? Role::kReduce : Role::kReduceNorm;
   switch (mode) {
     case Mode::kDirect:
       return {Role::kPublish};
     case Mode::kOneshot:
     case Mode::kReduceScatter:
-      return {Role::kPublish, Role::kReduce};
+      return {Role::kPublish, reduce};
     case Mode::kTwoshot:
-      return {Role::kPublish, Role::kReduce, Role::kGather};
+      return {Role::kPublish, reduce, Role::kGather};
   }
   return {};
 }
@@ -66,6 +80,13 @@ Mode ParseMode(const std::string& where, const std::string& mode) {
                               ": expected one of 'oneshot', 'twoshot', 'reduce_scatter', 'direct'");
 }
 
+Epilogue ParseEpilogue(const std::string& where, const std::string& epilogue) {
+  if (epilogue == "none") return Epilogue::kNone;
+  if (epilogue == "rmsnorm") return Epilogue::kRmsNorm;
+  throw std::invalid_argument(where + ": epilogue=" + Quote(epilogue) +
+                              ": expected one of 'none', 'rmsnorm'");
+}
+
 // Checks the set against the contract before any CUDA call, so that a bad
 // record is refused the same way on machines without a GPU.
 KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSpec>& specs,
@@ -77,7 +98,12 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
                 spec.fp32_weights,
                 spec.include_shared_expert,
                 spec.pdl,
+                ParseEpilogue(where, spec.epilogue),
                 {}};
+  Require(set.epilogue == Epilogue::kNone || set.mode == Mode::kOneshot ||
+              set.mode == Mode::kReduceScatter,
+          where + ": epilogue=" + Quote(spec.epilogue) + " with mode=" + Quote(spec.mode) +
+              ": expected mode 'oneshot' or 'reduce_scatter'");
   Require(spec.tp >= 1, where + ": tp=" + std::to_string(spec.tp) + ": expected >= 1");
   Require((set.mode == Mode::kDirect) == (spec.tp == 1),
           where + ": tp=" + std::to_string(spec.tp) + " with mode=" + Quote(spec.mode) +
@@ -85,19 +111,23 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
   Require(spec.hidden >= 1, where + ": hidden=" + std::to_string(spec.hidden) + ": expected >= 1");
   Require(spec.top_k >= 1, where + ": top_k=" + std::to_string(spec.top_k) + ": expected >= 1");
 
-  std::vector<Role> roles = ExpectedRoles(set.mode);
+  std::vector<Role> roles = ExpectedRoles(set.mode, set.epilogue);
+  const std::string kind = "mode " + Quote(spec.mode) +
+                           (set.epilogue == Epilogue::kNone
+                                ? std::string()
+                                : " with epilogue " + Quote(spec.epilogue));
   std::vector<std::string> given_roles;
   for (const KernelSpec& kernel : specs) given_roles.push_back(kernel.role);
   Require(given_roles.size() == roles.size(),
-          where + ": kernels have roles " + ListRepr(given_roles) + ": mode " + Quote(spec.mode) +
-              " expects " + RolesRepr(roles));
+          where + ": kernels have roles " + ListRepr(given_roles) + ": " + kind + " expects " +
+              RolesRepr(roles));
   for (size_t i = 0; i < specs.size(); ++i) {
     const KernelSpec& kernel = specs[i];
     const Role role = roles[i];
     const std::string name = where + ": kernels[" + std::to_string(i) + "]";
-    Require(kernel.role == RoleName(role), name + ": role=" + Quote(kernel.role) + ": mode " +
-                                               Quote(spec.mode) + " expects roles " +
-                                               RolesRepr(roles) + " in this order");
+    Require(kernel.role == RoleName(role), name + ": role=" + Quote(kernel.role) + ": " + kind +
+                                               " expects roles " + RolesRepr(roles) +
+                                               " in this order");
     Require(!kernel.symbol.empty(), name + ": symbol is empty");
     Require(kernel.block >= 1 && kernel.block <= 1024,
             name + ": block=" + std::to_string(kernel.block) + ": expected 1 to 1024 threads");
@@ -153,6 +183,8 @@ const char* RoleName(Role role) {
       return "publish";
     case Role::kReduce:
       return "reduce";
+    case Role::kReduceNorm:
+      return "reduce_norm";
     case Role::kGather:
       return "gather";
   }

@@ -23,7 +23,9 @@
 namespace jax_moe_publish {
 
 enum class Mode { kOneshot, kTwoshot, kReduceScatter, kDirect };
-enum class Role { kPublish, kReduce, kGather };
+enum class Role { kPublish, kReduce, kReduceNorm, kGather };
+// What the reduce does after the sum: nothing, or residual add + RMSNorm (reduce_norm).
+enum class Epilogue { kNone, kRmsNorm };
 // Grid rows of a kernel: m, or the ceil(m / tp) rows this rank owns.
 enum class Rows { kM, kOwned };
 
@@ -49,6 +51,7 @@ struct KernelSetSpec {
   bool fp32_weights = false;
   bool include_shared_expert = false;
   bool pdl = false;
+  std::string epilogue = "none";
 };
 
 struct Kernel {
@@ -68,6 +71,7 @@ struct KernelSet {
   bool fp32_weights;
   bool include_shared_expert;
   bool pdl;
+  Epilogue epilogue;
   std::vector<Kernel> kernels;  // In launch order.
 };
 

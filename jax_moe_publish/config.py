@@ -17,9 +17,17 @@ from jax_moe_publish import protocol
 
 Mode = Literal["oneshot", "twoshot", "reduce_scatter", "direct"]
 Transport = Literal["unicast", "multicast", "direct"]
+Epilogue = Literal["none", "rmsnorm"]
 
 MODES = ("oneshot", "twoshot", "reduce_scatter", "direct")
 TRANSPORTS = ("unicast", "multicast", "direct")
+EPILOGUES = ("none", "rmsnorm")
+EPILOGUE_MODES = ("oneshot", "reduce_scatter")
+"""Modes that can fuse an epilogue: their reduce writes the final rows (twoshot's gather
+would have to fan out both outputs of the epilogue)."""
+MAX_THREADS = 1024
+MAX_NORM_FRAGMENTS_PER_THREAD = 8
+"""Register budget of the fused epilogue: 16-byte fragments of a row per reduce thread."""
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
 SMALL_M = 64
@@ -71,7 +79,12 @@ class KernelConfig:
     enable_pdl : bool
         Programmatic dependent launch between the kernels of a call.
     reduce_threads : int
-        Reduce threads per CTA; each moves 8 bf16 values per source.
+        Reduce threads per CTA; each moves 8 bf16 values per source (per
+        fragment it holds, with the epilogue).
+    epilogue : {"none", "rmsnorm"}
+        ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
+        (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
+        ``norm_fragments_per_thread`` 16-byte fragments per thread.
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin.
     """
@@ -90,6 +103,7 @@ class KernelConfig:
     load_shared_expert_before_pdl: bool = False
     enable_pdl: bool = True
     reduce_threads: int = 128
+    epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
     def __post_init__(self) -> None:
@@ -141,7 +155,23 @@ class KernelConfig:
             )
         for field in ("threads", "reduce_threads"):
             value = getattr(self, field)
-            _require(32 <= value <= 1024 and value % 32 == 0, field, value, "a multiple of 32 in [32, 1024]")
+            _require(
+                32 <= value <= MAX_THREADS and value % 32 == 0,
+                field, value, f"a multiple of 32 in [32, {MAX_THREADS}]",
+            )
+        _require(self.epilogue in EPILOGUES, "epilogue", self.epilogue, f"one of {EPILOGUES}")
+        if self.epilogue != "none":
+            _require(
+                self.mode in EPILOGUE_MODES,
+                "mode", self.mode, f"one of {EPILOGUE_MODES} with epilogue={self.epilogue!r}",
+            )
+            _require(
+                self.norm_fragments_per_thread <= MAX_NORM_FRAGMENTS_PER_THREAD,
+                "reduce_threads", self.reduce_threads,
+                f"at least {-(-self.reduce_fragments // MAX_NORM_FRAGMENTS_PER_THREAD)} with "
+                f"epilogue={self.epilogue!r} (at most {MAX_NORM_FRAGMENTS_PER_THREAD} fragments of "
+                f"the {self.reduce_fragments} of a row per thread)",
+            )
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",
@@ -173,7 +203,14 @@ class KernelConfig:
 
     @property
     def reduce_ctas_per_token(self) -> int:
-        """Reduce CTAs per token."""
+        """Reduce CTAs per token: one with the epilogue, which needs the whole row."""
+        if self.epilogue != "none":
+            return 1
+        return -(-self.reduce_fragments // self.reduce_threads)
+
+    @property
+    def norm_fragments_per_thread(self) -> int:
+        """16-byte fragments of a row that each thread of the fused epilogue holds."""
         return -(-self.reduce_fragments // self.reduce_threads)
 
     @property
@@ -182,7 +219,8 @@ class KernelConfig:
         fields = self.to_dict()
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        return f"{self.mode}-h{self.hidden}-k{self.top_k}-tp{self.tp}-{self.arch}-{digest}"
+        kind = self.mode if self.epilogue == "none" else f"{self.mode}-{self.epilogue}"
+        return f"{kind}-h{self.hidden}-k{self.top_k}-tp{self.tp}-{self.arch}-{digest}"
 
     def to_dict(self) -> dict:
         """Field values, JSON-ready."""
@@ -209,6 +247,7 @@ class KernelConfig:
         include_shared_expert: bool = True,
         fp32_weights: bool = False,
         m: int | None = None,
+        epilogue: Epilogue = "none",
         arch: str = "sm_90a",
     ) -> "KernelConfig":
         """The measured default launch shape for a problem of ``m`` tokens.
@@ -220,12 +259,22 @@ class KernelConfig:
         sweep on 2x H200 (hidden 7168, top-k 8, m = 8 and 64, tp = 1 and 2:
         ``benchmarks/results/2026-11-30-h200x2-tuning.json``). Larger or unknown
         ``m`` keeps 16-byte fragments, which the bandwidth-bound sizes need.
+
+        With an epilogue the reduce CTA holds a row: one fragment per thread up
+        to hidden 8192 (1024 threads). Wider rows get at most 512 threads, so
+        that each may use 128 registers for its several fragments (1024 threads
+        leave 64, and ptxas spilled at hidden 16384, tp = 8).
         """
         if mode is None:
             mode = "direct" if tp == 1 else "oneshot"
         transport = "direct" if mode == "direct" else "unicast"
         small = m is not None and m <= SMALL_M
         elements = 8 if hidden % 8 == 0 and not small else 4
+        reduce_threads = 256 if small else 128
+        if epilogue != "none":
+            fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
+            per_thread = 1 if fragments <= MAX_THREADS else -(-fragments // (MAX_THREADS // 2))
+            reduce_threads = -(-fragments // per_thread // 32) * 32
         return cls(
             hidden=hidden,
             top_k=top_k,
@@ -238,6 +287,7 @@ class KernelConfig:
             elements_per_thread=elements,
             threads=128,
             prefetch_group=min(8 if small else 4, top_k),
-            reduce_threads=256 if small else 128,
+            reduce_threads=reduce_threads,
+            epilogue=epilogue,
             arch=arch,
         )

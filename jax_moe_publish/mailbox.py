@@ -255,7 +255,7 @@ class Mailbox:
                         hidden=config["hidden"], top_k=config["top_k"],
                         fp32_weights=config["fp32_weights"],
                         include_shared_expert=config["include_shared_expert"],
-                        pdl=artifact.metadata["pdl"],
+                        pdl=artifact.metadata["pdl"], epilogue=config["epilogue"],
                     )
             self._loaded.add(key)
 

@@ -1,10 +1,10 @@
 """Python glue over the C++ extension ``jax_moe_publish._ffi``.
 
-The extension holds the XLA FFI handler of target :data:`TARGET_NAME` and the
-per-device state that the handler reads:
+The extension holds the XLA FFI handlers of targets :data:`TARGET_NAME` and
+:data:`RMSNORM_TARGET_NAME` and the per-device state that they read:
 
-* *kernel sets*: one cubin (publish, reduce and, in mode ``twoshot``, gather
-  kernels) loaded into a device's primary CUDA context;
+* *kernel sets*: one cubin (publish, reduce or reduce_norm and, in mode
+  ``twoshot``, gather kernels) loaded into a device's primary CUDA context;
 * *mailbox registrations*: the device addresses of one device's part of a
   mailbox (see :mod:`jax_moe_publish.protocol`).
 
@@ -36,6 +36,15 @@ f32 ``[m, top_k]``), ``indices`` (int32 ``[m, top_k]``) and ``shared`` (bf16
 ``mailbox_id``, both ``np.int64`` (``mailbox_id`` is 0 in mode ``direct``).
 """
 
+RMSNORM_TARGET_NAME = "jax_moe_publish_rmsnorm"
+"""Name of the FFI target of kernel sets with ``epilogue="rmsnorm"`` (platform CUDA, API version 1).
+
+Its call takes the arguments of :data:`TARGET_NAME`, then ``residual`` (bf16,
+the shape of ``out``) and ``norm_weight`` (bf16 ``[hidden]``); returns ``out``
+and ``residual_out`` (both bf16, the shape of ``out`` of :data:`TARGET_NAME`);
+and has the attributes of :data:`TARGET_NAME` and ``norm_eps`` (``np.float32``).
+"""
+
 try:
     from jax_moe_publish import _ffi
 except ImportError as error:  # Not built: the pure-Python modules stay usable.
@@ -44,6 +53,9 @@ except ImportError as error:  # Not built: the pure-Python modules stay usable.
 else:
     _IMPORT_ERROR = None
     jax.ffi.register_ffi_target(TARGET_NAME, _ffi.handler_capsule(), platform="CUDA", api_version=1)
+    jax.ffi.register_ffi_target(
+        RMSNORM_TARGET_NAME, _ffi.rmsnorm_handler_capsule(), platform="CUDA", api_version=1
+    )
 
 _INT64_MAX = 2**63 - 1
 _UINT32_MAX = 2**32 - 1
@@ -100,8 +112,9 @@ def load_kernel_set(
     fp32_weights: bool,
     include_shared_expert: bool,
     pdl: bool,
+    epilogue: str = "none",
 ) -> None:
-    """Load a kernel set's cubin on one device, for the FFI target to launch.
+    """Load a kernel set's cubin on one device, for the FFI targets to launch.
 
     The cubin is loaded with ``cuModuleLoadData`` in the device's primary
     context, which stays retained; kernels that use more than 48 KiB of
@@ -123,17 +136,21 @@ def load_kernel_set(
         The compiled module (sm_90a), not PTX.
     kernels : sequence of mappings
         One record per ``.entry`` kernel, in launch order: ``role``
-        (``"publish"``, ``"reduce"``, ``"gather"``), ``symbol`` (entry name),
+        (``"publish"``, ``"reduce"``, ``"reduce_norm"``, ``"gather"``), ``symbol`` (entry name),
         ``block`` (threads), ``smem`` (dynamic shared memory bytes),
         ``ctas_per_row``, ``rows`` (``"m"`` or ``"owned"``) and ``params``
         (the PTX parameter types, which must match the role's ABI). Mode
         ``direct`` has a publish kernel, ``oneshot`` and ``reduce_scatter``
-        publish then reduce, ``twoshot`` publish, reduce, then gather.
+        publish then reduce, ``twoshot`` publish, reduce, then gather. With
+        an epilogue, reduce_norm takes the place of reduce.
     mode : {"oneshot", "twoshot", "reduce_scatter", "direct"}
     tp, hidden, top_k : int
         The problem the kernels were compiled for; calls are checked against it.
     fp32_weights, include_shared_expert, pdl : bool
         Likewise.
+    epilogue : {"none", "rmsnorm"}
+        ``rmsnorm``: the set is called through :data:`RMSNORM_TARGET_NAME`
+        (modes ``oneshot`` and ``reduce_scatter`` only).
 
     Raises
     ------
@@ -156,8 +173,9 @@ def load_kernel_set(
         if not isinstance(record, Mapping):
             raise TypeError(f"kernels[{i}]={record!r}: expected a mapping")
         records.append(dict(record))
-    if not isinstance(mode, str):
-        raise TypeError(f"mode={mode!r}: expected a str, got {type(mode).__name__}")
+    for name, value in (("mode", mode), ("epilogue", epilogue)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name}={value!r}: expected a str, got {type(value).__name__}")
     ffi.load_kernel_set(
         _int("kernel_set_id", kernel_set_id, -_INT64_MAX - 1, _INT64_MAX),
         _int("device_ordinal", device_ordinal, 0, _DEVICE_ORDINAL_MAX),
@@ -170,6 +188,7 @@ def load_kernel_set(
         _bool("fp32_weights", fp32_weights),
         _bool("include_shared_expert", include_shared_expert),
         _bool("pdl", pdl),
+        epilogue,
     )
 
 

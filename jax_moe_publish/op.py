@@ -1,4 +1,5 @@
-"""The public op: MoE finalize fused with the reduction over the TP group.
+"""The public op: MoE finalize fused with the reduction over the TP group, and optionally
+with the residual add + RMSNorm that follows it in a transformer layer.
 
 `moe_finalize_publish` runs on one shard inside ``shard_map``;
 `sharded_moe_finalize_publish` wraps the ``shard_map`` for global arrays.
@@ -17,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_publish import reference
+from jax_moe_publish import protocol, reference
 from jax_moe_publish.config import MAX_TOP_K, KernelConfig
 from jax_moe_publish.mailbox import Mailbox
 
@@ -77,6 +78,30 @@ def _check_inputs(routed_output, expert_weights, permuted_indices, shared_output
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a finite float")
 
 
+def _check_epilogue(residual, norm_weight, norm_eps, mailbox, m) -> bool:
+    """Whether the call has the epilogue; raises for half of it or for bad values."""
+    if residual is None and norm_weight is None:
+        return False
+    for name, value, other in (("residual", residual, "norm_weight"), ("norm_weight", norm_weight, "residual")):
+        if value is None:
+            raise ValueError(f"{name}=None: the epilogue needs both residual and norm_weight; "
+                             f"{other} was given, so pass {name} too (or neither)")
+    if mailbox.mode == "reduce_scatter":
+        rows, rule = protocol.owned_rows(m, mailbox.tp), f"ceil(m / tp) = ceil({m} / {mailbox.tp}) rows"
+    else:
+        rows, rule = m, f"m = {m} rows"
+    _check_array("residual", residual, 2, [jnp.bfloat16])
+    if tuple(residual.shape) != (rows, mailbox.hidden):
+        raise ValueError(f"residual.shape={tuple(residual.shape)}: expected {(rows, mailbox.hidden)} "
+                         f"({rule}, the shape of the result)")
+    _check_array("norm_weight", norm_weight, 1, [jnp.bfloat16], shape=(mailbox.hidden,))
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float, np.floating, np.integer)):
+        raise TypeError(f"norm_eps={norm_eps!r}: expected a float, got {type(norm_eps).__name__}")
+    if not (math.isfinite(norm_eps) and np.float32(norm_eps) > 0):
+        raise ValueError(f"norm_eps={norm_eps!r}: expected a finite float > 0 (as float32)")
+    return True
+
+
 def _check_axis(mailbox: Mailbox) -> None:
     """The call is traced inside shard_map over the mailbox's axis, on the mailbox's mesh."""
     try:
@@ -94,22 +119,26 @@ def _check_axis(mailbox: Mailbox) -> None:
                          f"on a mesh of shape {got}")
 
 
-def _kernel_config(config, mailbox, routed_output, expert_weights, shared_output, scale) -> KernelConfig:
+def _kernel_config(config, mailbox, routed_output, expert_weights, shared_output, scale,
+                   fused_norm) -> KernelConfig:
     hidden, top_k = mailbox.hidden, expert_weights.shape[1]
     fp32_weights = jnp.dtype(expert_weights.dtype) == jnp.float32
     include_shared = shared_output is not None
+    # With tp = 1 the epilogue runs in jnp after the direct kernel.
+    epilogue = "rmsnorm" if fused_norm and mailbox.tp > 1 else "none"
     if config is None:
         mode = "direct" if mailbox.tp == 1 else ("oneshot" if mailbox.mode == "allreduce" else "reduce_scatter")
         return KernelConfig.default(
             hidden=hidden, top_k=top_k, tp=mailbox.tp, mode=mode, routed_scaling_factor=float(scale),
             include_shared_expert=include_shared, fp32_weights=fp32_weights, m=expert_weights.shape[0],
+            epilogue=epilogue,
         )
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
     allowed_modes = {"allreduce": ("oneshot", "twoshot"), "reduce_scatter": ("reduce_scatter",)}[mailbox.mode]
     expected = {
         "hidden": hidden, "top_k": top_k, "tp": mailbox.tp, "routed_scaling_factor": float(scale),
-        "include_shared_expert": include_shared, "fp32_weights": fp32_weights,
+        "include_shared_expert": include_shared, "fp32_weights": fp32_weights, "epilogue": epilogue,
     }
     for field, value in expected.items():
         if getattr(config, field) != value:
@@ -130,7 +159,10 @@ def moe_finalize_publish(
     routed_scaling_factor: float = 1.0,
     impl: str = "auto",
     config: KernelConfig | None = None,
-) -> jax.Array:
+    residual: jax.Array | None = None,
+    norm_weight: jax.Array | None = None,
+    norm_eps: float = 1e-6,
+):
     """MoE finalize of this rank's experts, reduced over the TP group (one shard).
 
     Call inside ``jax.shard_map`` over ``mailbox.axis_name``. With ``tp`` ranks
@@ -145,6 +177,16 @@ def moe_finalize_publish(
 
     summed in rank order, so it is bitwise identical on every rank. A partial's
     -0.0 counts as +0.0. With tp = 1 it is ``p_0`` itself.
+
+    With ``residual`` and ``norm_weight`` the reduce also applies the epilogue
+    of a transformer layer, rounding to bf16 exactly at these points::
+
+        residual_out[t] = bf16( float32(y[t]) + float32(residual[t]) )
+        out[t] = bf16( x * rsqrt(mean(x^2) + norm_eps) * float32(norm_weight) ),  x = float32(residual_out[t])
+
+    (mean over hidden, in float32), and returns ``(out, residual_out)``, both
+    bitwise identical on every rank. With tp = 1 the direct kernel computes
+    ``y`` and ``jnp`` the epilogue, with the same rounding points.
 
     Parameters
     ----------
@@ -164,28 +206,46 @@ def moe_finalize_publish(
     config : KernelConfig, optional
         Launch shapes (and ``oneshot`` or ``twoshot`` for an all-reduce
         mailbox); by default ``KernelConfig.default`` for the problem and its m.
+        With the epilogue and tp > 1 it must have ``epilogue="rmsnorm"``
+        (``oneshot`` or ``reduce_scatter``).
+    residual : bf16, the shape of the result, or None
+        The residual stream: [m, hidden], or for a ``reduce_scatter`` mailbox
+        this rank's rows [ceil(m / tp), hidden] (row i: token ``i * tp + rank``;
+        a row of no token is not read).
+    norm_weight : bf16 [hidden] or None
+        RMSNorm weight. Give both ``residual`` and ``norm_weight``, or neither.
+    norm_eps : float
+        Added to the mean square; finite and > 0 in float32.
 
     Returns
     -------
     bf16 [m, hidden], or for a ``reduce_scatter`` mailbox bf16
     [ceil(m / tp), hidden]: row i holds token ``i * tp + rank``, zero past m.
+    With the epilogue, ``(out, residual_out)`` of that shape each, both zero
+    in rows of no token.
     """
     _check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
                   routed_scaling_factor)
+    fused_norm = _check_epilogue(residual, norm_weight, norm_eps, mailbox, expert_weights.shape[0])
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     _check_axis(mailbox)
     kernel_config = _kernel_config(config, mailbox, routed_output, expert_weights, shared_output,
-                                   routed_scaling_factor)
+                                   routed_scaling_factor, fused_norm)
+    epilogue = dict(residual=residual, norm_weight=norm_weight, norm_eps=float(norm_eps))
     impl = _resolve_impl(impl, mailbox)
     if impl == "reference":
         return reference.moe_finalize_publish(
             routed_output, expert_weights, permuted_indices, shared_output,
             axis_name=mailbox.axis_name, routed_scaling_factor=float(routed_scaling_factor),
-            mode=mailbox.mode,
+            mode=mailbox.mode, **epilogue,
         )
+    if fused_norm and mailbox.tp == 1:
+        y = _call_kernels(kernel_config, mailbox, routed_output, expert_weights, permuted_indices,
+                          shared_output, float(routed_scaling_factor), {})
+        return reference.add_rmsnorm(y, residual, norm_weight, eps=float(norm_eps))
     return _call_kernels(kernel_config, mailbox, routed_output, expert_weights, permuted_indices,
-                         shared_output, float(routed_scaling_factor))
+                         shared_output, float(routed_scaling_factor), epilogue if fused_norm else {})
 
 
 def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
@@ -209,30 +269,34 @@ def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
     return impl
 
 
-def _call_kernels(config, mailbox, routed_output, expert_weights, permuted_indices, shared_output, scale):
+def _call_kernels(config, mailbox, routed_output, expert_weights, permuted_indices, shared_output, scale,
+                  epilogue):
+    """The FFI call of ``config``'s kernels; ``epilogue`` holds residual, norm_weight and
+    norm_eps for the fused epilogue, or is empty."""
     from jax_moe_publish import native
     from jax_moe_publish.aot.store import default_store
 
     artifact = default_store().get(config)
     kernel_set_id = _kernel_set_id(config.key)
     mailbox.ensure_loaded(artifact, kernel_set_id)
-    # The result has the reference's type, varying-axes marking included: the
+    # The results have the reference's types, varying-axes marking included: the
     # all-reduce is identical on every rank, like a psum.
     result_type = jax.eval_shape(
         lambda: reference.moe_finalize_publish(
             routed_output, expert_weights, permuted_indices, shared_output,
-            axis_name=mailbox.axis_name, routed_scaling_factor=scale, mode=mailbox.mode,
+            axis_name=mailbox.axis_name, routed_scaling_factor=scale, mode=mailbox.mode, **epilogue,
         )
     )
     if shared_output is None:
         # Not read by kernels built without the shared expert; the handler checks its shape.
         shared_output = jnp.zeros((0, mailbox.hidden), jnp.bfloat16)
-    call = jax.ffi.ffi_call(native.TARGET_NAME, result_type, has_side_effect=True)
-    return call(
-        routed_output, expert_weights, permuted_indices, shared_output,
-        kernel_set_id=np.int64(kernel_set_id),
-        mailbox_id=np.int64(mailbox.id if mailbox.tp > 1 else 0),
-    )
+    ids = dict(kernel_set_id=np.int64(kernel_set_id), mailbox_id=np.int64(mailbox.id if mailbox.tp > 1 else 0))
+    if not epilogue:
+        call = jax.ffi.ffi_call(native.TARGET_NAME, result_type, has_side_effect=True)
+        return call(routed_output, expert_weights, permuted_indices, shared_output, **ids)
+    call = jax.ffi.ffi_call(native.RMSNORM_TARGET_NAME, result_type, has_side_effect=True)
+    return call(routed_output, expert_weights, permuted_indices, shared_output, epilogue["residual"],
+                epilogue["norm_weight"], **ids, norm_eps=np.float32(epilogue["norm_eps"]))
 
 
 def sharded_moe_finalize_publish(
@@ -245,7 +309,10 @@ def sharded_moe_finalize_publish(
     routed_scaling_factor: float = 1.0,
     impl: str = "auto",
     config: KernelConfig | None = None,
-) -> jax.Array:
+    residual: jax.Array | None = None,
+    norm_weight: jax.Array | None = None,
+    norm_eps: float = 1e-6,
+):
     """`moe_finalize_publish` on global arrays whose leading axis is the TP rank.
 
     Inputs are ``[tp, ...]`` stacks of the per-rank arguments (routed_output
@@ -254,11 +321,16 @@ def sharded_moe_finalize_publish(
     ``mailbox.axis_name`` of ``mailbox.mesh`` and replicated over its other
     axes; rank r's arguments are at index r.
 
+    ``residual`` has the layout of the result: all-reduce ``[m, hidden]``
+    (replicated), reduce-scatter ``[tp, ceil(m/tp), hidden]`` (index r: rank
+    r's rows). ``norm_weight`` is ``[hidden]`` (replicated).
+
     Returns
     -------
     All-reduce mailbox: bf16 [m, hidden], the group's sum (replicated).
     Reduce-scatter mailbox: bf16 [tp, ceil(m/tp), hidden]; index r holds
     rank r's rows (tokens ``i * tp + r``).
+    With the epilogue, ``(out, residual_out)``, each of that layout.
     """
     axis = mailbox.axis_name
     args = [routed_output, expert_weights, permuted_indices] + ([] if shared_output is None else [shared_output])
@@ -267,16 +339,35 @@ def sharded_moe_finalize_publish(
         if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[0] != mailbox.tp:
             raise ValueError(f"{name}.shape={getattr(x, 'shape', None)}: expected [tp={mailbox.tp}, ...] "
                              "with the TP rank leading")
-    sharding = jax.sharding.NamedSharding(mailbox.mesh, P(axis))
-    args = [jax.device_put(x, sharding) for x in args]
     scatter = mailbox.mode == "reduce_scatter"
+    if scatter and residual is not None and (
+        not hasattr(residual, "shape") or len(residual.shape) != 3 or residual.shape[0] != mailbox.tp
+    ):
+        raise ValueError(f"residual.shape={getattr(residual, 'shape', None)}: expected "
+                         f"[tp={mailbox.tp}, ceil(m/tp), hidden], the layout of the reduce-scatter result")
+    in_specs = [P(axis)] * len(args)
+    # The epilogue's inputs come last; the per-shard op checks them.
+    if residual is not None:
+        args.append(residual)
+        in_specs.append(P(axis) if scatter else P())
+    if norm_weight is not None:
+        args.append(norm_weight)
+        in_specs.append(P())
+    args = [jax.device_put(x, jax.sharding.NamedSharding(mailbox.mesh, spec)) for x, spec in zip(args, in_specs)]
+    ranked_count = 4 if shared_output is not None else 3
 
     def shard(*local):
         routed, weights, indices = (x[0] for x in local[:3])
-        shared = local[3][0] if len(local) > 3 else None
-        out = moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox,
-                                   routed_scaling_factor=routed_scaling_factor, impl=impl, config=config)
-        return out[None] if scatter else out
+        shared = local[3][0] if ranked_count > 3 else None
+        rest = iter(local[ranked_count:])
+        local_residual = next(rest) if residual is not None else None
+        local_weight = next(rest) if norm_weight is not None else None
+        if scatter and local_residual is not None:
+            local_residual = local_residual[0]
+        result = moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox,
+                                      routed_scaling_factor=routed_scaling_factor, impl=impl, config=config,
+                                      residual=local_residual, norm_weight=local_weight, norm_eps=norm_eps)
+        return jax.tree.map(lambda out: out[None], result) if scatter else result
 
     out_specs = P(axis) if scatter else P()
-    return jax.shard_map(shard, mesh=mailbox.mesh, in_specs=P(axis), out_specs=out_specs)(*args)
+    return jax.shard_map(shard, mesh=mailbox.mesh, in_specs=tuple(in_specs), out_specs=out_specs)(*args)

@@ -10,6 +10,9 @@ One rank's partial, for token ``t`` (float32 accumulation in the order k = 0..to
 with terms whose index is outside ``[0, num_rows)`` left out. Across a group the
 partials are published with bf16 -0.0 turned into +0.0, summed in float32 and
 rounded once to bf16.
+
+The optional epilogue (`add_rmsnorm`) rounds to bf16 where the fused kernel
+does: once after the residual add, once at the end.
 """
 
 from __future__ import annotations
@@ -86,6 +89,25 @@ def owned_rows(x: jax.Array, tp: int, rank) -> jax.Array:
     return lax.dynamic_index_in_dim(padded.reshape(rows, tp, -1), rank, axis=1, keepdims=False)
 
 
+def add_rmsnorm(
+    y: jax.Array, residual: jax.Array, norm_weight: jax.Array, *, eps: float
+) -> tuple[jax.Array, jax.Array]:
+    """Residual add, then RMSNorm over the last axis, with the fused kernel's rounding points.
+
+    ::
+
+        residual_out = bf16( float32(y) + float32(residual) )
+        out          = bf16( x * rsqrt(mean(x^2) + eps) * float32(norm_weight) ),  x = float32(residual_out)
+
+    The mean and everything after it are float32. Returns ``(out, residual_out)``.
+    """
+    residual_out = (y.astype(jnp.float32) + residual.astype(jnp.float32)).astype(jnp.bfloat16)
+    x = residual_out.astype(jnp.float32)
+    inverse_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps))
+    out = (x * inverse_rms * norm_weight.astype(jnp.float32)).astype(jnp.bfloat16)
+    return out, residual_out
+
+
 def moe_finalize_publish(
     routed_output: jax.Array,
     expert_weights: jax.Array,
@@ -95,13 +117,20 @@ def moe_finalize_publish(
     axis_name: str,
     routed_scaling_factor: float = 1.0,
     mode: str = "allreduce",
-) -> jax.Array:
+    residual: jax.Array | None = None,
+    norm_weight: jax.Array | None = None,
+    norm_eps: float = 1e-6,
+):
     """The op's semantics on one shard, inside ``shard_map`` over ``axis_name``.
 
-    Returns ``bf16(sum over ranks of float32(positive_zero(partial)))``: bf16
-    [m, hidden] for ``mode="allreduce"``, or for ``mode="reduce_scatter"`` the
-    rows of tokens ``t`` with ``t % tp == rank`` as bf16 [ceil(m/tp), hidden],
-    unused rows zero.
+    Returns ``y = bf16(sum over ranks of float32(positive_zero(partial)))``:
+    bf16 [m, hidden] for ``mode="allreduce"``, or for ``mode="reduce_scatter"``
+    the rows of tokens ``t`` with ``t % tp == rank`` as bf16 [ceil(m/tp),
+    hidden], unused rows zero.
+
+    With ``residual`` (the shape of ``y``) and ``norm_weight`` ([hidden]),
+    returns ``add_rmsnorm(y, residual, norm_weight, eps=norm_eps)`` instead:
+    ``(out, residual_out)``, both zero in rows of no token.
     """
     partial = moe_finalize(
         routed_output, expert_weights, permuted_indices, shared_output,
@@ -109,7 +138,17 @@ def moe_finalize_publish(
     )
     total = lax.psum(positive_zero(partial).astype(jnp.float32), axis_name).astype(jnp.bfloat16)
     if mode == "allreduce":
-        return total
+        y = total
+    elif mode == "reduce_scatter":
+        tp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+        y = owned_rows(total, tp, rank)
+    else:
+        raise ValueError(f"mode={mode!r}: expected 'allreduce' or 'reduce_scatter'")
+    if residual is None:
+        return y
+    out, residual_out = add_rmsnorm(y, residual, norm_weight, eps=norm_eps)
     if mode == "reduce_scatter":
-        return owned_rows(total, lax.axis_size(axis_name), lax.axis_index(axis_name))
-    raise ValueError(f"mode={mode!r}: expected 'allreduce' or 'reduce_scatter'")
+        has_token = (jnp.arange(y.shape[0]) * tp + rank < total.shape[0])[:, None]
+        out = jnp.where(has_token, out, jnp.zeros_like(out))
+        residual_out = jnp.where(has_token, residual_out, jnp.zeros_like(residual_out))
+    return out, residual_out

@@ -16,6 +16,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import pytest
 
+MAX_HARNESS_GPUS = 2
+
 
 @functools.lru_cache(maxsize=1)
 def cuda_gpu_count() -> int:
@@ -51,3 +53,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(
                 reason=f"needs {required} NVIDIA GPU(s), found {available}"
             ))
+
+
+@pytest.fixture(scope="session")
+def devices():
+    """The kernel harness's GPUs (`gpu_harness.Device`), opened once for every test that launches cubins."""
+    import gpu_harness
+
+    opened = [gpu_harness.Device(i) for i in range(min(MAX_HARNESS_GPUS, gpu_harness.device_count()))]
+    yield opened
+    for device in opened:
+        device.close()

@@ -12,7 +12,8 @@ It replays the launcher's contract from the artifact's metadata:
   table, or the output in mode ``direct`` (then stage_state = 0,
   capacity_m = m, rank = 0);
 * reduce and gather parameters: ``(mailbox, peer_table, stage_state, status,
-  out, timeout_ns, m, capacity_m, rank)``.
+  out, timeout_ns, m, capacity_m, rank)``; reduce_norm's add ``(residual,
+  norm_weight, residual_out, eps)``.
 
 A group call launches every rank's publish, then every rank's reduce, then
 every rank's gather, all asynchronously on per-device streams: a reduce spins
@@ -40,6 +41,7 @@ PROGRAMMATIC_STREAM_SERIALIZATION = (
 )
 PUBLISH_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 4
 WAIT_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 3
+WAIT_NORM_TYPES = WAIT_TYPES + (ctypes.c_uint64,) * 3 + (ctypes.c_float,)
 # Dynamic shared memory above this needs an explicit opt-in per function (as in ffi/registry.cc).
 DEFAULT_SMEM_LIMIT = 48 * 1024
 MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -125,7 +127,9 @@ class Device:
         config.numAttrs = 1 if pdl else 0
         with self.current():
             check(
-                driver.cuLaunchKernelEx(config, function, (tuple(map(int, params)), types), 0),
+                driver.cuLaunchKernelEx(
+                    config, function, (tuple(t(v).value for v, t in zip(params, types)), types), 0
+                ),
                 f"cuLaunchKernelEx({kernel['role']}, device {self.ordinal})",
             )
 
@@ -229,6 +233,12 @@ class RankBuffers:
         self.indices = Buffer(device, max_m * config.top_k * 4)
         self.shared = Buffer(device, max_m * row_bytes) if config.include_shared_expert else None
         self.out = Buffer(device, max_m * row_bytes)
+        # The epilogue's: residual and residual_out in the layout of out, and the weight.
+        self.epilogue = config.epilogue != "none"
+        self.residual = Buffer(device, max_m * row_bytes) if self.epilogue else None
+        self.norm_weight = Buffer(device, row_bytes) if self.epilogue else None
+        self.residual_out = Buffer(device, max_m * row_bytes) if self.epilogue else None
+        self.eps = 0.0
         self.num_rows = 0
 
     def upload(self, problem: numerics.Problem) -> None:
@@ -249,12 +259,23 @@ class RankBuffers:
             self.shared.upload(problem.shared)
         self.num_rows = problem.routed.shape[0]
 
+    def upload_epilogue(self, residual: np.ndarray, norm_weight: np.ndarray, eps: float) -> None:
+        """The epilogue's inputs: bf16 residual rows (the layout of out) and weight [hidden]."""
+        self.residual.upload(residual)
+        self.norm_weight.upload(norm_weight)
+        self.eps = eps
+
     def output(self) -> np.ndarray:
         """The whole output buffer as raw bf16 bits: uint16 ``[max_m, hidden]``."""
         return self.out.download(np.uint16, (self.max_m, self.config.hidden))
 
+    def residual_output(self) -> np.ndarray:
+        """The whole residual_out buffer as raw bf16 bits: uint16 ``[max_m, hidden]``."""
+        return self.residual_out.download(np.uint16, (self.max_m, self.config.hidden))
+
     def free(self) -> None:
-        for buffer in (self.routed, self.weights, self.indices, self.shared, self.out):
+        for buffer in (self.routed, self.weights, self.indices, self.shared, self.out, self.residual,
+                       self.norm_weight, self.residual_out):
             if buffer is not None:
                 buffer.free()
 
@@ -316,6 +337,10 @@ class GroupLauncher:
         memory = self.memory.ranks[rank]
         values = (memory.mailbox, memory.peer_table, memory.stage_state, memory.status,
                   buffers.out.address, self.timeout_ns, m, self.memory.capacity_m, rank)
+        if role == "reduce_norm":
+            epilogue = (buffers.residual.address, buffers.norm_weight.address,
+                        buffers.residual_out.address, buffers.eps)
+            return values + epilogue, WAIT_NORM_TYPES
         return values, WAIT_TYPES
 
     def synchronize(self) -> None:

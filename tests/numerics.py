@@ -77,6 +77,30 @@ def expected_sum(problems: list[Problem], scale: float):
     return total, bound
 
 
+def expected_residual_out(total, bound, residual):
+    """(float64 ``total + residual``, element-wise bound of ``residual_out``): the bound of the
+    bf16 sum ``y`` plus the second bf16 rounding, after the residual add."""
+    exact = total + np.asarray(residual).astype(np.float64)
+    return exact, bound + BF16_EPS * (np.abs(exact) + bound) + 1e-30
+
+
+def expected_rmsnorm(residual_out, norm_weight, eps):
+    """(float64 RMSNorm of the bf16 ``residual_out`` as computed, element-wise bound of ``out``).
+
+    The model starts from the result's own ``residual_out``, the rounding point that
+    the kernel and the reference share. The bound covers float32 evaluation (the mean
+    square of ``hidden`` positive terms in any order, its rsqrt, two products) and the
+    final bf16 rounding.
+    """
+    x = np.asarray(residual_out).astype(np.float64)
+    weight = np.asarray(norm_weight).astype(np.float64)
+    mean_square = np.mean(x * x, axis=-1, keepdims=True)
+    exact = x / np.sqrt(mean_square + float(np.float32(eps))) * weight
+    float32_relative = (x.shape[-1] / 2 + 8) * F32_EPS
+    magnitude = np.abs(exact) * (1 + float32_relative)
+    return exact, BF16_EPS * magnitude + float32_relative * np.abs(exact) + 1e-30
+
+
 def assert_close(out, reference, bound, *, what="output", max_relative=1e-2):
     """``out`` (bf16) against a float64 reference: every element within ``bound``, and
     ``‖out − ref‖ / ‖ref‖ <= max_relative``. Any poison or NaN left in ``out`` fails."""
@@ -119,6 +143,35 @@ def make_negative_zero(problems: list[Problem], rng) -> list[Problem]:
         if problem.shared is not None:
             problem.shared = np.full(problem.shared.shape, -0.0, BF16)
     return problems
+
+
+def epilogue_inputs(rng, rows: int, hidden: int, *, residual_scale: float = 64.0):
+    """(residual bf16 [rows, hidden], norm_weight bf16 [hidden]), fresh.
+
+    The residual is far larger than a reduced sum of `random_problem` partials, so
+    that ``bf16(y + residual)`` drops low bits of ``y``: the rounding point matters.
+    """
+    residual = (rng.standard_normal((rows, hidden)) * residual_scale).astype(BF16)
+    weight = rng.normal(1.0, 0.5, hidden).astype(BF16)
+    return residual, weight
+
+
+def silence_token(problems: list[Problem], token: int) -> None:
+    """Make every rank's partial of ``token`` exactly zero (in place): no valid index, zero shared row."""
+    for problem in problems:
+        problem.indices[token] = -1
+        if problem.shared is not None:
+            problem.shared[token] = 0
+
+
+def assert_epilogue_close(out, residual_out, total, bound, residual, norm_weight, eps, *, what="") -> None:
+    """Both outputs of the epilogue: ``residual_out`` against ``total + residual`` (float64,
+    with the bound of the sum), then ``out`` against the float64 RMSNorm of that
+    ``residual_out``."""
+    exact, residual_bound = expected_residual_out(total, bound, residual)
+    assert_close(residual_out, exact, residual_bound, what=f"{what} residual_out")
+    normed, normed_bound = expected_rmsnorm(residual_out, norm_weight, eps)
+    assert_close(out, normed, normed_bound, what=f"{what} out")
 
 
 def assert_group_close(out, expected, bound, *, mode: str, tp: int) -> None:

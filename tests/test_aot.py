@@ -44,7 +44,7 @@ OTHER_SMALL = SMALL.replace(top_k=3)
 def expected_roles(config: KernelConfig) -> list[str]:
     roles = ["publish"]
     if config.tp > 1:
-        roles.append("reduce")
+        roles.append("reduce" if config.epilogue == "none" else "reduce_norm")
     if config.mode == "twoshot":
         roles.append("gather")
     return roles
@@ -54,7 +54,7 @@ def _ids(configs) -> list[str]:
     return [c.key for c in configs]
 
 
-def _kernel_params(configs, roles=("publish", "reduce", "gather")):
+def _kernel_params(configs, roles=("publish", "reduce", "reduce_norm", "gather")):
     """(config, role) of every kernel of ``configs`` whose role is in ``roles``."""
     return [
         pytest.param(c, role, id=f"{c.key}-{role}")
@@ -144,6 +144,8 @@ def test_metadata(builds, config):
     geometry = {  # role: (block, smem, ctas_per_row, rows)
         "publish": (config.threads, 0, config.ctas_per_token, "m"),
         "reduce": (config.reduce_threads, 0, config.reduce_ctas_per_token, rows),
+        # One CTA per row, and one float per warp of dynamic shared memory.
+        "reduce_norm": (config.reduce_threads, config.reduce_threads // 32 * 4, 1, rows),
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
     }
     for kernel in kernels:
@@ -212,16 +214,50 @@ def test_publish_fan_out(builds, config):
     assert len(opcodes(body, "ld.global.nc.u64")) == (stores if config.transport == "unicast" else 0)
 
 
-@pytest.mark.parametrize("config, role", _kernel_params(ALL_CONFIGS, ("reduce", "gather")))
+@pytest.mark.parametrize("config, role", _kernel_params(ALL_CONFIGS, ("reduce", "reduce_norm", "gather")))
 def test_reduce_ptx(builds, config, role):
     body = kernels_by_role(builds(config))[role]
     # Every mailbox read is a 16-byte volatile poll: a cached load could spin forever.
-    vector_loads = [op for op in opcodes(body, "ld.") if re.search(r"\.v\d", op)]
+    # (reduce_norm's other vector loads, of its inputs, are checked below.)
+    vector_loads = [op for op in opcodes(body, "ld.") if re.search(r"\.v\d", op)
+                    and not op.startswith(("ld.global.nc", "ld.shared"))]
     assert vector_loads and set(vector_loads) == {"ld.volatile.global.v4.u32"}
     # A timed-out wait and a call on a closed mailbox abort (unless the mailbox flags instead) ...
     assert opcodes(body, "trap") == ["trap", "trap"]
     assert "%globaltimer" in body  # ... after timeout_ns on the global timer
     assert "multimem" not in body
+
+
+EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.epilogue != "none"]
+
+
+@pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=_ids(EPILOGUE_CONFIGS))
+def test_reduce_norm_ptx(builds, config):
+    built = builds(config)
+    body = kernels_by_role(built)["reduce_norm"]
+    per_thread = config.norm_fragments_per_thread
+    # residual and norm_weight: one 16-byte load each per fragment, all issued before the
+    # stage read and the mailbox polls (they do not depend on the publish).
+    input_loads = opcodes(body, "ld.global.nc")
+    assert input_loads == ["ld.global.nc.L1::no_allocate.v4.u32"] * (2 * per_thread)
+    last_input_load = body.rfind("ld.global.nc.L1::no_allocate.v4.u32")
+    assert last_input_load < first(body, "ld.volatile")
+    # Stores per fragment: NaN into residual_out on a halted mailbox, tp re-arms, residual_out
+    # and out (and zeros for rows of no token).
+    zero_rows = 2 if config.mode == "reduce_scatter" else 0
+    stores = per_thread * (1 + config.tp + 2 + zero_rows)
+    assert opcodes(body, "st.global") == ["st.global.v4.u32"] * stores
+    # The row's sum of squares: a butterfly in each warp, then one barrier before the
+    # warp sums are read back; then one rsqrt.
+    assert opcodes(body, "shfl.sync.bfly.b32") == ["shfl.sync.bfly.b32"] * 5
+    assert first(body, "st.shared") < first(body, "bar.sync") < first(body, "ld.shared")
+    assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"]
+    # Shared memory is the dynamic kind, and what the kernel touches fits the launch's.
+    assert "__dynamic_shmem__" in body and not re.search(r"^\s*\.shared\b", built.ptx, re.M)
+    smem = next(k["smem"] for k in built.metadata["kernels"] if k["role"] == "reduce_norm")
+    ends = [int(offset or 0) + {"": 4, "v2.": 8, "v4.": 16}[vector]
+            for vector, offset in re.findall(r"ld\.shared\.(v\d\.|)b32\s[^\[]*\[%r\d+(?:\+(\d+))?\]", body)]
+    assert ends and max(ends) <= smem
 
 
 @pytest.mark.parametrize("config, role", _kernel_params(ALL_CONFIGS))

@@ -57,6 +57,12 @@ INVALID = [
      "load_shared_expert_before_pdl", True),
     ({"arch": "sm_80"}, "arch", "sm_80"),
     ({"arch": "sm_90"}, "arch", "sm_90"),
+    ({"epilogue": "layernorm"}, "epilogue", "layernorm"),
+    ({"epilogue": None}, "epilogue", None),
+    ({"epilogue": "rmsnorm", "mode": "twoshot"}, "mode", "twoshot"),
+    ({"epilogue": "rmsnorm", **DIRECT}, "mode", "direct"),
+    # 16384 / 8 = 2048 fragments of a row over 32 threads: 64 per thread, more than 8.
+    ({"epilogue": "rmsnorm", "hidden": 16384, "reduce_threads": 32}, "reduce_threads", 32),
 ]
 
 
@@ -118,6 +124,32 @@ def test_default_validates(problem, field):
         KernelConfig.default(**problem)
 
 
+# (hidden, reduce threads, 16-byte fragments per thread) of the epilogue's default shape:
+# one CTA per row, one fragment per thread up to 1024 threads, then at most 512 threads.
+EPILOGUE_SHAPES = [(2048, 256, 1), (2880, 384, 1), (5120, 640, 1), (7168, 896, 1), (8192, 1024, 1),
+                   (9216, 384, 3), (16384, 512, 4)]
+
+
+@pytest.mark.parametrize("hidden, threads, per_thread", EPILOGUE_SHAPES)
+@pytest.mark.parametrize("mode", ["oneshot", "reduce_scatter"])
+@pytest.mark.parametrize("m", [1, 1024, None])
+def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
+    config = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, epilogue="rmsnorm")
+    assert (config.epilogue, config.mode) == ("rmsnorm", mode)
+    assert (config.reduce_threads, config.norm_fragments_per_thread) == (threads, per_thread)
+    assert config.reduce_ctas_per_token == 1
+    # The same publish as without the epilogue.
+    plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m)
+    assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
+
+
+def test_default_refuses_epilogue_with_twoshot():
+    with pytest.raises(ValueError, match=re.escape("KernelConfig.mode='twoshot'")):
+        KernelConfig.default(hidden=7168, top_k=8, tp=2, mode="twoshot", epilogue="rmsnorm")
+    # Left to choose, the default picks oneshot.
+    assert KernelConfig.default(hidden=7168, top_k=8, tp=2, epilogue="rmsnorm").mode == "oneshot"
+
+
 # One valid new value per field of KernelConfig(**BASE).
 CHANGED = {
     "hidden": 2048,
@@ -134,6 +166,7 @@ CHANGED = {
     "load_shared_expert_before_pdl": True,
     "enable_pdl": False,
     "reduce_threads": 64,
+    "epilogue": "rmsnorm",
     "arch": "sm_100a",
 }
 
@@ -178,8 +211,12 @@ def valid_configs(draw) -> KernelConfig:
     elements = draw(st.sampled_from([4, 8]))
     top_k = draw(st.integers(1, 64))
     include_shared, enable_pdl = draw(st.booleans()), draw(st.booleans())
+    epilogue = draw(st.sampled_from(["none", "rmsnorm"])) if mode in ("oneshot", "reduce_scatter") else "none"
+    hidden = (8 if tp > 1 else elements) * draw(st.integers(1, 4096))
+    # The epilogue needs at most 8 fragments of 8 elements per thread.
+    fewest_warps = -(-hidden // (8 * 8 * 32)) if epilogue == "rmsnorm" else 1
     return KernelConfig(
-        hidden=(8 if tp > 1 else elements) * draw(st.integers(1, 4096)),
+        hidden=hidden,
         top_k=top_k,
         tp=tp,
         mode=mode,
@@ -192,7 +229,8 @@ def valid_configs(draw) -> KernelConfig:
         prefetch_group=draw(st.integers(1, top_k)),
         load_shared_expert_before_pdl=include_shared and enable_pdl and draw(st.booleans()),
         enable_pdl=enable_pdl,
-        reduce_threads=32 * draw(st.integers(1, 32)),
+        reduce_threads=32 * draw(st.integers(fewest_warps, 32)),
+        epilogue=epilogue,
         arch=draw(st.sampled_from(ARCHS)),
     )
 
@@ -208,7 +246,8 @@ def test_dict_round_trip(config):
 
 @given(valid_configs())
 def test_key_names_the_problem(config):
-    prefix = f"{config.mode}-h{config.hidden}-k{config.top_k}-tp{config.tp}-{config.arch}-"
+    kind = config.mode if config.epilogue == "none" else f"{config.mode}-{config.epilogue}"
+    prefix = f"{kind}-h{config.hidden}-k{config.top_k}-tp{config.tp}-{config.arch}-"
     assert config.key.startswith(prefix)
     assert re.fullmatch(r"[A-Za-z0-9_.-]+-[0-9a-f]{12}", config.key)  # a safe file name
 
@@ -221,6 +260,10 @@ def _covers(ctas: int, span: int, hidden: int) -> bool:
 @given(valid_configs())
 def test_grid_covers_a_row(config):
     assert _covers(config.ctas_per_token, config.threads * config.elements_per_thread, config.hidden)
-    if config.tp > 1:
+    if config.epilogue != "none":
+        # One CTA holds the row, with fewer than a thread's fragments to spare.
+        assert config.reduce_ctas_per_token == 1
+        assert _covers(config.norm_fragments_per_thread, config.reduce_threads * 8, config.hidden)
+    elif config.tp > 1:
         # 8 bf16 per 16-byte reduce fragment.
         assert _covers(config.reduce_ctas_per_token, config.reduce_threads * 8, config.hidden)

@@ -26,7 +26,6 @@ pytestmark = pytest.mark.gpu
 CAPACITY_M = 64
 M_VALUES = (1, 3, 37, CAPACITY_M)
 TIMEOUT_NS = 10 * 10**9  # a lost contribution traps after 10 s instead of hanging
-MAX_GPUS = 2
 
 # Consecutive calls on one mailbox: a small capacity and few routed rows keep
 # fresh data for every call cheap.
@@ -51,14 +50,6 @@ def _key(config) -> str:
 def _rng(*labels) -> np.random.Generator:
     """A generator seeded from ``labels``: every check draws its own reproducible data."""
     return np.random.default_rng(zlib.crc32(repr(labels).encode()))
-
-
-@pytest.fixture(scope="session")
-def devices():
-    opened = [gpu_harness.Device(i) for i in range(min(MAX_GPUS, gpu_harness.device_count()))]
-    yield opened
-    for device in opened:
-        device.close()
 
 
 def _group(config, devices, capacity_m):

@@ -91,7 +91,8 @@ def test_kernels_load_only_on_this_processes_devices(monkeypatch):
     mailbox._lock, mailbox._loaded, mailbox._closed = threading.Lock(), set(), False
     loaded = []
     monkeypatch.setattr(native, "load_kernel_set", lambda set_id, ordinal, *args, **kwargs: loaded.append(ordinal))
-    config = dict(mode="oneshot", tp=2, hidden=64, top_k=2, fp32_weights=False, include_shared_expert=True)
+    config = dict(mode="oneshot", tp=2, hidden=64, top_k=2, fp32_weights=False, include_shared_expert=True,
+                  epilogue="none")
     artifact = types.SimpleNamespace(cubin=b"cubin", metadata={"key": "k", "config": config, "kernels": [], "pdl": True})
     mailbox.ensure_loaded(artifact, 7)
     assert loaded == [0, 1]

@@ -15,6 +15,7 @@ from jax_moe_publish import native
 
 PUBLISH_ABI = ["u64"] * 6 + ["u32"] * 4
 WAIT_ABI = ["u64"] * 6 + ["u32"] * 3
+WAIT_NORM_ABI = WAIT_ABI + ["u64"] * 3 + ["f32"]
 
 # Mailbox ids are process-wide and closed ids stay closed, so every test takes fresh ones.
 _mailbox_ids = itertools.count(1_000_001)
@@ -36,7 +37,7 @@ def _kernel(role: str, **changes) -> dict:
         "smem": 0,
         "ctas_per_row": 7,
         "rows": "m",
-        "params": PUBLISH_ABI if role == "publish" else WAIT_ABI,
+        "params": {"publish": PUBLISH_ABI, "reduce_norm": WAIT_NORM_ABI}.get(role, WAIT_ABI),
     }
     record.update(changes)
     return record
@@ -86,19 +87,20 @@ def test_extension_imports():
     assert type(native._ffi.handler_capsule()).__name__ == "PyCapsule"
 
 
-def test_target_registered():
+@pytest.mark.parametrize("target", [native.TARGET_NAME, native.RMSNORM_TARGET_NAME])
+def test_target_registered(target):
     # On a jaxlib without a CUDA backend, registrations for CUDA wait in a
     # queue until a CUDA plugin appears; with one, they go straight to XLA.
     from jax._src.lib import xla_client
 
     pending = [entry[0] for entry in getattr(xla_client, "_custom_callback", {}).get("CUDA", [])]
-    if native.TARGET_NAME in pending:
+    if target in pending:
         return
     try:
         registered = xla_client.custom_call_targets("CUDA")
     except Exception as error:  # No CUDA backend and no queue entry: not registered.
-        pytest.fail(f"{native.TARGET_NAME} is neither queued nor registered for CUDA: {error}")
-    assert native.TARGET_NAME in registered
+        pytest.fail(f"{target} is neither queued nor registered for CUDA: {error}")
+    assert target in registered
 
 
 @pytest.mark.skipif(_libcuda_loadable(), reason="libcuda.so.1 is present on this machine")
@@ -115,12 +117,15 @@ def test_load_kernel_set_without_libcuda_raises():
         ("oneshot", 4, ["publish", "reduce"]),
         ("reduce_scatter", 4, ["publish", "reduce"]),
         ("twoshot", 8, ["publish", "reduce", "gather"]),
+        ("oneshot-rmsnorm", 2, ["publish", "reduce_norm"]),
+        ("reduce_scatter-rmsnorm", 8, ["publish", "reduce_norm"]),
     ],
 )
 def test_valid_kernel_sets_reach_the_driver(mode, tp, roles):
+    mode, _, epilogue = mode.partition("-")
     kernels = [_kernel(role) for role in roles]
     with pytest.raises(RuntimeError, match="libcuda"):
-        native.load_kernel_set(**_load_args(kernels=kernels, mode=mode, tp=tp))
+        native.load_kernel_set(**_load_args(kernels=kernels, mode=mode, tp=tp, epilogue=epilogue or "none"))
 
 
 @pytest.mark.parametrize("role, given", [("publish", WAIT_ABI), ("reduce", PUBLISH_ABI)])
@@ -157,6 +162,15 @@ def test_load_kernel_set_refuses_wrong_abi(role, given):
         ({"tp": 0}, "tp=0"),
         ({"hidden": 0}, "hidden=0"),
         ({"top_k": 0}, "top_k=0"),
+        ({"epilogue": "layernorm"}, r"epilogue='layernorm': expected one of 'none', 'rmsnorm'"),
+        ({"epilogue": "rmsnorm"},
+         r"role='reduce': mode 'oneshot' with epilogue 'rmsnorm' expects roles \['publish', 'reduce_norm'\]"),
+        ({"epilogue": "rmsnorm", "mode": "twoshot", "tp": 2},
+         r"epilogue='rmsnorm' with mode='twoshot': expected mode 'oneshot' or 'reduce_scatter'"),
+        ({"kernels": [_kernel("publish"), _kernel("reduce_norm")]},
+         r"role='reduce_norm': mode 'oneshot' expects roles \['publish', 'reduce'\]"),
+        ({"epilogue": "rmsnorm", "kernels": [_kernel("publish"), _kernel("reduce_norm", params=WAIT_ABI)]},
+         r"the reduce_norm ABI is \['u64'.*'f32'\]"),
     ],
 )
 def test_load_kernel_set_value_errors(changes, match):
@@ -177,6 +191,7 @@ def test_load_kernel_set_value_errors(changes, match):
         ({"kernels": [_kernel("publish", params="u64"), _kernel("reduce")]}, r"\['params'\]"),
         ({"mode": None}, "mode=None: expected a str"),
         ({"pdl": 1}, "pdl=1: expected a bool"),
+        ({"epilogue": None}, "epilogue=None: expected a str"),
     ],
 )
 def test_load_kernel_set_type_errors(changes, match):

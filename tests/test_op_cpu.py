@@ -101,6 +101,75 @@ def test_negative_zero_partials_sum_to_positive_zero():
     assert np.all(bits == 0), "every element is +0.0"
 
 
+# --- the residual add + RMSNorm epilogue --------------------------------------------------------
+
+SILENT_TOKEN = 5  # its partials are zero on every rank, and so is its residual row
+
+
+def _epilogue_call(mesh, mode, problems, residual, norm_weight, eps, scale=2.5):
+    """The sharded op with the epilogue; ``residual`` is [m, hidden], passed in the result's layout."""
+    tp = mesh.shape["tp"]
+    if mode == "reduce_scatter":
+        residual = np.stack([numerics.owned(residual, tp, rank) for rank in range(tp)])
+        # Rows of no token hold garbage: they must not be read.
+        for rank in range(tp):
+            residual[rank][np.arange(residual.shape[1]) * tp + rank >= len(problems[0].indices)] = 7.0
+    with jmp.Mailbox(mesh, "tp", hidden=norm_weight.shape[0], capacity_m=16, mode=mode) as mailbox:
+        out, residual_out = jmp.sharded_moe_finalize_publish(
+            mailbox, _stack(problems, "routed"), _stack(problems, "weights"), _stack(problems, "indices"),
+            _stack(problems, "shared"), routed_scaling_factor=scale, residual=jnp.asarray(residual),
+            norm_weight=jnp.asarray(norm_weight), norm_eps=eps,
+        )
+    return np.asarray(out), np.asarray(residual_out)
+
+
+@pytest.mark.parametrize("hidden, mode, eps", [
+    (2048, "allreduce", 1e-5), (2048, "reduce_scatter", 1e-6), (5120, "allreduce", 1e-6),
+    (5120, "reduce_scatter", 1e-5), (7168, "allreduce", 1e-6), (7168, "reduce_scatter", 1e-5),
+])
+def test_reference_epilogue_matches_float64(hidden, mode, eps):
+    mesh = jax.make_mesh((2,), ("tp",))
+    tp, m = 2, 7  # m not a multiple of tp
+    rng = np.random.default_rng()
+    problems = [numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)]
+    numerics.silence_token(problems, SILENT_TOKEN)
+    residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
+    residual[SILENT_TOKEN] = 0
+    out, residual_out = _epilogue_call(mesh, mode, problems, residual, norm_weight, eps)
+
+    total, bound = numerics.expected_sum(problems, 2.5)
+    exact_sum = total + residual.astype(np.float64)
+    # The data makes the residual add's rounding point matter.
+    assert np.mean(exact_sum.astype(numerics.BF16).astype(np.float64) != exact_sum) > 0.5
+    if mode == "allreduce":
+        numerics.assert_epilogue_close(out, residual_out, total, bound, residual, norm_weight, eps)
+        silent = [(out[SILENT_TOKEN], residual_out[SILENT_TOKEN])]
+    else:
+        silent = []
+        for rank in range(tp):
+            numerics.assert_epilogue_close(
+                out[rank], residual_out[rank], numerics.owned(total, tp, rank),
+                numerics.owned(bound, tp, rank), numerics.owned(residual, tp, rank), norm_weight, eps,
+                what=f"rank {rank}",
+            )
+            # Rows of no token are zero, whatever their residual rows held.
+            unused = np.arange(out.shape[1]) * tp + rank >= m
+            assert np.all(out[rank][unused] == 0) and np.all(residual_out[rank][unused] == 0)
+        silent = [(out[SILENT_TOKEN % tp][SILENT_TOKEN // tp], residual_out[SILENT_TOKEN % tp][SILENT_TOKEN // tp])]
+    for row in silent:  # eps keeps a zero row finite: 0 * rsqrt(eps) * w
+        assert all(np.all(np.asarray(x, np.float64) == 0) for x in row)
+
+
+def test_reference_epilogue_in_a_group_of_one():
+    mesh = jax.make_mesh((2, 1), ("dp", "tp"))
+    rng = np.random.default_rng()
+    problem = numerics.random_problem(rng, m=4, hidden=256, top_k=2)
+    residual, norm_weight = numerics.epilogue_inputs(rng, 4, 256)
+    out, residual_out = _epilogue_call(mesh, "allreduce", [problem], residual, norm_weight, 1e-6)
+    total, bound = numerics.expected_sum([problem], 2.5)
+    numerics.assert_epilogue_close(out, residual_out, total, bound, residual, norm_weight, 1e-6)
+
+
 def test_cpu_mailbox_allocates_nothing_and_closes_once():
     mesh = jax.make_mesh((4,), ("tp",))
     mailbox = jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8)
@@ -184,6 +253,73 @@ def test_bad_calls_name_the_argument(mesh, case, shape, kwargs, error, words):
         _call_in_shard_map(mesh, mailbox, args, **kwargs)
     for word in words:
         assert word in str(raised.value)
+
+
+def _norm_args(m=3, hidden=64, rows=None):
+    rng = np.random.default_rng()
+    residual, norm_weight = numerics.epilogue_inputs(rng, m if rows is None else rows, hidden)
+    return dict(residual=jnp.asarray(residual), norm_weight=jnp.asarray(norm_weight))
+
+
+BAD_EPILOGUES = [
+    # (case, mailbox mode, change to valid epilogue arguments, exception, words the message must contain)
+    ("residual only", "allreduce", dict(norm_weight=None), ValueError, ["norm_weight=None", "residual was given"]),
+    ("norm_weight only", "allreduce", dict(residual=None), ValueError, ["residual=None", "norm_weight was given"]),
+    ("residual type", "allreduce", dict(residual=[[1.0]]), TypeError, ["residual: expected an array", "list"]),
+    ("residual dtype", "allreduce", dict(residual=jnp.zeros((3, 64), jnp.float32)), TypeError,
+     ["residual.dtype=float32", "bfloat16"]),
+    ("residual rank", "allreduce", dict(residual=jnp.zeros((64,), jnp.bfloat16)), ValueError,
+     ["residual.shape=(64,)", "2 dimensions"]),
+    ("residual rows", "allreduce", dict(residual=jnp.zeros((2, 64), jnp.bfloat16)), ValueError,
+     ["residual.shape=(2, 64)", "(3, 64)", "m = 3 rows"]),
+    ("residual hidden", "allreduce", dict(residual=jnp.zeros((3, 32), jnp.bfloat16)), ValueError,
+     ["residual.shape=(3, 32)", "(3, 64)"]),
+    ("scatter residual rows", "reduce_scatter", dict(residual=jnp.zeros((3, 64), jnp.bfloat16)), ValueError,
+     ["residual.shape=(3, 64)", "(2, 64)", "ceil(m / tp) = ceil(3 / 2) rows"]),
+    ("weight dtype", "allreduce", dict(norm_weight=jnp.ones((64,), jnp.float32)), TypeError,
+     ["norm_weight.dtype=float32", "bfloat16"]),
+    ("weight rank", "allreduce", dict(norm_weight=jnp.ones((1, 64), jnp.bfloat16)), ValueError,
+     ["norm_weight.shape=(1, 64)", "1 dimensions"]),
+    ("weight hidden", "allreduce", dict(norm_weight=jnp.ones((32,), jnp.bfloat16)), ValueError,
+     ["norm_weight.shape=(32,)", "(64,)"]),
+    ("eps nan", "allreduce", dict(norm_eps=float("nan")), ValueError, ["norm_eps=nan", "finite float > 0"]),
+    ("eps inf", "allreduce", dict(norm_eps=float("inf")), ValueError, ["norm_eps=inf"]),
+    ("eps zero", "allreduce", dict(norm_eps=0.0), ValueError, ["norm_eps=0.0"]),
+    ("eps negative", "allreduce", dict(norm_eps=-1e-6), ValueError, ["norm_eps=-1e-06"]),
+    ("eps float32 zero", "allreduce", dict(norm_eps=1e-50), ValueError, ["norm_eps=1e-50", "as float32"]),
+    ("eps str", "allreduce", dict(norm_eps="1e-6"), TypeError, ["norm_eps='1e-6'", "expected a float", "str"]),
+    ("eps bool", "allreduce", dict(norm_eps=True), TypeError, ["norm_eps=True", "bool"]),
+    ("config without epilogue", "allreduce",
+     dict(config=jmp.KernelConfig(hidden=64, top_k=4, tp=2, routed_scaling_factor=2.5)), ValueError,
+     ["config.epilogue='none'", "expected 'rmsnorm'"]),
+]
+
+
+@pytest.mark.parametrize("case,mode,change,error,words", BAD_EPILOGUES, ids=[c[0] for c in BAD_EPILOGUES])
+def test_bad_epilogue_arguments_name_the_argument(mesh, case, mode, change, error, words):
+    rows = 2 if mode == "reduce_scatter" else 3
+    kwargs = {"routed_scaling_factor": 2.5, **_norm_args(rows=rows), "norm_eps": 1e-6, **change}
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, mode=mode) as mailbox, pytest.raises(error) as raised:
+        _call_in_shard_map(mesh, mailbox, _valid_args(), **kwargs)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_epilogue_config_without_residual_is_refused(mesh):
+    config = jmp.KernelConfig(hidden=64, top_k=4, tp=2, routed_scaling_factor=2.5, epilogue="rmsnorm")
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8) as mailbox:
+        with pytest.raises(ValueError, match="config.epilogue='rmsnorm': expected 'none'"):
+            _call_in_shard_map(mesh, mailbox, _valid_args(), routed_scaling_factor=2.5, config=config)
+
+
+def test_sharded_scatter_residual_wants_the_rank_axis_first(mesh):
+    args = _valid_args()
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, mode="reduce_scatter") as mailbox:
+        with pytest.raises(ValueError, match=r"residual.shape=\(2, 64\): expected \[tp=2, ceil\(m/tp\), hidden\]"):
+            jmp.sharded_moe_finalize_publish(
+                mailbox, args["routed_output"][None].repeat(2, 0), args["expert_weights"][None].repeat(2, 0),
+                args["permuted_indices"][None].repeat(2, 0), **_norm_args(rows=2),
+            )
 
 
 def test_twoshot_config_on_a_reduce_scatter_mailbox_is_refused(mesh):

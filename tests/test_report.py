@@ -67,6 +67,14 @@ def test_bytes_per_rank_oneshot_by_hand():
     assert traffic == {"hbm": 672.0, "nvlink": 64.0}
 
 
+def test_bytes_per_rank_epilogue_by_hand():
+    # The oneshot problem with the residual add + RMSNorm: residual 64 and residual_out 64
+    # bytes, norm weight 16*2 = 32 -> 672 + 160.
+    traffic = report.bytes_per_rank(mode="oneshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
+                                    residual_norm=True)
+    assert traffic == {"hbm": 832.0, "nvlink": 64.0}
+
+
 def test_bytes_per_rank_twoshot_by_hand():
     # The same problem in twoshot: inputs 224; contributions landing 64, read 64, re-arm 64,
     # owned output 32; gather area landing 32, read 32, output 32, re-arm 32 -> 576.

@@ -52,7 +52,8 @@ def _configs(args) -> list[KernelConfig]:
         if missing:
             raise SystemExit(f"an explicit config needs --{' --'.join(missing).replace('_', '-')}")
         base = KernelConfig.default(hidden=given["hidden"], top_k=given["top_k"], tp=given["tp"],
-                                    mode=given.get("mode"), arch=arch)
+                                    mode=given.get("mode"), epilogue=given.get("epilogue", "none"),
+                                    arch=arch)
         configs.append(base.replace(**given))
     if not configs:
         raise SystemExit("nothing to build: give --preset or an explicit config (--hidden --top-k --tp)")

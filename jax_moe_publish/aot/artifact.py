@@ -20,14 +20,30 @@ _FINGERPRINTED = ("config.py", "protocol.py", "kernels")
 # The parameter list each kernel role must have; the C++ launcher fills exactly these.
 PUBLISH_PARAMS = ["u64"] * 6 + ["u32"] * 4
 REDUCE_PARAMS = ["u64"] * 6 + ["u32"] * 3
-EXPECTED_PARAMS = {"publish": PUBLISH_PARAMS, "reduce": REDUCE_PARAMS, "gather": REDUCE_PARAMS}
-# The kernels of a call, in launch order, by mode.
+# The reduce's parameters, then residual, norm_weight, residual_out and eps.
+REDUCE_NORM_PARAMS = REDUCE_PARAMS + ["u64"] * 3 + ["f32"]
+EXPECTED_PARAMS = {
+    "publish": PUBLISH_PARAMS,
+    "reduce": REDUCE_PARAMS,
+    "reduce_norm": REDUCE_NORM_PARAMS,
+    "gather": REDUCE_PARAMS,
+}
+# The kernels of a call, in launch order, by mode (without an epilogue).
 ROLES = {
     "direct": ["publish"],
     "oneshot": ["publish", "reduce"],
     "reduce_scatter": ["publish", "reduce"],
     "twoshot": ["publish", "reduce", "gather"],
 }
+
+
+def expected_roles(config: dict) -> list[str]:
+    """The kernels of a call of ``config`` (a `KernelConfig.to_dict`), in launch order:
+    with an epilogue, reduce_norm takes the reduce's place."""
+    roles = ROLES[config["mode"]]
+    if config.get("epilogue", "none") == "none":
+        return roles
+    return ["reduce_norm" if role == "reduce" else role for role in roles]
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,9 +103,9 @@ class KernelArtifact:
         if self.metadata.get("key") != key:
             raise RuntimeError(f"kernel artifact {self.metadata.get('key')!r} was loaded for {key!r}")
         roles = [kernel["role"] for kernel in self.metadata["kernels"]]
-        expected_roles = ROLES[self.metadata["config"]["mode"]]
-        if roles != expected_roles:
-            raise RuntimeError(f"kernel artifact {key} has kernels {roles}, expected {expected_roles}")
+        expected = expected_roles(self.metadata["config"])
+        if roles != expected:
+            raise RuntimeError(f"kernel artifact {key} has kernels {roles}, expected {expected}")
         for kernel in self.metadata["kernels"]:
             expected = EXPECTED_PARAMS[kernel["role"]]
             if kernel["params"] != expected:

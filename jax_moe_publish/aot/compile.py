@@ -30,22 +30,23 @@ def compile_config(config: KernelConfig) -> KernelArtifact:
     """Trace and compile every kernel of ``config`` for ``config.arch``.
 
     The fake scalars passed to ``cute.compile`` fix the compiled ABI: every
-    buffer is one ``u64`` address and every extent one ``u32``.
+    buffer is one ``u64`` address, every extent one ``u32`` and ``eps`` one ``f32``.
     """
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
-    from cutlass import Int32, Int64
+    from cutlass import Float32, Int32, Int64
 
     from jax_moe_publish.kernels.program import MoePublishProgram
 
     program = MoePublishProgram(config)
-    address, extent = Int64(0), Int32(0)
+    address, extent, eps = Int64(0), Int32(0), Float32(0.0)
     # The DSL writes the kept cubin and PTX to files too; keep them out of the caller's folder.
     with _COMPILE_LOCK, tempfile.TemporaryDirectory(prefix="jax_moe_publish-") as dump_dir:
         compiled = cute.compile(
             program,
-            *([address] * 11),
+            *([address] * 14),
             *([extent] * 4),
+            eps,
             cuda.CUstream(0),
             options=f"--gpu-arch {config.arch} --keep-cubin --keep-ptx --dump-dir {dump_dir}",
         )

@@ -6,7 +6,7 @@ lets them run on a machine without CuTe DSL.
 
 from __future__ import annotations
 
-from jax_moe_publish.config import SMALL_M, KernelConfig
+from jax_moe_publish.config import EPILOGUE_MODES, SMALL_M, KernelConfig
 
 TP_SIZES = (1, 2, 4, 8)
 MULTI_RANK_MODES = ("oneshot", "twoshot", "reduce_scatter")
@@ -16,25 +16,32 @@ MULTI_RANK_MODES = ("oneshot", "twoshot", "reduce_scatter")
 DEFAULT_SHAPE_MS = (SMALL_M, SMALL_M + 1)
 
 
-def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str) -> list[KernelConfig]:
+def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str,
+           epilogue_tp: tuple[int, ...] = ()) -> list[KernelConfig]:
+    """The default configs of a model for every TP size and mode, and with the RMSNorm
+    epilogue for the TP sizes ``epilogue_tp``."""
     configs = []
     for fp32_weights in (False, True):
         for tp in TP_SIZES:
-            for mode in ("direct",) if tp == 1 else MULTI_RANK_MODES:
+            variants = [(mode, "none") for mode in (("direct",) if tp == 1 else MULTI_RANK_MODES)]
+            if tp in epilogue_tp:
+                variants += [(mode, "rmsnorm") for mode in EPILOGUE_MODES]
+            for mode, epilogue in variants:
                 for m in DEFAULT_SHAPE_MS:
                     configs.append(
                         KernelConfig.default(
                             hidden=hidden, top_k=top_k, tp=tp, mode=mode,
                             routed_scaling_factor=scale, include_shared_expert=shared,
-                            fp32_weights=fp32_weights, m=m, arch=arch,
+                            fp32_weights=fp32_weights, m=m, epilogue=epilogue, arch=arch,
                         )
                     )
     return configs
 
 
 def deepseek_v3(arch: str = "sm_90a") -> list[KernelConfig]:
-    """DeepSeek-V3: hidden 7168, top-k 8, routed scale 2.5, a shared expert."""
-    return _model(7168, 8, 2.5, True, arch)
+    """DeepSeek-V3: hidden 7168, top-k 8, routed scale 2.5, a shared expert; the
+    residual + RMSNorm epilogue for tp = 2."""
+    return _model(7168, 8, 2.5, True, arch, epilogue_tp=(2,))
 
 
 def qwen3_moe(arch: str = "sm_90a") -> list[KernelConfig]:
@@ -65,6 +72,31 @@ TEST_DEFAULT_PROBLEMS = (
     dict(hidden=2048, top_k=6, routed_scaling_factor=1.0, include_shared_expert=False),
     dict(hidden=512, top_k=4, routed_scaling_factor=2.5, fp32_weights=True),  # the example
 )
+
+
+# The problems of the epilogue tests: every hidden size of the issue, with varied
+# finalize options. Each runs with both epilogue modes, and as tp = 1 (direct, the
+# epilogue in jnp).
+TEST_EPILOGUE_PROBLEMS = (
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5),
+    dict(hidden=5120, top_k=6, routed_scaling_factor=1.5, fp32_weights=True, include_shared_expert=False),
+    dict(hidden=2048, top_k=4, routed_scaling_factor=1.0),
+)
+
+
+def test_epilogues(tp: int) -> list[KernelConfig]:
+    """The default configs of `TEST_EPILOGUE_PROBLEMS`: with the fused epilogue for a group,
+    the plain direct kernel for tp = 1."""
+    if tp == 1:
+        variants = [("direct", "none")]
+    else:
+        variants = [(mode, "rmsnorm") for mode in EPILOGUE_MODES]
+    return [
+        KernelConfig.default(tp=tp, mode=mode, m=m, epilogue=epilogue, **problem)
+        for problem in TEST_EPILOGUE_PROBLEMS
+        for mode, epilogue in variants
+        for m in DEFAULT_SHAPE_MS
+    ]
 
 
 def test_variants(tp: int) -> list[KernelConfig]:
@@ -98,7 +130,7 @@ def tests(arch: str = "sm_90a") -> list[KernelConfig]:
     """Everything the GPU tests need, for groups of 1 and 2."""
     configs = []
     for tp in (1, 2):
-        configs += test_variants(tp) + test_defaults(tp)
+        configs += test_variants(tp) + test_defaults(tp) + test_epilogues(tp)
     unique = list(dict.fromkeys(configs))
     return [c.replace(arch=arch) for c in unique]
 

@@ -13,18 +13,19 @@ import dataclasses
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels.publish import FinalizePublishKernel
 from jax_moe_publish.kernels.reduce import LamportReduceKernel
+from jax_moe_publish.kernels.reduce_norm import LamportReduceNormKernel, shared_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelLaunch:
     """How to launch one kernel of the call: grid = rows(m) * ctas_per_row."""
 
-    role: str  # "publish", "reduce" or "gather"
+    role: str  # "publish", "reduce", "reduce_norm" or "gather"
     block: int
     smem: int
     ctas_per_row: int
@@ -32,19 +33,28 @@ class KernelLaunch:
 
 
 class MoePublishProgram:
-    """Publish, then (for tp > 1) reduce, then (twoshot) gather."""
+    """Publish, then (for tp > 1) reduce, or reduce_norm with the epilogue, then (twoshot) gather."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
         self.publisher = FinalizePublishKernel(config)
-        self.reducer = LamportReduceKernel(config)
+        if config.epilogue == "none":
+            self.reducer = LamportReduceKernel(config)
+        else:
+            self.reducer = LamportReduceNormKernel(config)
 
     def launches(self) -> list[KernelLaunch]:
         cfg = self.config
         result = [KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_token, "m")]
         if cfg.mode != "direct":
             rows = "m" if cfg.mode == "oneshot" else "owned"
-            result.append(KernelLaunch("reduce", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, rows))
+            if cfg.epilogue == "none":
+                launch = KernelLaunch("reduce", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, rows)
+            else:
+                launch = KernelLaunch(
+                    "reduce_norm", cfg.reduce_threads, shared_bytes(cfg), cfg.reduce_ctas_per_token, rows
+                )
+            result.append(launch)
         if cfg.mode == "twoshot":
             result.append(KernelLaunch("gather", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, "m"))
         return result
@@ -62,13 +72,19 @@ class MoePublishProgram:
         peer_table: Int64,
         status: Int64,
         out: Int64,
+        residual: Int64,
+        norm_weight: Int64,
+        residual_out: Int64,
         timeout_ns: Int64,
         num_rows: Int32,
         m: Int32,
         capacity_m: Int32,
         rank: Int32,
+        eps: Float32,
         stream: cuda.CUstream,
     ) -> None:
+        """Launch the call's kernels; ``residual``, ``norm_weight``, ``residual_out`` and
+        ``eps`` are parameters of reduce_norm alone (``KernelConfig.epilogue``)."""
         cfg = self.config
         launches = self.launches()
         publish = launches[0]
@@ -85,9 +101,14 @@ class MoePublishProgram:
         if cutlass.const_expr(cfg.mode != "direct"):
             reduce = launches[1]
             rows = m if cutlass.const_expr(reduce.rows == "m") else (m + cfg.tp - 1) // cfg.tp
-            self.reducer.reduce(*reduce_args).launch(
+            if cutlass.const_expr(cfg.epilogue == "none"):
+                kernel = self.reducer.reduce(*reduce_args)
+            else:
+                kernel = self.reducer.reduce_norm(*reduce_args, residual, norm_weight, residual_out, eps)
+            kernel.launch(
                 grid=(rows * reduce.ctas_per_row, 1, 1),
                 block=(reduce.block, 1, 1),
+                smem=reduce.smem,
                 stream=stream,
                 use_pdl=cfg.enable_pdl,
             )

@@ -248,3 +248,39 @@ def has_empty_lane(words: list) -> Uint32:
         v = Uint32(word) ^ Uint32(0x80008000)
         flags = flags | ((v - Uint32(0x00010001)) & ~v & Uint32(0x80008000))
     return flags
+
+
+@dsl_user_op
+def shuffle_xor_f32(value, lane_mask: int, *, loc=None, ip=None) -> Float32:
+    """``value`` of lane ``lane ^ lane_mask`` of this warp; every lane must take part."""
+    return Float32(
+        _asm(
+            T.f32(), [Float32(value).ir_value(loc=loc, ip=ip)],
+            f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;", "=f,f",
+            side_effects=True, loc=loc, ip=ip,
+        )
+    )
+
+
+def warp_sum_f32(value) -> Float32:
+    """Sum of ``value`` over the 32 lanes of the warp, in every lane.
+
+    A butterfly: at each step lanes ``i`` and ``i ^ k`` add the same two
+    numbers (in swapped order, which float addition ignores), so every lane
+    ends with the same bits.
+    """
+    total = Float32(value)
+    for lane_mask in (16, 8, 4, 2, 1):
+        total = total + shuffle_xor_f32(total, lane_mask)
+    return total
+
+
+@dsl_user_op
+def rsqrt_f32(value, *, loc=None, ip=None) -> Float32:
+    """``1 / sqrt(value)`` (``rsqrt.approx``: at most about 2**-22.9 relative error)."""
+    return Float32(
+        _asm(
+            T.f32(), [Float32(value).ir_value(loc=loc, ip=ip)],
+            "rsqrt.approx.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip,
+        )
+    )

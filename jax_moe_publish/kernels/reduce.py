@@ -85,12 +85,8 @@ class LamportReduceKernel:
             if token < m and halt != protocol.HALT_RUNNING:
                 self._halted(destination, halt, stage, token, stage_state, status)
             if token < m and halt == protocol.HALT_RUNNING:
-                slots = [
-                    mailbox + self._contribution_offset(stage, src, slot, capacity_m) + fragment_offset
-                    for src in range(cfg.tp)
-                ]
-                sources = self._wait(
-                    slots, list(range(cfg.tp)), stage, token, stage_state, status, timeout_ns
+                slots, sources = self._wait_contributions(
+                    mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state, status, timeout_ns
                 )
                 total = self._sum(sources)
                 if cutlass.const_expr(cfg.mode == "twoshot"):
@@ -166,6 +162,17 @@ class LamportReduceKernel:
         """Byte offset of gather slot ``[stage][token]``, after all contribution stages."""
         contributions = Int64(protocol.STAGES * self.config.tp) * Int64(capacity_m)
         return (contributions + Int64(stage) * Int64(capacity_m) + Int64(token)) * self.row_bytes
+
+    def _wait_contributions(self, mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state,
+                            status, timeout_ns) -> tuple[list, list]:
+        """(addresses, words) of every rank's contribution to one fragment of slot
+        ``[stage][*][slot]``, once all of them have arrived."""
+        slots = [
+            mailbox + self._contribution_offset(stage, src, slot, capacity_m) + fragment_offset
+            for src in range(self.config.tp)
+        ]
+        sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns)
+        return slots, sources
 
     @cute.jit
     def _wait(self, slots, ranks, stage, token, stage_state, status, timeout_ns) -> list:

@@ -1,0 +1,262 @@
+"""GPU tests of the fused residual add + RMSNorm epilogue: the reduce_norm kernel through
+`gpu_harness`, and the op through jit + shard_map (tp = 2, and tp = 1 where jnp runs it).
+
+Every check draws fresh data with residuals far larger than the reduced sum (so
+that the bf16 rounding of ``y + residual`` matters) and, from m = 37 on, a
+token whose inputs are all zero. ``residual_out`` is compared with the float64
+sum plus residual, and ``out`` with the float64 RMSNorm of that
+``residual_out`` (`numerics.assert_epilogue_close`); across ranks both must
+agree bit for bit, and after each call the mailbox must be healthy, advanced
+and re-armed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe_publish as jmp
+import numerics
+from jax_moe_publish import protocol
+from jax_moe_publish.aot import presets
+from test_kernels_gpu import (
+    CAPACITY_M,
+    _check_protocol_state,
+    _group,
+    _random_problems,
+    _rng,
+    _routed_rows,
+)
+
+M_VALUES = (1, 37, CAPACITY_M)
+EPS_VALUES = (1e-5, 1e-6)
+SILENT_TOKEN = 5  # from m = 37 on: zero partials on every rank and a zero residual row
+GARBAGE = 7.0  # in residual rows of no token (reduce_scatter): they must not be read
+CONFIGS = presets.test_epilogues(2)
+
+
+def _m_id(m):
+    return f"m{m}"
+
+
+def _epilogue_problem(config, m, rng):
+    """Every rank's finalize inputs, the full residual [m, hidden] and the weight."""
+    problems = _random_problems(config, m, rng, _routed_rows(config, m))
+    residual, norm_weight = numerics.epilogue_inputs(rng, m, config.hidden)
+    if m > SILENT_TOKEN:
+        numerics.silence_token(problems, SILENT_TOKEN)
+        residual[SILENT_TOKEN] = 0
+    return problems, residual, norm_weight
+
+
+def _rank_rows(mode, x, tp, rank):
+    """Rank's rows of an [m, ...] array in the layout of the op's result; rows of no token
+    (reduce_scatter) are filled with `GARBAGE`."""
+    if mode != "reduce_scatter":
+        return x
+    rows = numerics.owned(x, tp, rank)
+    rows[np.arange(len(rows)) * tp + rank >= len(x)] = GARBAGE
+    return rows
+
+
+def _check_rank(mode, tp, rank, out, residual_out, problems, scale, residual, norm_weight, eps, what):
+    """One rank's two outputs (bf16 arrays in the result's layout) against the float64 model."""
+    total, bound = numerics.expected_sum(problems, scale)
+    m = len(total)
+    if mode == "reduce_scatter":
+        total, bound = numerics.owned(total, tp, rank), numerics.owned(bound, tp, rank)
+        unused = np.arange(len(total)) * tp + rank >= m
+        assert np.all(out.view(np.uint16)[unused] == 0), f"{what}: out rows of no token are not +0.0"
+        assert np.all(residual_out.view(np.uint16)[unused] == 0), f"{what}: residual_out rows of no token"
+        residual = numerics.owned(residual, tp, rank)
+        silent = SILENT_TOKEN // tp if SILENT_TOKEN % tp == rank else None
+    else:
+        silent = SILENT_TOKEN
+    numerics.assert_epilogue_close(out, residual_out, total, bound, residual, norm_weight, eps, what=what)
+    if silent is not None and m > SILENT_TOKEN:
+        # eps keeps the zero row finite and zero: 0 * rsqrt(eps) * weight.
+        assert np.all(out[silent].astype(np.float64) == 0), f"{what}: the zero row's out"
+        assert np.all(residual_out[silent].astype(np.float64) == 0), f"{what}: the zero row's residual_out"
+
+
+# Through the harness: the kernels alone, with poisoned outputs.
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("eps", EPS_VALUES)
+@pytest.mark.parametrize("m", M_VALUES, ids=_m_id)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.key)
+def test_epilogue_kernel_matches_model(config, m, eps, devices):  # noqa: F811
+    rng = _rng(config.key, m, eps, "epilogue")
+    problems, residual, norm_weight = _epilogue_problem(config, m, rng)
+    tp = config.tp
+    rows = protocol.owned_rows(m, tp) if config.mode == "reduce_scatter" else m
+    with _group(config, devices, CAPACITY_M) as launcher:
+        buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+        for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
+            rank_buffers.upload(problem)
+            rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, tp, rank), norm_weight, eps)
+            rank_buffers.out.poison()
+            rank_buffers.residual_out.poison()
+        launcher.run(buffers, m)
+        outputs = [(b.output(), b.residual_output()) for b in buffers]
+        for rank, (out, residual_out) in enumerate(outputs):
+            what = f"{config.key} m={m} eps={eps} rank {rank}"
+            for name, bits in (("out", out), ("residual_out", residual_out)):
+                assert np.all(bits[rows:] == numerics.POISON_BF16), f"{what}: {name} rows past {rows} written"
+            _check_rank(config.mode, tp, rank, out[:rows].view(numerics.BF16),
+                        residual_out[:rows].view(numerics.BF16), problems, config.routed_scaling_factor,
+                        residual, norm_weight, eps, what)
+        if config.mode == "oneshot":
+            for rank in range(1, tp):
+                for index, name in enumerate(("out", "residual_out")):
+                    assert np.array_equal(outputs[rank][index][:rows], outputs[0][index][:rows]), (
+                        f"{config.key} m={m}: rank {rank}'s {name} differs in bits from rank 0's"
+                    )
+        _check_protocol_state(launcher, calls=1)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.hidden == 7168], ids=lambda c: c.key)
+def test_epilogue_kernel_consecutive_calls(config, devices):  # noqa: F811
+    """Calls of random m enqueued back to back: stages cycle and every slot is re-armed."""
+    rng = _rng(config.key, "epilogue rounds")
+    calls = []
+    with _group(config, devices, CAPACITY_M) as launcher:
+        for _ in range(9):
+            m = int(rng.integers(1, CAPACITY_M, endpoint=True))
+            problems, residual, norm_weight = _epilogue_problem(config, m, rng)
+            buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+            for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
+                rank_buffers.upload(problem)
+                rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, config.tp, rank), norm_weight, 1e-6)
+            calls.append((m, problems, residual, norm_weight, buffers))
+        for m, _, _, _, buffers in calls:
+            launcher.launch(buffers, m)
+        launcher.synchronize()
+        for index, (m, problems, residual, norm_weight, buffers) in enumerate(calls):
+            rows = protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
+            for rank, rank_buffers in enumerate(buffers):
+                _check_rank(config.mode, config.tp, rank, rank_buffers.output()[:rows].view(numerics.BF16),
+                            rank_buffers.residual_output()[:rows].view(numerics.BF16), problems,
+                            config.routed_scaling_factor, residual, norm_weight, 1e-6,
+                            f"call {index} m={m} rank {rank}")
+        _check_protocol_state(launcher, calls=len(calls))
+
+
+# Through JAX: the FFI target, the Mailbox and the kernels together.
+
+
+def _mesh(count):
+    return jax.sharding.Mesh(np.array([d for d in jax.devices() if d.platform == "gpu"][:count]), ("tp",))
+
+
+def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale):
+    """Each rank's (out, residual_out) as NumPy, in rank order, from one jitted call."""
+    mesh, tp = mailbox.mesh, mailbox.tp
+    stacks = [np.stack([getattr(p, f) for p in problems]) for f in ("routed", "weights", "indices")]
+    shared = None if problems[0].shared is None else np.stack([p.shared for p in problems])
+    rank_residual = np.stack([_rank_rows(mailbox.mode, residual, tp, r) for r in range(tp)])
+
+    def shard(routed, weights, indices, residual_rows, weight, *rest):
+        result = jmp.moe_finalize_publish(
+            routed[0], weights[0], indices[0], rest[0][0] if rest else None, mailbox=mailbox,
+            routed_scaling_factor=scale, impl="kernel", residual=residual_rows[0], norm_weight=weight,
+            norm_eps=eps,
+        )
+        return jax.tree.map(lambda x: x[None], result)
+
+    ranked = jax.sharding.NamedSharding(mesh, P("tp"))
+    args = [jax.device_put(jnp.asarray(x), ranked) for x in stacks + [rank_residual]]
+    args.append(jax.device_put(jnp.asarray(norm_weight), jax.sharding.NamedSharding(mesh, P())))
+    args += [jax.device_put(jnp.asarray(shared), ranked)] if shared is not None else []
+    in_specs = (P("tp"),) * 4 + (P(),) + ((P("tp"),) if shared is not None else ())
+    # The per-rank buffers themselves, so that bitwise agreement is checked on the devices' copies.
+    step = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=P("tp"), check_vma=False))
+    outputs = step(*args)
+    per_rank = []
+    for x in outputs:
+        by_device = {s.device: np.asarray(s.data)[0] for s in x.addressable_shards}
+        per_rank.append([by_device[d] for d in mesh.devices.flat])
+    return list(zip(*per_rank))
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("mode", ["allreduce", "reduce_scatter"])
+@pytest.mark.parametrize("problem", presets.TEST_EPILOGUE_PROBLEMS, ids=lambda p: f"h{p['hidden']}-k{p['top_k']}")
+def test_epilogue_op_matches_model_on_two_gpus(problem, mode):
+    config = jmp.KernelConfig.default(tp=2, mode="oneshot", **problem)
+    rng = np.random.default_rng()
+    with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, mode=mode) as mailbox:
+        for m in M_VALUES:
+            for eps in EPS_VALUES:
+                problems, residual, norm_weight = _epilogue_problem(config, m, rng)
+                outputs = _op_outputs(mailbox, problems, residual, norm_weight, eps, config.routed_scaling_factor)
+                for rank, (out, residual_out) in enumerate(outputs):
+                    _check_rank("reduce_scatter" if mode == "reduce_scatter" else "oneshot", 2, rank, out,
+                                residual_out, problems, config.routed_scaling_factor, residual, norm_weight, eps,
+                                f"{mode} m={m} rank {rank}")
+                if mode == "allreduce":
+                    for index in range(2):
+                        assert np.array_equal(outputs[1][index].view(np.uint16), outputs[0][index].view(np.uint16))
+        mailbox.check()
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("problem", presets.TEST_EPILOGUE_PROBLEMS, ids=lambda p: f"h{p['hidden']}-k{p['top_k']}")
+def test_epilogue_op_on_one_gpu(problem):
+    """tp = 1: the direct kernel, then the epilogue in jnp with the same rounding points."""
+    config = jmp.KernelConfig.default(tp=1, **problem)
+    rng = np.random.default_rng()
+    with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY_M) as mailbox:
+        for m in M_VALUES:
+            for eps in EPS_VALUES:
+                problems, residual, norm_weight = _epilogue_problem(config, m, rng)
+                [(out, residual_out)] = _op_outputs(mailbox, problems, residual, norm_weight, eps,
+                                                    config.routed_scaling_factor)
+                _check_rank("direct", 1, 0, out, residual_out, problems, config.routed_scaling_factor, residual,
+                            norm_weight, eps, f"m={m}")
+
+
+@pytest.mark.gpus(2)
+def test_epilogue_chain_feeds_residual_out_forward():
+    """16 layers in one jit under XLA's default command buffers: each layer's residual input
+    is the previous layer's residual_out, written by the previous reduce_norm, which the
+    next reduce_norm reads before its mailbox wait; out feeds the next shared input."""
+    rng = np.random.default_rng()
+    hidden, top_k, scale, layers, m, eps = 7168, 8, 2.5, 16, 8, 1e-6
+    num_rows = m * top_k
+    routed = rng.standard_normal((layers, num_rows, hidden), dtype=np.float32).astype(numerics.BF16)
+    weights = rng.uniform(0.05, 0.3, (layers, m, top_k)).astype(numerics.BF16)  # the tests preset's kernels
+    indices = rng.integers(-1, num_rows, (layers, m, top_k)).astype(np.int32)
+    shared, _ = numerics.epilogue_inputs(rng, m, hidden, residual_scale=1.0)
+    residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
+    with jmp.Mailbox(_mesh(2), "tp", hidden=hidden, capacity_m=CAPACITY_M) as mailbox:
+
+        def shard(routed, weights, indices, shared, residual, norm_weight):
+            outs, residuals = [], []
+            x, r = shared, residual
+            for layer in range(layers):
+                x, r = jmp.moe_finalize_publish(routed[layer], weights[layer], indices[layer], x, mailbox=mailbox,
+                                                routed_scaling_factor=scale, residual=r, norm_weight=norm_weight,
+                                                norm_eps=eps)
+                outs.append(x)
+                residuals.append(r)
+            return jnp.stack(outs), jnp.stack(residuals)
+
+        chain = jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=(P(),) * 6, out_specs=P()))
+        for _ in range(3):  # the first runs record the graph, later ones replay it
+            outs, residuals = map(np.asarray, chain(*map(jnp.asarray, (routed, weights, indices, shared,
+                                                                       residual, norm_weight))))
+            previous_out, previous_residual = shared, residual
+            for layer in range(layers):
+                # Replicated inputs: both ranks' partials are the same p, so y = bf16(2 p).
+                problem = numerics.Problem(routed[layer], weights[layer], indices[layer], previous_out)
+                total, bound = numerics.expected_sum([problem] * 2, scale)
+                numerics.assert_epilogue_close(outs[layer], residuals[layer], total, bound, previous_residual,
+                                               norm_weight, eps, what=f"layer {layer}")
+                previous_out, previous_residual = outs[layer], residuals[layer]
+        mailbox.check()
