@@ -101,8 +101,11 @@ def add_rmsnorm(
 
     The mean and everything after it are float32. Returns ``(out, residual_out)``.
     """
-    residual_out = (y.astype(jnp.float32) + residual.astype(jnp.float32)).astype(jnp.bfloat16)
-    x = residual_out.astype(jnp.float32)
+    # An explicit rounding to bf16: XLA on GPU may keep a bf16 convert's input in float32
+    # (xla_allow_excess_precision), which would move this rounding point.
+    x = lax.reduce_precision(y.astype(jnp.float32) + residual.astype(jnp.float32), exponent_bits=8,
+                             mantissa_bits=7)
+    residual_out = x.astype(jnp.bfloat16)
     inverse_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps))
     out = (x * inverse_rms * norm_weight.astype(jnp.float32)).astype(jnp.bfloat16)
     return out, residual_out
