@@ -20,11 +20,13 @@ and RMSNorm in the same ``jit``; each layer's ``out`` feeds the next layer's
 shared input and its ``residual_out`` the next layer's residual. Twoshot has no
 fused epilogue, so those cases run oneshot only.
 
-Time per call = ``(T(12 iterations) - T(4 iterations)) / (8 * 32)``: one
+Time per call = ``(T(36 iterations) - T(4 iterations)) / (32 * 32)``: one
 dispatch per run, so host dispatch cancels, and the loop's own cost per
 iteration is spread over 32 calls. Each T is the median of ``--reps`` timed
 runs after a warm-up; the spread is the 10th-90th percentile of the paired
-per-call estimates.
+per-call estimates. (The runs of 2026-11-30 used 12 and 4 iterations, 256
+calls; their small-m figures moved by microseconds between repeats. The JSON
+records the iterations.)
 
 Each case also gets a *floor* (`report.bytes_per_rank` states the byte model):
 the slowest of its HBM bytes at the device copy bandwidth, its NVLink bytes at
@@ -101,7 +103,7 @@ import jax_moe_publish as jmp  # noqa: E402
 import report  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
 LAYERS = 32
-SHORT, LONG = 4, 12  # loop iterations
+SHORT, LONG = 4, 36  # loop iterations
 PROBLEMS = {
     "deepseek-v3": dict(hidden=7168, top_k=8, shared=True, scale=2.5),
     "qwen3-moe": dict(hidden=4096, top_k=8, shared=False, scale=1.0),
