@@ -235,11 +235,19 @@ class GroupMemory:
         for memory in self.ranks:
             with primary_context(memory.ordinal):
                 try:
+                    # Fails on a context that an earlier fault lost.
                     check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
                     self._set_word(memory, protocol.HALT, protocol.HALT_CLOSED)
                 except CudaError:
                     lost.append(memory.ordinal)
-                    continue
+        live = [memory for memory in self.ranks if memory.ordinal not in lost]
+        # Every rank's kernels store into every rank's mailbox: free none of them until
+        # the kernels that read HALT before it was set have finished on every device.
+        for memory in live:
+            with primary_context(memory.ordinal):
+                check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+        for memory in live:
+            with primary_context(memory.ordinal):
                 self._free_rank(memory, keep_control_words=True)
         _quarantine.append(self)
         return lost
