@@ -51,6 +51,17 @@ import os
 import sys
 
 
+# Launch shapes that --configs tries; tuning_variants keeps the valid ones per case.
+TUNING_GRID = {
+    "threads": (128, 256),
+    "elements_per_thread": (4, 8),
+    "prefetch_group": (4, 8),
+    "reduce_threads": (128, 256),
+    "enable_pdl": (True, False),
+    "fuse_reduce": (False, True),
+}
+
+
 def _parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="JSON file for every figure (needed unless --list-configs or "
@@ -71,6 +82,8 @@ def _parse():
     parser.add_argument("--configs", nargs="*", type=int, metavar="M",
                         help="also time every launch variant of tuning_variants() for ours, at these m "
                              "(no value: at every m); costs GPU time and needs the variants' cubins")
+    parser.add_argument("--tune-fields", nargs="+", choices=sorted(TUNING_GRID), default=sorted(TUNING_GRID),
+                        help="the TUNING_GRID fields that --configs varies (default: all)")
     parser.add_argument("--list-configs", action="store_true",
                         help="print a build command for every kernel the cases (and their tuning "
                              "variants) need, then exit")
@@ -111,14 +124,6 @@ PROBLEMS = {
 EPILOGUE_SUFFIX = "+rmsnorm"
 NORM_EPS = 1e-6
 WEIGHT_BYTES = 4  # the chains pass float32 router weights
-# Launch shapes that --configs tries; tuning_variants keeps the valid ones per case.
-TUNING_GRID = {
-    "threads": (128, 256),
-    "elements_per_thread": (4, 8),
-    "prefetch_group": (4, 8),
-    "reduce_threads": (128, 256),
-    "enable_pdl": (True, False),
-}
 COPY_SHAPE = (2**15, 2**16)  # bf16: 4 GiB, far past any cache
 P2P_SHAPE = (2**14, 2**15)  # bf16: 1 GiB
 TINY_SHAPE = (8,)
@@ -144,11 +149,13 @@ def case_config(problem, tp, mode, m):
 
 
 def tuning_variants(problem, tp, mode, m):
-    """The launch shapes ``--configs`` times for one case: the default first, then the rest of TUNING_GRID.
+    """The launch shapes ``--configs`` times for one case: the default first, then the rest of
+    TUNING_GRID over the ``--tune-fields``.
 
     Values a case cannot take are left out (``prefetch_group`` above top-k,
-    ``elements_per_thread`` not dividing hidden), and ``reduce_threads`` is not
-    varied for ``direct``, which has no reduce kernel.
+    ``elements_per_thread`` not dividing hidden), ``reduce_threads`` is not
+    varied for ``direct``, which has no reduce kernel, and ``fuse_reduce`` only
+    for oneshot without an epilogue, where it takes 8 elements per thread.
 
     Returns
     -------
@@ -163,7 +170,17 @@ def tuning_variants(problem, tp, mode, m):
     }
     if mode != "direct":
         grid["reduce_threads"] = TUNING_GRID["reduce_threads"]
-    variants = [base.replace(**dict(zip(grid, values))) for values in itertools.product(*grid.values())]
+    if mode == "oneshot" and base.epilogue == "none":
+        grid["fuse_reduce"] = TUNING_GRID["fuse_reduce"]
+    grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
+    variants = []
+    for values in itertools.product(*grid.values()):
+        changes = dict(zip(grid, values))
+        if changes.get("fuse_reduce", base.fuse_reduce):
+            if changes.get("elements_per_thread", 8) != 8:
+                continue
+            changes["elements_per_thread"] = 8
+        variants.append(base.replace(**changes))
     return list(dict.fromkeys([base, *variants]))
 
 
@@ -506,7 +523,8 @@ def environment():
     return {"date": datetime.date.today().isoformat(), "gpu": gpu.device_kind, "gpus": smi,
             "jax": jax.__version__, "commit": commit or os.environ.get("JMP_COMMIT", "unknown"),
             "command_buffer": not ARGS.no_command_buffer, "layers": LAYERS,
-            "iterations": [SHORT, LONG], "reps": ARGS.reps, "configs": ARGS.configs}
+            "iterations": [SHORT, LONG], "reps": ARGS.reps, "configs": ARGS.configs,
+            "tune_fields": ARGS.tune_fields}
 
 
 def write_json(data, path):

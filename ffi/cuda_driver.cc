@@ -53,6 +53,7 @@ CudaDriver Load() {
       Resolve(get_proc_address, "cuGetErrorString", &cuda.GetErrorString, &error) &&
       Resolve(get_proc_address, "cuInit", &cuda.Init, &error) &&
       Resolve(get_proc_address, "cuDeviceGet", &cuda.DeviceGet, &error) &&
+      Resolve(get_proc_address, "cuDeviceGetAttribute", &cuda.DeviceGetAttribute, &error) &&
       Resolve(get_proc_address, "cuDevicePrimaryCtxRetain", &cuda.DevicePrimaryCtxRetain,
               &error) &&
       Resolve(get_proc_address, "cuCtxPushCurrent", &cuda.CtxPushCurrent, &error) &&
@@ -61,6 +62,8 @@ CudaDriver Load() {
       Resolve(get_proc_address, "cuModuleUnload", &cuda.ModuleUnload, &error) &&
       Resolve(get_proc_address, "cuModuleGetFunction", &cuda.ModuleGetFunction, &error) &&
       Resolve(get_proc_address, "cuFuncSetAttribute", &cuda.FuncSetAttribute, &error) &&
+      Resolve(get_proc_address, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+              &cuda.OccupancyMaxActiveBlocksPerMultiprocessor, &error) &&
       Resolve(get_proc_address, "cuLaunchKernelEx", &cuda.LaunchKernelEx, &error) &&
       Resolve(get_proc_address, "cuStreamIsCapturing", &cuda.StreamIsCapturing, &error);
   if (!resolved) {

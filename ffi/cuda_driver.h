@@ -22,6 +22,7 @@ struct CudaDriver {
   PFN_cuGetErrorString_v6000 GetErrorString = nullptr;
   PFN_cuInit_v2000 Init = nullptr;
   PFN_cuDeviceGet_v2000 DeviceGet = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 DeviceGetAttribute = nullptr;
   PFN_cuDevicePrimaryCtxRetain_v7000 DevicePrimaryCtxRetain = nullptr;
   PFN_cuCtxPushCurrent_v4000 CtxPushCurrent = nullptr;
   PFN_cuCtxPopCurrent_v4000 CtxPopCurrent = nullptr;
@@ -29,6 +30,8 @@ struct CudaDriver {
   PFN_cuModuleUnload_v2000 ModuleUnload = nullptr;
   PFN_cuModuleGetFunction_v2000 ModuleGetFunction = nullptr;
   PFN_cuFuncSetAttribute_v9000 FuncSetAttribute = nullptr;
+  PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050 OccupancyMaxActiveBlocksPerMultiprocessor =
+      nullptr;
   PFN_cuLaunchKernelEx_v11060 LaunchKernelEx = nullptr;
   PFN_cuStreamIsCapturing_v10000 StreamIsCapturing = nullptr;
 };

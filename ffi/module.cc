@@ -69,10 +69,11 @@ NB_MODULE(_ffi, m) {
       "load_kernel_set",
       [](int64_t kernel_set_id, int device_ordinal, nb::bytes cubin, nb::list kernels,
          std::string mode, int64_t tp, int64_t hidden, int64_t top_k, bool fp32_weights,
-         bool include_shared_expert, bool pdl, std::string epilogue) {
+         bool include_shared_expert, bool pdl, std::string epilogue, bool fuse_reduce) {
         std::vector<jax_moe_publish::KernelSpec> specs = jax_moe_publish::ParseKernels(kernels);
         jax_moe_publish::KernelSetSpec spec{std::move(mode), tp,  hidden, top_k, fp32_weights,
-                                            include_shared_expert, pdl, std::move(epilogue)};
+                                            include_shared_expert, pdl, std::move(epilogue),
+                                            fuse_reduce};
         std::string_view image(cubin.c_str(), cubin.size());
         nb::gil_scoped_release release;  // A cubin load can take milliseconds.
         Registry::Get().LoadKernelSet(kernel_set_id, device_ordinal, image, specs, spec);
@@ -80,7 +81,7 @@ NB_MODULE(_ffi, m) {
       nb::arg("kernel_set_id"), nb::arg("device_ordinal"), nb::arg("cubin"), nb::arg("kernels"),
       nb::arg("mode"), nb::arg("tp"), nb::arg("hidden"), nb::arg("top_k"),
       nb::arg("fp32_weights"), nb::arg("include_shared_expert"), nb::arg("pdl"),
-      nb::arg("epilogue"));
+      nb::arg("epilogue"), nb::arg("fuse_reduce"));
 
   m.def(
       "register_mailbox_device",

@@ -2,7 +2,8 @@
 // reduction) and "jax_moe_publish_rmsnorm" (the same, with the residual add +
 // RMSNorm epilogue fused into the reduce). They check the call against its
 // kernel set and this device's mailbox, then launch the set's kernels
-// (publish, reduce or reduce_norm, gather) on XLA's stream.
+// (publish, reduce or reduce_norm, gather; or the one publish_reduce) on XLA's
+// stream.
 //
 // It is command-buffer compatible: execute reads only host state registered
 // before the first call and launches, with no allocation, synchronisation or
@@ -225,6 +226,20 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
     }
   }
 
+  for (const Kernel& kernel : set->kernels) {
+    const int64_t ctas = (kernel.rows == Rows::kM ? m : owned) * kernel.ctas_per_row;
+    if (kernel.max_resident_ctas > 0 && ctas > kernel.max_resident_ctas) {
+      // Its CTAs wait on the peers' CTAs of the same index: all must run at once.
+      return ffi::Error::InvalidArgument(
+          "m=" + std::to_string(m) + ": kernel set " + std::to_string(kernel_set_id) +
+          " (fuse_reduce) would launch " + std::to_string(ctas) + " CTAs, but device " +
+          std::to_string(device) + " holds " + std::to_string(kernel.max_resident_ctas) +
+          " at once; expected m <= " +
+          std::to_string(kernel.max_resident_ctas / kernel.ctas_per_row) +
+          ", or a kernel set without fuse_reduce");
+    }
+  }
+
   // Kernel parameters, in the ABI order that load_kernel_set checked.
   uint64_t routed_address = Address(routed);
   uint64_t weights_address = Address(weights);
@@ -240,6 +255,11 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
                             &shared_address, &mailbox.stage_state, &destination,
                             &num_rows,       &m32,             &capacity_m,
                             &rank};
+  void* publish_reduce_params[] = {&routed_address,      &weights_address,     &indices_address,
+                                   &shared_address,      &mailbox.mailbox,     &mailbox.peer_table,
+                                   &mailbox.stage_state, &mailbox.status,      &out_address,
+                                   &mailbox.timeout_ns,  &num_rows,            &m32,
+                                   &capacity_m,          &rank};
   void* wait_params[] = {&mailbox.mailbox, &mailbox.peer_table, &mailbox.stage_state,
                          &mailbox.status,  &out_address,        &mailbox.timeout_ns,
                          &m32,             &capacity_m,         &rank};
@@ -266,9 +286,10 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
   (capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? captured_executes : direct_executes)
       .fetch_add(1, std::memory_order_relaxed);
   for (const Kernel& kernel : set->kernels) {
-    void** params = kernel.role == Role::kPublish      ? publish_params
-                    : kernel.role == Role::kReduceNorm ? wait_norm_params
-                                                       : wait_params;
+    void** params = kernel.role == Role::kPublish         ? publish_params
+                    : kernel.role == Role::kPublishReduce ? publish_reduce_params
+                    : kernel.role == Role::kReduceNorm    ? wait_norm_params
+                                                          : wait_params;
     const int64_t rows = kernel.rows == Rows::kM ? m : owned;
     if (ffi::Error error = Launch(cuda, stream, kernel, set->pdl, rows, params); error.failure()) {
       return error;

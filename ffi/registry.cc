@@ -26,9 +26,16 @@ const std::vector<std::string>& ExpectedParams(Role role) {
   static const std::vector<std::string> wait_norm = {"u64", "u64", "u64", "u64", "u64",
                                                      "u64", "u32", "u32", "u32", "u64",
                                                      "u64", "u64", "f32"};
+  // routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out,
+  // timeout_ns, num_rows, m, capacity_m, rank
+  static const std::vector<std::string> publish_reduce = {"u64", "u64", "u64", "u64", "u64",
+                                                          "u64", "u64", "u64", "u64", "u64",
+                                                          "u32", "u32", "u32", "u32"};
   switch (role) {
     case Role::kPublish:
       return publish;
+    case Role::kPublishReduce:
+      return publish_reduce;
     case Role::kReduceNorm:
       return wait_norm;
     case Role::kReduce:
@@ -38,8 +45,10 @@ const std::vector<std::string>& ExpectedParams(Role role) {
   return wait;
 }
 
-// The kernels each mode launches, in order; the epilogue replaces reduce by reduce_norm.
-std::vector<Role> ExpectedRoles(Mode mode, Epilogue epilogue) {
+// The kernels each mode launches, in order; the epilogue replaces reduce by reduce_norm,
+// and fuse_reduce makes the call one publish_reduce.
+std::vector<Role> ExpectedRoles(Mode mode, Epilogue epilogue, bool fuse_reduce) {
+  if (fuse_reduce) return {Role::kPublishReduce};
   const Role reduce = epilogue == Epilogue::kNone ? Role::kReduce : Role::kReduceNorm;
   switch (mode) {
     case Mode::kDirect:
@@ -99,11 +108,15 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
                 spec.include_shared_expert,
                 spec.pdl,
                 ParseEpilogue(where, spec.epilogue),
+                spec.fuse_reduce,
                 {}};
   Require(set.epilogue == Epilogue::kNone || set.mode == Mode::kOneshot ||
               set.mode == Mode::kReduceScatter,
           where + ": epilogue=" + Quote(spec.epilogue) + " with mode=" + Quote(spec.mode) +
               ": expected mode 'oneshot' or 'reduce_scatter'");
+  Require(!set.fuse_reduce || (set.mode == Mode::kOneshot && set.epilogue == Epilogue::kNone),
+          where + ": fuse_reduce=true with mode=" + Quote(spec.mode) + " and epilogue=" +
+              Quote(spec.epilogue) + ": expected mode 'oneshot' and epilogue 'none'");
   Require(spec.tp >= 1, where + ": tp=" + std::to_string(spec.tp) + ": expected >= 1");
   Require((set.mode == Mode::kDirect) == (spec.tp == 1),
           where + ": tp=" + std::to_string(spec.tp) + " with mode=" + Quote(spec.mode) +
@@ -111,11 +124,12 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
   Require(spec.hidden >= 1, where + ": hidden=" + std::to_string(spec.hidden) + ": expected >= 1");
   Require(spec.top_k >= 1, where + ": top_k=" + std::to_string(spec.top_k) + ": expected >= 1");
 
-  std::vector<Role> roles = ExpectedRoles(set.mode, set.epilogue);
+  std::vector<Role> roles = ExpectedRoles(set.mode, set.epilogue, set.fuse_reduce);
   const std::string kind = "mode " + Quote(spec.mode) +
                            (set.epilogue == Epilogue::kNone
                                 ? std::string()
-                                : " with epilogue " + Quote(spec.epilogue));
+                                : " with epilogue " + Quote(spec.epilogue)) +
+                           (set.fuse_reduce ? " with fuse_reduce" : "");
   std::vector<std::string> given_roles;
   for (const KernelSpec& kernel : specs) given_roles.push_back(kernel.role);
   Require(given_roles.size() == roles.size(),
@@ -145,7 +159,7 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
     set.kernels.push_back(Kernel{role, nullptr, static_cast<unsigned>(kernel.block),
                                  static_cast<unsigned>(kernel.smem),
                                  static_cast<unsigned>(kernel.ctas_per_row),
-                                 kernel.rows == "m" ? Rows::kM : Rows::kOwned});
+                                 kernel.rows == "m" ? Rows::kM : Rows::kOwned, 0});
   }
   return set;
 }
@@ -175,6 +189,22 @@ class ScopedContext {
   const CudaDriver& cuda_;
 };
 
+// CTAs of `kernel` that the device runs at once: its occupancy per SM times the SMs.
+int64_t ResidentCtas(const CudaDriver& cuda, const std::string& where, int device,
+                     const Kernel& kernel) {
+  int per_sm = 0;
+  CheckCuda(cuda, where, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            cuda.OccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel.function,
+                                                           static_cast<int>(kernel.block),
+                                                           kernel.smem));
+  CUdevice handle;
+  CheckCuda(cuda, where, "cuDeviceGet", cuda.DeviceGet(&handle, device));
+  int sms = 0;
+  CheckCuda(cuda, where, "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
+            cuda.DeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, handle));
+  return static_cast<int64_t>(per_sm) * sms;
+}
+
 }  // namespace
 
 const char* RoleName(Role role) {
@@ -187,6 +217,8 @@ const char* RoleName(Role role) {
       return "reduce_norm";
     case Role::kGather:
       return "gather";
+    case Role::kPublishReduce:
+      return "publish_reduce";
   }
   return "unknown";
 }
@@ -235,6 +267,9 @@ void Registry::LoadKernelSet(int64_t kernel_set_id, int device, std::string_view
                   cuda.FuncSetAttribute(kernel.function,
                                         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         static_cast<int>(kernel.smem)));
+      }
+      if (kernel.role == Role::kPublishReduce) {
+        kernel.max_resident_ctas = ResidentCtas(cuda, where, device, kernel);
       }
     }
   } catch (...) {

@@ -23,7 +23,8 @@
 namespace jax_moe_publish {
 
 enum class Mode { kOneshot, kTwoshot, kReduceScatter, kDirect };
-enum class Role { kPublish, kReduce, kReduceNorm, kGather };
+// kPublishReduce: the whole call in one kernel (fuse_reduce, oneshot).
+enum class Role { kPublish, kReduce, kReduceNorm, kGather, kPublishReduce };
 // What the reduce does after the sum: nothing, or residual add + RMSNorm (reduce_norm).
 enum class Epilogue { kNone, kRmsNorm };
 // Grid rows of a kernel: m, or the ceil(m / tp) rows this rank owns.
@@ -52,6 +53,7 @@ struct KernelSetSpec {
   bool include_shared_expert = false;
   bool pdl = false;
   std::string epilogue = "none";
+  bool fuse_reduce = false;
 };
 
 struct Kernel {
@@ -61,6 +63,9 @@ struct Kernel {
   unsigned smem;
   unsigned ctas_per_row;
   Rows rows;
+  // CTAs the device holds at once; a publish_reduce grid must fit, since its CTAs
+  // wait on each other's peers. 0 for the other roles: no limit.
+  int64_t max_resident_ctas;
 };
 
 struct KernelSet {
@@ -72,6 +77,7 @@ struct KernelSet {
   bool include_shared_expert;
   bool pdl;
   Epilogue epilogue;
+  bool fuse_reduce;
   std::vector<Kernel> kernels;  // In launch order.
 };
 

@@ -33,7 +33,8 @@ MAX_TOP_K = 64
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads")
-_BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl")
+_BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
+                "fuse_reduce")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -81,6 +82,11 @@ class KernelConfig:
     reduce_threads : int
         Reduce threads per CTA; each moves 8 bf16 values per source (per
         fragment it holds, with the epilogue).
+    fuse_reduce : bool
+        One kernel per call (mode ``oneshot``): each publish thread then waits
+        for its own fragment from every peer, sums and re-arms, saving the
+        reduce launch. Its CTAs wait on the peers' CTAs of the same index, so
+        the launcher refuses an ``m`` whose grid is not co-resident on the GPU.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -103,6 +109,7 @@ class KernelConfig:
     load_shared_expert_before_pdl: bool = False
     enable_pdl: bool = True
     reduce_threads: int = 128
+    fuse_reduce: bool = False
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -172,6 +179,17 @@ class KernelConfig:
                 f"epilogue={self.epilogue!r} (at most {MAX_NORM_FRAGMENTS_PER_THREAD} fragments of "
                 f"the {self.reduce_fragments} of a row per thread)",
             )
+        if self.fuse_reduce:
+            _require(self.mode == "oneshot", "mode", self.mode, "'oneshot' with fuse_reduce=True")
+            _require(self.transport == "unicast", "transport", self.transport,
+                     "'unicast' with fuse_reduce=True")
+            _require(self.epilogue == "none", "epilogue", self.epilogue, "'none' with fuse_reduce=True")
+            # Each thread waits for exactly the fragment it published.
+            _require(
+                self.elements_per_thread == protocol.REDUCE_ELEMENTS,
+                "elements_per_thread", self.elements_per_thread,
+                f"{protocol.REDUCE_ELEMENTS} (one mailbox lane group) with fuse_reduce=True",
+            )
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",
@@ -220,6 +238,7 @@ class KernelConfig:
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         kind = self.mode if self.epilogue == "none" else f"{self.mode}-{self.epilogue}"
+        kind += "-fused" if self.fuse_reduce else ""
         return f"{kind}-h{self.hidden}-k{self.top_k}-tp{self.tp}-{self.arch}-{digest}"
 
     def to_dict(self) -> dict:

@@ -256,6 +256,7 @@ class Mailbox:
                         fp32_weights=config["fp32_weights"],
                         include_shared_expert=config["include_shared_expert"],
                         pdl=artifact.metadata["pdl"], epilogue=config["epilogue"],
+                        fuse_reduce=config["fuse_reduce"],
                     )
             self._loaded.add(key)
 

@@ -113,6 +113,7 @@ def load_kernel_set(
     include_shared_expert: bool,
     pdl: bool,
     epilogue: str = "none",
+    fuse_reduce: bool = False,
 ) -> None:
     """Load a kernel set's cubin on one device, for the FFI targets to launch.
 
@@ -136,13 +137,15 @@ def load_kernel_set(
         The compiled module (sm_90a), not PTX.
     kernels : sequence of mappings
         One record per ``.entry`` kernel, in launch order: ``role``
-        (``"publish"``, ``"reduce"``, ``"reduce_norm"``, ``"gather"``), ``symbol`` (entry name),
+        (``"publish"``, ``"reduce"``, ``"reduce_norm"``, ``"gather"``, ``"publish_reduce"``),
+        ``symbol`` (entry name),
         ``block`` (threads), ``smem`` (dynamic shared memory bytes),
         ``ctas_per_row``, ``rows`` (``"m"`` or ``"owned"``) and ``params``
         (the PTX parameter types, which must match the role's ABI). Mode
         ``direct`` has a publish kernel, ``oneshot`` and ``reduce_scatter``
         publish then reduce, ``twoshot`` publish, reduce, then gather. With
-        an epilogue, reduce_norm takes the place of reduce.
+        an epilogue, reduce_norm takes the place of reduce. With
+        ``fuse_reduce`` the set is one publish_reduce kernel.
     mode : {"oneshot", "twoshot", "reduce_scatter", "direct"}
     tp, hidden, top_k : int
         The problem the kernels were compiled for; calls are checked against it.
@@ -151,6 +154,11 @@ def load_kernel_set(
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the set is called through :data:`RMSNORM_TARGET_NAME`
         (modes ``oneshot`` and ``reduce_scatter`` only).
+    fuse_reduce : bool
+        The set's one kernel publishes and reduces (mode ``oneshot``, no
+        epilogue). Its CTAs wait on each other's peers, so calls whose grid
+        exceeds what the device holds at once (from the kernel's occupancy)
+        are refused.
 
     Raises
     ------
@@ -189,6 +197,7 @@ def load_kernel_set(
         _bool("include_shared_expert", include_shared_expert),
         _bool("pdl", pdl),
         epilogue,
+        _bool("fuse_reduce", fuse_reduce),
     )
 
 

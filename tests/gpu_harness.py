@@ -42,6 +42,7 @@ PROGRAMMATIC_STREAM_SERIALIZATION = (
 PUBLISH_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 4
 WAIT_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 3
 WAIT_NORM_TYPES = WAIT_TYPES + (ctypes.c_uint64,) * 3 + (ctypes.c_float,)
+PUBLISH_REDUCE_TYPES = (ctypes.c_uint64,) * 10 + (ctypes.c_uint32,) * 4
 # Dynamic shared memory above this needs an explicit opt-in per function (as in ffi/registry.cc).
 DEFAULT_SMEM_LIMIT = 48 * 1024
 MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -335,6 +336,12 @@ class GroupLauncher:
                       stage_state, destination, buffers.num_rows, m, capacity_m, publish_rank)
             return values, PUBLISH_TYPES
         memory = self.memory.ranks[rank]
+        if role == "publish_reduce":
+            values = (buffers.routed.address, buffers.weights.address, buffers.indices.address,
+                      0 if buffers.shared is None else buffers.shared.address, memory.mailbox,
+                      memory.peer_table, memory.stage_state, memory.status, buffers.out.address,
+                      self.timeout_ns, buffers.num_rows, m, self.memory.capacity_m, rank)
+            return values, PUBLISH_REDUCE_TYPES
         values = (memory.mailbox, memory.peer_table, memory.stage_state, memory.status,
                   buffers.out.address, self.timeout_ns, m, self.memory.capacity_m, rank)
         if role == "reduce_norm":

@@ -42,6 +42,8 @@ OTHER_SMALL = SMALL.replace(top_k=3)
 
 
 def expected_roles(config: KernelConfig) -> list[str]:
+    if config.fuse_reduce:
+        return ["publish_reduce"]
     roles = ["publish"]
     if config.tp > 1:
         roles.append("reduce" if config.epilogue == "none" else "reduce_norm")
@@ -54,7 +56,7 @@ def _ids(configs) -> list[str]:
     return [c.key for c in configs]
 
 
-def _kernel_params(configs, roles=("publish", "reduce", "reduce_norm", "gather")):
+def _kernel_params(configs, roles=("publish", "reduce", "reduce_norm", "gather", "publish_reduce")):
     """(config, role) of every kernel of ``configs`` whose role is in ``roles``."""
     return [
         pytest.param(c, role, id=f"{c.key}-{role}")
@@ -147,6 +149,8 @@ def test_metadata(builds, config):
         # One CTA per row, and one float per warp of dynamic shared memory.
         "reduce_norm": (config.reduce_threads, config.reduce_threads // 32 * 4, 1, rows),
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
+        # The publish's shape: each thread reduces the fragment it published.
+        "publish_reduce": (config.threads, 0, config.ctas_per_token, "m"),
     }
     for kernel in kernels:
         role = kernel["role"]
@@ -181,9 +185,14 @@ def test_ptx_entry_params_parses_every_entry():
 # What the PTX of each kernel must (not) contain.
 
 
+def publish_role(config) -> str:
+    """The kernel that finalizes: the publish, or the fused publish_reduce."""
+    return "publish_reduce" if config.fuse_reduce else "publish"
+
+
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
 def test_publish_loads(builds, config):
-    body = kernels_by_role(builds(config))["publish"]
+    body = kernels_by_role(builds(config))[publish_role(config)]
     load = publish_load(config)
     # One vector load per routed row and one for the shared row, all of the configured width.
     vector_loads = [op for op in opcodes(body, "ld.global") if re.search(r"\.v\d", op)]
@@ -192,13 +201,16 @@ def test_publish_loads(builds, config):
         # Routed rows are the preceding kernel's output: read only after griddepcontrol.wait.
         before_wait = body[:body.index("griddepcontrol.wait")]
         assert before_wait.count(load) == (1 if config.load_shared_expert_before_pdl else 0)
-    assert not opcodes(body, "trap") and "%globaltimer" not in body  # the publish never waits
+    if not config.fuse_reduce:
+        assert not opcodes(body, "trap") and "%globaltimer" not in body  # the publish never waits
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
 def test_publish_fan_out(builds, config):
     """Unicast oneshot stores to all tp peers, owner modes to the owner, multicast through one
     multimem.st, direct to the output."""
+    if config.fuse_reduce:
+        pytest.skip("test_fused_ptx counts the fused kernel's stores")
     body = kernels_by_role(builds(config))["publish"]
     multicast = config.transport == "multicast"
     if multicast:
@@ -225,6 +237,22 @@ def test_reduce_ptx(builds, config, role):
     # A timed-out wait and a call on a closed mailbox abort (unless the mailbox flags instead) ...
     assert opcodes(body, "trap") == ["trap", "trap"]
     assert "%globaltimer" in body  # ... after timeout_ns on the global timer
+    assert "multimem" not in body
+
+
+FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce]
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS, ids=_ids(FUSED_CONFIGS))
+def test_fused_ptx(builds, config):
+    """The publish's stores, then the reduce's polls, sum and re-arm, in one kernel."""
+    body = kernels_by_role(builds(config))["publish_reduce"]
+    # tp publish stores (one per peer-table entry), tp re-arms, the output, and NaN on a halted mailbox.
+    assert opcodes(body, "st.global") == ["st.global.v4.u32"] * (2 * config.tp + 2)
+    assert len(opcodes(body, "ld.global.nc.u64")) == config.tp
+    polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
+    assert polls and set(polls) == {"ld.volatile.global.v4.u32"}
+    assert opcodes(body, "trap") == ["trap", "trap"] and "%globaltimer" in body
     assert "multimem" not in body
 
 
@@ -271,12 +299,14 @@ def test_pdl_instructions(builds, config, role):
         return
     wait = body.index("griddepcontrol.wait")
     release = body.index("griddepcontrol.launch_dependents")
-    if role == "publish":
+    if role in ("publish", "publish_reduce"):
         # The stage and the inputs are read only after the predecessor has finished; the
-        # reduce is released then, before the first store.
+        # reduce (or, fused, the next call) is released then, before the first store.
         assert wait < release < first(body, "st.global")
         if config.mode != "direct":
             assert first(body, "ld.volatile") > wait
+        if role == "publish_reduce":
+            assert wait < body.index("atom.global.add") < body.rfind("st.volatile.global.s32")
     else:
         # A reduce reads the stage before it releases the next kernel (which may advance
         # it), and ends the call only after its predecessor, the publish, has finished.

@@ -63,6 +63,14 @@ INVALID = [
     ({"epilogue": "rmsnorm", **DIRECT}, "mode", "direct"),
     # 16384 / 8 = 2048 fragments of a row over 32 threads: 64 per thread, more than 8.
     ({"epilogue": "rmsnorm", "hidden": 16384, "reduce_threads": 32}, "reduce_threads", 32),
+    ({"fuse_reduce": 1}, "fuse_reduce", 1),
+    ({"fuse_reduce": True, "mode": "twoshot"}, "mode", "twoshot"),
+    ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
+    ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
+    ({"fuse_reduce": True, "transport": "multicast"}, "transport", "multicast"),
+    ({"fuse_reduce": True, "epilogue": "rmsnorm"}, "epilogue", "rmsnorm"),
+    # Each thread must wait for exactly the 16-byte lane group it published.
+    ({"fuse_reduce": True, "elements_per_thread": 4}, "elements_per_thread", 4),
 ]
 
 
@@ -166,6 +174,7 @@ CHANGED = {
     "load_shared_expert_before_pdl": True,
     "enable_pdl": False,
     "reduce_threads": 64,
+    "fuse_reduce": True,
     "epilogue": "rmsnorm",
     "arch": "sm_100a",
 }

@@ -38,8 +38,8 @@ TP1_CONFIGS = presets.test_variants(1)
 TP2_CONFIGS = presets.test_variants(2)
 # One config of each multi-rank mode, for the tests of consecutive calls.
 TP2_MODE_CONFIGS = [
-    next(c for c in TP2_CONFIGS if c.mode == mode) for mode in presets.MULTI_RANK_MODES
-]
+    next(c for c in TP2_CONFIGS if c.mode == mode and not c.fuse_reduce) for mode in presets.MULTI_RANK_MODES
+] + [next(c for c in TP2_CONFIGS if c.fuse_reduce)]
 TP2_ONESHOT_CONFIGS = [c for c in TP2_CONFIGS if c.mode == "oneshot"]
 
 

@@ -16,6 +16,7 @@ from jax_moe_publish import native
 PUBLISH_ABI = ["u64"] * 6 + ["u32"] * 4
 WAIT_ABI = ["u64"] * 6 + ["u32"] * 3
 WAIT_NORM_ABI = WAIT_ABI + ["u64"] * 3 + ["f32"]
+PUBLISH_REDUCE_ABI = ["u64"] * 10 + ["u32"] * 4
 
 # Mailbox ids are process-wide and closed ids stay closed, so every test takes fresh ones.
 _mailbox_ids = itertools.count(1_000_001)
@@ -37,7 +38,8 @@ def _kernel(role: str, **changes) -> dict:
         "smem": 0,
         "ctas_per_row": 7,
         "rows": "m",
-        "params": {"publish": PUBLISH_ABI, "reduce_norm": WAIT_NORM_ABI}.get(role, WAIT_ABI),
+        "params": {"publish": PUBLISH_ABI, "reduce_norm": WAIT_NORM_ABI,
+                   "publish_reduce": PUBLISH_REDUCE_ABI}.get(role, WAIT_ABI),
     }
     record.update(changes)
     return record
@@ -119,13 +121,16 @@ def test_load_kernel_set_without_libcuda_raises():
         ("twoshot", 8, ["publish", "reduce", "gather"]),
         ("oneshot-rmsnorm", 2, ["publish", "reduce_norm"]),
         ("reduce_scatter-rmsnorm", 8, ["publish", "reduce_norm"]),
+        ("oneshot-fused", 2, ["publish_reduce"]),
     ],
 )
 def test_valid_kernel_sets_reach_the_driver(mode, tp, roles):
-    mode, _, epilogue = mode.partition("-")
+    mode, _, variant = mode.partition("-")
     kernels = [_kernel(role) for role in roles]
+    epilogue = variant if variant == "rmsnorm" else "none"
     with pytest.raises(RuntimeError, match="libcuda"):
-        native.load_kernel_set(**_load_args(kernels=kernels, mode=mode, tp=tp, epilogue=epilogue or "none"))
+        native.load_kernel_set(**_load_args(kernels=kernels, mode=mode, tp=tp, epilogue=epilogue,
+                                            fuse_reduce=variant == "fused"))
 
 
 @pytest.mark.parametrize("role, given", [("publish", WAIT_ABI), ("reduce", PUBLISH_ABI)])
@@ -171,6 +176,17 @@ def test_load_kernel_set_refuses_wrong_abi(role, given):
          r"role='reduce_norm': mode 'oneshot' expects roles \['publish', 'reduce'\]"),
         ({"epilogue": "rmsnorm", "kernels": [_kernel("publish"), _kernel("reduce_norm", params=WAIT_ABI)]},
          r"the reduce_norm ABI is \['u64'.*'f32'\]"),
+        ({"fuse_reduce": True},
+         r"roles \['publish', 'reduce'\]: mode 'oneshot' with fuse_reduce expects \['publish_reduce'\]"),
+        ({"fuse_reduce": True, "kernels": [_kernel("publish_reduce", params=PUBLISH_ABI)]},
+         r"the publish_reduce ABI is \['u64'.*'u32'\]"),
+        ({"fuse_reduce": True, "mode": "twoshot", "kernels": [_kernel("publish_reduce")]},
+         r"fuse_reduce=true with mode='twoshot' and epilogue='none': expected mode 'oneshot'"),
+        ({"fuse_reduce": True, "epilogue": "rmsnorm", "kernels": [_kernel("publish_reduce")]},
+         r"fuse_reduce=true with mode='oneshot' and epilogue='rmsnorm': expected mode 'oneshot' and "
+         r"epilogue 'none'"),
+        ({"kernels": [_kernel("publish_reduce")]},
+         r"mode 'oneshot' expects \['publish', 'reduce'\]"),
     ],
 )
 def test_load_kernel_set_value_errors(changes, match):
@@ -192,6 +208,7 @@ def test_load_kernel_set_value_errors(changes, match):
         ({"mode": None}, "mode=None: expected a str"),
         ({"pdl": 1}, "pdl=1: expected a bool"),
         ({"epilogue": None}, "epilogue=None: expected a str"),
+        ({"fuse_reduce": 1}, "fuse_reduce=1: expected a bool"),
     ],
 )
 def test_load_kernel_set_type_errors(changes, match):

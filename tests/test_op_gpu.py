@@ -215,6 +215,25 @@ def test_call_after_close_is_an_error_not_a_crash():
 
 
 @pytest.mark.gpus(2)
+def test_fused_call_past_the_co_resident_grid_is_refused_before_it_runs():
+    """A fused call's CTAs wait on the peers' CTAs of the same index, so its grid must fit on
+    the GPU at once: a larger m is an error naming the limit, and the mailbox stays usable."""
+    rng = np.random.default_rng()
+    config = next(c for c in presets.test_variants(2) if c.fuse_reduce and c.hidden == 7168)
+    # 7 CTAs of 128 threads per token: 4096 tokens need 28672, far past 132 SMs x 16.
+    capacity = 4096
+    with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=capacity) as mb:
+        with pytest.raises(Exception, match=r"m=4096: kernel set \d+ \(fuse_reduce\) would launch 28672 "
+                                            r"CTAs, but device \d+ holds \d+ at once; expected m <= \d+"):
+            _per_rank_outputs(mb, _problems(rng, 2, capacity, config), config.routed_scaling_factor,
+                              config=config)
+        problems = _problems(rng, 2, 5, config)
+        outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor, config=config)
+        _check(outputs, problems, config.routed_scaling_factor, "oneshot")
+        mb.check()
+
+
+@pytest.mark.gpus(2)
 def test_status_block_stays_healthy():
     rng = np.random.default_rng()
     config = jmp.KernelConfig.default(tp=2, **presets.TEST_DEFAULT_PROBLEMS[0])

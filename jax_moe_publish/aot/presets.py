@@ -63,6 +63,10 @@ TEST_VARIANTS = (
          load_shared_expert_before_pdl=True, threads=64, reduce_threads=64),
     dict(hidden=2880, top_k=10, routed_scaling_factor=2.5, prefetch_group=5, enable_pdl=False,
          threads=96),
+    # One kernel per call (oneshot only): a full-width CTA, and a partial last CTA without PDL.
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True),
+    dict(hidden=2880, top_k=10, routed_scaling_factor=1.0, fp32_weights=True, include_shared_expert=False,
+         prefetch_group=5, enable_pdl=False, threads=96, fuse_reduce=True),
 )
 
 # The shapes the op tests and the example call with their default configs.
@@ -103,6 +107,8 @@ def test_variants(tp: int) -> list[KernelConfig]:
     """The kernel-level GPU test configs for a group of ``tp``."""
     configs = []
     for index, variant in enumerate(TEST_VARIANTS):
+        if tp == 1 and variant.get("fuse_reduce"):
+            continue  # a group's option
         if tp == 1:
             modes = ("direct",)
         elif index < 2:

@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.kernels.fused import FusedPublishReduceKernel
 from jax_moe_publish.kernels.publish import FinalizePublishKernel
 from jax_moe_publish.kernels.reduce import LamportReduceKernel
 from jax_moe_publish.kernels.reduce_norm import LamportReduceNormKernel, shared_bytes
@@ -25,7 +26,7 @@ from jax_moe_publish.kernels.reduce_norm import LamportReduceNormKernel, shared_
 class KernelLaunch:
     """How to launch one kernel of the call: grid = rows(m) * ctas_per_row."""
 
-    role: str  # "publish", "reduce", "reduce_norm" or "gather"
+    role: str  # "publish", "reduce", "reduce_norm", "gather" or "publish_reduce"
     block: int
     smem: int
     ctas_per_row: int
@@ -33,10 +34,12 @@ class KernelLaunch:
 
 
 class MoePublishProgram:
-    """Publish, then (for tp > 1) reduce, or reduce_norm with the epilogue, then (twoshot) gather."""
+    """Publish, then (for tp > 1) reduce, or reduce_norm with the epilogue, then (twoshot) gather;
+    with ``fuse_reduce``, the one publish_reduce kernel."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
+        self.fused = FusedPublishReduceKernel(config)
         self.publisher = FinalizePublishKernel(config)
         if config.epilogue == "none":
             self.reducer = LamportReduceKernel(config)
@@ -45,6 +48,8 @@ class MoePublishProgram:
 
     def launches(self) -> list[KernelLaunch]:
         cfg = self.config
+        if cfg.fuse_reduce:
+            return [KernelLaunch("publish_reduce", cfg.threads, 0, cfg.ctas_per_token, "m")]
         result = [KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_token, "m")]
         if cfg.mode != "direct":
             rows = "m" if cfg.mode == "oneshot" else "owned"
@@ -87,36 +92,47 @@ class MoePublishProgram:
         ``eps`` are parameters of reduce_norm alone (``KernelConfig.epilogue``)."""
         cfg = self.config
         launches = self.launches()
-        publish = launches[0]
-        self.publisher.publish(
-            routed, weights, indices, shared, stage_state, destination, num_rows, m, capacity_m, rank
-        ).launch(
-            grid=(m * publish.ctas_per_row, 1, 1),
-            block=(publish.block, 1, 1),
-            smem=publish.smem,
-            stream=stream,
-            use_pdl=cfg.enable_pdl,
-        )
-        reduce_args = (mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank)
-        if cutlass.const_expr(cfg.mode != "direct"):
-            reduce = launches[1]
-            rows = m if cutlass.const_expr(reduce.rows == "m") else (m + cfg.tp - 1) // cfg.tp
-            if cutlass.const_expr(cfg.epilogue == "none"):
-                kernel = self.reducer.reduce(*reduce_args)
-            else:
-                kernel = self.reducer.reduce_norm(*reduce_args, residual, norm_weight, residual_out, eps)
-            kernel.launch(
-                grid=(rows * reduce.ctas_per_row, 1, 1),
-                block=(reduce.block, 1, 1),
-                smem=reduce.smem,
+        if cutlass.const_expr(cfg.fuse_reduce):
+            self.fused.publish_reduce(
+                routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out, timeout_ns,
+                num_rows, m, capacity_m, rank,
+            ).launch(
+                grid=(m * launches[0].ctas_per_row, 1, 1),
+                block=(launches[0].block, 1, 1),
                 stream=stream,
                 use_pdl=cfg.enable_pdl,
             )
-        if cutlass.const_expr(cfg.mode == "twoshot"):
-            gather = launches[2]
-            self.reducer.gather(*reduce_args).launch(
-                grid=(m * gather.ctas_per_row, 1, 1),
-                block=(gather.block, 1, 1),
+        else:
+            publish = launches[0]
+            self.publisher.publish(
+                routed, weights, indices, shared, stage_state, destination, num_rows, m, capacity_m, rank
+            ).launch(
+                grid=(m * publish.ctas_per_row, 1, 1),
+                block=(publish.block, 1, 1),
+                smem=publish.smem,
                 stream=stream,
                 use_pdl=cfg.enable_pdl,
             )
+            reduce_args = (mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank)
+            if cutlass.const_expr(cfg.mode != "direct"):
+                reduce = launches[1]
+                rows = m if cutlass.const_expr(reduce.rows == "m") else (m + cfg.tp - 1) // cfg.tp
+                if cutlass.const_expr(cfg.epilogue == "none"):
+                    kernel = self.reducer.reduce(*reduce_args)
+                else:
+                    kernel = self.reducer.reduce_norm(*reduce_args, residual, norm_weight, residual_out, eps)
+                kernel.launch(
+                    grid=(rows * reduce.ctas_per_row, 1, 1),
+                    block=(reduce.block, 1, 1),
+                    smem=reduce.smem,
+                    stream=stream,
+                    use_pdl=cfg.enable_pdl,
+                )
+            if cutlass.const_expr(cfg.mode == "twoshot"):
+                gather = launches[2]
+                self.reducer.gather(*reduce_args).launch(
+                    grid=(m * gather.ctas_per_row, 1, 1),
+                    block=(gather.block, 1, 1),
+                    stream=stream,
+                    use_pdl=cfg.enable_pdl,
+                )

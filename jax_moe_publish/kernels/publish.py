@@ -55,14 +55,36 @@ class FinalizePublishKernel:
         rank: Int32,
     ) -> None:
         cfg = self.config
+        token, row_offset, in_range = self.position()
+        shared_words = self.begin_call(shared, token, row_offset, in_range)
+
+        stage = Int32(0)
+        halt = Int32(protocol.HALT_RUNNING)
+        if cutlass.const_expr(cfg.transport != "direct"):
+            stage, halt = self.read_stage(stage_state)
+
+        if in_range != 0 and token < m:
+            packed = self.finalize(routed, weights, indices, num_rows, token, row_offset, shared_words)
+            if halt == protocol.HALT_RUNNING:
+                self.store(packed, token, row_offset, destination, capacity_m, rank, stage)
+
+    # Pieces of the publish, traced inline here and in the fused kernel.
+
+    def position(self):
+        """(token, byte offset of the fragment in the row, Int32 1 if the fragment lies in the row)."""
+        cfg = self.config
         block, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         token = block // cfg.ctas_per_token
         fragment = (block % cfg.ctas_per_token) * cfg.threads + tidx
-        in_range = Int32(fragment < cfg.fragments)
-        row_offset = Int64(fragment) * (self.elements * BF16_BYTES)
+        return token, Int64(fragment) * (self.elements * BF16_BYTES), Int32(fragment < cfg.fragments)
 
+    def begin_call(self, shared, token, row_offset, in_range) -> list:
+        """Wait for the predecessor grid, let the next one launch, and return the shared
+        expert fragment (empty without it)."""
+        cfg = self.config
         shared_row = shared + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset
+        shared_words = []
         if cutlass.const_expr(cfg.load_shared_expert_before_pdl):
             shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
         if cutlass.const_expr(cfg.enable_pdl):
@@ -70,58 +92,60 @@ class FinalizePublishKernel:
             # experts), so nothing else is read before this wait.
             cute.arch.griddepcontrol_wait()
             # The reduce reads only the mailbox and the stage word, so it may start
-            # polling now, while this grid is still publishing.
+            # polling now, while this grid is still publishing. A successor of the fused
+            # kernel reads nothing before its own griddepcontrol.wait.
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(cfg.include_shared_expert and not cfg.load_shared_expert_before_pdl):
             shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
+        return shared_words
 
-        stage = Int32(0)
-        halt = Int32(protocol.HALT_RUNNING)
-        if cutlass.const_expr(cfg.transport != "direct"):
-            stage = ptx.load_volatile_s32(stage_state + protocol.NEXT_STAGE * 4)
-            # A halted mailbox may be freed (closed): store nothing; the reduce reports it.
-            halt = ptx.load_volatile_s32(stage_state + protocol.HALT * 4)
+    def read_stage(self, stage_state) -> tuple:
+        """The call's stage and the HALT word: a halted mailbox may be freed (closed), so
+        nothing may be stored into it."""
+        stage = ptx.load_volatile_s32(stage_state + protocol.NEXT_STAGE * 4)
+        halt = ptx.load_volatile_s32(stage_state + protocol.HALT * 4)
+        return stage, halt
 
-        if in_range != 0 and token < m:
-            # Every thread reads the token's indices and weights itself (the warp's
-            # loads of one address are one transaction): no shared memory, no barrier.
-            rows, scaled_weights = [], []
-            for k in cutlass.range_constexpr(cfg.top_k):
-                element = Int64(token) * cfg.top_k + Int64(k)
-                row = ptx.load_s32(indices + element * 4)
-                if cutlass.const_expr(cfg.fp32_weights):
-                    weight = ptx.load_f32(weights + element * 4)
-                else:
-                    weight = ptx.load_bf16_as_f32(weights + element * BF16_BYTES)
-                if cutlass.const_expr(cfg.routed_scaling_factor != 1.0):
-                    weight = weight * Float32(cfg.routed_scaling_factor)
-                valid = (row >= 0) & (row < num_rows)
-                rows.append((row, Int32(valid)))
-                # A skipped expert's weight is 0 so that a NaN weight stays skipped.
-                scaled_weights.append(Float32(cutlass.select_(valid, weight, Float32(0.0))))
-            accumulator = [Float32(0.0)] * self.elements
-            for group in cutlass.range_constexpr(self.prefetch_groups):
-                members = [
-                    k
-                    for k in range(group * cfg.prefetch_group, (group + 1) * cfg.prefetch_group)
-                    if k < cfg.top_k
-                ]
-                # Issue every load of the group before the first use.
-                loaded = []
-                for k in members:
-                    row, valid = rows[k]
-                    source = routed + Int64(row) * (cfg.hidden * BF16_BYTES) + row_offset
-                    loaded.append(ptx.load_words(source, self.words, predicate=valid))
-                for k, words in zip(members, loaded):
-                    accumulator = self._accumulate(accumulator, words, scaled_weights[k])
-            if cutlass.const_expr(cfg.include_shared_expert):
-                accumulator = self._accumulate(accumulator, shared_words, None)
-            packed = [
-                ptx.f32x2_to_bf16x2(accumulator[2 * i], accumulator[2 * i + 1])
-                for i in range(self.words)
+    def finalize(self, routed, weights, indices, num_rows, token, row_offset, shared_words) -> list:
+        """The bf16x2 words of one fragment of ``y[token]``."""
+        cfg = self.config
+        # Every thread reads the token's indices and weights itself (the warp's
+        # loads of one address are one transaction): no shared memory, no barrier.
+        rows, scaled_weights = [], []
+        for k in range(cfg.top_k):
+            element = Int64(token) * cfg.top_k + Int64(k)
+            row = ptx.load_s32(indices + element * 4)
+            if cutlass.const_expr(cfg.fp32_weights):
+                weight = ptx.load_f32(weights + element * 4)
+            else:
+                weight = ptx.load_bf16_as_f32(weights + element * BF16_BYTES)
+            if cutlass.const_expr(cfg.routed_scaling_factor != 1.0):
+                weight = weight * Float32(cfg.routed_scaling_factor)
+            valid = (row >= 0) & (row < num_rows)
+            rows.append((row, Int32(valid)))
+            # A skipped expert's weight is 0 so that a NaN weight stays skipped.
+            scaled_weights.append(Float32(cutlass.select_(valid, weight, Float32(0.0))))
+        accumulator = [Float32(0.0)] * self.elements
+        for group in range(self.prefetch_groups):
+            members = [
+                k
+                for k in range(group * cfg.prefetch_group, (group + 1) * cfg.prefetch_group)
+                if k < cfg.top_k
             ]
-            if halt == protocol.HALT_RUNNING:
-                self._store(packed, token, row_offset, destination, capacity_m, rank, stage)
+            # Issue every load of the group before the first use.
+            loaded = []
+            for k in members:
+                row, valid = rows[k]
+                source = routed + Int64(row) * (cfg.hidden * BF16_BYTES) + row_offset
+                loaded.append(ptx.load_words(source, self.words, predicate=valid))
+            for k, words in zip(members, loaded):
+                accumulator = self._accumulate(accumulator, words, scaled_weights[k])
+        if cutlass.const_expr(cfg.include_shared_expert):
+            accumulator = self._accumulate(accumulator, shared_words, None)
+        return [
+            ptx.f32x2_to_bf16x2(accumulator[2 * i], accumulator[2 * i + 1])
+            for i in range(self.words)
+        ]
 
     def _accumulate(self, accumulator: list, words: list, weight) -> list:
         """accumulator + weight * bf16(words), or + bf16(words) when weight is None."""
@@ -134,7 +158,7 @@ class FinalizePublishKernel:
                 result += [accumulator[2 * i] + weight * low, accumulator[2 * i + 1] + weight * high]
         return result
 
-    def _store(self, packed: list, token, row_offset, destination, capacity_m, rank, stage) -> None:
+    def store(self, packed: list, token, row_offset, destination, capacity_m, rank, stage) -> None:
         cfg = self.config
         if cutlass.const_expr(cfg.transport == "direct"):
             ptx.store_words(destination + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset, packed)

@@ -83,12 +83,12 @@ class LamportReduceKernel:
             else:
                 destination = out + Int64(token) * self.row_bytes + fragment_offset
             if token < m and halt != protocol.HALT_RUNNING:
-                self._halted(destination, halt, stage, token, stage_state, status)
+                self.halted(destination, halt, stage, token, stage_state, status)
             if token < m and halt == protocol.HALT_RUNNING:
-                slots, sources = self._wait_contributions(
+                slots, sources = self.wait_contributions(
                     mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state, status, timeout_ns
                 )
-                total = self._sum(sources)
+                total = self.sum_sources(sources)
                 if cutlass.const_expr(cfg.mode == "twoshot"):
                     # The owner's row and the peers' gathered copies must carry the same bits.
                     total = [ptx.positive_zero_bf16x2(word) for word in total]
@@ -108,7 +108,7 @@ class LamportReduceKernel:
                 if token >= m:
                     ptx.store_words(destination, [Uint32(0)] * WORDS)
         # In twoshot the gather ends the call and advances the stage.
-        self._finish_call(stage, stage_state, advance=cfg.mode != "twoshot")
+        self.finish_call(stage, stage_state, advance=cfg.mode != "twoshot", waited=False)
 
     @cute.kernel
     def gather(
@@ -131,7 +131,7 @@ class LamportReduceKernel:
         owner = token % cfg.tp
         if fragment < cfg.reduce_fragments and owner != rank and token < m:
             if halt != protocol.HALT_RUNNING:
-                self._halted(destination, halt, stage, token, stage_state, status)
+                self.halted(destination, halt, stage, token, stage_state, status)
             else:
                 slot = mailbox + self._gather_offset(stage, token, capacity_m) + fragment_offset
                 sources = self._wait(
@@ -139,9 +139,9 @@ class LamportReduceKernel:
                 )
                 ptx.store_words(destination, sources[0])
                 ptx.store_words(slot, EMPTY)
-        self._finish_call(stage, stage_state, advance=True)
+        self.finish_call(stage, stage_state, advance=True, waited=False)
 
-    # Pieces shared by both kernels (traced inline).
+    # Pieces of the wait side, traced inline here, in reduce_norm and in the fused kernel.
 
     def _position(self):
         """(row, 16-byte fragment) of this thread."""
@@ -163,7 +163,7 @@ class LamportReduceKernel:
         contributions = Int64(protocol.STAGES * self.config.tp) * Int64(capacity_m)
         return (contributions + Int64(stage) * Int64(capacity_m) + Int64(token)) * self.row_bytes
 
-    def _wait_contributions(self, mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state,
+    def wait_contributions(self, mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state,
                             status, timeout_ns) -> tuple[list, list]:
         """(addresses, words) of every rank's contribution to one fragment of slot
         ``[stage][*][slot]``, once all of them have arrived."""
@@ -213,7 +213,7 @@ class LamportReduceKernel:
         return [[rValues[i, w] for w in range(WORDS)] for i in range(len(slots))]
 
     @cute.jit
-    def _halted(self, destination, halt, stage, token, stage_state, status) -> None:
+    def halted(self, destination, halt, stage, token, stage_state, status) -> None:
         """A call on a halted mailbox: never touch the mailbox (a closed one is freed).
         On a closed one record that and trap (unless flagged); otherwise return NaN."""
         if halt == protocol.HALT_CLOSED:
@@ -246,7 +246,7 @@ class LamportReduceKernel:
                     waiting = Int32(0)
             ptx.trap()
 
-    def _sum(self, sources: list) -> list:
+    def sum_sources(self, sources: list) -> list:
         """bf16 words of the float32 sum of ``sources``, in source order."""
         low = [Float32(0.0)] * WORDS
         high = [Float32(0.0)] * WORDS
@@ -277,10 +277,12 @@ class LamportReduceKernel:
         return stage, halt
 
     @cute.jit
-    def _finish_call(self, stage, stage_state, advance: cutlass.Constexpr[bool]) -> None:
-        """Wait for the predecessor grid (so that the call ends after its publish), and
-        with ``advance`` let the last CTA to arrive move the stage and count the call."""
-        if cutlass.const_expr(self.config.enable_pdl):
+    def finish_call(self, stage, stage_state, advance: cutlass.Constexpr[bool],
+                    waited: cutlass.Constexpr[bool]) -> None:
+        """Wait for the predecessor grid (so that the call ends after its publish) unless this
+        kernel ``waited`` already, and with ``advance`` let the last CTA to arrive move the
+        stage and count the call."""
+        if cutlass.const_expr(self.config.enable_pdl and not waited):
             cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(advance):
             # Every thread of this CTA has read the stage before the CTA arrives.

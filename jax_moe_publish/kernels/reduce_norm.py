@@ -100,14 +100,14 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 offset, present = self._fragment(tidx, j)
                 if present != 0 and halt != protocol.HALT_RUNNING:
                     # Never touch a halted mailbox: report (closed) and trap, or NaN out.
-                    self._halted(residual_out + row_offset + offset, halt, stage, token, stage_state, status)
+                    self.halted(residual_out + row_offset + offset, halt, stage, token, stage_state, status)
                     for w in cutlass.range_constexpr(WORDS):
                         rResidualOut[j, w] = Uint32(NAN_BF16X2)
                 if present != 0 and halt == protocol.HALT_RUNNING:
-                    slots, sources = self._wait_contributions(
+                    slots, sources = self.wait_contributions(
                         mailbox, stage, row, offset, capacity_m, token, stage_state, status, timeout_ns
                     )
-                    total = self._sum(sources)
+                    total = self.sum_sources(sources)
                     for address in slots:
                         ptx.store_words(address, EMPTY)
                     for w in cutlass.range_constexpr(WORDS):
@@ -140,7 +140,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * WORDS)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * WORDS)
-        self._finish_call(stage, stage_state, advance=True)
+        self.finish_call(stage, stage_state, advance=True, waited=False)
 
     def _fragment(self, tidx, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's

@@ -1,0 +1,75 @@
+"""Publish and reduce in one kernel (``KernelConfig.fuse_reduce``, oneshot).
+
+Each thread finalizes one 16-byte fragment of a token, stores it into every
+peer's mailbox (its own included), then waits in its own mailbox for that same
+fragment from every rank, sums in rank order, writes the output and re-arms
+the slots it consumed: the publish and reduce kernels' steps, in one thread.
+A call is then one launch instead of two, which is what small ``m`` pays for.
+
+Progress needs the peers' CTAs of the same index to run: a CTA of rank r
+waits on the fragment that CTA ``i`` of every peer publishes before it waits
+itself. The launcher therefore refuses a grid that the GPU cannot hold at
+once (``load_kernel_set`` computes the limit from the occupancy).
+
+Rounding, summation order, stage protocol, timeout and halt word are those of
+`FinalizePublishKernel` and `LamportReduceKernel`, so a fused call returns the
+same bits as an unfused one of the same config otherwise.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from jax_moe_publish import protocol
+from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.kernels import ptx
+from jax_moe_publish.kernels.publish import BF16_BYTES, FinalizePublishKernel
+from jax_moe_publish.kernels.reduce import EMPTY, LamportReduceKernel
+
+
+class FusedPublishReduceKernel:
+    """Device code of a fused call; every compile-time choice comes from ``config``."""
+
+    def __init__(self, config: KernelConfig) -> None:
+        self.config = config
+        self.publisher = FinalizePublishKernel(config)
+        self.reducer = LamportReduceKernel(config)
+
+    @cute.kernel
+    def publish_reduce(
+        self,
+        routed: Int64,  # (num_rows, hidden) bf16
+        weights: Int64,  # (m, top_k) bf16 or f32
+        indices: Int64,  # (m, top_k) int32
+        shared: Int64,  # (m, hidden) bf16, read only with include_shared_expert
+        mailbox: Int64,  # this device's mailbox, bf16
+        peer_table: Int64,  # (tp,) u64: every rank's mailbox base, by rank
+        stage_state: Int64,  # (STAGE_STATE_WORDS,) int32
+        status: Int64,  # (STATUS_WORDS,) int32, host-visible diagnostics
+        out: Int64,  # (m, hidden) bf16
+        timeout_ns: Int64,
+        num_rows: Int32,
+        m: Int32,
+        capacity_m: Int32,
+        rank: Int32,
+    ) -> None:
+        token, fragment_offset, in_range = self.publisher.position()
+        shared_words = self.publisher.begin_call(shared, token, fragment_offset, in_range)
+        stage, halt = self.publisher.read_stage(stage_state)
+        destination = out + Int64(token) * (self.config.hidden * BF16_BYTES) + fragment_offset
+        if in_range != 0 and token < m:
+            if halt != protocol.HALT_RUNNING:
+                self.reducer.halted(destination, halt, stage, token, stage_state, status)
+            else:
+                packed = self.publisher.finalize(routed, weights, indices, num_rows, token, fragment_offset,
+                                                 shared_words)
+                self.publisher.store(packed, token, fragment_offset, peer_table, capacity_m, rank, stage)
+                slots, sources = self.reducer.wait_contributions(
+                    mailbox, stage, token, fragment_offset, capacity_m, token, stage_state, status, timeout_ns
+                )
+                ptx.store_words(destination, self.reducer.sum_sources(sources))
+                for address in slots:
+                    ptx.store_words(address, EMPTY)
+        self.reducer.finish_call(stage, stage_state, advance=True, waited=True)
