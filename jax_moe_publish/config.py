@@ -184,12 +184,6 @@ class KernelConfig:
             _require(self.transport == "unicast", "transport", self.transport,
                      "'unicast' with fuse_reduce=True")
             _require(self.epilogue == "none", "epilogue", self.epilogue, "'none' with fuse_reduce=True")
-            # Each thread waits for exactly the fragment it published.
-            _require(
-                self.elements_per_thread == protocol.REDUCE_ELEMENTS,
-                "elements_per_thread", self.elements_per_thread,
-                f"{protocol.REDUCE_ELEMENTS} (one mailbox lane group) with fuse_reduce=True",
-            )
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",

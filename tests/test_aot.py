@@ -247,11 +247,13 @@ FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce]
 def test_fused_ptx(builds, config):
     """The publish's stores, then the reduce's polls, sum and re-arm, in one kernel."""
     body = kernels_by_role(builds(config))["publish_reduce"]
-    # tp publish stores (one per peer-table entry), tp re-arms, the output, and NaN on a halted mailbox.
-    assert opcodes(body, "st.global") == ["st.global.v4.u32"] * (2 * config.tp + 2)
-    assert len(opcodes(body, "ld.global.nc.u64")) == config.tp
+    assert len(opcodes(body, "ld.global.nc.u64")) == config.tp  # the peer table
+    vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
+    # tp publish stores, tp re-arms, the output, and NaN on a halted mailbox.
+    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * (2 * config.tp + 2)
+    # Each thread polls the fragment it published, at its width.
     polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
-    assert polls and set(polls) == {"ld.volatile.global.v4.u32"}
+    assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
     assert opcodes(body, "trap") == ["trap", "trap"] and "%globaltimer" in body
     assert "multimem" not in body
 

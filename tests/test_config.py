@@ -69,8 +69,6 @@ INVALID = [
     ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
     ({"fuse_reduce": True, "transport": "multicast"}, "transport", "multicast"),
     ({"fuse_reduce": True, "epilogue": "rmsnorm"}, "epilogue", "rmsnorm"),
-    # Each thread must wait for exactly the 16-byte lane group it published.
-    ({"fuse_reduce": True, "elements_per_thread": 4}, "elements_per_thread", 4),
 ]
 
 

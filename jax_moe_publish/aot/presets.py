@@ -63,10 +63,11 @@ TEST_VARIANTS = (
          load_shared_expert_before_pdl=True, threads=64, reduce_threads=64),
     dict(hidden=2880, top_k=10, routed_scaling_factor=2.5, prefetch_group=5, enable_pdl=False,
          threads=96),
-    # One kernel per call (oneshot only): a full-width CTA, and a partial last CTA without PDL.
+    # One kernel per call (oneshot only): 16-byte fragments; 8-byte ones with a partial last
+    # CTA and without PDL.
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True),
     dict(hidden=2880, top_k=10, routed_scaling_factor=1.0, fp32_weights=True, include_shared_expert=False,
-         prefetch_group=5, enable_pdl=False, threads=96, fuse_reduce=True),
+         elements_per_thread=4, prefetch_group=5, enable_pdl=False, threads=96, fuse_reduce=True),
 )
 
 # The shapes the op tests and the example call with their default configs.

@@ -1,6 +1,7 @@
 """Publish and reduce in one kernel (``KernelConfig.fuse_reduce``, oneshot).
 
-Each thread finalizes one 16-byte fragment of a token, stores it into every
+Each thread finalizes one fragment of a token (``elements_per_thread`` bf16
+values: 8 or 16 bytes, a whole number of mailbox lanes), stores it into every
 peer's mailbox (its own included), then waits in its own mailbox for that same
 fragment from every rank, sums in rank order, writes the output and re-arms
 the slots it consumed: the publish and reduce kernels' steps, in one thread.
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, Uint32
 
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
 from jax_moe_publish.kernels.publish import BF16_BYTES, FinalizePublishKernel
-from jax_moe_publish.kernels.reduce import EMPTY, LamportReduceKernel
+from jax_moe_publish.kernels.reduce import LamportReduceKernel
 
 
 class FusedPublishReduceKernel:
@@ -35,7 +36,8 @@ class FusedPublishReduceKernel:
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
         self.publisher = FinalizePublishKernel(config)
-        self.reducer = LamportReduceKernel(config)
+        # Each thread polls exactly the fragment it published: 8 or 16 bytes.
+        self.reducer = LamportReduceKernel(config, fragment_words=config.elements_per_thread // 2)
 
     @cute.kernel
     def publish_reduce(
@@ -71,5 +73,5 @@ class FusedPublishReduceKernel:
                 )
                 ptx.store_words(destination, self.reducer.sum_sources(sources))
                 for address in slots:
-                    ptx.store_words(address, EMPTY)
+                    ptx.store_words(address, [Uint32(protocol.EMPTY_U32)] * self.reducer.fragment_words)
         self.reducer.finish_call(stage, stage_state, advance=True, waited=True)

@@ -48,9 +48,12 @@ DIAGNOSTIC_WAIT_NS = 100 * 10**6
 class LamportReduceKernel:
     """Device code of the consumer side; every compile-time choice comes from ``config``."""
 
-    def __init__(self, config: KernelConfig) -> None:
+    def __init__(self, config: KernelConfig, fragment_words: int = WORDS) -> None:
         self.config = config
         self.row_bytes = config.hidden * BF16_BYTES
+        # u32 words per mailbox poll in `_wait` and the fused kernel: 4, or 2 when the
+        # fused kernel publishes 4 elements per thread.
+        self.fragment_words = fragment_words
 
     # Kernels. Both take the same parameters, in this order.
 
@@ -180,11 +183,12 @@ class LamportReduceKernel:
 
         ``ranks[i]`` is the rank that fills ``slots[i]`` (for diagnostics).
         """
-        rValues = cute.make_rmem_tensor(cute.make_layout((len(slots), WORDS)), Uint32)
+        words_per_slot = self.fragment_words
+        rValues = cute.make_rmem_tensor(cute.make_layout((len(slots), words_per_slot)), Uint32)
         missing = Int32(0)
         for i in cutlass.range_constexpr(len(slots)):
-            words = ptx.load_volatile_words(slots[i], WORDS)
-            for w in cutlass.range_constexpr(WORDS):
+            words = ptx.load_volatile_words(slots[i], words_per_slot)
+            for w in cutlass.range_constexpr(words_per_slot):
                 rValues[i, w] = words[w]
             if ptx.has_empty_lane(words) != Uint32(0):
                 missing = missing | (Int32(1) << ranks[i])
@@ -194,8 +198,8 @@ class LamportReduceKernel:
             while missing != 0:
                 missing = Int32(0)
                 for i in cutlass.range_constexpr(len(slots)):
-                    words = ptx.load_volatile_words(slots[i], WORDS)
-                    for w in cutlass.range_constexpr(WORDS):
+                    words = ptx.load_volatile_words(slots[i], words_per_slot)
+                    for w in cutlass.range_constexpr(words_per_slot):
                         rValues[i, w] = words[w]
                     if ptx.has_empty_lane(words) != Uint32(0):
                         missing = missing | (Int32(1) << ranks[i])
@@ -208,9 +212,9 @@ class LamportReduceKernel:
                         missing = Int32(0)
             if timed_out != 0:
                 for i in cutlass.range_constexpr(len(slots)):
-                    for w in cutlass.range_constexpr(WORDS):
+                    for w in cutlass.range_constexpr(words_per_slot):
                         rValues[i, w] = Uint32(NAN_BF16X2)
-        return [[rValues[i, w] for w in range(WORDS)] for i in range(len(slots))]
+        return [[rValues[i, w] for w in range(words_per_slot)] for i in range(len(slots))]
 
     @cute.jit
     def halted(self, destination, halt, stage, token, stage_state, status) -> None:
@@ -218,7 +222,7 @@ class LamportReduceKernel:
         On a closed one record that and trap (unless flagged); otherwise return NaN."""
         if halt == protocol.HALT_CLOSED:
             self._record(protocol.STATUS_CLOSED, stage, token, 0, stage_state, status)
-        ptx.store_words(destination, [Uint32(NAN_BF16X2)] * WORDS)
+        ptx.store_words(destination, [Uint32(NAN_BF16X2)] * self.fragment_words)
 
     @cute.jit
     def _record(self, code, stage, token, missing, stage_state, status) -> None:
@@ -248,14 +252,15 @@ class LamportReduceKernel:
 
     def sum_sources(self, sources: list) -> list:
         """bf16 words of the float32 sum of ``sources``, in source order."""
-        low = [Float32(0.0)] * WORDS
-        high = [Float32(0.0)] * WORDS
+        count = len(sources[0])
+        low = [Float32(0.0)] * count
+        high = [Float32(0.0)] * count
         for words in sources:
-            for w in range(WORDS):
+            for w in range(count):
                 a, b = ptx.bf16x2_to_f32(words[w])
                 low[w] = low[w] + a
                 high[w] = high[w] + b
-        return [ptx.f32x2_to_bf16x2(low[w], high[w]) for w in range(WORDS)]
+        return [ptx.f32x2_to_bf16x2(low[w], high[w]) for w in range(count)]
 
     def _emit(self, address: Int64, words: list) -> None:
         """Write one reduced fragment: the place for a fused epilogue."""
