@@ -116,6 +116,11 @@ class Registry {
   // Execute-time lookups. Kernel sets are never unloaded, so the pointer stays
   // valid; nullptr when the set is not loaded on the device.
   const KernelSet* FindKernelSet(int64_t kernel_set_id, int device) const;
+
+  // The most rows (tokens) a call of a loaded set may have on the device: the
+  // co-resident limit of a publish_reduce set, or -1 for no limit. Throws
+  // std::invalid_argument when the set is not loaded there.
+  int64_t MaxRows(int64_t kernel_set_id, int device) const;
   MailboxState FindMailbox(int64_t mailbox_id, int device, MailboxDevice* found) const;
 
  private:

@@ -6,14 +6,24 @@ lets them run on a machine without CuTe DSL.
 
 from __future__ import annotations
 
-from jax_moe_publish.config import EPILOGUE_MODES, SMALL_M, KernelConfig
+from jax_moe_publish.config import EPILOGUE_MODES, FUSE_REDUCE_MAX_M, SMALL_M, KernelConfig
 
 TP_SIZES = (1, 2, 4, 8)
 MULTI_RANK_MODES = ("oneshot", "twoshot", "reduce_scatter")
 
 
-# One m of each launch-shape class of `KernelConfig.default`: latency-bound and bandwidth-bound.
-DEFAULT_SHAPE_MS = (SMALL_M, SMALL_M + 1)
+# One m of each launch-shape class of `KernelConfig.default`: latency-bound, bandwidth-bound
+# and fused, and bandwidth-bound.
+DEFAULT_SHAPE_MS = (SMALL_M, SMALL_M + 1, FUSE_REDUCE_MAX_M + 1)
+
+
+def with_fallbacks(configs: list[KernelConfig]) -> list[KernelConfig]:
+    """``configs`` and, after each fused one, the unfused config the op falls back to on a
+    GPU that cannot hold the fused grid."""
+    result = []
+    for config in configs:
+        result += [config, config.replace(fuse_reduce=False)] if config.fuse_reduce else [config]
+    return result
 
 
 def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str,
@@ -35,7 +45,7 @@ def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str,
                             fp32_weights=fp32_weights, m=m, epilogue=epilogue, arch=arch,
                         )
                     )
-    return configs
+    return with_fallbacks(configs)
 
 
 def deepseek_v3(arch: str = "sm_90a") -> list[KernelConfig]:
@@ -125,12 +135,12 @@ def test_variants(tp: int) -> list[KernelConfig]:
 def test_defaults(tp: int) -> list[KernelConfig]:
     """The default configs that the op tests reach through the public API."""
     modes = ("direct",) if tp == 1 else MULTI_RANK_MODES
-    return [
+    return with_fallbacks([
         KernelConfig.default(tp=tp, mode=mode, m=m, **problem)
         for problem in TEST_DEFAULT_PROBLEMS
         for mode in modes
         for m in DEFAULT_SHAPE_MS
-    ]
+    ])
 
 
 def tests(arch: str = "sm_90a") -> list[KernelConfig]:

@@ -19,7 +19,6 @@ same bits as an unfused one of the same config otherwise.
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
