@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_moe_publish.config import ARCHS, KernelConfig
+from jax_moe_publish.config import ARCHS, FUSE_REDUCE_MAX_M, KernelConfig
 
 # A valid oneshot config; each invalid case below changes a few fields of it.
 BASE = dict(hidden=1024, top_k=4, tp=2)
@@ -144,9 +144,25 @@ def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
     assert (config.epilogue, config.mode) == ("rmsnorm", mode)
     assert (config.reduce_threads, config.norm_fragments_per_thread) == (threads, per_thread)
     assert config.reduce_ctas_per_token == 1
-    # The same publish as without the epilogue.
+    # The same publish as without the epilogue (which may fuse its reduce into it).
     plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m)
-    assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
+    assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads,
+                          fuse_reduce=plain.fuse_reduce) == plain
+
+
+@pytest.mark.parametrize("m, mode, epilogue, fused", [
+    (1, "oneshot", "none", True),
+    (64, "oneshot", "none", True),
+    (FUSE_REDUCE_MAX_M, "oneshot", "none", True),
+    (FUSE_REDUCE_MAX_M + 1, "oneshot", "none", False),
+    (None, "oneshot", "none", False),
+    (1, "twoshot", "none", False),
+    (1, "reduce_scatter", "none", False),
+    (1, "oneshot", "rmsnorm", False),
+])
+def test_default_fuses_small_oneshot_calls(m, mode, epilogue, fused):
+    config = KernelConfig.default(hidden=7168, top_k=8, tp=2, mode=mode, m=m, epilogue=epilogue)
+    assert config.fuse_reduce is fused
 
 
 def test_default_refuses_epilogue_with_twoshot():

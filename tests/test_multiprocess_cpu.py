@@ -92,7 +92,7 @@ def test_kernels_load_only_on_this_processes_devices(monkeypatch):
     loaded = []
     monkeypatch.setattr(native, "load_kernel_set", lambda set_id, ordinal, *args, **kwargs: loaded.append(ordinal))
     config = dict(mode="oneshot", tp=2, hidden=64, top_k=2, fp32_weights=False, include_shared_expert=True,
-                  epilogue="none")
+                  epilogue="none", fuse_reduce=False)
     artifact = types.SimpleNamespace(cubin=b"cubin", metadata={"key": "k", "config": config, "kernels": [], "pdl": True})
     mailbox.ensure_loaded(artifact, 7)
     assert loaded == [0, 1]
