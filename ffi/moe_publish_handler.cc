@@ -2,8 +2,8 @@
 // reduction) and "jax_moe_publish_rmsnorm" (the same, with the residual add +
 // RMSNorm epilogue fused into the reduce). They check the call against its
 // kernel set and this device's mailbox, then launch the set's kernels
-// (publish, reduce or reduce_norm, gather; or the one publish_reduce) on XLA's
-// stream.
+// (publish, reduce or reduce_norm, gather; or the one publish_reduce or
+// publish_reduce_norm) on XLA's stream.
 //
 // It is command-buffer compatible: execute reads only host state registered
 // before the first call and launches, with no allocation, synchronisation or
@@ -268,6 +268,12 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
   uint64_t norm_weight_address = norm != nullptr ? Address(norm->norm_weight) : 0;
   uint64_t residual_out_address = norm != nullptr ? Address(norm->residual_out) : 0;
   float eps = norm != nullptr ? norm->eps : 0.0f;
+  void* publish_reduce_norm_params[] = {
+      &routed_address,       &weights_address,     &indices_address,      &shared_address,
+      &mailbox.mailbox,      &mailbox.peer_table,  &mailbox.stage_state,  &mailbox.status,
+      &out_address,          &mailbox.timeout_ns,  &num_rows,             &m32,
+      &capacity_m,           &rank,                &residual_address,     &norm_weight_address,
+      &residual_out_address, &eps};
   void* wait_norm_params[] = {&mailbox.mailbox,     &mailbox.peer_table,
                               &mailbox.stage_state, &mailbox.status,
                               &out_address,         &mailbox.timeout_ns,
@@ -286,10 +292,11 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
   (capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? captured_executes : direct_executes)
       .fetch_add(1, std::memory_order_relaxed);
   for (const Kernel& kernel : set->kernels) {
-    void** params = kernel.role == Role::kPublish         ? publish_params
-                    : kernel.role == Role::kPublishReduce ? publish_reduce_params
-                    : kernel.role == Role::kReduceNorm    ? wait_norm_params
-                                                          : wait_params;
+    void** params = kernel.role == Role::kPublish             ? publish_params
+                    : kernel.role == Role::kPublishReduce     ? publish_reduce_params
+                    : kernel.role == Role::kPublishReduceNorm ? publish_reduce_norm_params
+                    : kernel.role == Role::kReduceNorm        ? wait_norm_params
+                                                              : wait_params;
     const int64_t rows = kernel.rows == Rows::kM ? m : owned;
     if (ffi::Error error = Launch(cuda, stream, kernel, set->pdl, rows, params); error.failure()) {
       return error;

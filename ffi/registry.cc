@@ -32,11 +32,17 @@ const std::vector<std::string>& ExpectedParams(Role role) {
   static const std::vector<std::string> publish_reduce = {"u64", "u64", "u64", "u64", "u64",
                                                           "u64", "u64", "u64", "u64", "u64",
                                                           "u32", "u32", "u32", "u32"};
+  // The publish_reduce parameters, then residual, norm_weight, residual_out, eps
+  static const std::vector<std::string> publish_reduce_norm = {
+      "u64", "u64", "u64", "u64", "u64", "u64", "u64", "u64", "u64",
+      "u64", "u32", "u32", "u32", "u32", "u64", "u64", "u64", "f32"};
   switch (role) {
     case Role::kPublish:
       return publish;
     case Role::kPublishReduce:
       return publish_reduce;
+    case Role::kPublishReduceNorm:
+      return publish_reduce_norm;
     case Role::kReduceNorm:
       return wait_norm;
     case Role::kReduce:
@@ -47,9 +53,11 @@ const std::vector<std::string>& ExpectedParams(Role role) {
 }
 
 // The kernels each mode launches, in order; the epilogue replaces reduce by reduce_norm,
-// and fuse_reduce makes the call one publish_reduce.
+// and fuse_reduce makes the call one publish_reduce (publish_reduce_norm).
 std::vector<Role> ExpectedRoles(Mode mode, Epilogue epilogue, bool fuse_reduce) {
-  if (fuse_reduce) return {Role::kPublishReduce};
+  if (fuse_reduce) {
+    return {epilogue == Epilogue::kNone ? Role::kPublishReduce : Role::kPublishReduceNorm};
+  }
   const Role reduce = epilogue == Epilogue::kNone ? Role::kReduce : Role::kReduceNorm;
   switch (mode) {
     case Mode::kDirect:
@@ -115,9 +123,8 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
               set.mode == Mode::kReduceScatter,
           where + ": epilogue=" + Quote(spec.epilogue) + " with mode=" + Quote(spec.mode) +
               ": expected mode 'oneshot' or 'reduce_scatter'");
-  Require(!set.fuse_reduce || (set.mode == Mode::kOneshot && set.epilogue == Epilogue::kNone),
-          where + ": fuse_reduce=true with mode=" + Quote(spec.mode) + " and epilogue=" +
-              Quote(spec.epilogue) + ": expected mode 'oneshot' and epilogue 'none'");
+  Require(!set.fuse_reduce || set.mode == Mode::kOneshot,
+          where + ": fuse_reduce=true with mode=" + Quote(spec.mode) + ": expected mode 'oneshot'");
   Require(spec.tp >= 1, where + ": tp=" + std::to_string(spec.tp) + ": expected >= 1");
   Require((set.mode == Mode::kDirect) == (spec.tp == 1),
           where + ": tp=" + std::to_string(spec.tp) + " with mode=" + Quote(spec.mode) +
@@ -220,6 +227,8 @@ const char* RoleName(Role role) {
       return "gather";
     case Role::kPublishReduce:
       return "publish_reduce";
+    case Role::kPublishReduceNorm:
+      return "publish_reduce_norm";
   }
   return "unknown";
 }
@@ -269,7 +278,7 @@ void Registry::LoadKernelSet(int64_t kernel_set_id, int device, std::string_view
                                         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         static_cast<int>(kernel.smem)));
       }
-      if (kernel.role == Role::kPublishReduce) {
+      if (kernel.role == Role::kPublishReduce || kernel.role == Role::kPublishReduceNorm) {
         kernel.max_resident_ctas = ResidentCtas(cuda, where, device, kernel);
       }
     }

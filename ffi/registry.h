@@ -23,8 +23,8 @@
 namespace jax_moe_publish {
 
 enum class Mode { kOneshot, kTwoshot, kReduceScatter, kDirect };
-// kPublishReduce: the whole call in one kernel (fuse_reduce, oneshot).
-enum class Role { kPublish, kReduce, kReduceNorm, kGather, kPublishReduce };
+// kPublishReduce(Norm): the whole call in one kernel (fuse_reduce, oneshot; with the epilogue).
+enum class Role { kPublish, kReduce, kReduceNorm, kGather, kPublishReduce, kPublishReduceNorm };
 // What the reduce does after the sum: nothing, or residual add + RMSNorm (reduce_norm).
 enum class Epilogue { kNone, kRmsNorm };
 // Grid rows of a kernel: m, or the ceil(m / tp) rows this rank owns.
@@ -63,8 +63,8 @@ struct Kernel {
   unsigned smem;
   unsigned ctas_per_row;
   Rows rows;
-  // CTAs the device holds at once; a publish_reduce grid must fit, since its CTAs
-  // wait on each other's peers. 0 for the other roles: no limit.
+  // CTAs the device holds at once; a fused grid must fit, since its CTAs wait on
+  // each other's peers. 0 for the other roles: no limit.
   int64_t max_resident_ctas;
 };
 
@@ -118,7 +118,7 @@ class Registry {
   const KernelSet* FindKernelSet(int64_t kernel_set_id, int device) const;
 
   // The most rows (tokens) a call of a loaded set may have on the device: the
-  // co-resident limit of a publish_reduce set, or -1 for no limit. Throws
+  // co-resident limit of a fused set, or -1 for no limit. Throws
   // std::invalid_argument when the set is not loaded there.
   int64_t MaxRows(int64_t kernel_set_id, int device) const;
   MailboxState FindMailbox(int64_t mailbox_id, int device, MailboxDevice* found) const;

@@ -89,6 +89,8 @@ class KernelConfig:
         for its own fragment from every peer, sums and re-arms, saving the
         reduce launch. Its CTAs wait on the peers' CTAs of the same index, so
         the launcher refuses an ``m`` whose grid is not co-resident on the GPU.
+        With the epilogue the CTA is the row's (``threads == reduce_threads``,
+        8 elements, one fragment per thread: hidden <= 8192).
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -185,7 +187,17 @@ class KernelConfig:
             _require(self.mode == "oneshot", "mode", self.mode, "'oneshot' with fuse_reduce=True")
             _require(self.transport == "unicast", "transport", self.transport,
                      "'unicast' with fuse_reduce=True")
-            _require(self.epilogue == "none", "epilogue", self.epilogue, "'none' with fuse_reduce=True")
+            if self.epilogue != "none":
+                # Each thread publishes the one fragment of the row that it then normalizes.
+                _require(self.elements_per_thread == protocol.REDUCE_ELEMENTS, "elements_per_thread",
+                         self.elements_per_thread,
+                         f"{protocol.REDUCE_ELEMENTS} with fuse_reduce and epilogue={self.epilogue!r}")
+                _require(self.threads == self.reduce_threads, "threads", self.threads,
+                         f"reduce_threads={self.reduce_threads} with fuse_reduce and "
+                         f"epilogue={self.epilogue!r}")
+                _require(self.norm_fragments_per_thread == 1, "reduce_threads", self.reduce_threads,
+                         f"at least {self.reduce_fragments} (one fragment of the row per thread) with "
+                         f"fuse_reduce and epilogue={self.epilogue!r}")
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",
@@ -263,6 +275,7 @@ class KernelConfig:
         fp32_weights: bool = False,
         m: int | None = None,
         epilogue: Epilogue = "none",
+        fuse_reduce: bool | None = None,
         arch: str = "sm_90a",
     ) -> "KernelConfig":
         """The measured default launch shape for a problem of ``m`` tokens.
@@ -290,14 +303,19 @@ class KernelConfig:
             mode = "direct" if tp == 1 else "oneshot"
         transport = "direct" if mode == "direct" else "unicast"
         small = m is not None and m <= SMALL_M
-        fuse_reduce = (mode == "oneshot" and epilogue == "none" and m is not None
-                       and m <= FUSE_REDUCE_MAX_M)
+        if fuse_reduce is None:
+            fuse_reduce = mode == "oneshot" and m is not None and m <= FUSE_REDUCE_MAX_M
         elements = 8 if hidden % 8 == 0 and not small else 4
+        threads = 128
         reduce_threads = 256 if small else 128
         if epilogue != "none":
             fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
             per_thread = 1 if fragments <= MAX_THREADS else -(-fragments // (MAX_THREADS // 2))
             reduce_threads = -(-fragments // per_thread // 32) * 32
+            # Fused, the row's CTA publishes it too, a fragment per thread.
+            fuse_reduce = fuse_reduce and per_thread == 1 and mode == "oneshot"
+            if fuse_reduce:
+                elements, threads = protocol.REDUCE_ELEMENTS, reduce_threads
         return cls(
             hidden=hidden,
             top_k=top_k,
@@ -308,7 +326,7 @@ class KernelConfig:
             include_shared_expert=include_shared_expert,
             fp32_weights=fp32_weights,
             elements_per_thread=elements,
-            threads=128,
+            threads=threads,
             prefetch_group=min(8 if small else 4, top_k),
             reduce_threads=reduce_threads,
             fuse_reduce=fuse_reduce,

@@ -43,6 +43,7 @@ PUBLISH_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 4
 WAIT_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 3
 WAIT_NORM_TYPES = WAIT_TYPES + (ctypes.c_uint64,) * 3 + (ctypes.c_float,)
 PUBLISH_REDUCE_TYPES = (ctypes.c_uint64,) * 10 + (ctypes.c_uint32,) * 4
+PUBLISH_REDUCE_NORM_TYPES = PUBLISH_REDUCE_TYPES + (ctypes.c_uint64,) * 3 + (ctypes.c_float,)
 # Dynamic shared memory above this needs an explicit opt-in per function (as in ffi/registry.cc).
 DEFAULT_SMEM_LIMIT = 48 * 1024
 MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -336,19 +337,19 @@ class GroupLauncher:
                       stage_state, destination, buffers.num_rows, m, capacity_m, publish_rank)
             return values, PUBLISH_TYPES
         memory = self.memory.ranks[rank]
-        if role == "publish_reduce":
+        epilogue = ()
+        if role in ("reduce_norm", "publish_reduce_norm"):
+            epilogue = (buffers.residual.address, buffers.norm_weight.address,
+                        buffers.residual_out.address, buffers.eps)
+        if role in ("publish_reduce", "publish_reduce_norm"):
             values = (buffers.routed.address, buffers.weights.address, buffers.indices.address,
                       0 if buffers.shared is None else buffers.shared.address, memory.mailbox,
                       memory.peer_table, memory.stage_state, memory.status, buffers.out.address,
                       self.timeout_ns, buffers.num_rows, m, self.memory.capacity_m, rank)
-            return values, PUBLISH_REDUCE_TYPES
+            return values + epilogue, PUBLISH_REDUCE_NORM_TYPES if epilogue else PUBLISH_REDUCE_TYPES
         values = (memory.mailbox, memory.peer_table, memory.stage_state, memory.status,
                   buffers.out.address, self.timeout_ns, m, self.memory.capacity_m, rank)
-        if role == "reduce_norm":
-            epilogue = (buffers.residual.address, buffers.norm_weight.address,
-                        buffers.residual_out.address, buffers.eps)
-            return values + epilogue, WAIT_NORM_TYPES
-        return values, WAIT_TYPES
+        return values + epilogue, WAIT_NORM_TYPES if epilogue else WAIT_TYPES
 
     def synchronize(self) -> None:
         """Wait for every rank's device. The host deadline comes after any kernel wait would

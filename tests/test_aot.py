@@ -43,7 +43,7 @@ OTHER_SMALL = SMALL.replace(top_k=3)
 
 def expected_roles(config: KernelConfig) -> list[str]:
     if config.fuse_reduce:
-        return ["publish_reduce"]
+        return ["publish_reduce" if config.epilogue == "none" else "publish_reduce_norm"]
     roles = ["publish"]
     if config.tp > 1:
         roles.append("reduce" if config.epilogue == "none" else "reduce_norm")
@@ -56,7 +56,8 @@ def _ids(configs) -> list[str]:
     return [c.key for c in configs]
 
 
-def _kernel_params(configs, roles=("publish", "reduce", "reduce_norm", "gather", "publish_reduce")):
+def _kernel_params(configs, roles=("publish", "reduce", "reduce_norm", "gather", "publish_reduce",
+                                   "publish_reduce_norm")):
     """(config, role) of every kernel of ``configs`` whose role is in ``roles``."""
     return [
         pytest.param(c, role, id=f"{c.key}-{role}")
@@ -151,6 +152,8 @@ def test_metadata(builds, config):
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
         # The publish's shape: each thread reduces the fragment it published.
         "publish_reduce": (config.threads, 0, config.ctas_per_token, "m"),
+        # reduce_norm's shape, which the publish shares.
+        "publish_reduce_norm": (config.reduce_threads, config.reduce_threads // 32 * 4, 1, "m"),
     }
     for kernel in kernels:
         role = kernel["role"]
@@ -186,8 +189,8 @@ def test_ptx_entry_params_parses_every_entry():
 
 
 def publish_role(config) -> str:
-    """The kernel that finalizes: the publish, or the fused publish_reduce."""
-    return "publish_reduce" if config.fuse_reduce else "publish"
+    """The kernel that finalizes: the publish, or the fused kernel."""
+    return expected_roles(config)[0]
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
@@ -196,7 +199,9 @@ def test_publish_loads(builds, config):
     load = publish_load(config)
     # One vector load per routed row and one for the shared row, all of the configured width.
     vector_loads = [op for op in opcodes(body, "ld.global") if re.search(r"\.v\d", op)]
-    assert vector_loads == [load] * (config.top_k + config.include_shared_expert)
+    # (The fused epilogue also reads the residual and norm_weight fragments.)
+    row_inputs = 2 if config.fuse_reduce and config.epilogue != "none" else 0
+    assert vector_loads == [load] * (config.top_k + config.include_shared_expert + row_inputs)
     if config.enable_pdl:
         # Routed rows are the preceding kernel's output: read only after griddepcontrol.wait.
         before_wait = body[:body.index("griddepcontrol.wait")]
@@ -205,12 +210,14 @@ def test_publish_loads(builds, config):
         assert not opcodes(body, "trap") and "%globaltimer" not in body  # the publish never waits
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
+# The fused kernels' stores are counted by test_fused_ptx and test_reduce_norm_ptx.
+UNFUSED_CONFIGS = [c for c in ALL_CONFIGS if not c.fuse_reduce]
+
+
+@pytest.mark.parametrize("config", UNFUSED_CONFIGS, ids=_ids(UNFUSED_CONFIGS))
 def test_publish_fan_out(builds, config):
     """Unicast oneshot stores to all tp peers, owner modes to the owner, multicast through one
     multimem.st, direct to the output."""
-    if config.fuse_reduce:
-        pytest.skip("test_fused_ptx counts the fused kernel's stores")
     body = kernels_by_role(builds(config))["publish"]
     multicast = config.transport == "multicast"
     if multicast:
@@ -240,7 +247,7 @@ def test_reduce_ptx(builds, config, role):
     assert "multimem" not in body
 
 
-FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce]
+FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce and c.epilogue == "none"]
 
 
 @pytest.mark.parametrize("config", FUSED_CONFIGS, ids=_ids(FUSED_CONFIGS))
@@ -264,18 +271,32 @@ EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.epilogue != "none"]
 @pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=_ids(EPILOGUE_CONFIGS))
 def test_reduce_norm_ptx(builds, config):
     built = builds(config)
-    body = kernels_by_role(built)["reduce_norm"]
+    role = expected_roles(config)[-1]
+    body = kernels_by_role(built)[role]
     per_thread = config.norm_fragments_per_thread
-    # residual and norm_weight: one 16-byte load each per fragment, all issued before the
-    # stage read and the mailbox polls (they do not depend on the publish).
-    input_loads = opcodes(body, "ld.global.nc")
-    assert input_loads == ["ld.global.nc.L1::no_allocate.v4.u32"] * (2 * per_thread)
-    last_input_load = body.rfind("ld.global.nc.L1::no_allocate.v4.u32")
-    assert last_input_load < first(body, "ld.volatile")
-    # Stores per fragment: NaN into residual_out on a halted mailbox, tp re-arms, residual_out
-    # and out (and zeros for rows of no token).
-    zero_rows = 2 if config.mode == "reduce_scatter" else 0
-    stores = per_thread * (1 + config.tp + 2 + zero_rows)
+    if config.fuse_reduce:
+        # residual, norm_weight, the routed rows and the shared row: all read only after
+        # griddepcontrol.wait (the residual may be the previous call's residual_out), and
+        # residual and weight before the mailbox polls.
+        input_loads = opcodes(body, "ld.global.nc.L1")
+        assert input_loads == [publish_load(config)] * (2 + config.top_k + config.include_shared_expert)
+        if config.enable_pdl:
+            assert body.index("griddepcontrol.wait") < body.index("ld.global.nc.L1")
+        polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
+        assert polls and set(polls) == {"ld.volatile.global.v4.u32"}
+        # tp publish stores, then as below.
+        stores = config.tp + per_thread * (1 + config.tp + 2)
+    else:
+        # residual and norm_weight: one 16-byte load each per fragment, all issued before the
+        # stage read and the mailbox polls (they do not depend on the publish).
+        input_loads = opcodes(body, "ld.global.nc")
+        assert input_loads == ["ld.global.nc.L1::no_allocate.v4.u32"] * (2 * per_thread)
+        last_input_load = body.rfind("ld.global.nc.L1::no_allocate.v4.u32")
+        assert last_input_load < first(body, "ld.volatile")
+        # Stores per fragment: NaN into residual_out on a halted mailbox, tp re-arms, residual_out
+        # and out (and zeros for rows of no token).
+        zero_rows = 2 if config.mode == "reduce_scatter" else 0
+        stores = per_thread * (1 + config.tp + 2 + zero_rows)
     assert opcodes(body, "st.global") == ["st.global.v4.u32"] * stores
     # The row's sum of squares: a butterfly in each warp, then one barrier before the
     # warp sums are read back; then one rsqrt.
@@ -284,7 +305,7 @@ def test_reduce_norm_ptx(builds, config):
     assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"]
     # Shared memory is the dynamic kind, and what the kernel touches fits the launch's.
     assert "__dynamic_shmem__" in body and not re.search(r"^\s*\.shared\b", built.ptx, re.M)
-    smem = next(k["smem"] for k in built.metadata["kernels"] if k["role"] == "reduce_norm")
+    smem = next(k["smem"] for k in built.metadata["kernels"] if k["role"] == role)
     ends = [int(offset or 0) + {"": 4, "v2.": 8, "v4.": 16}[vector]
             for vector, offset in re.findall(r"ld\.shared\.(v\d\.|)b32\s[^\[]*\[%r\d+(?:\+(\d+))?\]", body)]
     assert ends and max(ends) <= smem
@@ -301,13 +322,13 @@ def test_pdl_instructions(builds, config, role):
         return
     wait = body.index("griddepcontrol.wait")
     release = body.index("griddepcontrol.launch_dependents")
-    if role in ("publish", "publish_reduce"):
+    if role in ("publish", "publish_reduce", "publish_reduce_norm"):
         # The stage and the inputs are read only after the predecessor has finished; the
         # reduce (or, fused, the next call) is released then, before the first store.
         assert wait < release < first(body, "st.global")
         if config.mode != "direct":
             assert first(body, "ld.volatile") > wait
-        if role == "publish_reduce":
+        if role != "publish":
             assert wait < body.index("atom.global.add") < body.rfind("st.volatile.global.s32")
     else:
         # A reduce reads the stage before it releases the next kernel (which may advance

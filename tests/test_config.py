@@ -68,7 +68,12 @@ INVALID = [
     ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
     ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
     ({"fuse_reduce": True, "transport": "multicast"}, "transport", "multicast"),
-    ({"fuse_reduce": True, "epilogue": "rmsnorm"}, "epilogue", "rmsnorm"),
+    # With the epilogue the row's CTA publishes: one 16-byte fragment per thread.
+    ({"fuse_reduce": True, "epilogue": "rmsnorm", "reduce_threads": 256}, "threads", 128),
+    ({"fuse_reduce": True, "epilogue": "rmsnorm", "threads": 256}, "threads", 256),
+    ({"fuse_reduce": True, "epilogue": "rmsnorm", "elements_per_thread": 4}, "elements_per_thread", 4),
+    ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 2048, "threads": 128, "reduce_threads": 128},
+     "reduce_threads", 128),
 ]
 
 
@@ -144,10 +149,14 @@ def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
     assert (config.epilogue, config.mode) == ("rmsnorm", mode)
     assert (config.reduce_threads, config.norm_fragments_per_thread) == (threads, per_thread)
     assert config.reduce_ctas_per_token == 1
-    # The same publish as without the epilogue (which may fuse its reduce into it).
-    plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m)
-    assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads,
-                          fuse_reduce=plain.fuse_reduce) == plain
+    # A small oneshot call is one kernel whose row CTA publishes too, one fragment per thread;
+    # otherwise the publish is the one without the epilogue.
+    assert config.fuse_reduce is (m == 1 and mode == "oneshot" and per_thread == 1)
+    if config.fuse_reduce:
+        assert (config.threads, config.elements_per_thread) == (threads, 8)
+    else:
+        plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, fuse_reduce=False)
+        assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
 
 
 @pytest.mark.parametrize("m, mode, epilogue, fused", [
@@ -158,11 +167,20 @@ def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
     (None, "oneshot", "none", False),
     (1, "twoshot", "none", False),
     (1, "reduce_scatter", "none", False),
-    (1, "oneshot", "rmsnorm", False),
+    (1, "oneshot", "rmsnorm", True),
+    (FUSE_REDUCE_MAX_M + 1, "oneshot", "rmsnorm", False),
+    (1, "reduce_scatter", "rmsnorm", False),
 ])
 def test_default_fuses_small_oneshot_calls(m, mode, epilogue, fused):
     config = KernelConfig.default(hidden=7168, top_k=8, tp=2, mode=mode, m=m, epilogue=epilogue)
     assert config.fuse_reduce is fused
+    assert KernelConfig.default(hidden=7168, top_k=8, tp=2, mode=mode, m=m, epilogue=epilogue,
+                                fuse_reduce=False).fuse_reduce is False
+
+
+def test_default_does_not_fuse_the_epilogue_of_rows_wider_than_a_cta():
+    # 16384 / 8 = 2048 fragments: more than one per thread of 1024.
+    assert not KernelConfig.default(hidden=16384, top_k=8, tp=2, m=1, epilogue="rmsnorm").fuse_reduce
 
 
 def test_default_refuses_epilogue_with_twoshot():

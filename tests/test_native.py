@@ -17,6 +17,7 @@ PUBLISH_ABI = ["u64"] * 6 + ["u32"] * 4
 WAIT_ABI = ["u64"] * 6 + ["u32"] * 3
 WAIT_NORM_ABI = WAIT_ABI + ["u64"] * 3 + ["f32"]
 PUBLISH_REDUCE_ABI = ["u64"] * 10 + ["u32"] * 4
+PUBLISH_REDUCE_NORM_ABI = PUBLISH_REDUCE_ABI + ["u64"] * 3 + ["f32"]
 
 # Mailbox ids are process-wide and closed ids stay closed, so every test takes fresh ones.
 _mailbox_ids = itertools.count(1_000_001)
@@ -39,7 +40,8 @@ def _kernel(role: str, **changes) -> dict:
         "ctas_per_row": 7,
         "rows": "m",
         "params": {"publish": PUBLISH_ABI, "reduce_norm": WAIT_NORM_ABI,
-                   "publish_reduce": PUBLISH_REDUCE_ABI}.get(role, WAIT_ABI),
+                   "publish_reduce": PUBLISH_REDUCE_ABI,
+                   "publish_reduce_norm": PUBLISH_REDUCE_NORM_ABI}.get(role, WAIT_ABI),
     }
     record.update(changes)
     return record
@@ -122,15 +124,16 @@ def test_load_kernel_set_without_libcuda_raises():
         ("oneshot-rmsnorm", 2, ["publish", "reduce_norm"]),
         ("reduce_scatter-rmsnorm", 8, ["publish", "reduce_norm"]),
         ("oneshot-fused", 2, ["publish_reduce"]),
+        ("oneshot-rmsnorm-fused", 4, ["publish_reduce_norm"]),
     ],
 )
 def test_valid_kernel_sets_reach_the_driver(mode, tp, roles):
-    mode, _, variant = mode.partition("-")
+    mode, *variants = mode.split("-")
     kernels = [_kernel(role) for role in roles]
-    epilogue = variant if variant == "rmsnorm" else "none"
+    epilogue = "rmsnorm" if "rmsnorm" in variants else "none"
     with pytest.raises(RuntimeError, match="libcuda"):
         native.load_kernel_set(**_load_args(kernels=kernels, mode=mode, tp=tp, epilogue=epilogue,
-                                            fuse_reduce=variant == "fused"))
+                                            fuse_reduce="fused" in variants))
 
 
 @pytest.mark.parametrize("role, given", [("publish", WAIT_ABI), ("reduce", PUBLISH_ABI)])
@@ -181,10 +184,13 @@ def test_load_kernel_set_refuses_wrong_abi(role, given):
         ({"fuse_reduce": True, "kernels": [_kernel("publish_reduce", params=PUBLISH_ABI)]},
          r"the publish_reduce ABI is \['u64'.*'u32'\]"),
         ({"fuse_reduce": True, "mode": "twoshot", "kernels": [_kernel("publish_reduce")]},
-         r"fuse_reduce=true with mode='twoshot' and epilogue='none': expected mode 'oneshot'"),
+         r"fuse_reduce=true with mode='twoshot': expected mode 'oneshot'"),
         ({"fuse_reduce": True, "epilogue": "rmsnorm", "kernels": [_kernel("publish_reduce")]},
-         r"fuse_reduce=true with mode='oneshot' and epilogue='rmsnorm': expected mode 'oneshot' and "
-         r"epilogue 'none'"),
+         r"role='publish_reduce': mode 'oneshot' with epilogue 'rmsnorm' with fuse_reduce expects roles "
+         r"\['publish_reduce_norm'\]"),
+        ({"fuse_reduce": True, "epilogue": "rmsnorm",
+          "kernels": [_kernel("publish_reduce_norm", params=PUBLISH_REDUCE_ABI)]},
+         r"the publish_reduce_norm ABI is \['u64'.*'f32'\]"),
         ({"kernels": [_kernel("publish_reduce")]},
          r"mode 'oneshot' expects \['publish', 'reduce'\]"),
     ],

@@ -25,12 +25,15 @@ REDUCE_NORM_PARAMS = REDUCE_PARAMS + ["u64"] * 3 + ["f32"]
 # routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out, timeout_ns,
 # num_rows, m, capacity_m, rank.
 PUBLISH_REDUCE_PARAMS = ["u64"] * 10 + ["u32"] * 4
+# Those, then residual, norm_weight, residual_out and eps.
+PUBLISH_REDUCE_NORM_PARAMS = PUBLISH_REDUCE_PARAMS + ["u64"] * 3 + ["f32"]
 EXPECTED_PARAMS = {
     "publish": PUBLISH_PARAMS,
     "reduce": REDUCE_PARAMS,
     "reduce_norm": REDUCE_NORM_PARAMS,
     "gather": REDUCE_PARAMS,
     "publish_reduce": PUBLISH_REDUCE_PARAMS,
+    "publish_reduce_norm": PUBLISH_REDUCE_NORM_PARAMS,
 }
 # The kernels of a call, in launch order, by mode (without an epilogue).
 ROLES = {
@@ -44,9 +47,9 @@ ROLES = {
 def expected_roles(config: dict) -> list[str]:
     """The kernels of a call of ``config`` (a `KernelConfig.to_dict`), in launch order:
     with an epilogue, reduce_norm takes the reduce's place; with fuse_reduce, one
-    publish_reduce is the call."""
+    publish_reduce (publish_reduce_norm) is the call."""
     if config.get("fuse_reduce", False):
-        return ["publish_reduce"]
+        return ["publish_reduce" if config.get("epilogue", "none") == "none" else "publish_reduce_norm"]
     roles = ROLES[config["mode"]]
     if config.get("epilogue", "none") == "none":
         return roles

@@ -26,7 +26,7 @@ from jax_moe_publish.kernels.reduce_norm import LamportReduceNormKernel, shared_
 class KernelLaunch:
     """How to launch one kernel of the call: grid = rows(m) * ctas_per_row."""
 
-    role: str  # "publish", "reduce", "reduce_norm", "gather" or "publish_reduce"
+    role: str  # "publish", "reduce", "reduce_norm", "gather", "publish_reduce", "publish_reduce_norm"
     block: int
     smem: int
     ctas_per_row: int
@@ -35,7 +35,7 @@ class KernelLaunch:
 
 class MoePublishProgram:
     """Publish, then (for tp > 1) reduce, or reduce_norm with the epilogue, then (twoshot) gather;
-    with ``fuse_reduce``, the one publish_reduce kernel."""
+    with ``fuse_reduce``, the one publish_reduce (or publish_reduce_norm) kernel."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
@@ -48,8 +48,10 @@ class MoePublishProgram:
 
     def launches(self) -> list[KernelLaunch]:
         cfg = self.config
-        if cfg.fuse_reduce:
+        if cfg.fuse_reduce and cfg.epilogue == "none":
             return [KernelLaunch("publish_reduce", cfg.threads, 0, cfg.ctas_per_token, "m")]
+        if cfg.fuse_reduce:
+            return [KernelLaunch("publish_reduce_norm", cfg.reduce_threads, shared_bytes(cfg), 1, "m")]
         result = [KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_token, "m")]
         if cfg.mode != "direct":
             rows = "m" if cfg.mode == "oneshot" else "owned"
@@ -93,12 +95,16 @@ class MoePublishProgram:
         cfg = self.config
         launches = self.launches()
         if cutlass.const_expr(cfg.fuse_reduce):
-            self.fused.publish_reduce(
-                routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out, timeout_ns,
-                num_rows, m, capacity_m, rank,
-            ).launch(
+            call = (routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out, timeout_ns,
+                    num_rows, m, capacity_m, rank)
+            if cutlass.const_expr(cfg.epilogue == "none"):
+                kernel = self.fused.publish_reduce(*call)
+            else:
+                kernel = self.reducer.publish_reduce_norm(*call, residual, norm_weight, residual_out, eps)
+            kernel.launch(
                 grid=(m * launches[0].ctas_per_row, 1, 1),
                 block=(launches[0].block, 1, 1),
+                smem=launches[0].smem,
                 stream=stream,
                 use_pdl=cfg.enable_pdl,
             )

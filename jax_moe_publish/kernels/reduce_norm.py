@@ -30,6 +30,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
+from jax_moe_publish.kernels.publish import FinalizePublishKernel
 from jax_moe_publish.kernels.reduce import EMPTY, FRAGMENT_BYTES, NAN_BF16X2, WORDS, LamportReduceKernel
 
 WARP = 32
@@ -46,6 +47,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
 
     def __init__(self, config: KernelConfig) -> None:
         super().__init__(config)
+        # The fused kernel's publish: its CTA is the row's, one 16-byte fragment per thread.
+        self.publisher = FinalizePublishKernel(config)
         self.fragments_per_thread = config.norm_fragments_per_thread
         self.warps = config.reduce_threads // WARP
 
@@ -66,7 +69,43 @@ class LamportReduceNormKernel(LamportReduceKernel):
         residual_out: Int64,  # (rows, hidden) bf16
         eps: Float32,
     ) -> None:
+        self._call(None, mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank,
+                   residual, norm_weight, residual_out, eps)
+
+    @cute.kernel
+    def publish_reduce_norm(
+        self,
+        routed: Int64,  # (num_rows, hidden) bf16
+        weights: Int64,  # (m, top_k) bf16 or f32
+        indices: Int64,  # (m, top_k) int32
+        shared: Int64,  # (m, hidden) bf16, read only with include_shared_expert
+        mailbox: Int64,
+        peer_table: Int64,
+        stage_state: Int64,
+        status: Int64,
+        out: Int64,  # (m, hidden) bf16
+        timeout_ns: Int64,
+        num_rows: Int32,
+        m: Int32,
+        capacity_m: Int32,
+        rank: Int32,
+        residual: Int64,
+        norm_weight: Int64,
+        residual_out: Int64,
+        eps: Float32,
+    ) -> None:
+        """The whole call in one kernel (``fuse_reduce``, oneshot): each thread first
+        publishes the fragment it will wait for (`FusedPublishReduceKernel`'s scheme)."""
+        self._call((routed, weights, indices, shared, num_rows), mailbox, peer_table, stage_state, status,
+                   out, timeout_ns, m, capacity_m, rank, residual, norm_weight, residual_out, eps)
+
+    @cute.jit
+    def _call(self, finalize_inputs, mailbox, peer_table, stage_state, status, out, timeout_ns, m,
+              capacity_m, rank, residual, norm_weight, residual_out, eps) -> None:
+        """Either kernel's body; ``finalize_inputs`` (routed, weights, indices, shared, num_rows)
+        is None for reduce_norm."""
         cfg = self.config
+        fused = finalize_inputs is not None
         row, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(cfg.mode == "oneshot"):
@@ -76,9 +115,17 @@ class LamportReduceNormKernel(LamportReduceKernel):
         live = token < m
         row_offset = Int64(row) * self.row_bytes
 
-        # The residual and the weight are read before the mailbox wait. Safe although
-        # this kernel never waits for its predecessor before reading them: it can start
-        # only once every publish CTA has passed its griddepcontrol.wait (the publish
+        if cutlass.const_expr(fused):
+            # The residual may be the previous call's residual_out, written by the kernel
+            # just before: read it only after griddepcontrol.wait (in begin_call).
+            routed, weights, indices, shared, num_rows = finalize_inputs
+            publish_offset, publish_present = self._fragment(tidx, 0)
+            shared_words = self.publisher.begin_call(shared, token, publish_offset, publish_present)
+            stage, halt = self.publisher.read_stage(stage_state)
+
+        # The residual and the weight are read before the mailbox wait. In reduce_norm that
+        # is safe although it never waits for its predecessor before reading them: it can
+        # start only once every publish CTA has passed its griddepcontrol.wait (the publish
         # releases it after that wait), so everything the stream ran before the publish,
         # where these inputs come from, has completed.
         rResidual = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
@@ -91,7 +138,13 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 rWeight[j, w] = weight[w]
                 rResidual[j, w] = kept[w]
 
-        stage, halt = self._start_call(stage_state)
+        if cutlass.const_expr(fused):
+            if publish_present != 0 and halt == protocol.HALT_RUNNING:
+                packed = self.publisher.finalize(routed, weights, indices, num_rows, token, publish_offset,
+                                                 shared_words)
+                self.publisher.store(packed, token, publish_offset, peer_table, capacity_m, rank, stage)
+        else:
+            stage, halt = self._start_call(stage_state)
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
         rResidualOut = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
         squares = Float32(0.0)
@@ -140,7 +193,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * WORDS)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * WORDS)
-        self.finish_call(stage, stage_state, advance=True, waited=False)
+        self.finish_call(stage, stage_state, advance=True, waited=fused)
 
     def _fragment(self, tidx, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's
