@@ -88,7 +88,8 @@ def case_flags(args):
 
 
 def needed_configs(args):
-    return [bench.spec_config(problem_spec(args), TP, mode, m) for mode in args.modes for m in args.m]
+    return list(dict.fromkeys(bench.spec_config(problem_spec(args), TP, mode, m)
+                              for mode in args.modes for m in args.m))
 
 
 def measure_cases(args, mesh):
