@@ -140,7 +140,11 @@ def problem_spec(name):
 def case_config(problem, tp, mode, m):
     """The default `jmp.KernelConfig` of a case, as the op picks it (``mode`` is ``direct``
     exactly when tp = 1; there the op runs the epilogue in ``jnp``)."""
-    spec = problem_spec(problem)
+    return spec_config(problem_spec(problem), tp, mode, m)
+
+
+def spec_config(spec, tp, mode, m):
+    """`case_config` of a problem given by its spec (a `problem_spec` value)."""
     return jmp.KernelConfig.default(
         hidden=spec["hidden"], top_k=spec["top_k"], tp=tp, mode=mode,
         routed_scaling_factor=spec["scale"], include_shared_expert=spec["shared"],
@@ -235,8 +239,10 @@ def build_kernels(configs, directory):
     print(f"{len(configs)} kernel sets in {directory}; point $JAX_MOE_PUBLISH_KERNEL_DIR at it")
 
 
-def check_kernels(configs):
-    """Find every kernel before any timing, so that a missing cubin stops the run at once, not hours in."""
+def check_kernels(configs, build_hint):
+    """Find every kernel before any timing, so that a missing cubin stops the run at once, not hours in.
+
+    ``build_hint`` is the command that builds them all into a folder DIR."""
     from jax_moe_publish.aot.store import MissingKernelError, default_store
 
     missing = []
@@ -249,7 +255,7 @@ def check_kernels(configs):
         named = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         raise SystemExit(
             f"{len(missing)} of {len(configs)} kernels missing ({named}). Where CuTe "
-            f"DSL is, run: python benchmarks/bench_moe_publish.py --build-kernels DIR {case_flags()}\n"
+            f"DSL is, run: {build_hint}\n"
             f"and point $JAX_MOE_PUBLISH_KERNEL_DIR at DIR here."
         )
 
@@ -266,11 +272,12 @@ def xla_finalize(routed, weights, indices, shared, scale):
     return out.astype(jnp.bfloat16)
 
 
-def make_chain(impl, mailbox, problem, config, iterations):
-    """``iterations`` passes over a chain of LAYERS calls, in one jitted program.
+def make_chain(impl, mailbox, problem, config, iterations, *, layers=LAYERS, op_impl="kernel"):
+    """``iterations`` passes over a chain of ``layers`` calls, in one jitted program.
 
     The loop carries ``y`` (the next shared input), and with the epilogue also the
-    residual stream; the program returns the final ``y``.
+    residual stream; the program returns the final ``y``. ``op_impl`` is the ``impl``
+    of ours (``reference`` where there are no GPUs, to check the plumbing).
     """
     scale, with_shared, epilogue = problem["scale"], problem["shared"], problem["epilogue"]
 
@@ -281,7 +288,7 @@ def make_chain(impl, mailbox, problem, config, iterations):
         norm = dict(residual=residual, norm_weight=norm_weight, norm_eps=NORM_EPS) if epilogue else {}
         if impl == "ours":
             result = jmp.moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox,
-                                              routed_scaling_factor=scale, impl="kernel", config=config,
+                                              routed_scaling_factor=scale, impl=op_impl, config=config,
                                               **norm)
             return result if epilogue else (result, residual)
         if not with_shared:
@@ -297,7 +304,7 @@ def make_chain(impl, mailbox, problem, config, iterations):
 
     def shard(routed, weights, indices, norm_weights, shared, residual, zero):
         def body(_, carry):
-            for index in range(LAYERS):
+            for index in range(layers):
                 args = (routed[index][0], weights[index][0], indices[index][0], norm_weights[index][0])
                 carry = layer(args, carry, zero[0])
             return carry
@@ -322,7 +329,7 @@ def make_tiny_chain(iterations):
     return jax.jit(lambda y: lax.fori_loop(0, iterations, body, y))
 
 
-def chain_inputs(mesh, m, problem, key):
+def chain_inputs(mesh, m, problem, key, layers=LAYERS):
     """Per-layer lists of [tp, ...] arrays (routed, weights, indices, RMSNorm weights), the first
     shared input, the first residual (read only with the epilogue) and a runtime zero per rank
     (see `make_chain`)."""
@@ -334,7 +341,7 @@ def chain_inputs(mesh, m, problem, key):
         return jax.device_put(x, sharding)
 
     routed, weights, indices, norm_weights = [], [], [], []
-    for layer_key in jax.random.split(key, LAYERS):
+    for layer_key in jax.random.split(key, layers):
         keys = jax.random.split(layer_key, 4)
         routed.append(put(jax.random.normal(keys[0], (tp, num_rows, hidden), jnp.bfloat16)))
         weights.append(put(jax.random.uniform(keys[1], (tp, m, top_k), jnp.float32, 0.0, 0.25)))
@@ -361,11 +368,12 @@ def time_runs(fn, args, reps):
     return np.array(times)
 
 
-def per_call_us(programs, inputs, reps):
-    """Median per-call time and the 10-90 % spread of paired per-call estimates."""
+def per_call_us(programs, inputs, reps, layers=LAYERS):
+    """Median per-call time and the 10-90 % spread of paired per-call estimates, from
+    ``programs[n]``, ``n`` loop iterations over ``layers`` calls."""
     short = time_runs(programs[SHORT], inputs, reps)
     long = time_runs(programs[LONG], inputs, reps)
-    calls = (LONG - SHORT) * LAYERS
+    calls = (LONG - SHORT) * layers
     estimates = (np.sort(long) - np.sort(short)) / calls * 1e6
     median = (np.median(long) - np.median(short)) / calls * 1e6
     return {"us": float(median), "p10": float(np.percentile(estimates, 10)),
@@ -480,6 +488,32 @@ def time_variants(mailbox, problem, configs, inputs, reps):
     return {"variants": variants, "best": min(timed, key=lambda i: variants[i]["us"])}
 
 
+def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LAYERS, op_impl="kernel",
+                      hlo=None):
+    """Per-call time of ours and of XLA's path (`make_chain`) on the same inputs, and the
+    relative difference of their outputs (this process's copy), which must be at most 1e-2.
+
+    ``what`` names the case in the error; with ``hlo``, each path's optimized HLO goes to
+    ``<hlo>.<impl>.txt`` unless that exists.
+    """
+    result, outputs = {}, {}
+    for impl in ("ours", "xla"):
+        programs = {n: make_chain(impl, mailbox, problem, config, n, layers=layers, op_impl=op_impl)
+                    for n in (1, SHORT, LONG)}
+        outputs[impl] = np.asarray(programs[1](*inputs).addressable_data(0), np.float64)
+        result[impl] = per_call_us(programs, inputs, reps, layers)
+        if hlo and not os.path.exists(f"{hlo}.{impl}.txt"):
+            with open(f"{hlo}.{impl}.txt", "w") as f:
+                f.write(programs[SHORT].lower(*inputs).compile().as_text())
+    # Both chains compute the same layers: their outputs must agree before their times count.
+    difference = np.linalg.norm(outputs["ours"] - outputs["xla"]) / np.linalg.norm(outputs["xla"])
+    result["relative_difference"] = float(difference)
+    if not difference <= 1e-2:
+        raise RuntimeError(f"{what}: ours and XLA differ by {difference:.2e} "
+                           "(relative): the timings would compare different computations")
+    return result
+
+
 def measure_case(mesh, name, m, mode, reps, key, floors, tune):
     problem = problem_spec(name)
     tp = mesh.shape["tp"]
@@ -487,23 +521,11 @@ def measure_case(mesh, name, m, mode, reps, key, floors, tune):
     result = {"problem": name, "m": m, "tp": tp, "mode": mode}
     with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
         inputs = chain_inputs(mesh, m, problem, key)
-        outputs = {}
-        for impl in ("ours", "xla"):
-            programs = {n: make_chain(impl, mailbox, problem, config, n) for n in (1, SHORT, LONG)}
-            outputs[impl] = np.asarray(programs[1](*inputs), np.float64)
-            result[impl] = per_call_us(programs, inputs, reps)
-            if ARGS.hlo and not os.path.exists(f"{ARGS.hlo}.{impl}.txt"):
-                with open(f"{ARGS.hlo}.{impl}.txt", "w") as f:
-                    f.write(programs[SHORT].lower(*inputs).compile().as_text())
+        result.update(time_ours_and_xla(mailbox, problem, config, inputs, reps, f"{name} tp={tp} {mode} m={m}",
+                                        hlo=ARGS.hlo))
         if tune:
             result["tuning"] = time_variants(mailbox, problem, tuning_variants(name, tp, mode, m), inputs, reps)
         mailbox.check()
-    # Both chains compute the same layers: their outputs must agree before their times count.
-    difference = np.linalg.norm(outputs["ours"] - outputs["xla"]) / np.linalg.norm(outputs["xla"])
-    result["relative_difference"] = float(difference)
-    if not difference <= 1e-2:
-        raise RuntimeError(f"{name} tp={tp} {mode} m={m}: ours and XLA differ by {difference:.2e} "
-                           "(relative): the timings would compare different computations")
     result["ratio"] = result["ours"]["us"] / result["xla"]["us"]
     # The op's own traffic only.
     traffic = report.bytes_per_rank(mode=mode, tp=tp, m=m, hidden=problem["hidden"], top_k=problem["top_k"],
@@ -514,17 +536,24 @@ def measure_case(mesh, name, m, mode, reps, key, floors, tune):
     return result
 
 
-def environment():
-    gpu = jax.devices()[0]
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip().splitlines()
+def machine_environment():
+    """Date, device kind, ``nvidia-smi``'s name and driver of each GPU (none without it), jax
+    version and commit (``$JMP_COMMIT``, else git's HEAD)."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip().splitlines()
+    except FileNotFoundError:
+        smi = []
     git = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     # The device machines get a copy of the tree without git history: pass JMP_COMMIT there.
     commit = os.environ.get("JMP_COMMIT") or (git.stdout.strip() if git.returncode == 0 else "")
-    return {"date": datetime.date.today().isoformat(), "gpu": gpu.device_kind, "gpus": smi,
-            "jax": jax.__version__, "commit": commit or os.environ.get("JMP_COMMIT", "unknown"),
-            "command_buffer": not ARGS.no_command_buffer, "layers": LAYERS,
+    return {"date": datetime.date.today().isoformat(), "gpu": jax.devices()[0].device_kind, "gpus": smi,
+            "jax": jax.__version__, "commit": commit or "unknown"}
+
+
+def environment():
+    return {**machine_environment(), "command_buffer": not ARGS.no_command_buffer, "layers": LAYERS,
             "iterations": [SHORT, LONG], "reps": ARGS.reps, "configs": ARGS.configs,
             "tune_fields": ARGS.tune_fields}
 
@@ -561,7 +590,8 @@ def main():
         print(f"skipping tp={tp}: {len(gpus)} GPU(s)")
     if not tp_sizes:
         raise SystemExit(f"no case can run: {len(gpus)} GPU(s) for --tp {' '.join(map(str, ARGS.tp))}")
-    check_kernels(needed_configs(tp_sizes, tuning=ARGS.configs is not None))
+    check_kernels(needed_configs(tp_sizes, tuning=ARGS.configs is not None),
+                  f"python benchmarks/bench_moe_publish.py --build-kernels DIR {case_flags()}")
     floors = measure_floors(gpus, ARGS.reps)
     p2p = floors["p2p"]
     print(f"floors: copy {floors['copy']['bytes_per_s'] / 1e9:.0f} GB/s (read + write), "

@@ -12,6 +12,15 @@ every process), and runs decode steps through a stack of MoE layers
 mailboxes over NVLink. Each process checks its result against the reference
 (XLA's ``psum``) and prints the error and the time per step.
 
+The launcher prints each process's lines after its name and exits non-zero,
+naming each process that failed and its exit code, if any did; a process
+still running after ``--deadline`` seconds is killed. Each process prints its
+lines first and then leaves through a last barrier, so that process 0, which
+serves the ``jax.distributed`` coordinator, exits after the others
+(`jax_moe_publish.local_processes.leave`). The time per layer is measured on
+the host around whole steps; ``benchmarks/bench_multiprocess.py`` times the
+op per call.
+
 Without a GPU it starts N = 2 processes with one CPU device each (gloo
 collectives) on the reference path, and says so. ``--single-process`` runs the
 same steps in this process over every local device, for comparison.
@@ -20,32 +29,15 @@ same steps in this process over every local device, for comparison.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
 import sys
 import time
 
-
-def _local_gpu_count() -> int:
-    """NVIDIA GPUs here, counted without starting JAX (which would claim them)."""
-    try:
-        from cuda.bindings import driver
-
-        (error,) = driver.cuInit(0)
-        return driver.cuDeviceGetCount()[1] if error == driver.CUresult.CUDA_SUCCESS else 0
-    except Exception:  # no bindings or no libcuda: a CPU machine
-        return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from jax_moe_publish import local_processes
 
 
 def launch(args) -> int:
-    gpus = _local_gpu_count()
+    """Start the processes, print what each prints, and say which failed; the exit status."""
+    gpus = local_processes.local_gpu_count()
     processes = args.processes or gpus or 2
     if gpus and processes > gpus:
         raise SystemExit(f"--processes {processes}: only {gpus} GPU(s) here, one per process")
@@ -54,27 +46,16 @@ def launch(args) -> int:
     else:
         print(f"no NVIDIA GPU found: {processes} CPU processes (gloo) on the pure-JAX reference path, "
               f"tp={processes}")
-    port = _free_port()
-    children = [
-        subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--processes", str(processes),
-                          "--port", str(port), "--tokens", str(args.tokens), "--layers", str(args.layers),
-                          "--steps", str(args.steps)] + (["--gpu"] if gpus else []))
-        for i in range(processes)
-    ]
-    deadline = time.monotonic() + args.deadline
-    codes = []
-    for child in children:
-        try:
-            codes.append(child.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    if any(code != 0 for code in codes):
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-        print(f"failed: exit codes {codes} (None: killed after {args.deadline} s)", file=sys.stderr)
-        return 1
-    return 0
+    port = local_processes.free_port()
+    commands = [[sys.executable, __file__, "--worker", str(i), "--processes", str(processes), "--port", str(port),
+                 "--tokens", str(args.tokens), "--layers", str(args.layers), "--steps", str(args.steps)]
+                + (["--gpu"] if gpus else []) for i in range(processes)]
+    outcomes = local_processes.run(commands, envs=[local_processes.child_environment()] * processes,
+                                   deadline_s=args.deadline)
+    failed = [outcome for outcome in outcomes if outcome.failed]
+    for outcome in failed:
+        print(f"failed: {outcome.describe()}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def work(args) -> None:
@@ -82,14 +63,9 @@ def work(args) -> None:
 
     With ``args.worker`` None: the only process, over every local device.
     """
-    import jax
-
     if args.worker is not None:
-        if not args.gpu:
-            jax.config.update("jax_platforms", "cpu")
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
-                                   process_id=args.worker, local_device_ids=[args.worker] if args.gpu else None)
+        local_processes.join(args.port, args.processes, args.worker, args.worker if args.gpu else None)
+    import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -98,7 +74,7 @@ def work(args) -> None:
     from moe_layer import HIDDEN, init_params, moe_layer  # examples/ is on sys.path
 
     def say(text: str) -> None:
-        print(f"[{'single process' if args.worker is None else f'process {args.worker}'}] {text}", flush=True)
+        print(text, flush=True)  # the launcher names the process
 
     tp = jax.device_count()
     mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices())
@@ -155,7 +131,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--deadline", type=float, default=600.0, help="seconds before the processes are killed")
+    parser.add_argument("--deadline", type=float, default=600.0,
+                        help="seconds before a process still running is killed")
     parser.add_argument("--single-process", action="store_true",
                         help="run the same steps in this one process over every local device")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -167,8 +144,7 @@ def main() -> None:
     elif args.worker is None:
         sys.exit(launch(args))
     else:
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        work(args)
+        local_processes.run_and_leave(work, args)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ with the reason, where there are fewer.
 
 from __future__ import annotations
 
-import functools
 import os
 
 # Before JAX starts: four virtual CPU devices for shard_map tests on the CPU.
@@ -16,24 +15,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import pytest
 
+from jax_moe_publish.local_processes import local_gpu_count
+
 MAX_HARNESS_GPUS = 2
-
-
-@functools.lru_cache(maxsize=1)
-def cuda_gpu_count() -> int:
-    """NVIDIA GPUs visible through the driver (0 where there is no driver)."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return 0
-    try:
-        (error,) = driver.cuInit(0)
-        if error != driver.CUresult.CUDA_SUCCESS:
-            return 0
-        error, count = driver.cuDeviceGetCount()
-    except Exception:  # the bindings raise when libcuda itself is missing
-        return 0
-    return count if error == driver.CUresult.CUDA_SUCCESS else 0
 
 
 def pytest_configure(config):
@@ -41,7 +25,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    available = cuda_gpu_count()
+    available = local_gpu_count()
     for item in items:
         needs = item.get_closest_marker("gpus")
         if needs is None and item.get_closest_marker("gpu") is None:

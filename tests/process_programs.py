@@ -7,8 +7,9 @@ without it, one CPU device (gloo collectives) and ``impl="auto"``, which runs
 the reference. Every process draws every rank's inputs from the same seed, so
 each checks its own output against the float64 model of `numerics`; the
 parent compares the processes' output hashes for bitwise equality. Each
-prints ``RESULT {json}``, waits at a last barrier (so that the coordinator,
-process 0, outlives the others) and leaves with ``os._exit``.
+prints ``RESULT {json}`` and leaves through `local_processes.leave`: a last
+barrier (so that the coordinator, process 0, outlives the others), then
+``os._exit``. A program that raises leaves the same way, with exit code 1.
 
 * ``match``: for each of ``--modes`` and ``--problems``, a mailbox and calls
   with m in `M_VALUES`, fresh inputs each.
@@ -28,18 +29,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
-import sys
 import time
-import traceback
 import warnings
 
 import numpy as np
 
 import numerics
+from jax_moe_publish import local_processes
 
-RESULT_PREFIX = "RESULT "
 CAPACITY = 64
 M_VALUES = (1, 3, 37, CAPACITY)
 CHAIN_MS = (1, 5, 17, CAPACITY)
@@ -58,15 +55,9 @@ class Process:
     """This process's view: JAX, the mesh over every process's device, its rank, the impl to call."""
 
     def __init__(self, args) -> None:
+        local_processes.join(args.port, args.num_processes, args.process_id, args.gpu)
         import jax
 
-        if args.gpu is None:
-            jax.config.update("jax_platforms", "cpu")
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                                   process_id=args.process_id,
-                                   local_device_ids=None if args.gpu is None else [args.gpu],
-                                   initialization_timeout=120)
         import jax_moe_publish
 
         self.jax = jax
@@ -153,17 +144,9 @@ def digest(array: np.ndarray) -> str:
 
 
 def finish(result: dict, *, barrier: bool = True) -> None:
-    """Print the result, wait for the others (so the coordinator goes last) and leave."""
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
-    sys.stderr.flush()
-    if barrier:
-        try:
-            from jax._src import distributed
-
-            distributed.global_state.client.wait_at_barrier("process_programs/done", 60_000)
-        except Exception as error:  # the result is out; a late peer must not turn it into a failure
-            print(f"final barrier: {error}", file=sys.stderr, flush=True)
-    os._exit(0)
+    """Print the result and leave; with ``barrier``, after the others (the coordinator goes last)."""
+    local_processes.report(result)
+    local_processes.leave(0, wait_for_peers=barrier)
 
 
 def match(args) -> None:
@@ -333,13 +316,7 @@ def main(argv=None) -> None:
     parser.add_argument("--process-timeout", type=float, default=5.0, help="the mailbox's process_timeout_s")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    try:
-        PROGRAMS[args.program](args)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    local_processes.run_and_leave(PROGRAMS[args.program], args)
 
 
 if __name__ == "__main__":

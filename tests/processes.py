@@ -7,35 +7,15 @@ every process, so that a hang never stalls pytest.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import re
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
+from jax_moe_publish import local_processes
+
 PROGRAMS = pathlib.Path(__file__).with_name("process_programs.py")
-RESULT_PREFIX = "RESULT "
 DEADLINE_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_environment(extra: dict | None = None) -> dict:
-    """This environment, minus the virtual CPU devices of conftest (one device per process)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    env.update(extra or {})
-    return env
 
 
 def run(program: str, *options: str, gpus: list[int] | None = None, processes: int = 2,
@@ -45,34 +25,23 @@ def run(program: str, *options: str, gpus: list[int] | None = None, processes: i
 
     ``expect_results`` lists the processes that must print a result (all by default).
     """
-    port = free_port()
-    children = []
+    port = local_processes.free_port()
+    commands = []
     for i in range(processes):
         command = [sys.executable, str(PROGRAMS), program, "--process-id", str(i), "--num-processes",
                    str(processes), "--port", str(port), *options]
         if gpus is not None:
             command += ["--gpu", str(gpus[i])]
-        children.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                         env=child_environment(env[i] if env else None)))
-    start = time.monotonic()
-    outputs = []
-    hung = []
-    for i, child in enumerate(children):
-        try:
-            out, err = child.communicate(timeout=max(1.0, deadline_s - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            hung.append(i)
-            child.kill()
-            out, err = child.communicate()
-        outputs.append((child.returncode, out, err))
-    report = "\n".join(f"--- process {i} (exit {code})\nstdout: {out[-3000:]}\nstderr: {err[-3000:]}"
-                       for i, (code, out, err) in enumerate(outputs))
-    if hung:
-        pytest.fail(f"{program} {' '.join(options)}: process(es) {hung} hung, killed after {deadline_s} s\n{report}")
-    results = []
-    for i, (code, out, _) in enumerate(outputs):
-        lines = [line for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
-        results.append(json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else None)
+        commands.append(command)
+    # One CPU device per process: conftest's virtual devices are for this process only.
+    envs = [local_processes.child_environment(extra=env[i] if env else None) for i in range(processes)]
+    outcomes = local_processes.run(commands, envs=envs, deadline_s=deadline_s, echo=False)
+    report = "\n".join(f"--- {o.describe()}\nstdout: {o.stdout[-3000:]}\nstderr: {o.stderr[-3000:]}"
+                       for o in outcomes)
+    killed = [o.describe() for o in outcomes if o.killed]
+    if killed:
+        pytest.fail(f"{program} {' '.join(options)}: {'; '.join(killed)}\n{report}")
+    results = [o.result for o in outcomes]
     for i in expect_results if expect_results is not None else range(processes):
         if results[i] is None:
             pytest.fail(f"{program} {' '.join(options)}: process {i} printed no result\n{report}")
