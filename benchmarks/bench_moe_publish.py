@@ -137,18 +137,20 @@ def problem_spec(name):
     return {**PROBLEMS[base], "epilogue": name != base}
 
 
-def case_config(problem, tp, mode, m):
+def case_config(problem, tp, mode, m, fuse_reduce=None):
     """The default `jmp.KernelConfig` of a case, as the op picks it (``mode`` is ``direct``
-    exactly when tp = 1; there the op runs the epilogue in ``jnp``)."""
-    return spec_config(problem_spec(problem), tp, mode, m)
+    exactly when tp = 1; there the op runs the epilogue in ``jnp``); ``fuse_reduce`` as
+    `jmp.KernelConfig.default` takes it."""
+    return spec_config(problem_spec(problem), tp, mode, m, fuse_reduce)
 
 
-def spec_config(spec, tp, mode, m):
+def spec_config(spec, tp, mode, m, fuse_reduce=None):
     """`case_config` of a problem given by its spec (a `problem_spec` value)."""
     return jmp.KernelConfig.default(
         hidden=spec["hidden"], top_k=spec["top_k"], tp=tp, mode=mode,
         routed_scaling_factor=spec["scale"], include_shared_expert=spec["shared"],
         fp32_weights=WEIGHT_BYTES == 4, m=m, epilogue="rmsnorm" if spec["epilogue"] and tp > 1 else "none",
+        fuse_reduce=fuse_reduce,
     )
 
 
@@ -157,9 +159,10 @@ def tuning_variants(problem, tp, mode, m):
     TUNING_GRID over the ``--tune-fields``.
 
     Values a case cannot take are left out (``prefetch_group`` above top-k,
-    ``elements_per_thread`` not dividing hidden), ``reduce_threads`` is not
-    varied for ``direct``, which has no reduce kernel, and ``fuse_reduce`` only
-    for oneshot without an epilogue.
+    ``elements_per_thread`` not dividing hidden, shapes a fused epilogue cannot
+    have), and ``reduce_threads`` is not varied for ``direct``, which has no
+    reduce kernel. ``fuse_reduce`` is not a grid axis: for oneshot it adds the
+    default launch shape of the other choice.
 
     Returns
     -------
@@ -174,10 +177,15 @@ def tuning_variants(problem, tp, mode, m):
     }
     if mode != "direct":
         grid["reduce_threads"] = TUNING_GRID["reduce_threads"]
-    if mode == "oneshot" and base.epilogue == "none":
-        grid["fuse_reduce"] = TUNING_GRID["fuse_reduce"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
-    variants = [base.replace(**dict(zip(grid, values))) for values in itertools.product(*grid.values())]
+    variants = []
+    for values in itertools.product(*grid.values()):
+        try:
+            variants.append(base.replace(**dict(zip(grid, values))))
+        except ValueError:
+            continue
+    if mode == "oneshot" and "fuse_reduce" in ARGS.tune_fields:
+        variants.append(case_config(problem, tp, mode, m, fuse_reduce=not base.fuse_reduce))
     return list(dict.fromkeys([base, *variants]))
 
 
