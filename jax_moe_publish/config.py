@@ -303,6 +303,7 @@ class KernelConfig:
             mode = "direct" if tp == 1 else "oneshot"
         transport = "direct" if mode == "direct" else "unicast"
         small = m is not None and m <= SMALL_M
+        requested = fuse_reduce
         if fuse_reduce is None:
             fuse_reduce = mode == "oneshot" and m is not None and m <= FUSE_REDUCE_MAX_M
         elements = 8 if hidden % 8 == 0 and not small else 4
@@ -312,8 +313,9 @@ class KernelConfig:
             fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
             per_thread = 1 if fragments <= MAX_THREADS else -(-fragments // (MAX_THREADS // 2))
             reduce_threads = -(-fragments // per_thread // 32) * 32
-            # Fused, the row's CTA publishes it too, a fragment per thread.
-            fuse_reduce = fuse_reduce and per_thread == 1 and mode == "oneshot"
+            # Fused, the row's one CTA would publish too: slower, as one SM then loads the
+            # whole row's experts (measured at m = 1, 8, 64), so only on request.
+            fuse_reduce = requested is True and per_thread == 1 and mode == "oneshot"
             if fuse_reduce:
                 elements, threads = protocol.REDUCE_ELEMENTS, reduce_threads
         return cls(

@@ -106,12 +106,17 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
         variants = [("direct", "none")]
     else:
         variants = [(mode, "rmsnorm") for mode in EPILOGUE_MODES]
-    return [
+    configs = [
         KernelConfig.default(tp=tp, mode=mode, m=m, epilogue=epilogue, **problem)
         for problem in TEST_EPILOGUE_PROBLEMS
         for mode, epilogue in variants
         for m in DEFAULT_SHAPE_MS
     ]
+    if tp > 1:
+        # The fused kernel, which is not a default (slower), stays tested.
+        configs += [KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", fuse_reduce=True, **problem)
+                    for problem in TEST_EPILOGUE_PROBLEMS]
+    return configs
 
 
 def test_variants(tp: int) -> list[KernelConfig]:
