@@ -288,11 +288,16 @@ class KernelConfig:
         ``benchmarks/results/2026-11-30-h200x2-tuning.json``). Larger or unknown
         ``m`` keeps 16-byte fragments, which the bandwidth-bound sizes need.
 
-        A oneshot call without an epilogue of up to ``FUSE_REDUCE_MAX_M`` tokens
-        is one kernel (``fuse_reduce``): on 2x H200 at hidden 7168, top-k 8 it
-        was as fast as two kernels up to m = 16 and 0.9 to 1.7 us faster at
-        m = 32, 64 and 128 (``benchmarks/results/2026-11-30-h200x2-fuse-reduce-tuning.json``).
-        The op falls back to two kernels where the GPU cannot hold the fused grid.
+        ``fuse_reduce=None`` decides by ``m``: a oneshot call without an
+        epilogue of up to ``FUSE_REDUCE_MAX_M`` tokens is one kernel. On 2x H200
+        at hidden 7168, top-k 8 it was 0.9 to 1.7 us faster than two kernels at
+        m = 32, 64 and 128, and within run-to-run noise below
+        (``benchmarks/results/2026-11-30-h200x2-fuse-reduce-tuning.json``). The
+        op falls back to two kernels where the GPU cannot hold the fused grid.
+        With the epilogue it fuses only when asked (``True``), and only where a
+        thread holds one fragment of the row: its one CTA per row then loads
+        all of the row's experts from one SM, 1.1 to 2.7 us slower at m = 1, 8
+        and 64 (``...-fuse-reduce-epilogue-tuning.json``).
 
         With an epilogue the reduce CTA holds a row: one fragment per thread up
         to hidden 8192 (1024 threads). Wider rows get at most 512 threads, so
