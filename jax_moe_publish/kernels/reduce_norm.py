@@ -15,6 +15,12 @@ Launch shape: one CTA per row, each thread holding
 each fragment stays in the registers of the thread that waited for it, from
 the mailbox poll to the two stores.
 
+``publish_reduce_norm`` (``fuse_reduce``, oneshot, one fragment per thread)
+is the whole call in one kernel: each thread of the row's CTA first publishes
+its fragment of the row, as `FusedPublishReduceKernel` does, then goes on as
+above; it reads the residual only after ``griddepcontrol.wait``, since it may
+be the previous call's ``residual_out``.
+
 The wait, the stage protocol, the timeout and the halt word are the plain
 reduce's (`LamportReduceKernel`), so every guarantee of it holds here: a bounded wait,
 exactly the consumed slots re-armed, the stage advanced by the last CTA, and
