@@ -22,13 +22,13 @@ import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import protocol
 from jax_moe_publish.aot import presets
-from test_kernels_gpu import (
+from kernel_checks import (
     CAPACITY_M,
-    _check_protocol_state,
-    _group,
-    _random_problems,
-    _rng,
-    _routed_rows,
+    check_protocol_state,
+    open_test_group,
+    random_problems,
+    routed_rows,
+    seeded_rng,
 )
 
 M_VALUES = (1, 37, CAPACITY_M)
@@ -44,7 +44,7 @@ def _m_id(m):
 
 def _epilogue_problem(config, m, rng):
     """Every rank's finalize inputs, the full residual [m, hidden] and the weight."""
-    problems = _random_problems(config, m, rng, _routed_rows(config, m))
+    problems = random_problems(config, m, rng, routed_rows(config, m))
     residual, norm_weight = numerics.epilogue_inputs(rng, m, config.hidden)
     if m > SILENT_TOKEN:
         numerics.silence_token(problems, SILENT_TOKEN)
@@ -90,12 +90,12 @@ def _check_rank(mode, tp, rank, out, residual_out, problems, scale, residual, no
 @pytest.mark.parametrize("m", M_VALUES, ids=_m_id)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.key)
 def test_epilogue_kernel_matches_model(config, m, eps, devices):  # noqa: F811
-    rng = _rng(config.key, m, eps, "epilogue")
+    rng = seeded_rng(config.key, m, eps, "epilogue")
     problems, residual, norm_weight = _epilogue_problem(config, m, rng)
     tp = config.tp
     rows = protocol.owned_rows(m, tp) if config.mode == "reduce_scatter" else m
-    with _group(config, devices, CAPACITY_M) as launcher:
-        buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+    with open_test_group(config, devices, CAPACITY_M) as launcher:
+        buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
         for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
             rank_buffers.upload(problem)
             rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, tp, rank), norm_weight, eps)
@@ -116,20 +116,20 @@ def test_epilogue_kernel_matches_model(config, m, eps, devices):  # noqa: F811
                     assert np.array_equal(outputs[rank][index][:rows], outputs[0][index][:rows]), (
                         f"{config.key} m={m}: rank {rank}'s {name} differs in bits from rank 0's"
                     )
-        _check_protocol_state(launcher, calls=1)
+        check_protocol_state(launcher, calls=1)
 
 
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.hidden == 7168], ids=lambda c: c.key)
 def test_epilogue_kernel_consecutive_calls(config, devices):  # noqa: F811
     """Calls of random m enqueued back to back: stages cycle and every slot is re-armed."""
-    rng = _rng(config.key, "epilogue rounds")
+    rng = seeded_rng(config.key, "epilogue rounds")
     calls = []
-    with _group(config, devices, CAPACITY_M) as launcher:
+    with open_test_group(config, devices, CAPACITY_M) as launcher:
         for _ in range(9):
             m = int(rng.integers(1, CAPACITY_M, endpoint=True))
             problems, residual, norm_weight = _epilogue_problem(config, m, rng)
-            buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+            buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
             for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
                 rank_buffers.upload(problem)
                 rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, config.tp, rank), norm_weight, 1e-6)
@@ -144,7 +144,7 @@ def test_epilogue_kernel_consecutive_calls(config, devices):  # noqa: F811
                             rank_buffers.residual_output()[:rows].view(numerics.BF16), problems,
                             config.routed_scaling_factor, residual, norm_weight, 1e-6,
                             f"call {index} m={m} rank {rank}")
-        _check_protocol_state(launcher, calls=len(calls))
+        check_protocol_state(launcher, calls=len(calls))
 
 
 # Through JAX: the FFI target, the Mailbox and the kernels together.

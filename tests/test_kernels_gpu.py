@@ -10,22 +10,25 @@ to the empty sentinel (every consumed slot re-armed, nothing stale).
 
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest
 
-import gpu_harness
 import numerics
+from kernel_checks import (
+    CAPACITY_M,
+    check_protocol_state,
+    open_test_group,
+    random_problems,
+    routed_rows,
+    seeded_rng,
+)
 from jax_moe_publish import protocol
 from jax_moe_publish.aot import presets
-from jax_moe_publish.aot.store import default_store
 
 pytestmark = pytest.mark.gpu
 
-CAPACITY_M = 64
 M_VALUES = (1, 3, 37, CAPACITY_M)
-TIMEOUT_NS = 10 * 10**9  # a lost contribution traps after 10 s instead of hanging
 
 # Consecutive calls on one mailbox: a small capacity and few routed rows keep
 # fresh data for every call cheap.
@@ -45,33 +48,6 @@ TP2_ONESHOT_CONFIGS = [c for c in TP2_CONFIGS if c.mode == "oneshot"]
 
 def _key(config) -> str:
     return config.key
-
-
-def _rng(*labels) -> np.random.Generator:
-    """A generator seeded from ``labels``: every check draws its own reproducible data."""
-    return np.random.default_rng(zlib.crc32(repr(labels).encode()))
-
-
-def _group(config, devices, capacity_m):
-    return gpu_harness.open_group(
-        default_store().get(config), devices, capacity_m=capacity_m, timeout_ns=TIMEOUT_NS
-    )
-
-
-def _routed_rows(config, m: int) -> int:
-    """Routed rows of a random problem of m tokens (the `numerics.random_problem` default)."""
-    return max(1, m * config.top_k // 2)
-
-
-def _random_problems(config, m: int, rng, num_rows: int) -> list[numerics.Problem]:
-    """Fresh inputs for every rank, with -1 and out-of-range indices."""
-    return [
-        numerics.random_problem(
-            rng, m=m, hidden=config.hidden, top_k=config.top_k, num_rows=num_rows,
-            fp32_weights=config.fp32_weights, shared=config.include_shared_expert,
-        )
-        for _ in range(config.tp)
-    ]
 
 
 def _prepare(buffers, problems) -> None:
@@ -106,38 +82,22 @@ def _check_outputs(config, outputs: list[np.ndarray], problems, m: int) -> None:
             )
 
 
-def _check_protocol_state(launcher, calls: int) -> None:
-    """After ``calls`` complete calls on a mailbox: healthy, advanced, and every lane empty again."""
-    for rank in range(launcher.config.tp):
-        what = f"{launcher.config.key} rank {rank} after {calls} calls"
-        assert launcher.status(rank) == [0] * protocol.STATUS_WORDS, f"{what}: status words set"
-        state = launcher.stage_state(rank)
-        assert state[protocol.NEXT_STAGE] == calls % protocol.STAGES, f"{what}: stage words {state}"
-        assert state[protocol.ARRIVALS] == 0, f"{what}: arrival count not reset: {state}"
-        assert state[protocol.CALL_COUNT] == calls, f"{what}: stage words {state}"
-        for name, area in zip(("contributions", "gather area"), launcher.mailbox(rank)):
-            stale = np.argwhere(area != protocol.EMPTY_BF16)
-            assert stale.size == 0, (
-                f"{what}: {len(stale)} {name} lanes not re-armed, first at {stale[0]}"
-            )
-
-
 def _negative_zero_problems(config, m: int, rng) -> list[numerics.Problem]:
     """Inputs whose partials are bf16 -0.0 (or zero) before the publish sanitizes them."""
-    return numerics.make_negative_zero(_random_problems(config, m, rng, _routed_rows(config, m)), rng)
+    return numerics.make_negative_zero(random_problems(config, m, rng, routed_rows(config, m)), rng)
 
 
 def _check_one_call(config, m, devices) -> None:
     """One call on fresh data: every rank's output, and for a group the protocol state after it."""
-    rng = _rng(config.key, m)
-    problems = _random_problems(config, m, rng, _routed_rows(config, m))
-    with _group(config, devices, CAPACITY_M) as launcher:
-        buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+    rng = seeded_rng(config.key, m)
+    problems = random_problems(config, m, rng, routed_rows(config, m))
+    with open_test_group(config, devices, CAPACITY_M) as launcher:
+        buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
         _prepare(buffers, problems)
         launcher.run(buffers, m)
         _check_outputs(config, [b.output() for b in buffers], problems, m)
         if config.tp > 1:
-            _check_protocol_state(launcher, calls=1)
+            check_protocol_state(launcher, calls=1)
 
 
 @pytest.mark.gpus(1)
@@ -158,9 +118,9 @@ def test_group_call_matches_model(config, m, devices):
 @pytest.mark.parametrize("config", TP2_ONESHOT_CONFIGS, ids=_key)
 def test_negative_zero_is_never_published(config, devices):
     m = 37
-    problems = _negative_zero_problems(config, m, _rng(config.key, "negative zero"))
-    with _group(config, devices, CAPACITY_M) as launcher:
-        buffers = launcher.allocate(CAPACITY_M, _routed_rows(config, m))
+    problems = _negative_zero_problems(config, m, seeded_rng(config.key, "negative zero"))
+    with open_test_group(config, devices, CAPACITY_M) as launcher:
+        buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
         _prepare(buffers, problems)
         if config.fuse_reduce:
             # Its publish cannot be watched alone; a published -0.0 would stall its own wait
@@ -186,22 +146,22 @@ def test_negative_zero_is_never_published(config, devices):
         _check_outputs(config, outputs, problems, m)
         for rank, bits in enumerate(outputs):
             assert np.all(bits[:m] == 0), f"rank {rank}: a zero result is not +0.0"
-        _check_protocol_state(launcher, calls=1)
+        check_protocol_state(launcher, calls=1)
 
 
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("config", TP2_MODE_CONFIGS, ids=_key)
 def test_consecutive_rounds_cycle_the_stages(config, devices):
-    rng = _rng(config.key, "rounds")
-    with _group(config, devices, ROUNDS_CAPACITY_M) as launcher:
+    rng = seeded_rng(config.key, "rounds")
+    with open_test_group(config, devices, ROUNDS_CAPACITY_M) as launcher:
         buffers = launcher.allocate(ROUNDS_CAPACITY_M, ROUNDS_ROUTED_ROWS)
         for round_ in range(ROUNDS):
             m = int(rng.integers(1, ROUNDS_CAPACITY_M, endpoint=True))
-            problems = _random_problems(config, m, rng, ROUNDS_ROUTED_ROWS)
+            problems = random_problems(config, m, rng, ROUNDS_ROUTED_ROWS)
             _prepare(buffers, problems)
             launcher.run(buffers, m)
             _check_outputs(config, [b.output() for b in buffers], problems, m)
-            _check_protocol_state(launcher, calls=round_ + 1)
+            check_protocol_state(launcher, calls=round_ + 1)
 
 
 @pytest.mark.gpus(2)
@@ -209,12 +169,12 @@ def test_consecutive_rounds_cycle_the_stages(config, devices):
 def test_chained_calls_without_host_waits(config, devices):
     """Calls enqueued back to back, as XLA issues them: ranks drift apart by up to a call
     and PDL overlaps each call with the previous one; each call has its own buffers."""
-    rng = _rng(config.key, "chained")
-    with _group(config, devices, ROUNDS_CAPACITY_M) as launcher:
+    rng = seeded_rng(config.key, "chained")
+    with open_test_group(config, devices, ROUNDS_CAPACITY_M) as launcher:
         calls = []
         for _ in range(CHAINED_CALLS):
             m = int(rng.integers(1, ROUNDS_CAPACITY_M, endpoint=True))
-            problems = _random_problems(config, m, rng, ROUNDS_ROUTED_ROWS)
+            problems = random_problems(config, m, rng, ROUNDS_ROUTED_ROWS)
             buffers = launcher.allocate(ROUNDS_CAPACITY_M, ROUNDS_ROUTED_ROWS)
             _prepare(buffers, problems)
             calls.append((m, problems, buffers))
@@ -223,4 +183,4 @@ def test_chained_calls_without_host_waits(config, devices):
         launcher.synchronize()
         for m, problems, buffers in calls:
             _check_outputs(config, [b.output() for b in buffers], problems, m)
-        _check_protocol_state(launcher, calls=CHAINED_CALLS)
+        check_protocol_state(launcher, calls=CHAINED_CALLS)

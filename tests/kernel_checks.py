@@ -1,0 +1,59 @@
+"""Fresh data, mailbox groups and protocol checks shared by the kernel-level GPU tests."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+import gpu_harness
+import numerics
+from jax_moe_publish import protocol
+from jax_moe_publish.aot.store import default_store
+
+CAPACITY_M = 64
+TIMEOUT_NS = 10 * 10**9  # a lost contribution traps after 10 s instead of hanging
+
+
+def seeded_rng(*labels) -> np.random.Generator:
+    """A generator seeded from ``labels``: every check draws its own reproducible data."""
+    return np.random.default_rng(zlib.crc32(repr(labels).encode()))
+
+
+def open_test_group(config, devices, capacity_m):
+    """The config's kernels on ``devices``, with a mailbox of ``capacity_m`` and the tests' timeout."""
+    return gpu_harness.open_group(
+        default_store().get(config), devices, capacity_m=capacity_m, timeout_ns=TIMEOUT_NS
+    )
+
+
+def routed_rows(config, m: int) -> int:
+    """Routed rows of a random problem of m tokens (the `numerics.random_problem` default)."""
+    return max(1, m * config.top_k // 2)
+
+
+def random_problems(config, m: int, rng, num_rows: int) -> list[numerics.Problem]:
+    """Fresh inputs for every rank, with -1 and out-of-range indices."""
+    return [
+        numerics.random_problem(
+            rng, m=m, hidden=config.hidden, top_k=config.top_k, num_rows=num_rows,
+            fp32_weights=config.fp32_weights, shared=config.include_shared_expert,
+        )
+        for _ in range(config.tp)
+    ]
+
+
+def check_protocol_state(launcher, calls: int) -> None:
+    """After ``calls`` complete calls on a mailbox: healthy, advanced, and every lane empty again."""
+    for rank in range(launcher.config.tp):
+        what = f"{launcher.config.key} rank {rank} after {calls} calls"
+        assert launcher.status(rank) == [0] * protocol.STATUS_WORDS, f"{what}: status words set"
+        state = launcher.stage_state(rank)
+        assert state[protocol.NEXT_STAGE] == calls % protocol.STAGES, f"{what}: stage words {state}"
+        assert state[protocol.ARRIVALS] == 0, f"{what}: arrival count not reset: {state}"
+        assert state[protocol.CALL_COUNT] == calls, f"{what}: stage words {state}"
+        for name, area in zip(("contributions", "gather area"), launcher.mailbox(rank)):
+            stale = np.argwhere(area != protocol.EMPTY_BF16)
+            assert stale.size == 0, (
+                f"{what}: {len(stale)} {name} lanes not re-armed, first at {stale[0]}"
+            )
