@@ -30,7 +30,7 @@ SASS_MEMORY = re.compile(r"\b(LDG|STG|LD|ST|LDL|STL)\.E?[\w.]*")
 
 
 def role(symbol: str) -> str:
-    for name in ("publish", "reduce_norm", "reduce", "gather"):
+    for name in ("publish_reduce_norm", "publish_reduce", "publish", "reduce_norm", "reduce", "gather"):
         if f"_{name}_" in symbol:
             return name
     return symbol
