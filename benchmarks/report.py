@@ -223,7 +223,7 @@ def tuning_table(data: dict) -> str:
             launch = format_launch(variant["launch"])
             if index == tuning["best"]:
                 launch = f"**{launch}**"
-            if variant["us"] is None:  # a fused grid the GPU cannot hold at once
+            if variant["us"] is None:  # runs before fused grids were persistent: refused
                 rows.append([r["problem"], str(r["tp"]), r["mode"], str(r["m"]), launch, "refused", "", ""])
                 continue
             same_bits = "yes" if variant["same_bits_as_default"] else "NO"

@@ -102,13 +102,6 @@ NB_MODULE(_ffi, m) {
       [](int64_t mailbox_id) { Registry::Get().CloseMailbox(mailbox_id); },
       nb::arg("mailbox_id"));
 
-  m.def(
-      "max_rows",
-      [](int64_t kernel_set_id, int device_ordinal) {
-        return Registry::Get().MaxRows(kernel_set_id, device_ordinal);
-      },
-      nb::arg("kernel_set_id"), nb::arg("device_ordinal"));
-
   m.def("execute_counts", []() {
     jax_moe_publish::ExecuteCounts counts = jax_moe_publish::GetExecuteCounts();
     return nb::make_tuple(counts.captured, counts.direct);

@@ -15,6 +15,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -90,7 +91,10 @@ ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel,
   attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attribute.value.programmaticStreamSerializationAllowed = 1;
   CUlaunchConfig config = {};
-  config.gridDimX = static_cast<unsigned>(rows) * kernel.ctas_per_row;
+  int64_t ctas = rows * kernel.ctas_per_row;
+  // A persistent (fused) grid: its CTAs wait on each other's peers, so all must run at once.
+  if (kernel.max_resident_ctas > 0) ctas = std::min(ctas, kernel.max_resident_ctas);
+  config.gridDimX = static_cast<unsigned>(ctas);
   config.gridDimY = 1;
   config.gridDimZ = 1;
   config.blockDimX = kernel.block;
@@ -223,20 +227,6 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
     if (mailbox.tp != set->tp) {
       return ffi::Error::InvalidArgument(name + " has tp=" + std::to_string(mailbox.tp) +
                                          ", expected the tp=" + std::to_string(set->tp) + of_set);
-    }
-  }
-
-  for (const Kernel& kernel : set->kernels) {
-    const int64_t ctas = (kernel.rows == Rows::kM ? m : owned) * kernel.ctas_per_row;
-    if (kernel.max_resident_ctas > 0 && ctas > kernel.max_resident_ctas) {
-      // Its CTAs wait on the peers' CTAs of the same index: all must run at once.
-      return ffi::Error::InvalidArgument(
-          "m=" + std::to_string(m) + ": kernel set " + std::to_string(kernel_set_id) +
-          " (fuse_reduce) would launch " + std::to_string(ctas) + " CTAs, but device " +
-          std::to_string(device) + " holds " + std::to_string(kernel.max_resident_ctas) +
-          " at once; expected m <= " +
-          std::to_string(kernel.max_resident_ctas / kernel.ctas_per_row) +
-          ", or a kernel set without fuse_reduce");
     }
   }
 

@@ -332,20 +332,6 @@ const KernelSet* Registry::FindKernelSet(int64_t kernel_set_id, int device) cons
   return it == kernel_sets_.end() ? nullptr : it->second.get();
 }
 
-int64_t Registry::MaxRows(int64_t kernel_set_id, int device) const {
-  const KernelSet* set = FindKernelSet(kernel_set_id, device);
-  Require(set != nullptr, "kernel set " + std::to_string(kernel_set_id) +
-                              " is not loaded on device " + std::to_string(device));
-  int64_t rows = -1;
-  for (const Kernel& kernel : set->kernels) {
-    if (kernel.max_resident_ctas > 0) {
-      const int64_t fit = kernel.max_resident_ctas / kernel.ctas_per_row;
-      rows = rows < 0 ? fit : std::min(rows, fit);
-    }
-  }
-  return rows;
-}
-
 MailboxState Registry::FindMailbox(int64_t mailbox_id, int device, MailboxDevice* found) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   if (closed_mailboxes_.count(mailbox_id) != 0) return MailboxState::kClosed;

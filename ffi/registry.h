@@ -63,8 +63,8 @@ struct Kernel {
   unsigned smem;
   unsigned ctas_per_row;
   Rows rows;
-  // CTAs the device holds at once; a fused grid must fit, since its CTAs wait on
-  // each other's peers. 0 for the other roles: no limit.
+  // CTAs the device holds at once: the grid of a persistent (fused) kernel, whose
+  // CTAs wait on each other's peers, is capped at it. 0 for the other roles.
   int64_t max_resident_ctas;
 };
 
@@ -117,10 +117,6 @@ class Registry {
   // valid; nullptr when the set is not loaded on the device.
   const KernelSet* FindKernelSet(int64_t kernel_set_id, int device) const;
 
-  // The most rows (tokens) a call of a loaded set may have on the device: the
-  // co-resident limit of a fused set, or -1 for no limit. Throws
-  // std::invalid_argument when the set is not loaded there.
-  int64_t MaxRows(int64_t kernel_set_id, int device) const;
   MailboxState FindMailbox(int64_t mailbox_id, int device, MailboxDevice* found) const;
 
  private:

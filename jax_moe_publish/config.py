@@ -87,8 +87,8 @@ class KernelConfig:
     fuse_reduce : bool
         One kernel per call (mode ``oneshot``): each publish thread then waits
         for its own fragment from every peer, sums and re-arms, saving the
-        reduce launch. Its CTAs wait on the peers' CTAs of the same index, so
-        the launcher refuses an ``m`` whose grid is not co-resident on the GPU.
+        reduce launch. The grid is persistent, capped at the CTAs the GPU holds
+        at once: each CTA publishes all of its tiles, then reduces them.
         With the epilogue the CTA is the row's (``threads == reduce_threads``,
         8 elements, one fragment per thread: hidden <= 8192).
     epilogue : {"none", "rmsnorm"}
@@ -292,8 +292,7 @@ class KernelConfig:
         epilogue of up to ``FUSE_REDUCE_MAX_M`` tokens is one kernel. On 2x H200
         at hidden 7168, top-k 8 it was 0.9 to 1.7 us faster than two kernels at
         m = 32, 64 and 128, and within run-to-run noise below
-        (``benchmarks/results/2026-11-30-h200x2-fuse-reduce-tuning.json``). The
-        op falls back to two kernels where the GPU cannot hold the fused grid.
+        (``benchmarks/results/2026-11-30-h200x2-fuse-reduce-tuning.json``).
         With the epilogue it fuses only when asked (``True``), and only where a
         thread holds one fragment of the row: its one CTA per row then loads
         all of the row's experts from one SM, 1.1 to 2.7 us slower at m = 1, 8

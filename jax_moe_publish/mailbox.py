@@ -260,16 +260,6 @@ class Mailbox:
                     )
             self._loaded.add(key)
 
-    def max_rows(self, kernel_set_id: int) -> int | None:
-        """The most tokens a call of a loaded kernel set may have on every device of this
-        mailbox in this process; None when the set has no limit (see `native.max_rows`)."""
-        from jax_moe_publish import native
-
-        limits = [native.max_rows(kernel_set_id, device.local_hardware_id)
-                  for group in self.groups for device in self._local(group)]
-        limits = [limit for limit in limits if limit is not None]
-        return min(limits) if limits else None
-
     # Lifetime and health.
 
     @property

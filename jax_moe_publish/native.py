@@ -268,20 +268,6 @@ def close_mailbox(mailbox_id: int) -> None:
     _extension().close_mailbox(_int("mailbox_id", mailbox_id, -_INT64_MAX - 1, _INT64_MAX))
 
 
-def max_rows(kernel_set_id: int, device_ordinal: int) -> int | None:
-    """The most tokens a call of a loaded kernel set may have on a device, or None for no
-    limit: a ``fuse_reduce`` set's whole grid must be resident on the GPU at once (its
-    occupancy times the SM count, computed when the set was loaded).
-
-    Raises ValueError when the set is not loaded on the device.
-    """
-    rows = _extension().max_rows(
-        _int("kernel_set_id", kernel_set_id, -_INT64_MAX - 1, _INT64_MAX),
-        _int("device_ordinal", device_ordinal, 0, _DEVICE_ORDINAL_MAX),
-    )
-    return None if rows < 0 else rows
-
-
 def execute_counts() -> tuple[int, int]:
     """(captured, direct): calls of the op that launched inside a CUDA graph capture
     (an XLA command buffer) and on a live stream, since the process started."""

@@ -240,8 +240,7 @@ def moe_finalize_publish(
             axis_name=mailbox.axis_name, routed_scaling_factor=float(routed_scaling_factor),
             mode=mailbox.mode, **epilogue,
         )
-    kernel_config, kernel_set_id = _load(kernel_config, mailbox, expert_weights.shape[0],
-                                         chosen_by_default=config is None)
+    kernel_set_id = _load(kernel_config, mailbox)
     if fused_norm and mailbox.tp == 1:
         y = _call_kernels(kernel_set_id, mailbox, routed_output, expert_weights, permuted_indices,
                           shared_output, float(routed_scaling_factor), {})
@@ -271,24 +270,13 @@ def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
     return impl
 
 
-def _load(config, mailbox, m, *, chosen_by_default) -> tuple[KernelConfig, int]:
-    """(config, kernel set id) of a call of ``m`` tokens, loaded on the mailbox's devices.
-
-    A ``fuse_reduce`` set runs only if its whole grid fits on the GPU at once. The
-    default then falls back to the same launch shape unfused (protocol and bits are the
-    same, so ranks may even differ); an explicit config is refused here, at trace time.
-    """
+def _load(config, mailbox) -> int:
+    """The kernel set id of ``config``, loaded on the mailbox's devices."""
     from jax_moe_publish.aot.store import default_store
 
     kernel_set_id = _kernel_set_id(config.key)
     mailbox.ensure_loaded(default_store().get(config), kernel_set_id)
-    limit = mailbox.max_rows(kernel_set_id)
-    if limit is None or m <= limit:
-        return config, kernel_set_id
-    if not chosen_by_default:
-        raise ValueError(f"config={config.key}: m={m} tokens, but fuse_reduce runs at most {limit} on "
-                         "these GPUs (its whole grid must be resident at once); use fuse_reduce=False")
-    return _load(config.replace(fuse_reduce=False), mailbox, m, chosen_by_default=False)
+    return kernel_set_id
 
 
 def _call_kernels(kernel_set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,

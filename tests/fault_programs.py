@@ -23,8 +23,9 @@ config per mode, ranks launched one by one):
 * ``nonfinite``: NaN and Inf inputs, every mode, against the float64 model.
 * ``negative-zero``: inputs whose partials round to -0.0 (the empty sentinel),
   every mode, several calls: no wait may stall.
-* ``sanitize``: a few healthy calls in oneshot and twoshot, for
-  ``compute-sanitizer``; it ends with a normal exit.
+* ``sanitize``: a few healthy calls of every kernel (oneshot, twoshot, both
+  fused variants on grids smaller than their tiles, the RMSNorm epilogue
+  unfused and fused), for ``compute-sanitizer``; it ends with a normal exit.
 
 Programs on the public API (jit + shard_map on two GPUs, the FFI handler):
 
@@ -85,12 +86,13 @@ def config_for(mode: str):
 
 
 @contextlib.contextmanager
-def group(mode: str, timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT):
-    """A `gpu_harness.GroupLauncher` of ``mode`` on GPUs 0 and 1."""
+def group(mode: str, timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT, *, config=None,
+          grid_limits=None):
+    """A `gpu_harness.GroupLauncher` of ``mode`` (or of ``config``) on GPUs 0 and 1."""
     devices = [gpu_harness.Device(ordinal) for ordinal in range(2)]
-    artifact = default_store().get(config_for(mode))
+    artifact = default_store().get(config or config_for(mode))
     with gpu_harness.open_group(artifact, devices, capacity_m=CAPACITY_M, timeout_ns=timeout_ns,
-                                on_timeout=on_timeout) as launcher:
+                                on_timeout=on_timeout, grid_limits=grid_limits) as launcher:
         yield launcher
     for device in devices:
         device.close()
@@ -492,23 +494,59 @@ def negative_zero(args) -> None:
     _special_values(args, _negative_zero_problems, _zero_failure, calls=protocol.STAGES + 1)
 
 
+def sanitize_configs() -> dict:
+    """The configs `sanitize` runs, by name: one per unfused mode, both fused variants, and
+    the RMSNorm epilogue unfused and fused (the kernels with shared memory)."""
+    fused = [c for c in presets.test_variants(2) if c.fuse_reduce]
+    epilogues = [c for c in presets.test_epilogues(2) if c.mode == "oneshot" and c.hidden == 7168]
+    return {
+        "oneshot": config_for("oneshot"),
+        "twoshot": config_for("twoshot"),
+        "fused": fused[0],
+        "fused-4-elements": fused[1],
+        "rmsnorm": next(c for c in epilogues if not c.fuse_reduce),
+        "rmsnorm-fused": next(c for c in epilogues if c.fuse_reduce),
+    }
+
+
+# Fused grids capped below their tiles, unequal by rank: every CTA loops.
+SANITIZE_GRID_LIMITS = [3, 7]
+SANITIZE_EPS = 1e-6
+
+
 def sanitize(args) -> dict:
-    """A few healthy calls per mode with checked outputs; returns normally (no fault)."""
+    """A few healthy calls of each of `sanitize_configs` with checked outputs; returns normally
+    (no fault)."""
     rng = np.random.default_rng(args.seed)
     report = {}
-    for mode in ("oneshot", "twoshot"):
-        with group(mode, SANITIZE_TIMEOUT_NS) as launcher:
-            config = launcher.config
+    for name, config in sanitize_configs().items():
+        grid_limits = SANITIZE_GRID_LIMITS if config.fuse_reduce else None
+        with group(config.mode, SANITIZE_TIMEOUT_NS, config=config, grid_limits=grid_limits) as launcher:
             buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
             failures = []
             for m in (1, 5, CAPACITY_M):
                 problems = [random_problem(config, rng, m) for _ in range(config.tp)]
                 for rank_buffers, problem in zip(buffers, problems):
                     prepare(rank_buffers, problem)
+                if config.epilogue == "none":
+                    launcher.run(buffers, m)
+                    failures += [f"m={m}: {text}" for rank, b in enumerate(buffers)
+                                 if (text := output_failure(config, b.output(), problems, m, rank))]
+                    continue
+                residual, norm_weight = numerics.epilogue_inputs(rng, m, config.hidden)
+                for rank_buffers in buffers:
+                    rank_buffers.upload_epilogue(residual, norm_weight, SANITIZE_EPS)
+                    rank_buffers.residual_out.poison()
                 launcher.run(buffers, m)
-                failures += [f"m={m}: {text}" for rank, b in enumerate(buffers)
-                             if (text := output_failure(config, b.output(), problems, m, rank))]
-            report[mode] = {"key": config.key, "failures": failures}
+                total, bound = numerics.expected_sum(problems, config.routed_scaling_factor)
+                for rank, b in enumerate(buffers):
+                    try:
+                        numerics.assert_epilogue_close(
+                            b.output()[:m].view(numerics.BF16), b.residual_output()[:m].view(numerics.BF16),
+                            total, bound, residual, norm_weight, SANITIZE_EPS, what=f"rank {rank}")
+                    except AssertionError as error:
+                        failures.append(f"m={m}: {error}")
+            report[name] = {"key": config.key, "failures": failures}
     return report
 
 

@@ -32,7 +32,7 @@ from cuda.bindings import driver
 
 import numerics
 from jax_moe_publish import protocol
-from jax_moe_publish.aot.artifact import KernelArtifact
+from jax_moe_publish.aot.artifact import PERSISTENT_ROLES, KernelArtifact
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.cuda_memory import CudaError, GroupMemory, check, init, primary_context
 
@@ -110,10 +110,27 @@ class Device:
             self._modules[key] = (module, functions)
         return self._modules[key][1]
 
-    def launch(self, function, kernel: dict, rows: int, params: tuple, types: tuple, pdl: bool) -> None:
-        """Enqueue one kernel of the artifact: grid = rows * ctas_per_row."""
+    def resident_ctas(self, function, kernel: dict) -> int:
+        """CTAs of ``function`` the GPU holds at once, as the C++ launcher computes it."""
+        with self.current():
+            per_sm = check(
+                driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, kernel["block"], kernel["smem"]),
+                f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel['role']})",
+            )
+            sms = check(
+                driver.cuDeviceGetAttribute(
+                    driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._handle
+                ),
+                "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
+            )
+        return per_sm * sms
+
+    def launch(self, function, kernel: dict, rows: int, params: tuple, types: tuple, pdl: bool,
+               max_ctas: int | None = None) -> None:
+        """Enqueue one kernel of the artifact: grid = rows * ctas_per_row, at most ``max_ctas``."""
         config = driver.CUlaunchConfig()
-        config.gridDimX = rows * kernel["ctas_per_row"]
+        ctas = rows * kernel["ctas_per_row"]
+        config.gridDimX = ctas if max_ctas is None else min(ctas, max_ctas)
         config.gridDimY = 1
         config.gridDimZ = 1
         config.blockDimX = kernel["block"]
@@ -289,7 +306,7 @@ class GroupLauncher:
     """
 
     def __init__(self, artifact: KernelArtifact, devices: list[Device], memory: GroupMemory | None,
-                 timeout_ns: int) -> None:
+                 timeout_ns: int, grid_limits: list[int] | None = None) -> None:
         self.config = KernelConfig.from_dict(artifact.metadata["config"])
         if self.config.transport == "multicast":
             raise ValueError(f"{artifact.metadata['key']}: the harness has no multicast memory")
@@ -304,6 +321,18 @@ class GroupLauncher:
         self.roles = tuple(kernel["role"] for kernel in self.kernels)
         self.pdl = bool(artifact.metadata["pdl"])
         self.functions = [device.functions(artifact) for device in self.devices]
+        # Persistent kernels' grids: capped like the C++ launcher's, and at rank r's
+        # ``grid_limits[r]`` (tests: several rows per CTA at small m, grids that differ by rank).
+        self.max_ctas = []
+        for rank, (device, functions) in enumerate(zip(self.devices, self.functions)):
+            limits = []
+            for function, kernel in zip(functions, self.kernels):
+                limit = None
+                if kernel["role"] in PERSISTENT_ROLES:
+                    limit = device.resident_ctas(function, kernel)
+                    limit = limit if grid_limits is None else min(limit, grid_limits[rank])
+                limits.append(limit)
+            self.max_ctas.append(limits)
         self._buffers: list[RankBuffers] = []
 
     def allocate(self, max_m: int, max_rows: int) -> list[RankBuffers]:
@@ -322,7 +351,8 @@ class GroupLauncher:
             rows = m if kernel["rows"] == "m" else protocol.owned_rows(m, self.config.tp)
             for rank, device in enumerate(self.devices):
                 params, types = self._params(kernel["role"], rank, buffers[rank], m)
-                device.launch(self.functions[rank][index], kernel, rows, params, types, self.pdl)
+                device.launch(self.functions[rank][index], kernel, rows, params, types, self.pdl,
+                              self.max_ctas[rank][index])
 
     def _params(self, role: str, rank: int, buffers: RankBuffers, m: int) -> tuple[tuple, tuple]:
         if role == "publish":
@@ -399,8 +429,10 @@ class GroupLauncher:
 
 @contextlib.contextmanager
 def open_group(artifact: KernelArtifact, devices: list[Device], *, capacity_m: int,
-               timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT):
-    """A `GroupLauncher` on ``devices[:tp]`` with fresh mailbox memory (none for tp = 1), freed at exit."""
+               timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT,
+               grid_limits: list[int] | None = None):
+    """A `GroupLauncher` on ``devices[:tp]`` with fresh mailbox memory (none for tp = 1), freed at exit;
+    ``grid_limits`` caps each rank's persistent grids (`GroupLauncher`)."""
     config = KernelConfig.from_dict(artifact.metadata["config"])
     if len(devices) < config.tp:
         raise ValueError(f"{artifact.metadata['key']} needs {config.tp} devices, got {len(devices)}")
@@ -416,7 +448,7 @@ def open_group(artifact: KernelArtifact, devices: list[Device], *, capacity_m: i
         for device in group:
             with device.current():
                 check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
-        launcher = GroupLauncher(artifact, group, memory, timeout_ns)
+        launcher = GroupLauncher(artifact, group, memory, timeout_ns, grid_limits)
         yield launcher
     finally:
         # A wedged device would make every free wait forever.

@@ -201,7 +201,9 @@ def test_publish_loads(builds, config):
     vector_loads = [op for op in opcodes(body, "ld.global") if re.search(r"\.v\d", op)]
     # (The fused epilogue also reads the residual and norm_weight fragments.)
     row_inputs = 2 if config.fuse_reduce and config.epilogue != "none" else 0
-    assert vector_loads == [load] * (config.top_k + config.include_shared_expert + row_inputs)
+    # A persistent (fused) kernel finalizes in two places: its first tile, then a loop over the others.
+    finalizes = 2 if config.fuse_reduce else 1
+    assert vector_loads == [load] * ((config.top_k + config.include_shared_expert) * finalizes + row_inputs)
     if config.enable_pdl:
         # Routed rows are the preceding kernel's output: read only after griddepcontrol.wait.
         before_wait = body[:body.index("griddepcontrol.wait")]
@@ -252,15 +254,18 @@ FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce and c.epilogue == "none
 
 @pytest.mark.parametrize("config", FUSED_CONFIGS, ids=_ids(FUSED_CONFIGS))
 def test_fused_ptx(builds, config):
-    """The publish's stores, then the reduce's polls, sum and re-arm, in one kernel."""
+    """The publish's stores, then the reduce's polls, sum and re-arm, in one persistent kernel."""
     body = kernels_by_role(builds(config))["publish_reduce"]
-    assert len(opcodes(body, "ld.global.nc.u64")) == config.tp  # the peer table
+    # The peer table, read where the first tile and the loop over the others publish.
+    assert len(opcodes(body, "ld.global.nc.u64")) == 2 * config.tp
     vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
-    # tp publish stores, tp re-arms, the output, and NaN on a halted mailbox.
-    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * (2 * config.tp + 2)
-    # Each thread polls the fragment it published, at its width.
+    # 2 x tp publish stores, tp re-arms, the output, and NaN on a halted mailbox.
+    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * (3 * config.tp + 2)
+    # Each thread polls the fragment it published, at its width, after all of its publishes.
     polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
     assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
+    assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")
+    assert "%nctaid.x" in body  # the grid's size: the stride of the tile loops
     assert opcodes(body, "trap") == ["trap", "trap"] and "%globaltimer" in body
     assert "multimem" not in body
 
@@ -278,14 +283,16 @@ def test_reduce_norm_ptx(builds, config):
         # residual, norm_weight, the routed rows and the shared row: all read only after
         # griddepcontrol.wait (the residual may be the previous call's residual_out), and
         # residual and weight before the mailbox polls.
+        # (The finalize is traced twice: the first row, then the loop over the others.)
         input_loads = opcodes(body, "ld.global.nc.L1")
-        assert input_loads == [publish_load(config)] * (2 + config.top_k + config.include_shared_expert)
+        assert input_loads == [publish_load(config)] * (2 + 2 * (config.top_k + config.include_shared_expert))
         if config.enable_pdl:
             assert body.index("griddepcontrol.wait") < body.index("ld.global.nc.L1")
         polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
         assert polls and set(polls) == {"ld.volatile.global.v4.u32"}
-        # tp publish stores, then as below.
-        stores = config.tp + per_thread * (1 + config.tp + 2)
+        assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")  # publishes first
+        # 2 x tp publish stores, then as below.
+        stores = 2 * config.tp + per_thread * (1 + config.tp + 2)
     else:
         # residual and norm_weight: one 16-byte load each per fragment, all issued before the
         # stage read and the mailbox polls (they do not depend on the publish).

@@ -90,11 +90,26 @@ def _check_rank(mode, tp, rank, out, residual_out, problems, scale, residual, no
 @pytest.mark.parametrize("m", M_VALUES, ids=_m_id)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.key)
 def test_epilogue_kernel_matches_model(config, m, eps, devices):  # noqa: F811
-    rng = seeded_rng(config.key, m, eps, "epilogue")
+    _check_epilogue_call(config, m, eps, devices)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("grid_limits", ((1, 1), (3, 7)), ids=lambda g: "grid" + "-".join(map(str, g)))
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.fuse_reduce], ids=lambda c: c.key)
+def test_fused_epilogue_persistent_grid(config, grid_limits, devices):  # noqa: F811
+    """A fused grid of fewer CTAs than rows: each CTA publishes its rows, then reduces and
+    normalizes them one after another (its shared memory reused), with ranks' grids unequal."""
+    _check_epilogue_call(config, CAPACITY_M, 1e-6, devices, list(grid_limits))
+
+
+def _check_epilogue_call(config, m, eps, devices, grid_limits=None) -> None:
+    """One call of the epilogue kernels on fresh data: both outputs of every rank, bits across
+    ranks and the protocol state after it."""
+    rng = seeded_rng(config.key, m, eps, grid_limits, "epilogue")
     problems, residual, norm_weight = _epilogue_problem(config, m, rng)
     tp = config.tp
     rows = protocol.owned_rows(m, tp) if config.mode == "reduce_scatter" else m
-    with open_test_group(config, devices, CAPACITY_M) as launcher:
+    with open_test_group(config, devices, CAPACITY_M, grid_limits) as launcher:
         buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
         for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
             rank_buffers.upload(problem)

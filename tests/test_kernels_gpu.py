@@ -44,6 +44,10 @@ TP2_MODE_CONFIGS = [
     next(c for c in TP2_CONFIGS if c.mode == mode and not c.fuse_reduce) for mode in presets.MULTI_RANK_MODES
 ] + [next(c for c in TP2_CONFIGS if c.fuse_reduce)]
 TP2_ONESHOT_CONFIGS = [c for c in TP2_CONFIGS if c.mode == "oneshot"]
+TP2_FUSED_CONFIGS = [c for c in TP2_CONFIGS if c.fuse_reduce]
+# Per-rank caps of a fused (persistent) grid: CTAs then take several tiles, different
+# numbers of them, and the ranks' grids may differ.
+GRID_LIMITS = ((1, 1), (3, 7), (64, 5))
 
 
 def _key(config) -> str:
@@ -87,11 +91,11 @@ def _negative_zero_problems(config, m: int, rng) -> list[numerics.Problem]:
     return numerics.make_negative_zero(random_problems(config, m, rng, routed_rows(config, m)), rng)
 
 
-def _check_one_call(config, m, devices) -> None:
+def _check_one_call(config, m, devices, grid_limits=None) -> None:
     """One call on fresh data: every rank's output, and for a group the protocol state after it."""
-    rng = seeded_rng(config.key, m)
+    rng = seeded_rng(config.key, m, grid_limits)
     problems = random_problems(config, m, rng, routed_rows(config, m))
-    with open_test_group(config, devices, CAPACITY_M) as launcher:
+    with open_test_group(config, devices, CAPACITY_M, grid_limits) as launcher:
         buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
         _prepare(buffers, problems)
         launcher.run(buffers, m)
@@ -112,6 +116,16 @@ def test_direct_finalize_matches_model(config, m, devices):
 @pytest.mark.parametrize("config", TP2_CONFIGS, ids=_key)
 def test_group_call_matches_model(config, m, devices):
     _check_one_call(config, m, devices)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("grid_limits", GRID_LIMITS, ids=lambda g: "grid" + "-".join(map(str, g)))
+@pytest.mark.parametrize("m", (3, CAPACITY_M), ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("config", TP2_FUSED_CONFIGS, ids=_key)
+def test_persistent_grid_matches_model(config, m, grid_limits, devices):
+    """A fused grid smaller than the tiles of m: each CTA publishes all of its tiles, then
+    reduces them; the result and the protocol state are those of a full grid."""
+    _check_one_call(config, m, devices, list(grid_limits))
 
 
 @pytest.mark.gpus(2)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the publish, reduce and gather kernels on two GPUs:
+# compute-sanitizer over every kernel role on two GPUs:
 #   bash tools/sanitize.sh [REPORT_DIR]
-# The workload is `tests/fault_programs.py sanitize`: healthy calls with m = 1, 5 and 16 in
-# oneshot and twoshot through the kernel harness (no JAX on the GPUs), every output checked.
+# The workload is `tests/fault_programs.py sanitize`: healthy calls with m = 1, 5 and 16 of
+# each of its configs through the kernel harness (no JAX on the GPUs), every output checked.
 # It runs once per tool (SANITIZE_TOOLS, default "memcheck racecheck"; synccheck and
 # initcheck also work), saves each tool's report, the program's stdout and stderr in
 # REPORT_DIR (default sanitize-reports/), and prints one summary line per tool.
-# racecheck looks at shared memory only, which these kernels do not use.
+# racecheck looks at shared memory only: the RMSNorm epilogue's warp sums.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD

@@ -35,6 +35,9 @@ EXPECTED_PARAMS = {
     "publish_reduce": PUBLISH_REDUCE_PARAMS,
     "publish_reduce_norm": PUBLISH_REDUCE_NORM_PARAMS,
 }
+# The fused roles: their CTAs loop over the rows and wait on each other's peers, so the
+# launcher caps their grid at the CTAs the GPU holds at once.
+PERSISTENT_ROLES = ("publish_reduce", "publish_reduce_norm")
 # The kernels of a call, in launch order, by mode (without an epilogue).
 ROLES = {
     "direct": ["publish"],

@@ -17,15 +17,6 @@ MULTI_RANK_MODES = ("oneshot", "twoshot", "reduce_scatter")
 DEFAULT_SHAPE_MS = (SMALL_M, SMALL_M + 1, FUSE_REDUCE_MAX_M + 1)
 
 
-def with_fallbacks(configs: list[KernelConfig]) -> list[KernelConfig]:
-    """``configs`` and, after each fused one, the unfused config the op falls back to on a
-    GPU that cannot hold the fused grid."""
-    result = []
-    for config in configs:
-        result += [config, config.replace(fuse_reduce=False)] if config.fuse_reduce else [config]
-    return result
-
-
 def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str,
            epilogue_tp: tuple[int, ...] = ()) -> list[KernelConfig]:
     """The default configs of a model for every TP size and mode, and with the RMSNorm
@@ -45,7 +36,7 @@ def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str,
                             fp32_weights=fp32_weights, m=m, epilogue=epilogue, arch=arch,
                         )
                     )
-    return with_fallbacks(configs)
+    return configs
 
 
 def deepseek_v3(arch: str = "sm_90a") -> list[KernelConfig]:
@@ -140,12 +131,12 @@ def test_variants(tp: int) -> list[KernelConfig]:
 def test_defaults(tp: int) -> list[KernelConfig]:
     """The default configs that the op tests reach through the public API."""
     modes = ("direct",) if tp == 1 else MULTI_RANK_MODES
-    return with_fallbacks([
+    return [
         KernelConfig.default(tp=tp, mode=mode, m=m, **problem)
         for problem in TEST_DEFAULT_PROBLEMS
         for mode in modes
         for m in DEFAULT_SHAPE_MS
-    ])
+    ]
 
 
 def tests(arch: str = "sm_90a") -> list[KernelConfig]:

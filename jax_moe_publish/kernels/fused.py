@@ -7,10 +7,13 @@ fragment from every rank, sums in rank order, writes the output and re-arms
 the slots it consumed: the publish and reduce kernels' steps, in one thread.
 A call is then one launch instead of two, which is what small ``m`` pays for.
 
-Progress needs the peers' CTAs of the same index to run: a CTA of rank r
-waits on the fragment that CTA ``i`` of every peer publishes before it waits
-itself. The launcher therefore refuses a grid that the GPU cannot hold at
-once (``load_kernel_set`` computes the limit from the occupancy).
+The grid is persistent: the launcher caps it at the CTAs the GPU holds at
+once (``load_kernel_set`` computes that from the occupancy), and CTA ``b``
+takes the tiles (publish CTA positions, ``ctas_per_token`` per token) ``b``,
+``b + grid``, ... . It publishes all of its tiles before it waits for any, so
+every rank publishes every tile whatever the peers' grids, and a CTA's wait
+overlaps the other CTAs' publishes: the reduce starts without a second
+launch at every ``m``.
 
 Rounding, summation order, stage protocol, timeout and halt word are those of
 `FinalizePublishKernel` and `LamportReduceKernel`, so a fused call returns the
@@ -19,6 +22,7 @@ same bits as an unfused one of the same config otherwise.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
@@ -56,21 +60,43 @@ class FusedPublishReduceKernel:
         capacity_m: Int32,
         rank: Int32,
     ) -> None:
-        token, fragment_offset, in_range = self.publisher.position()
+        block, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        tiles = m * self.config.ctas_per_token
+        token, fragment_offset, in_range = self.publisher.position(block)
         shared_words = self.publisher.begin_call(shared, token, fragment_offset, in_range)
         stage, halt = self.publisher.read_stage(stage_state)
-        destination = out + Int64(token) * (self.config.hidden * BF16_BYTES) + fragment_offset
-        if in_range != 0 and token < m:
-            if halt != protocol.HALT_RUNNING:
-                self.reducer.halted(destination, halt, stage, token, stage_state, status)
-            else:
+        if halt != protocol.HALT_RUNNING:
+            for tile in cutlass.range(block, tiles, grid):
+                halted_token, halted_offset, halted_in_range = self.publisher.position(tile)
+                if halted_in_range != 0:
+                    self.reducer.halted(self._destination(out, halted_token, halted_offset), halt, stage,
+                                        halted_token, stage_state, status)
+        else:
+            if in_range != 0 and block < tiles:
                 packed = self.publisher.finalize(routed, weights, indices, num_rows, token, fragment_offset,
-                                                 shared_words)
+                                            shared_words)
                 self.publisher.store(packed, token, fragment_offset, peer_table, capacity_m, rank, stage)
-                slots, sources = self.reducer.wait_contributions(
-                    mailbox, stage, token, fragment_offset, capacity_m, token, stage_state, status, timeout_ns
-                )
-                ptx.store_words(destination, self.reducer.sum_sources(sources))
-                for address in slots:
-                    ptx.store_words(address, [Uint32(protocol.EMPTY_U32)] * self.reducer.fragment_words)
+            for tile in cutlass.range(block + grid, tiles, grid):
+                next_token, next_offset, next_in_range = self.publisher.position(tile)
+                if next_in_range != 0:
+                    next_shared = self.publisher.load_shared(shared, next_token, next_offset, next_in_range)
+                    packed = self.publisher.finalize(routed, weights, indices, num_rows, next_token, next_offset,
+                                                next_shared)
+                    self.publisher.store(packed, next_token, next_offset, peer_table, capacity_m, rank, stage)
+            for tile in cutlass.range(block, tiles, grid):
+                wait_token, wait_offset, wait_in_range = self.publisher.position(tile)
+                if wait_in_range != 0:
+                    slots, sources = self.reducer.wait_contributions(
+                        mailbox, stage, wait_token, wait_offset, capacity_m, wait_token, stage_state, status,
+                        timeout_ns
+                    )
+                    ptx.store_words(self._destination(out, wait_token, wait_offset),
+                                    self.reducer.sum_sources(sources))
+                    for address in slots:
+                        ptx.store_words(address, [Uint32(protocol.EMPTY_U32)] * self.reducer.fragment_words)
         self.reducer.finish_call(stage, stage_state, advance=True, waited=True)
+
+    def _destination(self, out, token, fragment_offset) -> Int64:
+        """Address of a fragment of output row ``token``."""
+        return out + Int64(token) * (self.config.hidden * BF16_BYTES) + fragment_offset

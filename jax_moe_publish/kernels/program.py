@@ -24,7 +24,8 @@ from jax_moe_publish.kernels.reduce_norm import LamportReduceNormKernel, shared_
 
 @dataclasses.dataclass(frozen=True)
 class KernelLaunch:
-    """How to launch one kernel of the call: grid = rows(m) * ctas_per_row."""
+    """How to launch one kernel of the call: grid = rows(m) * ctas_per_row, capped for
+    `artifact.PERSISTENT_ROLES`."""
 
     role: str  # "publish", "reduce", "reduce_norm", "gather", "publish_reduce", "publish_reduce_norm"
     block: int

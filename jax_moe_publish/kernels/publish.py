@@ -55,7 +55,8 @@ class FinalizePublishKernel:
         rank: Int32,
     ) -> None:
         cfg = self.config
-        token, row_offset, in_range = self.position()
+        block, _, _ = cute.arch.block_idx()
+        token, row_offset, in_range = self.position(block)
         shared_words = self.begin_call(shared, token, row_offset, in_range)
 
         stage = Int32(0)
@@ -70,23 +71,22 @@ class FinalizePublishKernel:
 
     # Pieces of the publish, traced inline here and in the fused kernel.
 
-    def position(self):
-        """(token, byte offset of the fragment in the row, Int32 1 if the fragment lies in the row)."""
+    def position(self, tile):
+        """(token, byte offset of the fragment in the row, Int32 1 if the fragment lies in the row)
+        of this thread in ``tile``: the publish CTA index (``ctas_per_token`` per token)."""
         cfg = self.config
-        block, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        token = block // cfg.ctas_per_token
-        fragment = (block % cfg.ctas_per_token) * cfg.threads + tidx
+        token = tile // cfg.ctas_per_token
+        fragment = (tile % cfg.ctas_per_token) * cfg.threads + tidx
         return token, Int64(fragment) * (self.elements * BF16_BYTES), Int32(fragment < cfg.fragments)
 
     def begin_call(self, shared, token, row_offset, in_range) -> list:
         """Wait for the predecessor grid, let the next one launch, and return the shared
         expert fragment (empty without it)."""
         cfg = self.config
-        shared_row = shared + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset
         shared_words = []
         if cutlass.const_expr(cfg.load_shared_expert_before_pdl):
-            shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
+            shared_words = self.load_shared(shared, token, row_offset, in_range)
         if cutlass.const_expr(cfg.enable_pdl):
             # Every input may come from the kernel just before (the router, the
             # experts), so nothing else is read before this wait.
@@ -95,9 +95,16 @@ class FinalizePublishKernel:
             # polling now, while this grid is still publishing. A successor of the fused
             # kernel reads nothing before its own griddepcontrol.wait.
             cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(cfg.include_shared_expert and not cfg.load_shared_expert_before_pdl):
-            shared_words = ptx.load_words(shared_row, self.words, predicate=in_range)
+        if cutlass.const_expr(not cfg.load_shared_expert_before_pdl):
+            shared_words = self.load_shared(shared, token, row_offset, in_range)
         return shared_words
+
+    def load_shared(self, shared, token, row_offset, in_range) -> list:
+        """The shared expert fragment of ``token`` (empty without the shared expert)."""
+        if cutlass.const_expr(not self.config.include_shared_expert):
+            return []
+        shared_row = shared + Int64(token) * (self.config.hidden * BF16_BYTES) + row_offset
+        return ptx.load_words(shared_row, self.words, predicate=in_range)
 
     def read_stage(self, stage_state) -> tuple:
         """The call's stage and the HALT word: a halted mailbox may be freed (closed), so

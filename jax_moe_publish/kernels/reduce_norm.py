@@ -16,10 +16,10 @@ each fragment stays in the registers of the thread that waited for it, from
 the mailbox poll to the two stores.
 
 ``publish_reduce_norm`` (``fuse_reduce``, oneshot, one fragment per thread)
-is the whole call in one kernel: each thread of the row's CTA first publishes
-its fragment of the row, as `FusedPublishReduceKernel` does, then goes on as
-above; it reads the residual only after ``griddepcontrol.wait``, since it may
-be the previous call's ``residual_out``.
+is the whole call in one persistent kernel: CTA ``b`` first publishes each
+thread's fragment of rows ``b``, ``b + grid``, ..., as `FusedPublishReduceKernel`
+does, then goes on as above for the same rows; it reads the residual only after
+``griddepcontrol.wait``, since it may be the previous call's ``residual_out``.
 
 The wait, the stage protocol, the timeout and the halt word are the plain
 reduce's (`LamportReduceKernel`), so every guarantee of it holds here: a bounded wait,
@@ -111,50 +111,84 @@ class LamportReduceNormKernel(LamportReduceKernel):
         """Either kernel's body; ``finalize_inputs`` (routed, weights, indices, shared, num_rows)
         is None for reduce_norm."""
         cfg = self.config
-        fused = finalize_inputs is not None
-        row, _, _ = cute.arch.block_idx()
+        block, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        if cutlass.const_expr(cfg.mode == "oneshot"):
-            token = row
-        else:
-            token = row * cfg.tp + rank
-        live = token < m
-        row_offset = Int64(row) * self.row_bytes
-
-        if cutlass.const_expr(fused):
-            # The residual may be the previous call's residual_out, written by the kernel
-            # just before: read it only after griddepcontrol.wait (in begin_call).
+        if cutlass.const_expr(finalize_inputs is not None):
+            # Persistent, like `FusedPublishReduceKernel`: CTA b publishes its fragment of rows
+            # b, b + grid, ... (the launcher caps the grid at the resident CTAs), then
+            # reduces and normalizes the same rows.
             routed, weights, indices, shared, num_rows = finalize_inputs
-            publish_offset, publish_present = self._fragment(tidx, 0)
-            shared_words = self.publisher.begin_call(shared, token, publish_offset, publish_present)
+            grid, _, _ = cute.arch.grid_dim()
+            offset, present = self._fragment(tidx, 0)
+            shared_words = self.publisher.begin_call(shared, block, offset, present)
             stage, halt = self.publisher.read_stage(stage_state)
+            # After begin_call's griddepcontrol.wait: the residual may be the previous
+            # call's residual_out, written by the kernel just before.
+            rWeight = self._load_norm_weight(norm_weight, tidx)
+            if present != 0 and halt == protocol.HALT_RUNNING:
+                packed = self.publisher.finalize(routed, weights, indices, num_rows, block, offset,
+                                                 shared_words)
+                self.publisher.store(packed, block, offset, peer_table, capacity_m, rank, stage)
+                for row in cutlass.range(block + grid, m, grid):
+                    row_shared = self.publisher.load_shared(shared, row, offset, present)
+                    packed = self.publisher.finalize(routed, weights, indices, num_rows, row, offset,
+                                                     row_shared)
+                    self.publisher.store(packed, row, offset, peer_table, capacity_m, rank, stage)
+            for row in cutlass.range(block, m, grid):
+                rResidual = self._load_residual(residual, row, Int32(1), tidx)
+                self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, mailbox,
+                               stage_state, status, out, timeout_ns, capacity_m, residual_out, eps)
+            self.finish_call(stage, stage_state, advance=True, waited=True)
+        else:
+            if cutlass.const_expr(cfg.mode == "oneshot"):
+                token = block
+            else:
+                token = block * cfg.tp + rank
+            # The residual and the weight are read before the mailbox wait, although this
+            # kernel never waits for its predecessor: it starts only once every publish CTA
+            # has passed its griddepcontrol.wait (the publish releases it after that wait),
+            # so everything the stream ran before the publish, where these inputs come from,
+            # has completed.
+            live = Int32(token < m)
+            rWeight = self._load_norm_weight(norm_weight, tidx)
+            rResidual = self._load_residual(residual, block, live, tidx)
+            stage, halt = self._start_call(stage_state)
+            self._norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, mailbox, stage_state,
+                           status, out, timeout_ns, capacity_m, residual_out, eps)
+            self.finish_call(stage, stage_state, advance=True, waited=False)
 
-        # The residual and the weight are read before the mailbox wait. In reduce_norm that
-        # is safe although it never waits for its predecessor before reading them: it can
-        # start only once every publish CTA has passed its griddepcontrol.wait (the publish
-        # releases it after that wait), so everything the stream ran before the publish,
-        # where these inputs come from, has completed.
-        rResidual = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
+    def _load_norm_weight(self, norm_weight, tidx):
+        """This thread's fragments of ``norm_weight``, as bf16x2 words."""
         rWeight = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
-        for j in cutlass.range_constexpr(self.fragments_per_thread):
+        for j in range(self.fragments_per_thread):
             offset, present = self._fragment(tidx, j)
             weight = ptx.load_words(norm_weight + offset, WORDS, predicate=present)
-            kept = ptx.load_words(residual + row_offset + offset, WORDS, predicate=present & Int32(live))
-            for w in cutlass.range_constexpr(WORDS):
+            for w in range(WORDS):
                 rWeight[j, w] = weight[w]
-                rResidual[j, w] = kept[w]
+        return rWeight
 
-        if cutlass.const_expr(fused):
-            if publish_present != 0 and halt == protocol.HALT_RUNNING:
-                packed = self.publisher.finalize(routed, weights, indices, num_rows, token, publish_offset,
-                                                 shared_words)
-                self.publisher.store(packed, token, publish_offset, peer_table, capacity_m, rank, stage)
-        else:
-            stage, halt = self._start_call(stage_state)
+    def _load_residual(self, residual, row, live, tidx):
+        """This thread's fragments of residual row ``row`` (zeros where ``live`` is 0)."""
+        rResidual = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
+        for j in range(self.fragments_per_thread):
+            offset, present = self._fragment(tidx, j)
+            kept = ptx.load_words(residual + Int64(row) * self.row_bytes + offset, WORDS,
+                                  predicate=present & live)
+            for w in range(WORDS):
+                rResidual[j, w] = kept[w]
+        return rResidual
+
+    @cute.jit
+    def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, mailbox, stage_state,
+                  status, out, timeout_ns, capacity_m, residual_out, eps) -> None:
+        """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
+        ``token``; ``live`` is Int32 0 for a row past m). Every thread of the CTA must call it."""
+        cfg = self.config
+        row_offset = Int64(row) * self.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
         rResidualOut = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
         squares = Float32(0.0)
-        if live:
+        if live != 0:
             for j in cutlass.range_constexpr(self.fragments_per_thread):
                 offset, present = self._fragment(tidx, j)
                 if present != 0 and halt != protocol.HALT_RUNNING:
@@ -183,7 +217,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
         for j in cutlass.range_constexpr(self.fragments_per_thread):
             offset, present = self._fragment(tidx, j)
             if present != 0:
-                if live:
+                if live != 0:
                     normed = []
                     for w in cutlass.range_constexpr(WORDS):
                         x_low, x_high = ptx.bf16x2_to_f32(rResidualOut[j, w])
@@ -199,7 +233,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * WORDS)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * WORDS)
-        self.finish_call(stage, stage_state, advance=True, waited=fused)
 
     def _fragment(self, tidx, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's
@@ -220,4 +253,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
         total = Float32(0.0)
         for warp in cutlass.range_constexpr(self.warps):
             total = total + sWarpSums[warp]
+        if cutlass.const_expr(self.config.fuse_reduce):
+            # The CTA's next row overwrites the sums.
+            cute.arch.barrier()
         return total
