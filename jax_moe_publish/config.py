@@ -32,8 +32,6 @@ ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
-FUSE_REDUCE_MAX_M = 128
-"""Up to this many tokens `KernelConfig.default` fuses a oneshot call into one kernel."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
                 "fuse_reduce")
@@ -288,15 +286,15 @@ class KernelConfig:
         ``benchmarks/results/2026-11-30-h200x2-tuning.json``). Larger or unknown
         ``m`` keeps 16-byte fragments, which the bandwidth-bound sizes need.
 
-        ``fuse_reduce=None`` decides by ``m``: a oneshot call without an
-        epilogue of up to ``FUSE_REDUCE_MAX_M`` tokens is one kernel. On 2x H200
-        at hidden 7168, top-k 8 it was 0.9 to 1.7 us faster than two kernels at
-        m = 32, 64 and 128, and within run-to-run noise below
-        (``benchmarks/results/2026-11-30-h200x2-fuse-reduce-tuning.json``).
-        With the epilogue it fuses only when asked (``True``), and only where a
-        thread holds one fragment of the row: its one CTA per row then loads
-        all of the row's experts from one SM, 1.1 to 2.7 us slower at m = 1, 8
-        and 64 (``...-fuse-reduce-epilogue-tuning.json``).
+        ``fuse_reduce=None`` picks by measurement on 2x H200 at hidden 7168,
+        top-k 8 (``benchmarks/results/2026-11-30-h200x2-persistent-fused-tuning.json``).
+        A oneshot call without an epilogue is one kernel at every ``m``: against
+        two kernels it took 0.70 to 0.81 of the time at m = 256 to 1024, 0.82
+        at 128, and was within run-to-run noise (under 0.4 us) at m = 8 and 64.
+        With the epilogue it fuses above ``SMALL_M`` tokens, and only where a
+        thread holds one fragment of the row (0.77 to 0.88 of the time at m =
+        128 to 1024): at m = 1 and 8 the fused kernel was 1.3 and 1.5 us slower,
+        as the row's one CTA then loads all of the row's experts from one SM.
 
         With an epilogue the reduce CTA holds a row: one fragment per thread up
         to hidden 8192 (1024 threads). Wider rows get at most 512 threads, so
@@ -309,7 +307,7 @@ class KernelConfig:
         small = m is not None and m <= SMALL_M
         requested = fuse_reduce
         if fuse_reduce is None:
-            fuse_reduce = mode == "oneshot" and m is not None and m <= FUSE_REDUCE_MAX_M
+            fuse_reduce = mode == "oneshot"
         elements = 8 if hidden % 8 == 0 and not small else 4
         threads = 128
         reduce_threads = 256 if small else 128
@@ -317,9 +315,10 @@ class KernelConfig:
             fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
             per_thread = 1 if fragments <= MAX_THREADS else -(-fragments // (MAX_THREADS // 2))
             reduce_threads = -(-fragments // per_thread // 32) * 32
-            # Fused, the row's one CTA would publish too: slower, as one SM then loads the
-            # whole row's experts (measured at m = 1, 8, 64), so only on request.
-            fuse_reduce = requested is True and per_thread == 1 and mode == "oneshot"
+            # Fused, the row's one CTA publishes too: slower at small m, where one SM then
+            # loads the whole row's experts.
+            wanted = not small if requested is None else requested
+            fuse_reduce = wanted and per_thread == 1 and mode == "oneshot"
             if fuse_reduce:
                 elements, threads = protocol.REDUCE_ELEMENTS, reduce_threads
         return cls(

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_moe_publish.config import ARCHS, FUSE_REDUCE_MAX_M, KernelConfig
+from jax_moe_publish.config import ARCHS, SMALL_M, KernelConfig
 
 # A valid oneshot config; each invalid case below changes a few fields of it.
 BASE = dict(hidden=1024, top_k=4, tp=2)
@@ -149,25 +149,30 @@ def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
     assert (config.epilogue, config.mode) == ("rmsnorm", mode)
     assert (config.reduce_threads, config.norm_fragments_per_thread) == (threads, per_thread)
     assert config.reduce_ctas_per_token == 1
-    # The publish is the one without the epilogue, unfused.
-    assert not config.fuse_reduce  # slower with the epilogue: only on request
-    plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, fuse_reduce=False)
-    assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
+    if config.fuse_reduce:
+        # Fused (oneshot, large or unknown m, one fragment per thread): the row's CTA publishes.
+        assert (mode, m != 1, per_thread) == ("oneshot", True, 1)
+        assert (config.threads, config.elements_per_thread) == (threads, 8)
+    else:
+        # The publish is the one without the epilogue, unfused.
+        plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, fuse_reduce=False)
+        assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
 
 
 @pytest.mark.parametrize("m, mode, epilogue, fused", [
     (1, "oneshot", "none", True),
-    (64, "oneshot", "none", True),
-    (FUSE_REDUCE_MAX_M, "oneshot", "none", True),
-    (FUSE_REDUCE_MAX_M + 1, "oneshot", "none", False),
-    (None, "oneshot", "none", False),
+    (SMALL_M, "oneshot", "none", True),
+    (4096, "oneshot", "none", True),  # persistent: any m
+    (None, "oneshot", "none", True),
     (1, "twoshot", "none", False),
     (1, "reduce_scatter", "none", False),
-    (1, "oneshot", "rmsnorm", False),  # slower fused: measured
-    (FUSE_REDUCE_MAX_M + 1, "oneshot", "rmsnorm", False),
-    (1, "reduce_scatter", "rmsnorm", False),
+    (1, "oneshot", "rmsnorm", False),  # slower fused at small m: measured
+    (SMALL_M, "oneshot", "rmsnorm", False),
+    (SMALL_M + 1, "oneshot", "rmsnorm", True),
+    (None, "oneshot", "rmsnorm", True),
+    (SMALL_M + 1, "reduce_scatter", "rmsnorm", False),
 ])
-def test_default_fuses_small_oneshot_calls(m, mode, epilogue, fused):
+def test_default_fuses_oneshot_calls(m, mode, epilogue, fused):
     config = KernelConfig.default(hidden=7168, top_k=8, tp=2, mode=mode, m=m, epilogue=epilogue)
     assert config.fuse_reduce is fused
     assert KernelConfig.default(hidden=7168, top_k=8, tp=2, mode=mode, m=m, epilogue=epilogue,
