@@ -4,10 +4,13 @@ For every case one ``jit`` + ``shard_map`` runs a ``fori_loop`` whose body is a
 chain of L = 32 layers, each layer with its own inputs (so XLA can neither
 hoist nor merge layers) and each layer's output fed into the next layer's
 shared-expert input, as in a model. Without a shared expert, the XLA path's
-layers are tied by adding ``y[:, :top_k] * zero`` to the next layer's weights,
-with ``zero`` a runtime argument XLA cannot fold (it fuses the add into the
-finalize); our custom call has side effects, so XLA can neither hoist nor
-merge it and it needs no tie:
+layers are tied through the next layer's weights, plus ``zero`` times a part
+of ``y``, with ``zero`` a runtime argument XLA cannot fold: ``y[:, :top_k]``
+where a ``psum`` follows the finalize (XLA fuses the add into the finalize),
+and the sum of all of ``y`` at tp = 1, where XLA would otherwise compute only
+the ``top_k`` columns that the tie reads (that sum can cost XLA one read of
+``y`` per layer). Our custom call has side effects, so XLA can neither hoist
+nor merge nor slice it and it needs no tie:
 
 * ``ours``: `moe_finalize_publish` (the kernels);
 * ``xla``: the same finalize in ``jnp`` followed by ``lax.psum`` (tp > 1), or
@@ -302,7 +305,12 @@ def make_chain(impl, mailbox, problem, config, iterations, *, layers=LAYERS, op_
         if not with_shared:
             # Without it XLA hoists the loop-invariant layers out of the loop (an
             # optimization_barrier or a literal 0 * y did not stop it).
-            weights = weights + (y[:, : weights.shape[1]] * zero).astype(weights.dtype)
+            if mailbox.tp > 1:
+                tie = y[:, : weights.shape[1]] * zero
+            else:
+                # Without a psum between, XLA slices a layer down to what the tie reads.
+                tie = jnp.sum(y, dtype=jnp.float32) * zero
+            weights = weights + tie.astype(weights.dtype)
         out = xla_finalize(routed, weights, indices, shared, scale)
         out = lax.psum(out, "tp") if mailbox.tp > 1 else out
         if not epilogue:
