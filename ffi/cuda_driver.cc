@@ -64,6 +64,8 @@ CudaDriver Load() {
       Resolve(get_proc_address, "cuFuncSetAttribute", &cuda.FuncSetAttribute, &error) &&
       Resolve(get_proc_address, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
               &cuda.OccupancyMaxActiveBlocksPerMultiprocessor, &error) &&
+      Resolve(get_proc_address, "cuOccupancyMaxActiveClusters", &cuda.OccupancyMaxActiveClusters,
+              &error) &&
       Resolve(get_proc_address, "cuLaunchKernelEx", &cuda.LaunchKernelEx, &error) &&
       Resolve(get_proc_address, "cuStreamIsCapturing", &cuda.StreamIsCapturing, &error);
   if (!resolved) {

@@ -32,6 +32,7 @@ struct CudaDriver {
   PFN_cuFuncSetAttribute_v9000 FuncSetAttribute = nullptr;
   PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050 OccupancyMaxActiveBlocksPerMultiprocessor =
       nullptr;
+  PFN_cuOccupancyMaxActiveClusters_v11070 OccupancyMaxActiveClusters = nullptr;
   PFN_cuLaunchKernelEx_v11060 LaunchKernelEx = nullptr;
   PFN_cuStreamIsCapturing_v10000 StreamIsCapturing = nullptr;
 };

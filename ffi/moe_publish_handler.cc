@@ -85,14 +85,26 @@ struct NormOperands {
 
 ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel, bool pdl,
                   int64_t rows, void** params) {
-  // Lets the kernel start while its predecessor (XLA's, or ours) finishes; the
-  // kernels order their reads with griddepcontrol.wait.
-  CUlaunchAttribute attribute = {};
-  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attribute.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchAttribute attributes[2] = {};
+  unsigned count = 0;
+  if (pdl) {
+    // Lets the kernel start while its predecessor (XLA's, or ours) finishes; the
+    // kernels order their reads with griddepcontrol.wait.
+    attributes[count].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attributes[count].value.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (kernel.cluster > 1) {
+    attributes[count].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attributes[count].value.clusterDim.x = kernel.cluster;
+    attributes[count].value.clusterDim.y = 1;
+    attributes[count].value.clusterDim.z = 1;
+    ++count;
+  }
   CUlaunchConfig config = {};
   int64_t ctas = rows * kernel.ctas_per_row;
   // A persistent (fused) grid: its CTAs wait on each other's peers, so all must run at once.
+  // (The limit is a whole number of clusters.)
   if (kernel.max_resident_ctas > 0) ctas = std::min(ctas, kernel.max_resident_ctas);
   config.gridDimX = static_cast<unsigned>(ctas);
   config.gridDimY = 1;
@@ -102,8 +114,8 @@ ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel,
   config.blockDimZ = 1;
   config.sharedMemBytes = kernel.smem;
   config.hStream = stream;  // The launch runs in the stream's context.
-  config.attrs = pdl ? &attribute : nullptr;
-  config.numAttrs = pdl ? 1 : 0;
+  config.attrs = count > 0 ? attributes : nullptr;
+  config.numAttrs = count;
   CUresult result = cuda.LaunchKernelEx(&config, kernel.function, params, nullptr);
   if (result != CUDA_SUCCESS) {
     const std::string call = std::string("cuLaunchKernelEx(") + RoleName(kernel.role) + ")";

@@ -14,6 +14,7 @@ namespace {
 
 // Dynamic shared memory above this needs an explicit opt-in per function.
 constexpr int64_t kDefaultSmemLimit = 48 * 1024;
+constexpr int64_t kMaxClusterCtas = 8;  // the portable cluster size
 
 // The kernel parameter ABI of each role, in PTX .param types.
 const std::vector<std::string>& ExpectedParams(Role role) {
@@ -164,9 +165,15 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
                                            Quote(kernel.symbol) + " has params " +
                                            ListRepr(kernel.params) + ", but the " + kernel.role +
                                            " ABI is " + ListRepr(expected));
+    const int64_t cluster = role == Role::kPublishReduceNorm ? kernel.ctas_per_row : 1;
+    Require(cluster <= kMaxClusterCtas,
+            name + ": ctas_per_row=" + std::to_string(kernel.ctas_per_row) + ": the " + kernel.role +
+                " kernel's CTAs of a row form one cluster, expected at most " +
+                std::to_string(kMaxClusterCtas));
     set.kernels.push_back(Kernel{role, nullptr, static_cast<unsigned>(kernel.block),
                                  static_cast<unsigned>(kernel.smem),
                                  static_cast<unsigned>(kernel.ctas_per_row),
+                                 static_cast<unsigned>(cluster),
                                  kernel.rows == "m" ? Rows::kM : Rows::kOwned, 0});
   }
   return set;
@@ -197,9 +204,31 @@ class ScopedContext {
   const CudaDriver& cuda_;
 };
 
-// CTAs of `kernel` that the device runs at once: its occupancy per SM times the SMs.
+// CTAs of `kernel` that the device runs at once: its occupancy per SM times the SMs, or
+// for a cluster kernel its resident clusters times the cluster size.
 int64_t ResidentCtas(const CudaDriver& cuda, const std::string& where, int device,
                      const Kernel& kernel) {
+  if (kernel.cluster > 1) {
+    CUlaunchAttribute attribute = {};
+    attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attribute.value.clusterDim.x = kernel.cluster;
+    attribute.value.clusterDim.y = 1;
+    attribute.value.clusterDim.z = 1;
+    CUlaunchConfig config = {};
+    config.gridDimX = kernel.cluster;
+    config.gridDimY = 1;
+    config.gridDimZ = 1;
+    config.blockDimX = kernel.block;
+    config.blockDimY = 1;
+    config.blockDimZ = 1;
+    config.sharedMemBytes = kernel.smem;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    CheckCuda(cuda, where, "cuOccupancyMaxActiveClusters",
+              cuda.OccupancyMaxActiveClusters(&clusters, kernel.function, &config));
+    return static_cast<int64_t>(clusters) * kernel.cluster;
+  }
   int per_sm = 0;
   CheckCuda(cuda, where, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
             cuda.OccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel.function,
@@ -280,6 +309,10 @@ void Registry::LoadKernelSet(int64_t kernel_set_id, int device, std::string_view
       }
       if (kernel.role == Role::kPublishReduce || kernel.role == Role::kPublishReduceNorm) {
         kernel.max_resident_ctas = ResidentCtas(cuda, where, device, kernel);
+        Require(kernel.max_resident_ctas > 0,
+                where + ": the " + RoleName(kernel.role) + " kernel (block=" +
+                    std::to_string(kernel.block) + ", cluster=" + std::to_string(kernel.cluster) +
+                    ", smem=" + std::to_string(kernel.smem) + ") cannot be resident on this device");
       }
     }
   } catch (...) {

@@ -62,6 +62,9 @@ struct Kernel {
   unsigned block;
   unsigned smem;
   unsigned ctas_per_row;
+  // CTAs of one thread block cluster: the row's ctas_per_row for the fused epilogue,
+  // whose CTAs of a row sum its squares through distributed shared memory; else 1.
+  unsigned cluster;
   Rows rows;
   // CTAs the device holds at once: the grid of a persistent (fused) kernel, whose
   // CTAs wait on each other's peers, is capped at it. 0 for the other roles.

@@ -28,6 +28,8 @@ would have to fan out both outputs of the epilogue)."""
 MAX_THREADS = 1024
 MAX_NORM_FRAGMENTS_PER_THREAD = 8
 """Register budget of the fused epilogue: 16-byte fragments of a row per reduce thread."""
+MAX_CLUSTER_CTAS = 8
+"""The portable thread block cluster size: the most CTAs that share one fused epilogue row."""
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
 SMALL_M = 64
@@ -87,8 +89,11 @@ class KernelConfig:
         for its own fragment from every peer, sums and re-arms, saving the
         reduce launch. The grid is persistent, capped at the CTAs the GPU holds
         at once: each CTA publishes all of its tiles, then reduces them.
-        With the epilogue the CTA is the row's (``threads == reduce_threads``,
-        8 elements, one fragment per thread: hidden <= 8192).
+        With the epilogue a row's ``ctas_per_token`` CTAs (at most 8) form a
+        thread block cluster: each thread publishes and then reduces one
+        16-byte fragment (``elements_per_thread == 8``, ``threads ==
+        reduce_threads``), and the cluster sums the row's squares through
+        distributed shared memory.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -193,9 +198,8 @@ class KernelConfig:
                 _require(self.threads == self.reduce_threads, "threads", self.threads,
                          f"reduce_threads={self.reduce_threads} with fuse_reduce and "
                          f"epilogue={self.epilogue!r}")
-                _require(self.norm_fragments_per_thread == 1, "reduce_threads", self.reduce_threads,
-                         f"at least {self.reduce_fragments} (one fragment of the row per thread) with "
-                         f"fuse_reduce and epilogue={self.epilogue!r}")
+                # With threads == reduce_threads, the epilogue's limit of fragments per reduce
+                # thread (MAX_NORM_FRAGMENTS_PER_THREAD) keeps a row's CTAs within one cluster.
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",
@@ -315,12 +319,14 @@ class KernelConfig:
             fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
             per_thread = 1 if fragments <= MAX_THREADS else -(-fragments // (MAX_THREADS // 2))
             reduce_threads = -(-fragments // per_thread // 32) * 32
-            # Fused, the row's one CTA publishes too: slower at small m, where one SM then
-            # loads the whole row's experts.
+            # Fused, a cluster of CTAs per row publishes and normalizes it: slower at small m
+            # (measured with one CTA per row).
+            cluster_threads = max(128, -(-fragments // MAX_CLUSTER_CTAS // 32) * 32)
             wanted = not small if requested is None else requested
-            fuse_reduce = wanted and per_thread == 1 and mode == "oneshot"
+            fuse_reduce = wanted and mode == "oneshot" and cluster_threads <= MAX_THREADS
             if fuse_reduce:
-                elements, threads = protocol.REDUCE_ELEMENTS, reduce_threads
+                elements, threads = protocol.REDUCE_ELEMENTS, cluster_threads
+                reduce_threads = cluster_threads
         return cls(
             hidden=hidden,
             top_k=top_k,

@@ -32,7 +32,7 @@ from cuda.bindings import driver
 
 import numerics
 from jax_moe_publish import protocol
-from jax_moe_publish.aot.artifact import PERSISTENT_ROLES, KernelArtifact
+from jax_moe_publish.aot.artifact import CLUSTER_ROLES, PERSISTENT_ROLES, KernelArtifact
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.cuda_memory import CudaError, GroupMemory, check, init, primary_context
 
@@ -48,6 +48,20 @@ PUBLISH_REDUCE_NORM_TYPES = PUBLISH_REDUCE_TYPES + (ctypes.c_uint64,) * 3 + (cty
 DEFAULT_SMEM_LIMIT = 48 * 1024
 MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 POLL_S = 50e-6
+
+
+def cluster_ctas(kernel: dict) -> int:
+    """CTAs of one thread block cluster of a kernel (`artifact.CLUSTER_ROLES`), else 1."""
+    return kernel["ctas_per_row"] if kernel["role"] in CLUSTER_ROLES else 1
+
+
+def _cluster_attribute(cluster: int):
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attribute.value.clusterDim.x = cluster
+    attribute.value.clusterDim.y = 1
+    attribute.value.clusterDim.z = 1
+    return attribute
 
 
 def device_count() -> int:
@@ -111,8 +125,20 @@ class Device:
         return self._modules[key][1]
 
     def resident_ctas(self, function, kernel: dict) -> int:
-        """CTAs of ``function`` the GPU holds at once, as the C++ launcher computes it."""
+        """CTAs of ``function`` the GPU holds at once, as the C++ launcher computes it: for a
+        cluster role its resident clusters times the cluster size."""
+        cluster = cluster_ctas(kernel)
         with self.current():
+            if cluster > 1:
+                config = driver.CUlaunchConfig()
+                config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+                config.blockDimX, config.blockDimY, config.blockDimZ = kernel["block"], 1, 1
+                config.sharedMemBytes = kernel["smem"]
+                config.attrs = [_cluster_attribute(cluster)]
+                config.numAttrs = 1
+                clusters = check(driver.cuOccupancyMaxActiveClusters(function, config),
+                                 f"cuOccupancyMaxActiveClusters({kernel['role']})")
+                return clusters * cluster
             per_sm = check(
                 driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, kernel["block"], kernel["smem"]),
                 f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel['role']})",
@@ -138,12 +164,17 @@ class Device:
         config.blockDimZ = 1
         config.sharedMemBytes = kernel["smem"]
         config.hStream = self.stream
+        attributes = []
         if pdl:
             attribute = driver.CUlaunchAttribute()
             attribute.id = PROGRAMMATIC_STREAM_SERIALIZATION
             attribute.value.programmaticStreamSerializationAllowed = 1
-            config.attrs = [attribute]
-        config.numAttrs = 1 if pdl else 0
+            attributes.append(attribute)
+        if cluster_ctas(kernel) > 1:
+            attributes.append(_cluster_attribute(cluster_ctas(kernel)))
+        if attributes:
+            config.attrs = attributes
+        config.numAttrs = len(attributes)
         with self.current():
             check(
                 driver.cuLaunchKernelEx(
@@ -322,7 +353,7 @@ class GroupLauncher:
         self.pdl = bool(artifact.metadata["pdl"])
         self.functions = [device.functions(artifact) for device in self.devices]
         # Persistent kernels' grids: capped like the C++ launcher's, and at rank r's
-        # ``grid_limits[r]`` (tests: several rows per CTA at small m, grids that differ by rank).
+        # ``grid_limits[r]`` CTAs (tests: several rows per CTA at small m, grids that differ by rank).
         self.max_ctas = []
         for rank, (device, functions) in enumerate(zip(self.devices, self.functions)):
             limits = []
@@ -330,7 +361,10 @@ class GroupLauncher:
                 limit = None
                 if kernel["role"] in PERSISTENT_ROLES:
                     limit = device.resident_ctas(function, kernel)
-                    limit = limit if grid_limits is None else min(limit, grid_limits[rank])
+                    if grid_limits is not None:
+                        # Whole clusters, at least one.
+                        cluster = cluster_ctas(kernel)
+                        limit = max(cluster, min(limit, grid_limits[rank]) // cluster * cluster)
                 limits.append(limit)
             self.max_ctas.append(limits)
         self._buffers: list[RankBuffers] = []

@@ -152,8 +152,9 @@ def test_metadata(builds, config):
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
         # The publish's shape: each thread reduces the fragment it published.
         "publish_reduce": (config.threads, 0, config.ctas_per_token, "m"),
-        # reduce_norm's shape, which the publish shares.
-        "publish_reduce_norm": (config.reduce_threads, config.reduce_threads // 32 * 4, 1, "m"),
+        # The publish's shape, a cluster of CTAs per row: one float per warp, then (with more
+        # than one CTA) two rows of one float per CTA, each area 16-byte aligned.
+        "publish_reduce_norm": (config.threads, fused_norm_smem(config), config.ctas_per_token, "m"),
     }
     for kernel in kernels:
         role = kernel["role"]
@@ -273,12 +274,20 @@ def test_fused_ptx(builds, config):
 EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.epilogue != "none"]
 
 
+def fused_norm_smem(config) -> int:
+    def aligned(nbytes):
+        return -(-nbytes // 16) * 16
+
+    cluster = config.ctas_per_token
+    return aligned(config.threads // 32 * 4) + (aligned(2 * cluster * 4) if cluster > 1 else 0)
+
+
 @pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=_ids(EPILOGUE_CONFIGS))
 def test_reduce_norm_ptx(builds, config):
     built = builds(config)
     role = expected_roles(config)[-1]
     body = kernels_by_role(built)[role]
-    per_thread = config.norm_fragments_per_thread
+    per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
     if config.fuse_reduce:
         # residual, norm_weight, the routed rows and the shared row: all read only after
         # griddepcontrol.wait (the residual may be the previous call's residual_out), and
@@ -293,6 +302,16 @@ def test_reduce_norm_ptx(builds, config):
         assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")  # publishes first
         # 2 x tp publish stores, then as below.
         stores = 2 * config.tp + per_thread * (1 + config.tp + 2)
+        # A cluster's CTAs exchange their sums of squares: one remote store per thread that
+        # delivers, after the CTAs have all started (an arrive at the top, its wait after the
+        # publishes), then a barrier per row.
+        cluster = config.ctas_per_token
+        assert opcodes(body, "st.shared::cluster.f32") == ["st.shared::cluster.f32"] * (cluster > 1)
+        assert opcodes(body, "barrier.cluster.arrive.relaxed") == ["barrier.cluster.arrive.relaxed"] * (cluster > 1)
+        assert len(opcodes(body, "barrier.cluster.wait")) == 2 * (cluster > 1)
+        if cluster > 1:
+            assert body.index("barrier.cluster.arrive.relaxed") < first(body, "griddepcontrol.wait")
+            assert body.rindex("ld.global.nc.u64") < first(body, "barrier.cluster.wait")
     else:
         # residual and norm_weight: one 16-byte load each per fragment, all issued before the
         # stage read and the mailbox polls (they do not depend on the publish).

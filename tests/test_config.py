@@ -68,11 +68,13 @@ INVALID = [
     ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
     ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
     ({"fuse_reduce": True, "transport": "multicast"}, "transport", "multicast"),
-    # With the epilogue the row's CTA publishes: one 16-byte fragment per thread.
+    # With the epilogue a row's CTAs (one cluster) publish: one 16-byte fragment per thread.
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "reduce_threads": 256}, "threads", 128),
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "threads": 256}, "threads", 256),
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "elements_per_thread": 4}, "elements_per_thread", 4),
-    ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 2048, "threads": 128, "reduce_threads": 128},
+    # 9216 / 8 = 1152 fragments need 9 CTAs of 128 threads: more than a cluster of 8 (and more
+    # than 8 fragments per reduce thread).
+    ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 9216, "threads": 128, "reduce_threads": 128},
      "reduce_threads", 128),
 ]
 
@@ -139,6 +141,10 @@ def test_default_validates(problem, field):
 # one CTA per row, one fragment per thread up to 1024 threads, then at most 512 threads.
 EPILOGUE_SHAPES = [(2048, 256, 1), (2880, 384, 1), (5120, 640, 1), (7168, 896, 1), (8192, 1024, 1),
                    (9216, 384, 3), (16384, 512, 4)]
+# (hidden, threads, CTAs of the row's cluster) of the fused epilogue's default shape: 128
+# threads, or more where 8 CTAs of 128 would not hold the row.
+FUSED_EPILOGUE_SHAPES = {2048: (128, 2), 2880: (128, 3), 5120: (128, 5), 7168: (128, 7), 8192: (128, 8),
+                         9216: (160, 8), 16384: (256, 8)}
 
 
 @pytest.mark.parametrize("hidden, threads, per_thread", EPILOGUE_SHAPES)
@@ -147,16 +153,17 @@ EPILOGUE_SHAPES = [(2048, 256, 1), (2880, 384, 1), (5120, 640, 1), (7168, 896, 1
 def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
     config = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, epilogue="rmsnorm")
     assert (config.epilogue, config.mode) == ("rmsnorm", mode)
+    # Fused exactly for oneshot beyond the small sizes.
+    assert config.fuse_reduce == (mode == "oneshot" and m != 1)
+    if config.fuse_reduce:
+        assert (config.threads, config.ctas_per_token) == FUSED_EPILOGUE_SHAPES[hidden]
+        assert (config.reduce_threads, config.elements_per_thread) == (config.threads, 8)
+        return
     assert (config.reduce_threads, config.norm_fragments_per_thread) == (threads, per_thread)
     assert config.reduce_ctas_per_token == 1
-    if config.fuse_reduce:
-        # Fused (oneshot, large or unknown m, one fragment per thread): the row's CTA publishes.
-        assert (mode, m != 1, per_thread) == ("oneshot", True, 1)
-        assert (config.threads, config.elements_per_thread) == (threads, 8)
-    else:
-        # The publish is the one without the epilogue, unfused.
-        plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, fuse_reduce=False)
-        assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
+    # The publish is the one without the epilogue, unfused.
+    plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, fuse_reduce=False)
+    assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
 
 
 @pytest.mark.parametrize("m, mode, epilogue, fused", [
@@ -179,12 +186,10 @@ def test_default_fuses_oneshot_calls(m, mode, epilogue, fused):
                                 fuse_reduce=False).fuse_reduce is False
 
 
-def test_default_fuses_the_epilogue_on_request_where_a_thread_holds_one_fragment():
+def test_default_fuses_the_epilogue_on_request_with_a_cluster_per_row():
     fused = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=1, epilogue="rmsnorm", fuse_reduce=True)
-    assert fused.fuse_reduce and (fused.threads, fused.elements_per_thread) == (fused.reduce_threads, 8)
-    # 16384 / 8 = 2048 fragments: more than one per thread of 1024.
-    assert not KernelConfig.default(hidden=16384, top_k=8, tp=2, m=1, epilogue="rmsnorm",
-                                    fuse_reduce=True).fuse_reduce
+    assert fused.fuse_reduce and (fused.threads, fused.reduce_threads, fused.elements_per_thread) == (128, 128, 8)
+    assert fused.ctas_per_token == 7
 
 
 def test_default_refuses_epilogue_with_twoshot():

@@ -94,11 +94,12 @@ def test_epilogue_kernel_matches_model(config, m, eps, devices):  # noqa: F811
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("grid_limits", ((1, 1), (3, 7)), ids=lambda g: "grid" + "-".join(map(str, g)))
+# CTAs, rounded down to whole clusters (at least one): one cluster against several.
+@pytest.mark.parametrize("grid_limits", ((1, 1), (8, 24)), ids=lambda g: "grid" + "-".join(map(str, g)))
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.fuse_reduce], ids=lambda c: c.key)
 def test_fused_epilogue_persistent_grid(config, grid_limits, devices):  # noqa: F811
-    """A fused grid of fewer CTAs than rows: each CTA publishes its rows, then reduces and
-    normalizes them one after another (its shared memory reused), with ranks' grids unequal."""
+    """A fused grid of fewer clusters than rows: each cluster publishes its rows, then reduces
+    and normalizes them one after another (its shared memory reused), with ranks' grids unequal."""
     _check_epilogue_call(config, CAPACITY_M, 1e-6, devices, list(grid_limits))
 
 

@@ -38,6 +38,9 @@ EXPECTED_PARAMS = {
 # The fused roles: their CTAs loop over the rows and wait on each other's peers, so the
 # launcher caps their grid at the CTAs the GPU holds at once.
 PERSISTENT_ROLES = ("publish_reduce", "publish_reduce_norm")
+# Roles whose CTAs of a row (``ctas_per_row``) form one thread block cluster: the launcher
+# sets the cluster dimension, and counts resident clusters for the persistent grid.
+CLUSTER_ROLES = ("publish_reduce_norm",)
 # The kernels of a call, in launch order, by mode (without an epilogue).
 ROLES = {
     "direct": ["publish"],

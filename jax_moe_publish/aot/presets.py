@@ -104,9 +104,12 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
         for m in DEFAULT_SHAPE_MS
     ]
     if tp > 1:
-        # The fused kernel at small m, where it is not the default (slower), stays tested.
-        configs += [KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", fuse_reduce=True, **problem)
-                    for problem in TEST_EPILOGUE_PROBLEMS]
+        # The fused kernel at small m, where it is not the default, stays tested; and with
+        # one CTA (no cluster) per row.
+        fused = [KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", fuse_reduce=True, **problem)
+                 for problem in TEST_EPILOGUE_PROBLEMS]
+        row_threads = fused[0].reduce_fragments
+        configs += fused + [fused[0].replace(threads=row_threads, reduce_threads=row_threads)]
     return configs
 
 

@@ -52,7 +52,8 @@ class MoePublishProgram:
         if cfg.fuse_reduce and cfg.epilogue == "none":
             return [KernelLaunch("publish_reduce", cfg.threads, 0, cfg.ctas_per_token, "m")]
         if cfg.fuse_reduce:
-            return [KernelLaunch("publish_reduce_norm", cfg.reduce_threads, shared_bytes(cfg), 1, "m")]
+            # A row's CTAs form one thread block cluster (`artifact.CLUSTER_ROLES`).
+            return [KernelLaunch("publish_reduce_norm", cfg.threads, shared_bytes(cfg), cfg.ctas_per_token, "m")]
         result = [KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_token, "m")]
         if cfg.mode != "direct":
             rows = "m" if cfg.mode == "oneshot" else "owned"
@@ -98,13 +99,16 @@ class MoePublishProgram:
         if cutlass.const_expr(cfg.fuse_reduce):
             call = (routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out, timeout_ns,
                     num_rows, m, capacity_m, rank)
+            cluster = (1, 1, 1)
             if cutlass.const_expr(cfg.epilogue == "none"):
                 kernel = self.fused.publish_reduce(*call)
             else:
                 kernel = self.reducer.publish_reduce_norm(*call, residual, norm_weight, residual_out, eps)
+                cluster = (launches[0].ctas_per_row, 1, 1)
             kernel.launch(
                 grid=(m * launches[0].ctas_per_row, 1, 1),
                 block=(launches[0].block, 1, 1),
+                cluster=cluster,
                 smem=launches[0].smem,
                 stream=stream,
                 use_pdl=cfg.enable_pdl,

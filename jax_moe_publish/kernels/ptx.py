@@ -121,6 +121,15 @@ def multimem_store_words(address: Int64, values: list, *, loc=None, ip=None) -> 
 
 
 @dsl_user_op
+def store_shared_cluster_f32(address, value, *, loc=None, ip=None) -> None:
+    """Store one float at a 32-bit ``shared::cluster`` address (another CTA of the cluster)."""
+    _asm(
+        None, [Int32(address).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+        "st.shared::cluster.f32 [$0], $1;", "r,f", side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def load_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Non-coherent load of one int32 of read-only input."""
     return Int32(_scalar_at(address, "ld.global.nc.s32", T.i32(), "r", False, loc, ip))

@@ -43,9 +43,24 @@ WARP = 32
 FLOAT_BYTES = 4
 
 
+SMEM_ALIGNMENT = 16
+
+
+def cluster_ctas(config: KernelConfig) -> int:
+    """CTAs of the cluster that holds a row: ``ctas_per_token`` when fused, else 1."""
+    return config.ctas_per_token if config.fuse_reduce else 1
+
+
 def shared_bytes(config: KernelConfig) -> int:
-    """Dynamic shared memory of reduce_norm: one float per warp (the launcher must pass it)."""
-    return config.reduce_threads // WARP * FLOAT_BYTES
+    """Dynamic shared memory (the launcher must pass it): one float per warp and, for a
+    cluster of CTAs per row, two rows' worth of one float per CTA of the cluster."""
+    def aligned(nbytes):
+        return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+    warp_sums = aligned(config.reduce_threads // WARP * FLOAT_BYTES)
+    if cluster_ctas(config) == 1:
+        return warp_sums
+    return warp_sums + aligned(2 * cluster_ctas(config) * FLOAT_BYTES)
 
 
 class LamportReduceNormKernel(LamportReduceKernel):
@@ -53,10 +68,11 @@ class LamportReduceNormKernel(LamportReduceKernel):
 
     def __init__(self, config: KernelConfig) -> None:
         super().__init__(config)
-        # The fused kernel's publish: its CTA is the row's, one 16-byte fragment per thread.
+        # The fused kernel's publish: one 16-byte fragment of the row per thread.
         self.publisher = FinalizePublishKernel(config)
-        self.fragments_per_thread = config.norm_fragments_per_thread
+        self.fragments_per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
         self.warps = config.reduce_threads // WARP
+        self.cluster = cluster_ctas(config)
 
     @cute.kernel
     def reduce_norm(
@@ -114,30 +130,42 @@ class LamportReduceNormKernel(LamportReduceKernel):
         block, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(finalize_inputs is not None):
-            # Persistent, like `FusedPublishReduceKernel`: CTA b publishes its fragment of rows
-            # b, b + grid, ... (the launcher caps the grid at the resident CTAs), then
-            # reduces and normalizes the same rows.
+            # Persistent, like `FusedPublishReduceKernel`, by cluster (``self.cluster`` CTAs, one
+            # row): the cluster c of `clusters` publishes its fragments of rows c, c + clusters, ...
+            # (the launcher caps the grid at the resident clusters), then reduces and
+            # normalizes the same rows.
             routed, weights, indices, shared, num_rows = finalize_inputs
             grid, _, _ = cute.arch.grid_dim()
-            offset, present = self._fragment(tidx, 0)
-            shared_words = self.publisher.begin_call(shared, block, offset, present)
+            cluster_rank = block % self.cluster
+            first_row = block // self.cluster
+            clusters = grid // self.cluster
+            if cutlass.const_expr(self.cluster > 1):
+                # Every CTA of the cluster has started before any writes into another's shared
+                # memory (the wait comes after the publishes).
+                cute.arch.cluster_arrive_relaxed()
+            _, offset, present = self.publisher.position(first_row * self.cluster + cluster_rank)
+            first_fragment = cluster_rank * cfg.threads + tidx
+            shared_words = self.publisher.begin_call(shared, first_row, offset, present)
             stage, halt = self.publisher.read_stage(stage_state)
             # After begin_call's griddepcontrol.wait: the residual may be the previous
             # call's residual_out, written by the kernel just before.
-            rWeight = self._load_norm_weight(norm_weight, tidx)
+            rWeight = self._load_norm_weight(norm_weight, first_fragment)
             if present != 0 and halt == protocol.HALT_RUNNING:
-                packed = self.publisher.finalize(routed, weights, indices, num_rows, block, offset,
+                packed = self.publisher.finalize(routed, weights, indices, num_rows, first_row, offset,
                                                  shared_words)
-                self.publisher.store(packed, block, offset, peer_table, capacity_m, rank, stage)
-                for row in cutlass.range(block + grid, m, grid):
+                self.publisher.store(packed, first_row, offset, peer_table, capacity_m, rank, stage)
+                for row in cutlass.range(first_row + clusters, m, clusters):
                     row_shared = self.publisher.load_shared(shared, row, offset, present)
                     packed = self.publisher.finalize(routed, weights, indices, num_rows, row, offset,
                                                      row_shared)
                     self.publisher.store(packed, row, offset, peer_table, capacity_m, rank, stage)
-            for row in cutlass.range(block, m, grid):
-                rResidual = self._load_residual(residual, row, Int32(1), tidx)
-                self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, mailbox,
-                               stage_state, status, out, timeout_ns, capacity_m, residual_out, eps)
+            if cutlass.const_expr(self.cluster > 1):
+                cute.arch.cluster_wait()
+            for row in cutlass.range(first_row, m, clusters):
+                rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
+                self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
+                               (row - first_row) // clusters % 2, mailbox, stage_state, status, out,
+                               timeout_ns, capacity_m, residual_out, eps)
             self.finish_call(stage, stage_state, advance=True, waited=True)
         else:
             if cutlass.const_expr(cfg.mode == "oneshot"):
@@ -153,25 +181,25 @@ class LamportReduceNormKernel(LamportReduceKernel):
             rWeight = self._load_norm_weight(norm_weight, tidx)
             rResidual = self._load_residual(residual, block, live, tidx)
             stage, halt = self._start_call(stage_state)
-            self._norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, mailbox, stage_state,
-                           status, out, timeout_ns, capacity_m, residual_out, eps)
+            self._norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, tidx, 0, mailbox,
+                           stage_state, status, out, timeout_ns, capacity_m, residual_out, eps)
             self.finish_call(stage, stage_state, advance=True, waited=False)
 
-    def _load_norm_weight(self, norm_weight, tidx):
+    def _load_norm_weight(self, norm_weight, first_fragment):
         """This thread's fragments of ``norm_weight``, as bf16x2 words."""
         rWeight = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
         for j in range(self.fragments_per_thread):
-            offset, present = self._fragment(tidx, j)
+            offset, present = self._fragment(first_fragment, j)
             weight = ptx.load_words(norm_weight + offset, WORDS, predicate=present)
             for w in range(WORDS):
                 rWeight[j, w] = weight[w]
         return rWeight
 
-    def _load_residual(self, residual, row, live, tidx):
+    def _load_residual(self, residual, row, live, first_fragment):
         """This thread's fragments of residual row ``row`` (zeros where ``live`` is 0)."""
         rResidual = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
         for j in range(self.fragments_per_thread):
-            offset, present = self._fragment(tidx, j)
+            offset, present = self._fragment(first_fragment, j)
             kept = ptx.load_words(residual + Int64(row) * self.row_bytes + offset, WORDS,
                                   predicate=present & live)
             for w in range(WORDS):
@@ -179,10 +207,12 @@ class LamportReduceNormKernel(LamportReduceKernel):
         return rResidual
 
     @cute.jit
-    def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, mailbox, stage_state,
-                  status, out, timeout_ns, capacity_m, residual_out, eps) -> None:
+    def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, parity,
+                  mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps) -> None:
         """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
-        ``token``; ``live`` is Int32 0 for a row past m). Every thread of the CTA must call it."""
+        ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
+        ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
+        same rows; ``parity`` alternates between a cluster's consecutive rows."""
         cfg = self.config
         row_offset = Int64(row) * self.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
@@ -190,7 +220,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
         squares = Float32(0.0)
         if live != 0:
             for j in cutlass.range_constexpr(self.fragments_per_thread):
-                offset, present = self._fragment(tidx, j)
+                offset, present = self._fragment(first_fragment, j)
                 if present != 0 and halt != protocol.HALT_RUNNING:
                     # Never touch a halted mailbox: report (closed) and trap, or NaN out.
                     self.halted(residual_out + row_offset + offset, halt, stage, token, stage_state, status)
@@ -212,10 +242,10 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         squares = squares + low * low + high * high
 
         # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
-        mean = self._row_sum(squares, tidx) / Float32(cfg.hidden)
+        mean = self._row_sum(squares, tidx, parity) / Float32(cfg.hidden)
         inverse_rms = ptx.rsqrt_f32(mean + eps)
         for j in cutlass.range_constexpr(self.fragments_per_thread):
-            offset, present = self._fragment(tidx, j)
+            offset, present = self._fragment(first_fragment, j)
             if present != 0:
                 if live != 0:
                     normed = []
@@ -234,18 +264,23 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * WORDS)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * WORDS)
 
-    def _fragment(self, tidx, j: int):
+    def _fragment(self, first_fragment, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's
         ``j``-th fragment; consecutive threads take consecutive fragments."""
-        fragment = tidx + j * self.config.reduce_threads
+        fragment = first_fragment + j * self.config.reduce_threads
         return Int64(fragment) * FRAGMENT_BYTES, Int32(fragment < self.config.reduce_fragments)
 
     @cute.jit
-    def _row_sum(self, value: Float32, tidx) -> Float32:
-        """Sum of ``value`` over the CTA, the same bits in every thread: each warp's
-        butterfly sum, then the warps' sums added in warp order."""
+    def _row_sum(self, value: Float32, tidx, parity) -> Float32:
+        """Sum of ``value`` over the CTA (the cluster), the same bits in every thread: each
+        warp's butterfly sum, then the warps' sums added in warp order (then the CTAs' sums
+        in cluster order: each CTA writes its sum into every CTA's shared memory, slot
+        ``parity``, so that a CTA's next row never overwrites sums still being read)."""
         smem = cutlass.memory.SmemAllocator()
-        sWarpSums = smem.allocate_tensor(Float32, cute.make_layout(self.warps), byte_alignment=16)
+        sWarpSums = smem.allocate_tensor(Float32, cute.make_layout(self.warps), byte_alignment=SMEM_ALIGNMENT)
+        if cutlass.const_expr(self.cluster > 1):
+            sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)),
+                                            byte_alignment=SMEM_ALIGNMENT)
         warp_sum = ptx.warp_sum_f32(value)
         if tidx % WARP == 0:
             sWarpSums[tidx // WARP] = warp_sum
@@ -256,4 +291,15 @@ class LamportReduceNormKernel(LamportReduceKernel):
         if cutlass.const_expr(self.config.fuse_reduce):
             # The CTA's next row overwrites the sums.
             cute.arch.barrier()
+        if cutlass.const_expr(self.cluster > 1):
+            own = cute.arch.block_idx_in_cluster()
+            if tidx < self.cluster:
+                # Thread i delivers this CTA's sum to CTA i of the cluster.
+                slot = sCtaSums.iterator + cute.crd2idx((parity, own), sCtaSums.layout)
+                ptx.store_shared_cluster_f32(cute.arch.map_dsmem_ptr(slot, tidx).toint(), total)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            total = Float32(0.0)
+            for cta in cutlass.range_constexpr(self.cluster):
+                total = total + sCtaSums[parity, cta]
         return total
