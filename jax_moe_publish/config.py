@@ -295,10 +295,13 @@ class KernelConfig:
         A oneshot call without an epilogue is one kernel at every ``m``: against
         two kernels it took 0.70 to 0.81 of the time at m = 256 to 1024, 0.82
         at 128, and was within run-to-run noise (under 0.4 us) at m = 8 and 64.
-        With the epilogue it fuses above ``SMALL_M`` tokens, and only where a
-        thread holds one fragment of the row (0.77 to 0.88 of the time at m =
-        128 to 1024): at m = 1 and 8 the fused kernel was 1.3 and 1.5 us slower,
-        as the row's one CTA then loads all of the row's experts from one SM.
+        With the epilogue (oneshot) it fuses at every ``m`` too, a cluster of
+        128-thread CTAs per row (``...-epilogue-cluster-tuning.json`` and
+        ``...-epilogue-cluster-tuning-small-m.json``): against two kernels
+        4.26 against 5.40 us at m = 1, 0.81 and 0.88 of the time at m = 256 and
+        1024, and within 0.4 us either way at m = 2 to 64. (One CTA per row,
+        without a cluster, was 1.3 to 1.5 us slower than two kernels at m = 1
+        and 8: one SM then loads all of the row's experts.)
 
         With an epilogue the reduce CTA holds a row: one fragment per thread up
         to hidden 8192 (1024 threads). Wider rows get at most 512 threads, so
@@ -319,10 +322,9 @@ class KernelConfig:
             fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
             per_thread = 1 if fragments <= MAX_THREADS else -(-fragments // (MAX_THREADS // 2))
             reduce_threads = -(-fragments // per_thread // 32) * 32
-            # Fused, a cluster of CTAs per row publishes and normalizes it: slower at small m
-            # (measured with one CTA per row).
+            # Fused, a cluster of CTAs per row publishes and normalizes it.
             cluster_threads = max(128, -(-fragments // MAX_CLUSTER_CTAS // 32) * 32)
-            wanted = not small if requested is None else requested
+            wanted = requested is not False
             fuse_reduce = wanted and mode == "oneshot" and cluster_threads <= MAX_THREADS
             if fuse_reduce:
                 elements, threads = protocol.REDUCE_ELEMENTS, cluster_threads

@@ -137,11 +137,11 @@ def test_default_validates(problem, field):
         KernelConfig.default(**problem)
 
 
-# (hidden, reduce threads, 16-byte fragments per thread) of the epilogue's default shape:
-# one CTA per row, one fragment per thread up to 1024 threads, then at most 512 threads.
+# (hidden, reduce threads, 16-byte fragments per thread) of the unfused epilogue's default
+# shape: one CTA per row, one fragment per thread up to 1024 threads, then at most 512 threads.
 EPILOGUE_SHAPES = [(2048, 256, 1), (2880, 384, 1), (5120, 640, 1), (7168, 896, 1), (8192, 1024, 1),
                    (9216, 384, 3), (16384, 512, 4)]
-# (hidden, threads, CTAs of the row's cluster) of the fused epilogue's default shape: 128
+# (threads, CTAs of the row's cluster) by hidden, of the fused epilogue's default shape: 128
 # threads, or more where 8 CTAs of 128 would not hold the row.
 FUSED_EPILOGUE_SHAPES = {2048: (128, 2), 2880: (128, 3), 5120: (128, 5), 7168: (128, 7), 8192: (128, 8),
                          9216: (160, 8), 16384: (256, 8)}
@@ -151,19 +151,21 @@ FUSED_EPILOGUE_SHAPES = {2048: (128, 2), 2880: (128, 3), 5120: (128, 5), 7168: (
 @pytest.mark.parametrize("mode", ["oneshot", "reduce_scatter"])
 @pytest.mark.parametrize("m", [1, 1024, None])
 def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
-    config = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, epilogue="rmsnorm")
+    problem = dict(hidden=hidden, top_k=8, tp=2, mode=mode, m=m)
+    config = KernelConfig.default(**problem, epilogue="rmsnorm")
+    unfused = KernelConfig.default(**problem, epilogue="rmsnorm", fuse_reduce=False)
     assert (config.epilogue, config.mode) == ("rmsnorm", mode)
-    # Fused exactly for oneshot beyond the small sizes.
-    assert config.fuse_reduce == (mode == "oneshot" and m != 1)
+    assert config.fuse_reduce == (mode == "oneshot")  # fused exactly for oneshot
     if config.fuse_reduce:
         assert (config.threads, config.ctas_per_token) == FUSED_EPILOGUE_SHAPES[hidden]
         assert (config.reduce_threads, config.elements_per_thread) == (config.threads, 8)
-        return
-    assert (config.reduce_threads, config.norm_fragments_per_thread) == (threads, per_thread)
-    assert config.reduce_ctas_per_token == 1
-    # The publish is the one without the epilogue, unfused.
-    plain = KernelConfig.default(hidden=hidden, top_k=8, tp=2, mode=mode, m=m, fuse_reduce=False)
-    assert config.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
+    else:
+        assert config == unfused
+    assert (unfused.reduce_threads, unfused.norm_fragments_per_thread) == (threads, per_thread)
+    assert unfused.reduce_ctas_per_token == 1
+    # Unfused, the publish is the one without the epilogue.
+    plain = KernelConfig.default(**problem, fuse_reduce=False)
+    assert unfused.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
 
 
 @pytest.mark.parametrize("m, mode, epilogue, fused", [
@@ -173,8 +175,7 @@ def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
     (None, "oneshot", "none", True),
     (1, "twoshot", "none", False),
     (1, "reduce_scatter", "none", False),
-    (1, "oneshot", "rmsnorm", False),  # slower fused at small m: measured
-    (SMALL_M, "oneshot", "rmsnorm", False),
+    (1, "oneshot", "rmsnorm", True),
     (SMALL_M + 1, "oneshot", "rmsnorm", True),
     (None, "oneshot", "rmsnorm", True),
     (SMALL_M + 1, "reduce_scatter", "rmsnorm", False),

@@ -12,8 +12,7 @@ TP_SIZES = (1, 2, 4, 8)
 MULTI_RANK_MODES = ("oneshot", "twoshot", "reduce_scatter")
 
 
-# One m of each launch-shape class of `KernelConfig.default`: latency-bound (the epilogue
-# unfused) and bandwidth-bound (the epilogue fused).
+# One m of each launch-shape class of `KernelConfig.default`: latency-bound and bandwidth-bound.
 DEFAULT_SHAPE_MS = (SMALL_M, SMALL_M + 1)
 
 
@@ -104,13 +103,13 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
         for m in DEFAULT_SHAPE_MS
     ]
     if tp > 1:
-        # The fused kernel at small m, where it is not the default, stays tested; and with
-        # one CTA (no cluster) per row.
-        fused = [KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", fuse_reduce=True, **problem)
-                 for problem in TEST_EPILOGUE_PROBLEMS]
-        row_threads = fused[0].reduce_fragments
-        configs += fused + [fused[0].replace(threads=row_threads, reduce_threads=row_threads)]
-    return configs
+        # Oneshot unfused (publish, then reduce_norm), which is not a default, stays tested;
+        # and fused with one CTA (no cluster) per row.
+        configs += [KernelConfig.default(tp=tp, m=m, epilogue="rmsnorm", fuse_reduce=False, **problem)
+                    for problem in TEST_EPILOGUE_PROBLEMS for m in DEFAULT_SHAPE_MS]
+        fused = KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", **TEST_EPILOGUE_PROBLEMS[0])
+        configs.append(fused.replace(threads=fused.reduce_fragments, reduce_threads=fused.reduce_fragments))
+    return list(dict.fromkeys(configs))
 
 
 def test_variants(tp: int) -> list[KernelConfig]:

@@ -16,15 +16,20 @@ each fragment stays in the registers of the thread that waited for it, from
 the mailbox poll to the two stores.
 
 ``publish_reduce_norm`` (``fuse_reduce``, oneshot, one fragment per thread)
-is the whole call in one persistent kernel: CTA ``b`` first publishes each
-thread's fragment of rows ``b``, ``b + grid``, ..., as `FusedPublishReduceKernel`
-does, then goes on as above for the same rows; it reads the residual only after
-``griddepcontrol.wait``, since it may be the previous call's ``residual_out``.
+is the whole call in one persistent kernel. A row's ``ctas_per_token`` CTAs
+form a thread block cluster (so that the row's expert loads spread over as
+many SMs as the plain publish's); cluster ``c`` first publishes each thread's
+fragment of rows ``c``, ``c + clusters``, ..., as `FusedPublishReduceKernel`
+does, then goes on as above for the same rows, the CTAs' sums of squares
+added in cluster order through distributed shared memory. It reads the
+residual only after ``griddepcontrol.wait``, since it may be the previous
+call's ``residual_out``.
 
 The wait, the stage protocol, the timeout and the halt word are the plain
 reduce's (`LamportReduceKernel`), so every guarantee of it holds here: a bounded wait,
 exactly the consumed slots re-armed, the stage advanced by the last CTA, and
-the same bits on every rank (the same config fixes every summation order).
+the same bits on every rank (the same config fixes every summation order; a
+different launch shape may round the mean of squares differently).
 """
 
 from __future__ import annotations
