@@ -94,25 +94,12 @@ ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel,
     attributes[count].value.programmaticStreamSerializationAllowed = 1;
     ++count;
   }
-  if (kernel.cluster > 1) {
-    attributes[count].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attributes[count].value.clusterDim.x = kernel.cluster;
-    attributes[count].value.clusterDim.y = 1;
-    attributes[count].value.clusterDim.z = 1;
-    ++count;
-  }
-  CUlaunchConfig config = {};
+  if (kernel.cluster > 1) attributes[count++] = ClusterDimension(kernel.cluster);
   int64_t ctas = rows * kernel.ctas_per_row;
   // A persistent (fused) grid: its CTAs wait on each other's peers, so all must run at once.
   // (The limit is a whole number of clusters.)
   if (kernel.max_resident_ctas > 0) ctas = std::min(ctas, kernel.max_resident_ctas);
-  config.gridDimX = static_cast<unsigned>(ctas);
-  config.gridDimY = 1;
-  config.gridDimZ = 1;
-  config.blockDimX = kernel.block;
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.sharedMemBytes = kernel.smem;
+  CUlaunchConfig config = LaunchConfig(kernel, static_cast<unsigned>(ctas));
   config.hStream = stream;  // The launch runs in the stream's context.
   config.attrs = count > 0 ? attributes : nullptr;
   config.numAttrs = count;

@@ -209,19 +209,8 @@ class ScopedContext {
 int64_t ResidentCtas(const CudaDriver& cuda, const std::string& where, int device,
                      const Kernel& kernel) {
   if (kernel.cluster > 1) {
-    CUlaunchAttribute attribute = {};
-    attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attribute.value.clusterDim.x = kernel.cluster;
-    attribute.value.clusterDim.y = 1;
-    attribute.value.clusterDim.z = 1;
-    CUlaunchConfig config = {};
-    config.gridDimX = kernel.cluster;
-    config.gridDimY = 1;
-    config.gridDimZ = 1;
-    config.blockDimX = kernel.block;
-    config.blockDimY = 1;
-    config.blockDimZ = 1;
-    config.sharedMemBytes = kernel.smem;
+    CUlaunchAttribute attribute = ClusterDimension(kernel.cluster);
+    CUlaunchConfig config = LaunchConfig(kernel, kernel.cluster);
     config.attrs = &attribute;
     config.numAttrs = 1;
     int clusters = 0;
@@ -243,6 +232,27 @@ int64_t ResidentCtas(const CudaDriver& cuda, const std::string& where, int devic
 }
 
 }  // namespace
+
+CUlaunchConfig LaunchConfig(const Kernel& kernel, unsigned ctas) {
+  CUlaunchConfig config = {};
+  config.gridDimX = ctas;
+  config.gridDimY = 1;
+  config.gridDimZ = 1;
+  config.blockDimX = kernel.block;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = kernel.smem;
+  return config;
+}
+
+CUlaunchAttribute ClusterDimension(unsigned ctas) {
+  CUlaunchAttribute attribute = {};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  attribute.value.clusterDim.x = ctas;
+  attribute.value.clusterDim.y = 1;
+  attribute.value.clusterDim.z = 1;
+  return attribute;
+}
 
 const char* RoleName(Role role) {
   switch (role) {

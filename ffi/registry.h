@@ -71,6 +71,13 @@ struct Kernel {
   int64_t max_resident_ctas;
 };
 
+// A 1-D launch of `kernel` over `ctas` CTAs: grid, block and dynamic shared memory; the
+// caller adds the stream and the attributes.
+CUlaunchConfig LaunchConfig(const Kernel& kernel, unsigned ctas);
+
+// The launch attribute that groups `ctas` consecutive CTAs into one cluster.
+CUlaunchAttribute ClusterDimension(unsigned ctas);
+
 struct KernelSet {
   Mode mode;
   int64_t tp;
