@@ -75,14 +75,14 @@ class FusedPublishReduceKernel:
         else:
             if in_range != 0 and block < tiles:
                 packed = self.publisher.finalize(routed, weights, indices, num_rows, token, fragment_offset,
-                                            shared_words)
+                                                 shared_words)
                 self.publisher.store(packed, token, fragment_offset, peer_table, capacity_m, rank, stage)
             for tile in cutlass.range(block + grid, tiles, grid):
                 next_token, next_offset, next_in_range = self.publisher.position(tile)
                 if next_in_range != 0:
                     next_shared = self.publisher.load_shared(shared, next_token, next_offset, next_in_range)
-                    packed = self.publisher.finalize(routed, weights, indices, num_rows, next_token, next_offset,
-                                                next_shared)
+                    packed = self.publisher.finalize(routed, weights, indices, num_rows, next_token,
+                                                     next_offset, next_shared)
                     self.publisher.store(packed, next_token, next_offset, peer_table, capacity_m, rank, stage)
             for tile in cutlass.range(block, tiles, grid):
                 wait_token, wait_offset, wait_in_range = self.publisher.position(tile)

@@ -46,8 +46,6 @@ from jax_moe_publish.kernels.reduce import EMPTY, FRAGMENT_BYTES, NAN_BF16X2, WO
 
 WARP = 32
 FLOAT_BYTES = 4
-
-
 SMEM_ALIGNMENT = 16
 
 
