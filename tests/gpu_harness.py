@@ -55,6 +55,15 @@ def cluster_ctas(kernel: dict) -> int:
     return kernel["ctas_per_row"] if kernel["role"] in CLUSTER_ROLES else 1
 
 
+def _launch_config(kernel: dict, ctas: int):
+    """A 1-D launch of ``kernel`` over ``ctas`` CTAs (the caller adds stream and attributes)."""
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = ctas, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = kernel["block"], 1, 1
+    config.sharedMemBytes = kernel["smem"]
+    return config
+
+
 def _cluster_attribute(cluster: int):
     attribute = driver.CUlaunchAttribute()
     attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -130,10 +139,7 @@ class Device:
         cluster = cluster_ctas(kernel)
         with self.current():
             if cluster > 1:
-                config = driver.CUlaunchConfig()
-                config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
-                config.blockDimX, config.blockDimY, config.blockDimZ = kernel["block"], 1, 1
-                config.sharedMemBytes = kernel["smem"]
+                config = _launch_config(kernel, cluster)
                 config.attrs = [_cluster_attribute(cluster)]
                 config.numAttrs = 1
                 clusters = check(driver.cuOccupancyMaxActiveClusters(function, config),
@@ -154,15 +160,8 @@ class Device:
     def launch(self, function, kernel: dict, rows: int, params: tuple, types: tuple, pdl: bool,
                max_ctas: int | None = None) -> None:
         """Enqueue one kernel of the artifact: grid = rows * ctas_per_row, at most ``max_ctas``."""
-        config = driver.CUlaunchConfig()
         ctas = rows * kernel["ctas_per_row"]
-        config.gridDimX = ctas if max_ctas is None else min(ctas, max_ctas)
-        config.gridDimY = 1
-        config.gridDimZ = 1
-        config.blockDimX = kernel["block"]
-        config.blockDimY = 1
-        config.blockDimZ = 1
-        config.sharedMemBytes = kernel["smem"]
+        config = _launch_config(kernel, ctas if max_ctas is None else min(ctas, max_ctas))
         config.hStream = self.stream
         attributes = []
         if pdl:
