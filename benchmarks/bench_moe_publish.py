@@ -62,6 +62,7 @@ TUNING_GRID = {
     "reduce_threads": (128, 256),
     "enable_pdl": (True, False),
     "fuse_reduce": (False, True),
+    "keep_own_partial": (True, False),
 }
 
 
@@ -180,6 +181,8 @@ def tuning_variants(problem, tp, mode, m):
     }
     if mode != "direct":
         grid["reduce_threads"] = TUNING_GRID["reduce_threads"]
+    if base.fuse_reduce:
+        grid["keep_own_partial"] = TUNING_GRID["keep_own_partial"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
     variants = []
     for values in itertools.product(*grid.values()):
@@ -536,7 +539,7 @@ def measure_case(mesh, name, m, mode, reps, key, floors, tune):
     # The op's own traffic only.
     traffic = report.bytes_per_rank(mode=mode, tp=tp, m=m, hidden=problem["hidden"], top_k=problem["top_k"],
                                     shared_expert=problem["shared"], weight_bytes=WEIGHT_BYTES,
-                                    residual_norm=problem["epilogue"])
+                                    residual_norm=problem["epilogue"], own_slot=not config.keep_own_partial)
     result["floor"] = report.case_floor(traffic, floors)
     result["ours_over_floor"] = result["ours"]["us"] / result["floor"]["us"]
     return result

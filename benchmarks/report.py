@@ -23,11 +23,12 @@ import sys
 
 BF16_BYTES = 2
 INDEX_BYTES = 4  # int32 permuted indices
-LAUNCH_FIELDS = ("threads", "elements_per_thread", "prefetch_group", "reduce_threads", "enable_pdl", "fuse_reduce")
+LAUNCH_FIELDS = ("threads", "elements_per_thread", "prefetch_group", "reduce_threads", "enable_pdl", "fuse_reduce",
+                 "keep_own_partial")
 
 
 def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, shared_expert: bool,
-                   weight_bytes: int = 4, residual_norm: bool = False) -> dict[str, float]:
+                   weight_bytes: int = 4, residual_norm: bool = False, own_slot: bool = True) -> dict[str, float]:
     """HBM and NVLink bytes that one rank moves in one call of the op: the traffic model of the floor.
 
     With ``row = m * hidden * 2`` (one bf16 [m, hidden] array), every mode
@@ -46,6 +47,11 @@ def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, share
       the ``row`` output and re-arms ``tp * row``::
 
           hbm = inputs + 3 * tp * row + row,    nvlink = (tp - 1) * row
+
+      Without ``own_slot`` (a fused kernel that keeps its own partial in
+      shared memory) the own slot's write, read and re-arm drop out:
+      ``3 * (tp - 1) * row`` instead of ``3 * tp * row``. A CTA keeps only
+      its first tiles there, so this is a lower bound at large ``m``.
 
     * ``twoshot``: token ``t`` is reduced by rank ``t % tp``. Per rank, as the
       mean over the group (a lower bound on the slowest rank when ``tp`` does
@@ -71,6 +77,8 @@ def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, share
         Bytes per router weight: 4 (float32) or 2 (bf16).
     residual_norm : bool
         The call has the epilogue (in any mode).
+    own_slot : bool
+        Oneshot: this rank's own contribution goes through its mailbox slot.
 
     Returns
     -------
@@ -91,7 +99,8 @@ def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, share
     if mode == "direct":
         return {"hbm": float(inputs + row), "nvlink": 0.0}
     if mode == "oneshot":
-        return {"hbm": float(inputs + 3 * tp * row + row), "nvlink": float((tp - 1) * row)}
+        slots = tp if own_slot else tp - 1
+        return {"hbm": float(inputs + 3 * slots * row + row), "nvlink": float((tp - 1) * row)}
     others = (tp - 1) / tp * row
     return {"hbm": inputs + 3 * row + row / tp + 4 * others, "nvlink": 2 * others}
 

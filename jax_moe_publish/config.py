@@ -30,13 +30,17 @@ MAX_NORM_FRAGMENTS_PER_THREAD = 8
 """Register budget of the fused epilogue: 16-byte fragments of a row per reduce thread."""
 MAX_CLUSTER_CTAS = 8
 """The portable thread block cluster size: the most CTAs that share one fused epilogue row."""
+OWN_PARTIAL_BYTES = 16 * 1024
+"""Shared memory per CTA of a fused kernel for this rank's own partials (`KernelConfig.keep_own_partial`).
+At 16 KiB, 13 CTAs still fit in an H100/H200 SM's 228 KiB; the register count of every default
+fused shape allows fewer (9 or 10 CTAs of 128 threads), so the buffer never lowers the occupancy."""
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
-                "fuse_reduce")
+                "fuse_reduce", "keep_own_partial")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -94,6 +98,13 @@ class KernelConfig:
         16-byte fragment (``elements_per_thread == 8``, ``threads ==
         reduce_threads``), and the cluster sums the row's squares through
         distributed shared memory.
+    keep_own_partial : bool or None
+        Fused only: a CTA keeps this rank's own partial of its first
+        ``own_partial_tiles`` tiles (rows, with the epilogue) in shared memory
+        instead of its own mailbox slot, which saves writing, polling and
+        re-arming that slot: ``3 * row`` of the ``3 * tp * row`` bytes that the
+        mailbox moves per rank. Later tiles of a CTA use the slot. None (the
+        default) means ``fuse_reduce``.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -117,11 +128,14 @@ class KernelConfig:
     enable_pdl: bool = True
     reduce_threads: int = 128
     fuse_reduce: bool = False
+    keep_own_partial: bool | None = None
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
     def __post_init__(self) -> None:
         # Normalize types first, so that equal configs have equal keys.
+        if self.keep_own_partial is None:
+            object.__setattr__(self, "keep_own_partial", self.fuse_reduce is True)
         for field in _INT_FIELDS:
             value = getattr(self, field)
             _require(
@@ -200,6 +214,8 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
                 # With threads == reduce_threads, the epilogue's limit of fragments per reduce
                 # thread (MAX_NORM_FRAGMENTS_PER_THREAD) keeps a row's CTAs within one cluster.
+        if self.keep_own_partial:
+            _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",
@@ -242,6 +258,14 @@ class KernelConfig:
         return -(-self.reduce_fragments // self.reduce_threads)
 
     @property
+    def own_partial_tiles(self) -> int:
+        """Tiles per CTA of a fused kernel whose own partial stays in shared memory (0 unless
+        ``keep_own_partial``): as many fragments per thread as fit in ``OWN_PARTIAL_BYTES``."""
+        if not self.keep_own_partial:
+            return 0
+        return max(1, OWN_PARTIAL_BYTES // (self.threads * self.elements_per_thread * 2))
+
+    @property
     def key(self) -> str:
         """Stable name of this specialization; it names the cubin."""
         fields = self.to_dict()
@@ -261,7 +285,10 @@ class KernelConfig:
         return cls(**fields)
 
     def replace(self, **changes) -> "KernelConfig":
-        """A copy with ``changes`` applied (and validated)."""
+        """A copy with ``changes`` applied (and validated); ``keep_own_partial``, unless given,
+        follows a change of ``fuse_reduce``."""
+        if "fuse_reduce" in changes:
+            changes.setdefault("keep_own_partial", None)
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -495,15 +495,17 @@ def negative_zero(args) -> None:
 
 
 def sanitize_configs() -> dict:
-    """The configs `sanitize` runs, by name: one per unfused mode, both fused variants, and
-    the RMSNorm epilogue unfused and fused (the kernels with shared memory)."""
+    """The configs `sanitize` runs, by name: one per unfused mode, the fused variants (own
+    partials in shared memory, in the mailbox, 8-byte fragments), and the RMSNorm epilogue
+    unfused and fused."""
     fused = [c for c in presets.test_variants(2) if c.fuse_reduce]
     epilogues = [c for c in presets.test_epilogues(2) if c.mode == "oneshot" and c.hidden == 7168]
     return {
         "oneshot": config_for("oneshot"),
         "twoshot": config_for("twoshot"),
-        "fused": fused[0],
-        "fused-4-elements": fused[1],
+        "fused": next(c for c in fused if c.elements_per_thread == 8 and c.keep_own_partial),
+        "fused-own-slot": next(c for c in fused if not c.keep_own_partial),
+        "fused-4-elements": next(c for c in fused if c.elements_per_thread == 4),
         "rmsnorm": next(c for c in epilogues if not c.fuse_reduce),
         "rmsnorm-fused": next(c for c in epilogues if c.fuse_reduce),
     }

@@ -150,10 +150,12 @@ def test_metadata(builds, config):
         # One CTA per row, and one float per warp of dynamic shared memory.
         "reduce_norm": (config.reduce_threads, config.reduce_threads // 32 * 4, 1, rows),
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
-        # The publish's shape: each thread reduces the fragment it published.
-        "publish_reduce": (config.threads, 0, config.ctas_per_token, "m"),
+        # The publish's shape: each thread reduces the fragment it published, its own partials
+        # in shared memory.
+        "publish_reduce": (config.threads, own_partial_smem(config), config.ctas_per_token, "m"),
         # The publish's shape, a cluster of CTAs per row: one float per warp, then (with more
-        # than one CTA) two rows of one float per CTA, each area 16-byte aligned.
+        # than one CTA) two rows of one float per CTA, each area 16-byte aligned, and the own
+        # partials.
         "publish_reduce_norm": (config.threads, fused_norm_smem(config), config.ctas_per_token, "m"),
     }
     for kernel in kernels:
@@ -257,11 +259,14 @@ FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce and c.epilogue == "none
 def test_fused_ptx(builds, config):
     """The publish's stores, then the reduce's polls, sum and re-arm, in one persistent kernel."""
     body = kernels_by_role(builds(config))["publish_reduce"]
-    # The peer table, read where the first tile and the loop over the others publish.
-    assert len(opcodes(body, "ld.global.nc.u64")) == 2 * config.tp
+    keep = int(config.keep_own_partial)
+    # The peer table, read where the first tile and the loop over the others publish (the
+    # first tile's own partial, when kept, never goes to the mailbox).
+    assert len(opcodes(body, "ld.global.nc.u64")) == 2 * config.tp - keep
     vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
     # 2 x tp publish stores, tp re-arms, the output, and NaN on a halted mailbox.
-    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * (3 * config.tp + 2)
+    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * (3 * config.tp + 2 - keep)
+    assert_own_partial(body, config, polls=2 * config.tp, rearms=config.tp)
     # Each thread polls the fragment it published, at its width, after all of its publishes.
     polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
     assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
@@ -271,7 +276,30 @@ def test_fused_ptx(builds, config):
     assert "multimem" not in body
 
 
+def assert_own_partial(body: str, config: KernelConfig, *, polls: int, rearms: int, other_shared_stores: int = 0
+                       ) -> None:
+    """A kept own partial goes to shared memory where the first tile and the loop over the
+    others publish, and comes back once for the wait; the loop's own-slot store, the polls
+    and the re-arms are predicated on the tile not being kept."""
+    words = config.elements_per_thread // 2
+    predicated = re.findall(r"^[ \t]*@p[ \t]+((?:st\.global|ld\.volatile\.global)\.v\d)", body, re.M)
+    if config.keep_own_partial:
+        assert opcodes(body, "st.shared.b32") == ["st.shared.b32"] * (2 * words + other_shared_stores)
+        assert len(opcodes(body, "ld.shared.b32")) >= words
+        vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
+        assert sorted(predicated) == sorted([f"st.global.{vector}"] * (1 + rearms)
+                                            + [f"ld.volatile.global.{vector}"] * polls)
+    else:
+        assert predicated == []
+
+
 EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.epilogue != "none"]
+
+
+def own_partial_smem(config) -> int:
+    """16 KiB of whole tiles (a tile: one fragment per thread), at least one; 0 without."""
+    tile = config.threads * config.elements_per_thread * 2
+    return max(1, 16384 // tile) * tile if config.keep_own_partial else 0
 
 
 def fused_norm_smem(config) -> int:
@@ -279,7 +307,8 @@ def fused_norm_smem(config) -> int:
         return -(-nbytes // 16) * 16
 
     cluster = config.ctas_per_token
-    return aligned(config.threads // 32 * 4) + (aligned(2 * cluster * 4) if cluster > 1 else 0)
+    return (aligned(config.threads // 32 * 4) + (aligned(2 * cluster * 4) if cluster > 1 else 0)
+            + own_partial_smem(config))
 
 
 @pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=_ids(EPILOGUE_CONFIGS))
@@ -300,8 +329,10 @@ def test_reduce_norm_ptx(builds, config):
         polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
         assert polls and set(polls) == {"ld.volatile.global.v4.u32"}
         assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")  # publishes first
-        # 2 x tp publish stores, then as below.
-        stores = 2 * config.tp + per_thread * (1 + config.tp + 2)
+        # 2 x tp publish stores (less the first row's own partial, when kept), then as below.
+        stores = 2 * config.tp - config.keep_own_partial + per_thread * (1 + config.tp + 2)
+        # (The other shared store: the warp's sum of squares.)
+        assert_own_partial(body, config, polls=2 * config.tp, rearms=config.tp, other_shared_stores=1)
         # A cluster's CTAs exchange their sums of squares: one remote store per thread that
         # delivers, after the CTAs have all started (an arrive at the top, its wait after the
         # publishes), then a barrier per row.
@@ -327,7 +358,12 @@ def test_reduce_norm_ptx(builds, config):
     # The row's sum of squares: a butterfly in each warp, then one barrier before the
     # warp sums are read back; then one rsqrt.
     assert opcodes(body, "shfl.sync.bfly.b32") == ["shfl.sync.bfly.b32"] * 5
-    assert first(body, "st.shared") < first(body, "bar.sync") < first(body, "ld.shared")
+    barrier = first(body, "bar.sync")
+    assert "st.shared.b32" in body[:barrier] and "ld.shared" in body[barrier:]
+    # That barrier and finish_call's; a fused CTA without a cluster also waits before its next
+    # row overwrites the warp sums (with one, the cluster barrier orders that).
+    cluster = config.ctas_per_token if config.fuse_reduce else 1
+    assert len(opcodes(body, "bar.sync")) == 2 + (config.fuse_reduce and cluster == 1)
     assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"]
     # Shared memory is the dynamic kind, and what the kernel touches fits the launch's.
     assert "__dynamic_shmem__" in body and not re.search(r"^\s*\.shared\b", built.ptx, re.M)

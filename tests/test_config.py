@@ -223,7 +223,8 @@ CHANGED = {
 
 
 def test_key_changes_with_every_field():
-    assert set(CHANGED) == {f.name for f in dataclasses.fields(KernelConfig)}
+    # keep_own_partial needs fuse_reduce: see test_keep_own_partial_follows_fuse_reduce.
+    assert set(CHANGED) | {"keep_own_partial"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():
@@ -232,6 +233,27 @@ def test_key_changes_with_every_field():
         assert changed.key != base.key, name
         keys.add(changed.key)
     assert len(keys) == len(CHANGED) + 1
+
+
+def test_keep_own_partial_follows_fuse_reduce():
+    plain = KernelConfig(hidden=7168, top_k=8, tp=2)
+    assert plain.keep_own_partial is False and plain.own_partial_tiles == 0
+    fused = plain.replace(fuse_reduce=True)
+    assert fused.keep_own_partial is True
+    assert fused == KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, keep_own_partial=None)
+    # 16 KiB of 128 threads x 16 bytes: 8 tiles.
+    assert fused.own_partial_tiles == 8
+    assert fused.replace(threads=1024).own_partial_tiles == 1
+    assert fused.replace(elements_per_thread=4).own_partial_tiles == 16
+    opted_out = fused.replace(keep_own_partial=False)
+    assert opted_out.own_partial_tiles == 0 and opted_out.key != fused.key
+    # Unfusing drops it, unless it is given.
+    assert fused.replace(fuse_reduce=False) == plain
+    with pytest.raises(ValueError, match=re.escape(
+            "KernelConfig.keep_own_partial=True: expected False unless fuse_reduce is True")):
+        fused.replace(fuse_reduce=False, keep_own_partial=True)
+    with pytest.raises(ValueError, match=re.escape("KernelConfig.keep_own_partial=1: expected a bool")):
+        fused.replace(keep_own_partial=1)
 
 
 def test_key_is_stable_for_equal_configs():

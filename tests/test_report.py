@@ -67,6 +67,14 @@ def test_bytes_per_rank_oneshot_by_hand():
     assert traffic == {"hbm": 672.0, "nvlink": 64.0}
 
 
+def test_bytes_per_rank_oneshot_without_own_slot_by_hand():
+    # The oneshot problem, the own partial kept out of the mailbox: only the peer's slot is
+    # written, read and re-armed: 672 - 3*64.
+    traffic = report.bytes_per_rank(mode="oneshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
+                                    own_slot=False)
+    assert traffic == {"hbm": 480.0, "nvlink": 64.0}
+
+
 def test_bytes_per_rank_epilogue_by_hand():
     # The oneshot problem with the residual add + RMSNorm: residual 64 and residual_out 64
     # bytes, norm weight 16*2 = 32 -> 672 + 160.

@@ -36,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     types = {int: int, float: float, bool: _bool, str: str}
     for field in dataclasses.fields(KernelConfig):
         default = field.default
-        kind = types[type(default)] if default is not dataclasses.MISSING else int
+        if default is None:
+            kind = _bool  # keep_own_partial: None follows fuse_reduce
+        else:
+            kind = types[type(default)] if default is not dataclasses.MISSING else int
         build.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,
                            default=None, help=f"KernelConfig.{field.name}")
     return parser

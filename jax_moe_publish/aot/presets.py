@@ -63,9 +63,11 @@ TEST_VARIANTS = (
          load_shared_expert_before_pdl=True, threads=64, reduce_threads=64),
     dict(hidden=2880, top_k=10, routed_scaling_factor=2.5, prefetch_group=5, enable_pdl=False,
          threads=96),
-    # One kernel per call (oneshot only): 16-byte fragments; 8-byte ones with a partial last
-    # CTA and without PDL.
+    # One kernel per call (oneshot only): 16-byte fragments, own partials in shared memory or
+    # in the mailbox; 8-byte ones with a partial last CTA and without PDL.
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True),
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True,
+         keep_own_partial=False),
     dict(hidden=2880, top_k=10, routed_scaling_factor=1.0, fp32_weights=True, include_shared_expert=False,
          elements_per_thread=4, prefetch_group=5, enable_pdl=False, threads=96, fuse_reduce=True),
 )
@@ -104,11 +106,12 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
     ]
     if tp > 1:
         # Oneshot unfused (publish, then reduce_norm), which is not a default, stays tested;
-        # and fused with one CTA (no cluster) per row.
+        # and fused with one CTA (no cluster) per row, and with the own partials in the mailbox.
         configs += [KernelConfig.default(tp=tp, m=m, epilogue="rmsnorm", fuse_reduce=False, **problem)
                     for problem in TEST_EPILOGUE_PROBLEMS for m in DEFAULT_SHAPE_MS]
         fused = KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", **TEST_EPILOGUE_PROBLEMS[0])
         configs.append(fused.replace(threads=fused.reduce_fragments, reduce_threads=fused.reduce_fragments))
+        configs.append(fused.replace(keep_own_partial=False))
     return list(dict.fromkeys(configs))
 
 

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from jax_moe_publish.config import KernelConfig
-from jax_moe_publish.kernels.fused import FusedPublishReduceKernel
+from jax_moe_publish.kernels.fused import FusedPublishReduceKernel, OwnPartials
 from jax_moe_publish.kernels.publish import FinalizePublishKernel
 from jax_moe_publish.kernels.reduce import LamportReduceKernel
 from jax_moe_publish.kernels.reduce_norm import LamportReduceNormKernel, shared_bytes
@@ -50,7 +50,8 @@ class MoePublishProgram:
     def launches(self) -> list[KernelLaunch]:
         cfg = self.config
         if cfg.fuse_reduce and cfg.epilogue == "none":
-            return [KernelLaunch("publish_reduce", cfg.threads, 0, cfg.ctas_per_token, "m")]
+            return [KernelLaunch("publish_reduce", cfg.threads, OwnPartials.shared_bytes(cfg), cfg.ctas_per_token,
+                                 "m")]
         if cfg.fuse_reduce:
             # A row's CTAs form one thread block cluster (`artifact.CLUSTER_ROLES`).
             return [KernelLaunch("publish_reduce_norm", cfg.threads, shared_bytes(cfg), cfg.ctas_per_token, "m")]

@@ -83,28 +83,43 @@ def load_words(address: Int64, words: int, *, predicate=None, loc=None, ip=None)
 
 
 @dsl_user_op
-def load_volatile_words(address: Int64, words: int, *, loc=None, ip=None) -> list:
-    """Volatile vector load of ``words`` u32: always re-reads memory (mailbox polling)."""
+def load_volatile_words(address: Int64, words: int, *, predicate=None, loc=None, ip=None) -> list:
+    """Volatile vector load of ``words`` u32: always re-reads memory (mailbox polling).
+
+    With ``predicate`` (an Int32, nonzero = load) the load is skipped and zeros
+    are returned when it is zero, without access to ``address``.
+    """
     struct = llvm.StructType.get_literal([T.i32()] * words)
-    text = f"ld.volatile.global.{_vector_suffix(words)}.u32 {_braced(0, words)}, [${words}];"
+    load = f"ld.volatile.global.{_vector_suffix(words)}.u32 {_braced(0, words)}, [${words}];"
+    if predicate is None:
+        result = _asm(
+            struct, [Int64(address).ir_value(loc=loc, ip=ip)],
+            load, ",".join(["=r"] * words + ["l"]), side_effects=True, loc=loc, ip=ip,
+        )
+        return _words_out(result, words, loc, ip)
+    zero = "\n".join(f"mov.b32 ${i}, 0;" for i in range(words))
+    text = f"{{\n.reg .pred p;\nsetp.ne.s32 p, ${words + 1}, 0;\n{zero}\n@p {load}\n}}"
     result = _asm(
-        struct, [Int64(address).ir_value(loc=loc, ip=ip)],
-        text, ",".join(["=r"] * words + ["l"]), side_effects=True, loc=loc, ip=ip,
+        struct,
+        [Int64(address).ir_value(loc=loc, ip=ip), Int32(predicate).ir_value(loc=loc, ip=ip)],
+        text, ",".join(["=&r"] * words + ["l", "r"]), side_effects=True, loc=loc, ip=ip,
     )
     return _words_out(result, words, loc, ip)
 
 
 @dsl_user_op
-def store_words(address: Int64, values: list, *, loc=None, ip=None) -> None:
-    """Vector store of 2 or 4 u32 words (local or peer memory)."""
+def store_words(address: Int64, values: list, *, predicate=None, loc=None, ip=None) -> None:
+    """Vector store of 2 or 4 u32 words (local or peer memory); with ``predicate`` (an Int32)
+    only where it is nonzero."""
     words = len(values)
     text = f"st.global.{_vector_suffix(words)}.u32 [$0], {_braced(1, words)};"
-    _asm(
-        None,
-        [Int64(address).ir_value(loc=loc, ip=ip)]
-        + [Uint32(v).ir_value(loc=loc, ip=ip) for v in values],
-        text, ",".join(["l"] + ["r"] * words), side_effects=True, loc=loc, ip=ip,
-    )
+    operands = [Int64(address).ir_value(loc=loc, ip=ip)] + [Uint32(v).ir_value(loc=loc, ip=ip) for v in values]
+    constraints = ["l"] + ["r"] * words
+    if predicate is not None:
+        text = f"{{\n.reg .pred p;\nsetp.ne.s32 p, ${words + 1}, 0;\n@p {text}\n}}"
+        operands.append(Int32(predicate).ir_value(loc=loc, ip=ip))
+        constraints.append("r")
+    _asm(None, operands, text, ",".join(constraints), side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -165,7 +165,11 @@ class FinalizePublishKernel:
                 result += [accumulator[2 * i] + weight * low, accumulator[2 * i + 1] + weight * high]
         return result
 
-    def store(self, packed: list, token, row_offset, destination, capacity_m, rank, stage) -> None:
+    def store(self, packed: list, token, row_offset, destination, capacity_m, rank, stage, store_own=True) -> list:
+        """Store fragment ``packed`` of ``y[token]`` (transport ``direct``: the output row) and
+        return the words published. A fused kernel that keeps its own partial passes
+        ``store_own`` False, or an Int32 that is zero where it keeps it: oneshot unicast then
+        skips the store into this rank's own mailbox."""
         cfg = self.config
         if cutlass.const_expr(cfg.transport == "direct"):
             ptx.store_words(destination + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset, packed)
@@ -183,10 +187,15 @@ class FinalizePublishKernel:
             if cutlass.const_expr(cfg.transport == "multicast"):
                 ptx.multimem_store_words(destination + slot_bytes, packed)
             elif cutlass.const_expr(cfg.mode == "oneshot"):
-                # Start at the next rank so that the ranks' first stores go to different peers.
-                for step in range(cfg.tp):
+                # Start at the next rank so that the ranks' first stores go to different peers;
+                # the last store is this rank's own.
+                for step in range(cfg.tp - 1):
                     peer = (rank + (step + 1)) % cfg.tp
                     ptx.store_words(ptx.load_u64(destination + Int64(peer) * 8) + slot_bytes, packed)
+                if cutlass.const_expr(store_own is not False):
+                    own_slot = ptx.load_u64(destination + Int64(rank) * 8) + slot_bytes
+                    ptx.store_words(own_slot, packed, predicate=None if store_own is True else store_own)
             else:
                 owner = token % cfg.tp
                 ptx.store_words(ptx.load_u64(destination + Int64(owner) * 8) + slot_bytes, packed)
+        return packed

@@ -88,7 +88,7 @@ class LamportReduceKernel:
             if token < m and halt != protocol.HALT_RUNNING:
                 self.halted(destination, halt, stage, token, stage_state, status)
             if token < m and halt == protocol.HALT_RUNNING:
-                slots, sources = self.wait_contributions(
+                slots, sources, skipped = self.wait_contributions(
                     mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state, status, timeout_ns
                 )
                 total = self.sum_sources(sources)
@@ -105,8 +105,7 @@ class LamportReduceKernel:
                         ptx.store_words(
                             ptx.load_u64(peer_table + Int64(peer) * 8) + gather_slot, total
                         )
-                for address in slots:
-                    ptx.store_words(address, EMPTY)
+                self.rearm(slots, skipped)
             if cutlass.const_expr(cfg.mode == "reduce_scatter"):
                 if token >= m:
                     ptx.store_words(destination, [Uint32(0)] * WORDS)
@@ -167,27 +166,52 @@ class LamportReduceKernel:
         return (contributions + Int64(stage) * Int64(capacity_m) + Int64(token)) * self.row_bytes
 
     def wait_contributions(self, mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state,
-                            status, timeout_ns) -> tuple[list, list]:
-        """(addresses, words) of every rank's contribution to one fragment of slot
-        ``[stage][*][slot]``, once all of them have arrived."""
+                            status, timeout_ns, own=None) -> tuple[list, list, Int32 | None]:
+        """(addresses, words, skipped) of every rank's contribution to one fragment of slot
+        ``[stage][*][slot]``, once all of them have arrived.
+
+        ``own`` is None, or (rank, kept, read) from a fused kernel: where ``kept``
+        (an Int32) is nonzero, this rank's contribution is ``read()`` (called once
+        the others have arrived, so that its words are not live while polling) and
+        its own slot, never written, is neither polled nor (`rearm`) re-armed.
+        ``skipped`` is then the Int32 bit mask of the slots not polled (one
+        register, not one per rank), else None.
+        """
         slots = [
             mailbox + self._contribution_offset(stage, src, slot, capacity_m) + fragment_offset
             for src in range(self.config.tp)
         ]
-        sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns)
-        return slots, sources
+        if own is None:
+            sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns)
+            return slots, sources, None
+        rank, kept, read = own
+        skipped = kept << rank  # kept is 0 or 1
+        sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns,
+                             skipped)
+        held = read()
+        sources = [[cutlass.select_(_polled(skipped, src) != 0, word, held[w]) for w, word in enumerate(words)]
+                   for src, words in enumerate(sources)]
+        return slots, sources, skipped
+
+    def rearm(self, slots: list, skipped) -> None:
+        """Store the empty sentinel back into the slots that `wait_contributions` polled."""
+        for i, address in enumerate(slots):
+            ptx.store_words(address, [Uint32(protocol.EMPTY_U32)] * self.fragment_words,
+                            predicate=None if skipped is None else _polled(skipped, i))
 
     @cute.jit
-    def _wait(self, slots, ranks, stage, token, stage_state, status, timeout_ns) -> list:
+    def _wait(self, slots, ranks, stage, token, stage_state, status, timeout_ns, skipped=None) -> list:
         """Poll ``slots`` until every bf16 lane is filled; return their words.
 
-        ``ranks[i]`` is the rank that fills ``slots[i]`` (for diagnostics).
+        ``ranks[i]`` is the rank that fills ``slots[i]`` (for diagnostics). Slot
+        ``i`` with bit ``i`` of ``skipped`` (an Int32) set is not read: its words
+        are zeros, which count as filled.
         """
         words_per_slot = self.fragment_words
         rValues = cute.make_rmem_tensor(cute.make_layout((len(slots), words_per_slot)), Uint32)
         missing = Int32(0)
         for i in cutlass.range_constexpr(len(slots)):
-            words = ptx.load_volatile_words(slots[i], words_per_slot)
+            words = self._poll(slots, i, skipped)
             for w in cutlass.range_constexpr(words_per_slot):
                 rValues[i, w] = words[w]
             if ptx.has_empty_lane(words) != Uint32(0):
@@ -198,7 +222,7 @@ class LamportReduceKernel:
             while missing != 0:
                 missing = Int32(0)
                 for i in cutlass.range_constexpr(len(slots)):
-                    words = ptx.load_volatile_words(slots[i], words_per_slot)
+                    words = self._poll(slots, i, skipped)
                     for w in cutlass.range_constexpr(words_per_slot):
                         rValues[i, w] = words[w]
                     if ptx.has_empty_lane(words) != Uint32(0):
@@ -215,6 +239,10 @@ class LamportReduceKernel:
                     for w in cutlass.range_constexpr(words_per_slot):
                         rValues[i, w] = Uint32(NAN_BF16X2)
         return [[rValues[i, w] for w in range(words_per_slot)] for i in range(len(slots))]
+
+    def _poll(self, slots, i, skipped) -> list:
+        return ptx.load_volatile_words(slots[i], self.fragment_words,
+                                       predicate=None if skipped is None else _polled(skipped, i))
 
     @cute.jit
     def halted(self, destination, halt, stage, token, stage_state, status) -> None:
@@ -303,3 +331,8 @@ class LamportReduceKernel:
                     )
                     call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
                     ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
+
+
+def _polled(skipped, i: int) -> Int32:
+    """Int32 1 if slot ``i`` is polled: bit ``i`` of ``skipped`` is clear."""
+    return Int32(((skipped >> i) & 1) == 0)

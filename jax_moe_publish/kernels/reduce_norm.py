@@ -41,8 +41,9 @@ from cutlass import Float32, Int32, Int64, Uint32
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
+from jax_moe_publish.kernels.fused import OwnPartials
 from jax_moe_publish.kernels.publish import FinalizePublishKernel
-from jax_moe_publish.kernels.reduce import EMPTY, FRAGMENT_BYTES, NAN_BF16X2, WORDS, LamportReduceKernel
+from jax_moe_publish.kernels.reduce import FRAGMENT_BYTES, NAN_BF16X2, WORDS, LamportReduceKernel
 
 WARP = 32
 FLOAT_BYTES = 4
@@ -55,15 +56,16 @@ def cluster_ctas(config: KernelConfig) -> int:
 
 
 def shared_bytes(config: KernelConfig) -> int:
-    """Dynamic shared memory (the launcher must pass it): one float per warp and, for a
-    cluster of CTAs per row, two rows' worth of one float per CTA of the cluster."""
+    """Dynamic shared memory (the launcher must pass it): one float per warp, for a cluster
+    of CTAs per row two rows' worth of one float per CTA of the cluster, and the fused
+    kernel's `OwnPartials`."""
     def aligned(nbytes):
         return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
-    warp_sums = aligned(config.reduce_threads // WARP * FLOAT_BYTES)
+    total = aligned(config.reduce_threads // WARP * FLOAT_BYTES) + OwnPartials.shared_bytes(config)
     if cluster_ctas(config) == 1:
-        return warp_sums
-    return warp_sums + aligned(2 * cluster_ctas(config) * FLOAT_BYTES)
+        return total
+    return total + aligned(2 * cluster_ctas(config) * FLOAT_BYTES)
 
 
 class LamportReduceNormKernel(LamportReduceKernel):
@@ -73,6 +75,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
         super().__init__(config)
         # The fused kernel's publish: one 16-byte fragment of the row per thread.
         self.publisher = FinalizePublishKernel(config)
+        self.own = OwnPartials(self.publisher)
         self.fragments_per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
         self.warps = config.reduce_threads // WARP
         self.cluster = cluster_ctas(config)
@@ -138,6 +141,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
             # (the launcher caps the grid at the resident clusters), then reduces and
             # normalizes the same rows.
             routed, weights, indices, shared, num_rows = finalize_inputs
+            sOwn = self.own.allocate()
             grid, _, _ = cute.arch.grid_dim()
             cluster_rank = block % self.cluster
             first_row = block // self.cluster
@@ -156,19 +160,22 @@ class LamportReduceNormKernel(LamportReduceKernel):
             if present != 0 and halt == protocol.HALT_RUNNING:
                 packed = self.publisher.finalize(routed, weights, indices, num_rows, first_row, offset,
                                                  shared_words)
-                self.publisher.store(packed, first_row, offset, peer_table, capacity_m, rank, stage)
+                self.own.publish(sOwn, Int32(0), packed, first_row, offset, peer_table, capacity_m, rank, stage,
+                                 first=True)
                 for row in cutlass.range(first_row + clusters, m, clusters):
                     row_shared = self.publisher.load_shared(shared, row, offset, present)
                     packed = self.publisher.finalize(routed, weights, indices, num_rows, row, offset,
                                                      row_shared)
-                    self.publisher.store(packed, row, offset, peer_table, capacity_m, rank, stage)
+                    self.own.publish(sOwn, (row - first_row) // clusters, packed, row, offset, peer_table,
+                                     capacity_m, rank, stage, first=False)
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
             for row in cutlass.range(first_row, m, clusters):
+                j = (row - first_row) // clusters
                 rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
-                               (row - first_row) // clusters % 2, mailbox, stage_state, status, out,
-                               timeout_ns, capacity_m, residual_out, eps)
+                               j % 2, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
+                               eps, self.own.held(sOwn, j, rank))
             self.finish_call(stage, stage_state, advance=True, waited=True)
         else:
             if cutlass.const_expr(cfg.mode == "oneshot"):
@@ -185,7 +192,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
             rResidual = self._load_residual(residual, block, live, tidx)
             stage, halt = self._start_call(stage_state)
             self._norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, tidx, 0, mailbox,
-                           stage_state, status, out, timeout_ns, capacity_m, residual_out, eps)
+                           stage_state, status, out, timeout_ns, capacity_m, residual_out, eps, None)
             self.finish_call(stage, stage_state, advance=True, waited=False)
 
     def _load_norm_weight(self, norm_weight, first_fragment):
@@ -211,11 +218,12 @@ class LamportReduceNormKernel(LamportReduceKernel):
 
     @cute.jit
     def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, parity,
-                  mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps) -> None:
+                  mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps, own) -> None:
         """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
         ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
         ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
-        same rows; ``parity`` alternates between a cluster's consecutive rows."""
+        same rows; ``parity`` alternates between a cluster's consecutive rows. ``own``: the
+        fused kernel's own partial (`LamportReduceKernel.wait_contributions`), else None."""
         cfg = self.config
         row_offset = Int64(row) * self.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
@@ -230,12 +238,11 @@ class LamportReduceNormKernel(LamportReduceKernel):
                     for w in cutlass.range_constexpr(WORDS):
                         rResidualOut[j, w] = Uint32(NAN_BF16X2)
                 if present != 0 and halt == protocol.HALT_RUNNING:
-                    slots, sources = self.wait_contributions(
-                        mailbox, stage, row, offset, capacity_m, token, stage_state, status, timeout_ns
+                    slots, sources, skipped = self.wait_contributions(
+                        mailbox, stage, row, offset, capacity_m, token, stage_state, status, timeout_ns, own
                     )
                     total = self.sum_sources(sources)
-                    for address in slots:
-                        ptx.store_words(address, EMPTY)
+                    self.rearm(slots, skipped)
                     for w in cutlass.range_constexpr(WORDS):
                         y_low, y_high = ptx.bf16x2_to_f32(total[w])
                         r_low, r_high = ptx.bf16x2_to_f32(rResidual[j, w])
@@ -291,8 +298,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
         total = Float32(0.0)
         for warp in cutlass.range_constexpr(self.warps):
             total = total + sWarpSums[warp]
-        if cutlass.const_expr(self.config.fuse_reduce):
-            # The CTA's next row overwrites the sums.
+        if cutlass.const_expr(self.config.fuse_reduce and self.cluster == 1):
+            # The CTA's next row overwrites the sums (a cluster's barrier below orders that too).
             cute.arch.barrier()
         if cutlass.const_expr(self.cluster > 1):
             own = cute.arch.block_idx_in_cluster()
