@@ -32,8 +32,9 @@ MAX_CLUSTER_CTAS = 8
 """The portable thread block cluster size: the most CTAs that share one fused epilogue row."""
 OWN_PARTIAL_BYTES = 16 * 1024
 """Shared memory per CTA of a fused kernel for this rank's own partials (`KernelConfig.keep_own_partial`).
-At 16 KiB, 13 CTAs still fit in an H100/H200 SM's 228 KiB; the register count of every default
-fused shape allows fewer (9 or 10 CTAs of 128 threads), so the buffer never lowers the occupancy."""
+At 16 KiB (plus 1 KiB reserved per CTA) 13 CTAs fit in an H100/H200 SM's 228 KiB. The fused
+sets of the presets use 40 to 96 registers per thread (``tools/kernel_resources.py``), which
+allow at most 12 CTAs of 128 threads: the buffer does not lower their occupancy."""
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
 SMALL_M = 64
@@ -322,6 +323,10 @@ class KernelConfig:
         A oneshot call without an epilogue is one kernel at every ``m``: against
         two kernels it took 0.70 to 0.81 of the time at m = 256 to 1024, 0.82
         at 128, and was within run-to-run noise (under 0.4 us) at m = 8 and 64.
+        A fused CTA keeps its own partials in shared memory (``keep_own_partial``):
+        0.94 and 0.92 of the time of the own mailbox slot at m = 1024, without
+        and with the epilogue; below that the difference changed sign between
+        runs (``...-own-partial-tuning.json``, ``...-own-partial-tuning-small-m.json``).
         With the epilogue (oneshot) it fuses at every ``m`` too, a cluster of
         128-thread CTAs per row (``...-epilogue-cluster-tuning.json`` and
         ``...-epilogue-cluster-tuning-small-m.json``): against two kernels
