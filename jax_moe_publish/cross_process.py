@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 
 from jax_moe_publish import cluster, sharing
-from jax_moe_publish.cuda_memory import CudaError, GroupMemory, primary_context
+from jax_moe_publish.cuda_memory import CudaError, GroupMemory, VmmMapping, primary_context
 from jax_moe_publish.mailbox import ON_TIMEOUT
 
 
@@ -72,7 +72,7 @@ class ProcessMailboxMemory:
         self.groups: list[GroupMemory] = []
         self.group_hosts: list[list[str]] = []
         self._exports: list[sharing.Exported] = []
-        self._imports: list[tuple[int, sharing.Imported]] = []  # (device that maps it, mapping)
+        self._imports: list[tuple[int, VmmMapping]] = []  # (device that maps it, mapping)
         self._timeout_s = timeout_s
         self._client = client
         self._closed = False
@@ -149,7 +149,7 @@ class ProcessMailboxMemory:
             for rank_memory in memory.ranks:
                 if (g, rank_memory.rank) in exported:
                     with primary_context(rank_memory.ordinal):
-                        export = sharing.export(rank_memory.vmm_handle, rank_memory.vmm_size)
+                        export = sharing.export(rank_memory.vmm.handle, rank_memory.vmm.size)
                     self._exports.append(export)
                     exchange.publish(exchange.key("group", g, "rank", rank_memory.rank), export.payload)
         for g, group, memory in local_groups:

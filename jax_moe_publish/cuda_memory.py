@@ -104,9 +104,51 @@ class RankMemory:
     peer_table: int
     status: int
     status_host: int
-    vmm_handle: object = None
-    vmm_size: int = 0
+    vmm: VmmMapping | None = None  # the mailbox's allocation, mapped at ``mailbox``
+
+
+@dataclasses.dataclass
+class VmmMapping:
+    """A VMM allocation mapped into this process: a rank's own mailbox, or one imported from
+    another process (`sharing.import_mapping`). Filled step by step by `map`, so that
+    `release` undoes a partial mapping."""
+
+    size: int
+    what: str  # names the mapping in error messages
+    handle: object = None
+    address: int = 0
     mapped: bool = False
+
+    def map(self, handle, ordinals: list[int], alignment: int = 0) -> None:
+        """Take ``handle``, reserve an address range, map the allocation there and give the
+        devices ``ordinals`` read-write access. Call with a context of one of them current."""
+        driver = _driver()
+        self.handle = handle
+        reserved = check(driver.cuMemAddressReserve(self.size, alignment, 0, 0), f"cuMemAddressReserve({self.what})")
+        self.address = int(reserved)
+        check(driver.cuMemMap(self.address, self.size, 0, handle, 0), f"cuMemMap({self.what})")
+        self.mapped = True
+        access = []
+        for ordinal in ordinals:
+            desc = driver.CUmemAccessDesc()
+            desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = ordinal
+            desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            access.append(desc)
+        check(driver.cuMemSetAccess(self.address, self.size, access, len(access)), f"cuMemSetAccess({self.what})")
+
+    def release(self) -> None:
+        """Unmap, free the address range and drop this process's reference; safe to call twice."""
+        driver = _driver()
+        if self.mapped:
+            check(driver.cuMemUnmap(self.address, self.size), f"cuMemUnmap({self.what})")
+            self.mapped = False
+        if self.address:
+            check(driver.cuMemAddressFree(self.address, self.size), f"cuMemAddressFree({self.what})")
+            self.address = 0
+        if self.handle is not None:
+            check(driver.cuMemRelease(self.handle), f"cuMemRelease({self.what})")
+            self.handle = None
 
 
 class GroupMemory:
@@ -169,23 +211,11 @@ class GroupMemory:
             )
             memory.mailbox_bytes = self.elements * 2
             size = -(-memory.mailbox_bytes // granularity) * granularity
-            memory.vmm_handle = check(
-                driver.cuMemCreate(size, prop, 0), f"cuMemCreate({size} B, device {ordinal})"
-            )
-            memory.vmm_size = size
-            address = check(driver.cuMemAddressReserve(size, granularity, 0, 0), "cuMemAddressReserve")
-            memory.mailbox = int(address)
-            check(driver.cuMemMap(address, size, 0, memory.vmm_handle, 0), "cuMemMap")
-            memory.mapped = True
-            access = []
-            for peer in self.local_ordinals:
-                desc = driver.CUmemAccessDesc()
-                desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                desc.location.id = peer
-                desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                access.append(desc)
-            check(driver.cuMemSetAccess(address, size, access, len(access)), "cuMemSetAccess")
-            check(driver.cuMemsetD16(address, protocol.EMPTY_BF16, self.elements), "cuMemsetD16")
+            memory.vmm = VmmMapping(size, f"mailbox of device {ordinal}")
+            handle = check(driver.cuMemCreate(size, prop, 0), f"cuMemCreate({size} B, device {ordinal})")
+            memory.vmm.map(handle, self.local_ordinals, granularity)
+            memory.mailbox = memory.vmm.address
+            check(driver.cuMemsetD16(memory.mailbox, protocol.EMPTY_BF16, self.elements), "cuMemsetD16")
             memory.stage_state = int(
                 check(driver.cuMemAlloc(protocol.STAGE_STATE_WORDS * 4), "cuMemAlloc(stage_state)")
             )
@@ -264,15 +294,9 @@ class GroupMemory:
     def _free_rank(self, memory: RankMemory, *, keep_control_words: bool) -> None:
         """Free what ``memory`` holds (its context current), field by field."""
         driver = _driver()
-        if memory.mapped:
-            check(driver.cuMemUnmap(memory.mailbox, memory.vmm_size), "cuMemUnmap")
-            memory.mapped = False
-        if memory.mailbox:
-            check(driver.cuMemAddressFree(memory.mailbox, memory.vmm_size), "cuMemAddressFree")
+        if memory.vmm is not None:
+            memory.vmm.release()
             memory.mailbox = 0
-        if memory.vmm_handle is not None:
-            check(driver.cuMemRelease(memory.vmm_handle), "cuMemRelease")
-            memory.vmm_handle = None
         if memory.peer_table:
             check(driver.cuMemFree(memory.peer_table), "cuMemFree")
             memory.peer_table = 0

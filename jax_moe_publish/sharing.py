@@ -34,7 +34,7 @@ import os
 import struct
 from typing import Protocol
 
-from jax_moe_publish.cuda_memory import check
+from jax_moe_publish.cuda_memory import VmmMapping, check
 
 MAGIC = b"JMPB"
 VERSION = 1
@@ -215,52 +215,15 @@ def export(handle, size: int) -> Exported:
     return DEFAULT.export(handle, size)
 
 
-@dataclasses.dataclass
-class Imported:
-    """A peer's allocation mapped into this process; `release` unmaps it."""
-
-    address: int
-    size: int
-    handle: object = None
-    mapped: bool = False
-
-    def release(self) -> None:
-        """Unmap and drop this process's reference; safe to call twice."""
-        from cuda.bindings import driver
-
-        if self.mapped:
-            check(driver.cuMemUnmap(self.address, self.size), "cuMemUnmap(imported)")
-            self.mapped = False
-        if self.address:
-            check(driver.cuMemAddressFree(self.address, self.size), "cuMemAddressFree(imported)")
-            self.address = 0
-        if self.handle is not None:
-            check(driver.cuMemRelease(self.handle), "cuMemRelease(imported)")
-            self.handle = None
-
-
-def import_mapping(payload: bytes, ordinals: list[int]) -> Imported:
+def import_mapping(payload: bytes, ordinals: list[int]) -> VmmMapping:
     """Map a peer's exported allocation, read-write for the devices ``ordinals`` of this process.
 
-    Call with a context of one of those devices current.
+    Call with a context of one of those devices current; `VmmMapping.release` unmaps it.
     """
-    from cuda.bindings import driver
-
     mechanism, size, body = decode(payload)
-    imported = Imported(0, size)
+    imported = VmmMapping(size, "imported")
     try:
-        imported.handle = mechanism.open(body)
-        imported.address = int(check(driver.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve(imported)"))
-        check(driver.cuMemMap(imported.address, size, 0, imported.handle, 0), "cuMemMap(imported)")
-        imported.mapped = True
-        access = []
-        for ordinal in ordinals:
-            desc = driver.CUmemAccessDesc()
-            desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = ordinal
-            desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            access.append(desc)
-        check(driver.cuMemSetAccess(imported.address, size, access, len(access)), "cuMemSetAccess(imported)")
+        imported.map(mechanism.open(body), ordinals)
     except BaseException:
         imported.release()
         raise
