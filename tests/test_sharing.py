@@ -1,16 +1,18 @@
-"""`jax_moe_publish.sharing` without a GPU: payload encoding and validation, and the pidfd helpers."""
+"""`jax_moe_publish.sharing` without a GPU: payload encoding and validation, the pidfd helpers, and
+the import's mapping steps and their undoing (against a recording driver)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import struct
 import subprocess
 import sys
 
 import pytest
 
-from jax_moe_publish import sharing
+from jax_moe_publish import cuda_memory, sharing
 
 POSIX_FD = sharing.MECHANISMS[1]
 
@@ -106,3 +108,71 @@ def test_permission_and_kernel_errors_explain_the_fix(monkeypatch, code, words):
     assert "descriptor 5 of process 777" in message
     for word in words:
         assert word in message, message
+
+
+class _RecordingDriver:
+    """The real driver's types, with the VMM calls recorded instead of made; the call named
+    ``failing`` returns an error."""
+
+    def __init__(self, failing: str | None = None):
+        self._real = cuda_memory._driver()
+        self.failing = failing
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _result(self, name, *values):
+        self.calls.append(name)
+        results = self._real.CUresult
+        return (results.CUDA_ERROR_OUT_OF_MEMORY if name == self.failing else results.CUDA_SUCCESS, *values)
+
+    def cuMemAddressReserve(self, size, alignment, address, flags):
+        return self._result("cuMemAddressReserve", 0x7000_0000)
+
+    def cuMemMap(self, address, size, offset, handle, flags):
+        return self._result("cuMemMap")
+
+    def cuMemSetAccess(self, address, size, descriptors, count):
+        assert [d.location.id for d in descriptors] == [0, 1] and count == 2
+        return self._result("cuMemSetAccess")
+
+    def cuMemUnmap(self, address, size):
+        return self._result("cuMemUnmap")
+
+    def cuMemAddressFree(self, address, size):
+        return self._result("cuMemAddressFree")
+
+    def cuMemRelease(self, handle):
+        assert handle == "imported handle"
+        return self._result("cuMemRelease")
+
+    def cuGetErrorString(self, error):
+        return (self._real.CUresult.CUDA_SUCCESS, b"out of memory")
+
+
+MAPPING_STEPS = ["cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"]
+
+
+@pytest.mark.parametrize("failing", MAPPING_STEPS)
+def test_a_failed_import_undoes_exactly_the_steps_taken(monkeypatch, failing):
+    driver = _RecordingDriver(failing)
+    monkeypatch.setattr(cuda_memory, "_driver", lambda: driver)
+    monkeypatch.setattr(type(POSIX_FD), "open", lambda self, body: "imported handle")
+    with pytest.raises(cuda_memory.CudaError, match=re.escape(f"{failing}(imported) failed")):
+        sharing.import_mapping(_payload(), [0, 1])
+    taken = MAPPING_STEPS[:MAPPING_STEPS.index(failing)]
+    undo = {"cuMemAddressReserve": "cuMemAddressFree", "cuMemMap": "cuMemUnmap"}
+    # Undone in reverse, the handle last; a failed step needs no undoing.
+    assert driver.calls == [*taken, failing, *[undo[s] for s in reversed(taken) if s in undo], "cuMemRelease"]
+
+
+def test_an_import_is_released_once(monkeypatch):
+    driver = _RecordingDriver()
+    monkeypatch.setattr(cuda_memory, "_driver", lambda: driver)
+    monkeypatch.setattr(type(POSIX_FD), "open", lambda self, body: "imported handle")
+    mapping = sharing.import_mapping(_payload(size=4 << 20), [0, 1])
+    assert (mapping.address, mapping.size, mapping.mapped) == (0x7000_0000, 4 << 20, True)
+    mapping.release()
+    mapping.release()
+    assert driver.calls == [*MAPPING_STEPS, "cuMemUnmap", "cuMemAddressFree", "cuMemRelease"]
