@@ -9,8 +9,9 @@ accumulated in float32 in the order k = 0..top_k-1. An index outside
 ``y`` then goes to one of three places (``KernelConfig.transport``):
 
 * ``unicast``: slot ``[stage][rank][t]`` of every peer's mailbox, ``tp`` stores
-  through the peer table; owner modes store only to the owner ``t % tp``, slot
-  ``[stage][rank][t // tp]``.
+  through the peer table (``tp - 1`` where a fused kernel keeps its own partial,
+  `KernelConfig.keep_own_partial`); owner modes store only to the owner
+  ``t % tp``, slot ``[stage][rank][t // tp]``.
 * ``multicast``: the same slot through one ``multimem.st`` to the multicast address.
 * ``direct`` (tp = 1): row ``t`` of the output.
 
