@@ -96,9 +96,8 @@ class KernelConfig:
         at once: each CTA publishes all of its tiles, then reduces them.
         With the epilogue a row's ``ctas_per_token`` CTAs (at most 8) form a
         thread block cluster: each thread publishes and then reduces one
-        16-byte fragment (``elements_per_thread == 8``, ``threads ==
-        reduce_threads``), and the cluster sums the row's squares through
-        distributed shared memory.
+        fragment (``threads == reduce_threads``), and the cluster sums the
+        row's squares through distributed shared memory.
     keep_own_partial : bool or None
         Fused only: a CTA keeps this rank's own partial of its first
         ``own_partial_tiles`` tiles (rows, with the epilogue) in shared memory
@@ -206,15 +205,15 @@ class KernelConfig:
             _require(self.transport == "unicast", "transport", self.transport,
                      "'unicast' with fuse_reduce=True")
             if self.epilogue != "none":
-                # Each thread publishes the one fragment of the row that it then normalizes.
-                _require(self.elements_per_thread == protocol.REDUCE_ELEMENTS, "elements_per_thread",
-                         self.elements_per_thread,
-                         f"{protocol.REDUCE_ELEMENTS} with fuse_reduce and epilogue={self.epilogue!r}")
+                # Each thread publishes the one fragment of the row that it then normalizes,
+                # and a row's CTAs form one cluster.
                 _require(self.threads == self.reduce_threads, "threads", self.threads,
                          f"reduce_threads={self.reduce_threads} with fuse_reduce and "
                          f"epilogue={self.epilogue!r}")
-                # With threads == reduce_threads, the epilogue's limit of fragments per reduce
-                # thread (MAX_NORM_FRAGMENTS_PER_THREAD) keeps a row's CTAs within one cluster.
+                _require(self.ctas_per_token <= MAX_CLUSTER_CTAS, "threads", self.threads,
+                         f"at least {-(-self.fragments // MAX_CLUSTER_CTAS // 32) * 32} with fuse_reduce and "
+                         f"epilogue={self.epilogue!r} (the {self.fragments} fragments of a row over at most "
+                         f"{MAX_CLUSTER_CTAS} CTAs, one cluster)")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
         _require(

@@ -317,6 +317,8 @@ def test_reduce_norm_ptx(builds, config):
     role = expected_roles(config)[-1]
     body = kernels_by_role(built)[role]
     per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
+    # Fused, each thread's one fragment has the publish's width; unfused, 16 bytes.
+    vector = {8: "v4", 4: "v2"}[config.elements_per_thread] if config.fuse_reduce else "v4"
     if config.fuse_reduce:
         # residual, norm_weight, the routed rows and the shared row: all read only after
         # griddepcontrol.wait (the residual may be the previous call's residual_out), and
@@ -327,7 +329,7 @@ def test_reduce_norm_ptx(builds, config):
         if config.enable_pdl:
             assert body.index("griddepcontrol.wait") < body.index("ld.global.nc.L1")
         polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
-        assert polls and set(polls) == {"ld.volatile.global.v4.u32"}
+        assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
         assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")  # publishes first
         # 2 x tp publish stores (less the first row's own partial, when kept), then as below.
         stores = 2 * config.tp - config.keep_own_partial + per_thread * (1 + config.tp + 2)
@@ -354,7 +356,7 @@ def test_reduce_norm_ptx(builds, config):
         # and out (and zeros for rows of no token).
         zero_rows = 2 if config.mode == "reduce_scatter" else 0
         stores = per_thread * (1 + config.tp + 2 + zero_rows)
-    assert opcodes(body, "st.global") == ["st.global.v4.u32"] * stores
+    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * stores
     # The row's sum of squares: a butterfly in each warp, then one barrier before the
     # warp sums are read back; then one rsqrt.
     assert opcodes(body, "shfl.sync.bfly.b32") == ["shfl.sync.bfly.b32"] * 5

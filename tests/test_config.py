@@ -71,7 +71,8 @@ INVALID = [
     # With the epilogue a row's CTAs (one cluster) publish: one 16-byte fragment per thread.
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "reduce_threads": 256}, "threads", 128),
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "threads": 256}, "threads", 256),
-    ({"fuse_reduce": True, "epilogue": "rmsnorm", "elements_per_thread": 4}, "elements_per_thread", 4),
+    # 7168 / 4 = 1792 fragments over 128-thread CTAs: 14 CTAs, more than a cluster of 8.
+    ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 7168, "elements_per_thread": 4}, "threads", 128),
     # 9216 / 8 = 1152 fragments need 9 CTAs of 128 threads: more than a cluster of 8 (and more
     # than 8 fragments per reduce thread).
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 9216, "threads": 128, "reduce_threads": 128},
@@ -233,6 +234,17 @@ def test_key_changes_with_every_field():
         assert changed.key != base.key, name
         keys.add(changed.key)
     assert len(keys) == len(CHANGED) + 1
+
+
+def test_fused_epilogue_row_must_fit_one_cluster():
+    # 8-byte fragments double a row's fragments: 1792 over 128-thread CTAs would be 14 CTAs.
+    with pytest.raises(ValueError, match=re.escape(
+            "KernelConfig.threads=128: expected at least 224 with fuse_reduce and epilogue='rmsnorm' "
+            "(the 1792 fragments of a row over at most 8 CTAs, one cluster)")):
+        KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4)
+    wide = KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4,
+                        threads=256, reduce_threads=256)
+    assert wide.ctas_per_token == 7 and wide.own_partial_tiles == 8
 
 
 def test_keep_own_partial_follows_fuse_reduce():

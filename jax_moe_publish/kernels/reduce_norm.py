@@ -15,8 +15,9 @@ Launch shape: one CTA per row, each thread holding
 each fragment stays in the registers of the thread that waited for it, from
 the mailbox poll to the two stores.
 
-``publish_reduce_norm`` (``fuse_reduce``, oneshot, one fragment per thread)
-is the whole call in one persistent kernel. A row's ``ctas_per_token`` CTAs
+``publish_reduce_norm`` (``fuse_reduce``, oneshot, one fragment of
+``elements_per_thread`` values per thread: 16 bytes, or 8 for twice the
+threads in flight) is the whole call in one persistent kernel. A row's ``ctas_per_token`` CTAs
 form a thread block cluster (so that the row's expert loads spread over as
 many SMs as the plain publish's); cluster ``c`` first publishes each thread's
 fragment of rows ``c``, ``c + clusters``, ..., as `FusedPublishReduceKernel`
@@ -43,7 +44,7 @@ from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
 from jax_moe_publish.kernels.fused import OwnPartials
 from jax_moe_publish.kernels.publish import FinalizePublishKernel
-from jax_moe_publish.kernels.reduce import FRAGMENT_BYTES, NAN_BF16X2, WORDS, LamportReduceKernel
+from jax_moe_publish.kernels.reduce import NAN_BF16X2, WORDS, LamportReduceKernel
 
 WARP = 32
 FLOAT_BYTES = 4
@@ -72,8 +73,12 @@ class LamportReduceNormKernel(LamportReduceKernel):
     """Device code of the fused reduce; every compile-time choice comes from ``config``."""
 
     def __init__(self, config: KernelConfig) -> None:
-        super().__init__(config)
-        # The fused kernel's publish: one 16-byte fragment of the row per thread.
+        # Fused, each thread publishes and then normalizes one fragment of the row: 8 or 16
+        # bytes (``elements_per_thread``); unfused, 16-byte fragments.
+        words = config.elements_per_thread // 2 if config.fuse_reduce else WORDS
+        super().__init__(config, fragment_words=words)
+        self.fragment_bytes = words * 4
+        self.row_fragments = config.fragments if config.fuse_reduce else config.reduce_fragments
         self.publisher = FinalizePublishKernel(config)
         self.own = OwnPartials(self.publisher)
         self.fragments_per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
@@ -195,24 +200,28 @@ class LamportReduceNormKernel(LamportReduceKernel):
                            stage_state, status, out, timeout_ns, capacity_m, residual_out, eps, None)
             self.finish_call(stage, stage_state, advance=True, waited=False)
 
+    def _fragment_registers(self):
+        """Registers for this thread's fragments of a row, as bf16x2 words."""
+        return cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, self.fragment_words)), Uint32)
+
     def _load_norm_weight(self, norm_weight, first_fragment):
         """This thread's fragments of ``norm_weight``, as bf16x2 words."""
-        rWeight = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
+        rWeight = self._fragment_registers()
         for j in range(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
-            weight = ptx.load_words(norm_weight + offset, WORDS, predicate=present)
-            for w in range(WORDS):
+            weight = ptx.load_words(norm_weight + offset, self.fragment_words, predicate=present)
+            for w in range(self.fragment_words):
                 rWeight[j, w] = weight[w]
         return rWeight
 
     def _load_residual(self, residual, row, live, first_fragment):
         """This thread's fragments of residual row ``row`` (zeros where ``live`` is 0)."""
-        rResidual = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
+        rResidual = self._fragment_registers()
         for j in range(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
-            kept = ptx.load_words(residual + Int64(row) * self.row_bytes + offset, WORDS,
+            kept = ptx.load_words(residual + Int64(row) * self.row_bytes + offset, self.fragment_words,
                                   predicate=present & live)
-            for w in range(WORDS):
+            for w in range(self.fragment_words):
                 rResidual[j, w] = kept[w]
         return rResidual
 
@@ -227,7 +236,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
         cfg = self.config
         row_offset = Int64(row) * self.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
-        rResidualOut = cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, WORDS)), Uint32)
+        rResidualOut = self._fragment_registers()
         squares = Float32(0.0)
         if live != 0:
             for j in cutlass.range_constexpr(self.fragments_per_thread):
@@ -235,7 +244,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 if present != 0 and halt != protocol.HALT_RUNNING:
                     # Never touch a halted mailbox: report (closed) and trap, or NaN out.
                     self.halted(residual_out + row_offset + offset, halt, stage, token, stage_state, status)
-                    for w in cutlass.range_constexpr(WORDS):
+                    for w in cutlass.range_constexpr(self.fragment_words):
                         rResidualOut[j, w] = Uint32(NAN_BF16X2)
                 if present != 0 and halt == protocol.HALT_RUNNING:
                     slots, sources, skipped = self.wait_contributions(
@@ -243,7 +252,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                     )
                     total = self.sum_sources(sources)
                     self.rearm(slots, skipped)
-                    for w in cutlass.range_constexpr(WORDS):
+                    for w in cutlass.range_constexpr(self.fragment_words):
                         y_low, y_high = ptx.bf16x2_to_f32(total[w])
                         r_low, r_high = ptx.bf16x2_to_f32(rResidual[j, w])
                         word = ptx.f32x2_to_bf16x2(y_low + r_low, y_high + r_high)
@@ -259,26 +268,26 @@ class LamportReduceNormKernel(LamportReduceKernel):
             if present != 0:
                 if live != 0:
                     normed = []
-                    for w in cutlass.range_constexpr(WORDS):
+                    for w in cutlass.range_constexpr(self.fragment_words):
                         x_low, x_high = ptx.bf16x2_to_f32(rResidualOut[j, w])
                         g_low, g_high = ptx.bf16x2_to_f32(rWeight[j, w])
                         normed.append(
                             ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high)
                         )
                     ptx.store_words(residual_out + row_offset + offset,
-                                    [rResidualOut[j, w] for w in range(WORDS)])
+                                    [rResidualOut[j, w] for w in range(self.fragment_words)])
                     ptx.store_words(out + row_offset + offset, normed)
                 else:
                     if cutlass.const_expr(cfg.mode == "reduce_scatter"):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
-                        ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * WORDS)
-                        ptx.store_words(out + row_offset + offset, [Uint32(0)] * WORDS)
+                        ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
+                        ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)
 
     def _fragment(self, first_fragment, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's
         ``j``-th fragment; consecutive threads take consecutive fragments."""
         fragment = first_fragment + j * self.config.reduce_threads
-        return Int64(fragment) * FRAGMENT_BYTES, Int32(fragment < self.config.reduce_fragments)
+        return Int64(fragment) * self.fragment_bytes, Int32(fragment < self.row_fragments)
 
     @cute.jit
     def _row_sum(self, value: Float32, tidx, parity) -> Float32:
