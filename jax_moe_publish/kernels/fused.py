@@ -109,7 +109,6 @@ class FusedPublishReduceKernel:
         return out + Int64(token) * (self.config.hidden * BF16_BYTES) + fragment_offset
 
 
-
 class OwnPartials:
     """This rank's own partials in shared memory (`KernelConfig.keep_own_partial`): a fused
     kernel's alternative to its own mailbox slot for the first ``own_partial_tiles`` tiles
