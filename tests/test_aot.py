@@ -147,14 +147,14 @@ def test_metadata(builds, config):
     geometry = {  # role: (block, smem, ctas_per_row, rows)
         "publish": (config.threads, 0, config.ctas_per_token, "m"),
         "reduce": (config.reduce_threads, 0, config.reduce_ctas_per_token, rows),
-        # One CTA per row, and one float per warp of dynamic shared memory.
-        "reduce_norm": (config.reduce_threads, config.reduce_threads // 32 * 4, 1, rows),
+        # One CTA per row, and two floats per warp of dynamic shared memory (`RowSums`).
+        "reduce_norm": (config.reduce_threads, -(-2 * config.reduce_threads // 32 * 4 // 16) * 16, 1, rows),
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
         # The publish's shape: each thread reduces the fragment it published, its own partials
         # in shared memory.
         "publish_reduce": (config.threads, own_partial_smem(config), config.ctas_per_token, "m"),
-        # The publish's shape, a cluster of CTAs per row: one float per warp, then (with more
-        # than one CTA) two rows of one float per CTA, each area 16-byte aligned, and the own
+        # The publish's shape, a cluster of CTAs per row: two floats per warp, then (with more
+        # than one CTA) two per CTA and two mbarriers, each area 16-byte aligned, and the own
         # partials.
         "publish_reduce_norm": (config.threads, fused_norm_smem(config), config.ctas_per_token, "m"),
     }
@@ -307,7 +307,7 @@ def fused_norm_smem(config) -> int:
         return -(-nbytes // 16) * 16
 
     cluster = config.ctas_per_token
-    return (aligned(config.threads // 32 * 4) + (aligned(2 * cluster * 4) if cluster > 1 else 0)
+    return (aligned(2 * config.threads // 32 * 4) + (aligned(2 * cluster * 4) + 16 if cluster > 1 else 0)
             + own_partial_smem(config))
 
 
@@ -335,16 +335,24 @@ def test_reduce_norm_ptx(builds, config):
         stores = 2 * config.tp - config.keep_own_partial + per_thread * (1 + config.tp + 2)
         # (The other shared store: the warp's sum of squares.)
         assert_own_partial(body, config, polls=2 * config.tp, rearms=config.tp, other_shared_stores=1)
-        # A cluster's CTAs exchange their sums of squares: one remote store per thread that
-        # delivers, after the CTAs have all started (an arrive at the top, its wait after the
-        # publishes), then a barrier per row.
+        # A cluster's CTAs exchange their sums of squares: one asynchronous remote store per
+        # thread that delivers, counted on the receiver's mbarrier, which each CTA waits on;
+        # the one cluster barrier makes sure that the CTAs have all started and initialized
+        # their two mbarriers (its arrive at the top, its wait after the publishes).
         cluster = config.ctas_per_token
-        assert opcodes(body, "st.shared::cluster.f32") == ["st.shared::cluster.f32"] * (cluster > 1)
-        assert opcodes(body, "barrier.cluster.arrive.relaxed") == ["barrier.cluster.arrive.relaxed"] * (cluster > 1)
-        assert len(opcodes(body, "barrier.cluster.wait")) == 2 * (cluster > 1)
+        assert opcodes(body, "st.async") == ["st.async.shared::cluster.mbarrier::complete_tx::bytes.b32"] * (
+            cluster > 1)
+        assert opcodes(body, "barrier.cluster") == ["barrier.cluster.arrive.relaxed", "barrier.cluster.wait"] * (
+            cluster > 1)
+        assert len(opcodes(body, "mbarrier.init")) == 2 * (cluster > 1)
+        assert opcodes(body, "mbarrier.arrive.expect_tx") == ["mbarrier.arrive.expect_tx.shared.b64"] * (cluster > 1)
+        assert opcodes(body, "mbarrier.try_wait.parity") == ["mbarrier.try_wait.parity.shared.b64"] * (cluster > 1)
+        assert "st.shared::cluster" not in body
         if cluster > 1:
-            assert body.index("barrier.cluster.arrive.relaxed") < first(body, "griddepcontrol.wait")
+            assert body.rindex("mbarrier.init") < body.index("fence.mbarrier_init.release.cluster") < body.index(
+                "barrier.cluster.arrive.relaxed") < first(body, "griddepcontrol.wait")
             assert body.rindex("ld.global.nc.u64") < first(body, "barrier.cluster.wait")
+            assert body.index("barrier.cluster.wait") < body.index("st.async")
     else:
         # residual and norm_weight: one 16-byte load each per fragment, all issued before the
         # stage read and the mailbox polls (they do not depend on the publish).
@@ -362,10 +370,9 @@ def test_reduce_norm_ptx(builds, config):
     assert opcodes(body, "shfl.sync.bfly.b32") == ["shfl.sync.bfly.b32"] * 5
     barrier = first(body, "bar.sync")
     assert "st.shared.b32" in body[:barrier] and "ld.shared" in body[barrier:]
-    # That barrier and finish_call's; a fused CTA without a cluster also waits before its next
-    # row overwrites the warp sums (with one, the cluster barrier orders that).
-    cluster = config.ctas_per_token if config.fuse_reduce else 1
-    assert len(opcodes(body, "bar.sync")) == 2 + (config.fuse_reduce and cluster == 1)
+    # That barrier and finish_call's: the warp sums alternate between two buffers by row, so
+    # that a CTA's next row needs no barrier before it writes them.
+    assert len(opcodes(body, "bar.sync")) == 2
     assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"]
     # Shared memory is the dynamic kind, and what the kernel touches fits the launch's.
     assert "__dynamic_shmem__" in body and not re.search(r"^\s*\.shared\b", built.ptx, re.M)

@@ -136,11 +136,14 @@ def multimem_store_words(address: Int64, values: list, *, loc=None, ip=None) -> 
 
 
 @dsl_user_op
-def store_shared_cluster_f32(address, value, *, loc=None, ip=None) -> None:
-    """Store one float at a 32-bit ``shared::cluster`` address (another CTA of the cluster)."""
+def store_async_cluster_f32(address, value, barrier, *, loc=None, ip=None) -> None:
+    """Store one float at a 32-bit ``shared::cluster`` address (a CTA of the cluster) and
+    count its 4 bytes as complete on that CTA's mbarrier at ``barrier`` (same addressing)."""
     _asm(
-        None, [Int32(address).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-        "st.shared::cluster.f32 [$0], $1;", "r,f", side_effects=True, loc=loc, ip=ip,
+        None, [Int32(address).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip),
+               Int32(barrier).ir_value(loc=loc, ip=ip)],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [$0], $1, [$2];", "r,f,r",
+        side_effects=True, loc=loc, ip=ip,
     )
 
 

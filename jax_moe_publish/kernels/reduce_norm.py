@@ -22,7 +22,7 @@ form a thread block cluster (so that the row's expert loads spread over as
 many SMs as the plain publish's); cluster ``c`` first publishes each thread's
 fragment of rows ``c``, ``c + clusters``, ..., as `FusedPublishReduceKernel`
 does, then goes on as above for the same rows, the CTAs' sums of squares
-added in cluster order through distributed shared memory. It reads the
+added in cluster order through distributed shared memory (`RowSums`). It reads the
 residual only after ``griddepcontrol.wait``, since it may be the previous
 call's ``residual_out``.
 
@@ -57,16 +57,97 @@ def cluster_ctas(config: KernelConfig) -> int:
 
 
 def shared_bytes(config: KernelConfig) -> int:
-    """Dynamic shared memory (the launcher must pass it): one float per warp, for a cluster
-    of CTAs per row two rows' worth of one float per CTA of the cluster, and the fused
-    kernel's `OwnPartials`."""
-    def aligned(nbytes):
-        return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+    """Dynamic shared memory (the launcher must pass it): `RowSums`' and the fused kernel's
+    `OwnPartials`."""
+    return RowSums.shared_bytes(config) + OwnPartials.shared_bytes(config)
 
-    total = aligned(config.reduce_threads // WARP * FLOAT_BYTES) + OwnPartials.shared_bytes(config)
-    if cluster_ctas(config) == 1:
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+class RowSums:
+    """The sum over a row's CTA (cluster) of one float per thread, the same bits in every
+    thread: each warp's butterfly sum, then the warps' sums added in warp order, then,
+    with a cluster, the CTAs' sums added in cluster order.
+
+    Each CTA delivers its sum into every CTA's shared memory with ``st.async``,
+    which counts the bytes on the receiver's mbarrier: the receivers wait on their
+    own mbarrier, with no cluster barrier (whose release would first make this
+    thread's earlier global stores visible, an L2 round trip, every row).
+    Everything is double-buffered by the parity of the row's index in the CTA's
+    sequence: a CTA delivers its sum for row ``j + 1`` only after all of its
+    threads have read row ``j``'s sums (the CTA barrier of row ``j + 1`` orders
+    that), and no CTA gets past row ``j + 1`` without that delivery, so row
+    ``j + 2``'s writes never land on sums still being read.
+    """
+
+    BARRIER_BYTES = 8
+
+    def __init__(self, config: KernelConfig) -> None:
+        self.warps = config.reduce_threads // WARP
+        self.cluster = cluster_ctas(config)
+
+    @staticmethod
+    def shared_bytes(config: KernelConfig) -> int:
+        """Two floats per warp; with a cluster, two per CTA of it and two mbarriers."""
+        total = _aligned(2 * config.reduce_threads // WARP * FLOAT_BYTES)
+        if cluster_ctas(config) == 1:
+            return total
+        return total + _aligned(2 * cluster_ctas(config) * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
+
+    def allocate(self):
+        """(warp sums, CTA sums, mbarriers), the last two None without a cluster."""
+        smem = cutlass.memory.SmemAllocator()
+        sWarpSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.warps)), byte_alignment=SMEM_ALIGNMENT)
+        if self.cluster == 1:
+            return sWarpSums, None, None
+        sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)), byte_alignment=SMEM_ALIGNMENT)
+        barriers = smem.allocate_array(Int64, 2, byte_alignment=SMEM_ALIGNMENT)
+        return sWarpSums, sCtaSums, barriers
+
+    @cute.jit
+    def initialize(self, storage, tidx) -> None:
+        """With a cluster, initialize the mbarriers; the other CTAs may deliver into them only
+        after a cluster barrier that follows."""
+        if cutlass.const_expr(self.cluster > 1):
+            barriers = storage[2]
+            if tidx == 0:
+                for parity in cutlass.range_constexpr(2):
+                    # One arrival per row: thread 0's, which also expects the cluster's bytes.
+                    cute.arch.mbarrier_init(barriers + parity, 1)
+                cute.arch.mbarrier_init_fence()
+
+    @cute.jit
+    def sum(self, storage, value: Float32, tidx, row_index) -> Float32:
+        """Sum of ``value`` over the CTA (the cluster), for this CTA's ``row_index``-th row; every
+        thread of the cluster must call it, for the same rows in the same order."""
+        sWarpSums, sCtaSums, barriers = storage
+        parity = row_index % 2
+        warp_sum = ptx.warp_sum_f32(value)
+        if tidx % WARP == 0:
+            sWarpSums[parity, tidx // WARP] = warp_sum
+        cute.arch.barrier()
+        total = Float32(0.0)
+        for warp in cutlass.range_constexpr(self.warps):
+            total = total + sWarpSums[parity, warp]
+        if cutlass.const_expr(self.cluster > 1):
+            barrier = barriers + parity
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * FLOAT_BYTES)
+            if tidx < self.cluster:
+                # Thread i delivers this CTA's sum to CTA i of the cluster.
+                own = cute.arch.block_idx_in_cluster()
+                slot = sCtaSums.iterator + cute.crd2idx((parity, own), sCtaSums.layout)
+                ptx.store_async_cluster_f32(cute.arch.map_dsmem_ptr(slot, tidx).toint(), total,
+                                            cute.arch.map_dsmem_ptr(barrier, tidx).toint())
+            # Barrier `parity` serves rows parity, parity + 2, ...: this is its
+            # (row_index // 2)-th phase.
+            cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
+            total = Float32(0.0)
+            for cta in cutlass.range_constexpr(self.cluster):
+                total = total + sCtaSums[parity, cta]
         return total
-    return total + aligned(2 * cluster_ctas(config) * FLOAT_BYTES)
 
 
 class LamportReduceNormKernel(LamportReduceKernel):
@@ -82,7 +163,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
         self.publisher = FinalizePublishKernel(config)
         self.own = OwnPartials(self.publisher)
         self.fragments_per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
-        self.warps = config.reduce_threads // WARP
+        self.row_sums = RowSums(config)
         self.cluster = cluster_ctas(config)
 
     @cute.kernel
@@ -147,13 +228,15 @@ class LamportReduceNormKernel(LamportReduceKernel):
             # normalizes the same rows.
             routed, weights, indices, shared, num_rows = finalize_inputs
             sOwn = self.own.allocate()
+            sums = self.row_sums.allocate()
+            self.row_sums.initialize(sums, tidx)
             grid, _, _ = cute.arch.grid_dim()
             cluster_rank = block % self.cluster
             first_row = block // self.cluster
             clusters = grid // self.cluster
             if cutlass.const_expr(self.cluster > 1):
-                # Every CTA of the cluster has started before any writes into another's shared
-                # memory (the wait comes after the publishes).
+                # Every CTA of the cluster has started, and initialized its mbarriers, before any
+                # writes into another's shared memory (the wait comes after the publishes).
                 cute.arch.cluster_arrive_relaxed()
             _, offset, present = self.publisher.position(first_row * self.cluster + cluster_rank)
             first_fragment = cluster_rank * cfg.threads + tidx
@@ -179,7 +262,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 j = (row - first_row) // clusters
                 rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
-                               j % 2, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
+                               sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
                                eps, self.own.held(sOwn, j, rank))
             self.finish_call(stage, stage_state, advance=True, waited=True)
         else:
@@ -196,8 +279,9 @@ class LamportReduceNormKernel(LamportReduceKernel):
             rWeight = self._load_norm_weight(norm_weight, tidx)
             rResidual = self._load_residual(residual, block, live, tidx)
             stage, halt = self._start_call(stage_state)
-            self._norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, tidx, 0, mailbox,
-                           stage_state, status, out, timeout_ns, capacity_m, residual_out, eps, None)
+            self._norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, tidx,
+                           self.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
+                           capacity_m, residual_out, eps, None)
             self.finish_call(stage, stage_state, advance=True, waited=False)
 
     def _fragment_registers(self):
@@ -226,12 +310,14 @@ class LamportReduceNormKernel(LamportReduceKernel):
         return rResidual
 
     @cute.jit
-    def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, parity,
-                  mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps, own) -> None:
+    def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
+                  row_index, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
+                  own) -> None:
         """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
         ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
         ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
-        same rows; ``parity`` alternates between a cluster's consecutive rows. ``own``: the
+        same rows; ``sums`` is `RowSums.allocate`'s, ``row_index`` the row's index in this
+        CTA's sequence (`RowSums.sum`). ``own``: the
         fused kernel's own partial (`LamportReduceKernel.wait_contributions`), else None."""
         cfg = self.config
         row_offset = Int64(row) * self.row_bytes
@@ -261,7 +347,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         squares = squares + low * low + high * high
 
         # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
-        mean = self._row_sum(squares, tidx, parity) / Float32(cfg.hidden)
+        mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
         inverse_rms = ptx.rsqrt_f32(mean + eps)
         for j in cutlass.range_constexpr(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
@@ -288,37 +374,3 @@ class LamportReduceNormKernel(LamportReduceKernel):
         ``j``-th fragment; consecutive threads take consecutive fragments."""
         fragment = first_fragment + j * self.config.reduce_threads
         return Int64(fragment) * self.fragment_bytes, Int32(fragment < self.row_fragments)
-
-    @cute.jit
-    def _row_sum(self, value: Float32, tidx, parity) -> Float32:
-        """Sum of ``value`` over the CTA (the cluster), the same bits in every thread: each
-        warp's butterfly sum, then the warps' sums added in warp order (then the CTAs' sums
-        in cluster order: each CTA writes its sum into every CTA's shared memory, slot
-        ``parity``, so that a CTA's next row never overwrites sums still being read)."""
-        smem = cutlass.memory.SmemAllocator()
-        sWarpSums = smem.allocate_tensor(Float32, cute.make_layout(self.warps), byte_alignment=SMEM_ALIGNMENT)
-        if cutlass.const_expr(self.cluster > 1):
-            sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)),
-                                            byte_alignment=SMEM_ALIGNMENT)
-        warp_sum = ptx.warp_sum_f32(value)
-        if tidx % WARP == 0:
-            sWarpSums[tidx // WARP] = warp_sum
-        cute.arch.barrier()
-        total = Float32(0.0)
-        for warp in cutlass.range_constexpr(self.warps):
-            total = total + sWarpSums[warp]
-        if cutlass.const_expr(self.config.fuse_reduce and self.cluster == 1):
-            # The CTA's next row overwrites the sums (a cluster's barrier below orders that too).
-            cute.arch.barrier()
-        if cutlass.const_expr(self.cluster > 1):
-            own = cute.arch.block_idx_in_cluster()
-            if tidx < self.cluster:
-                # Thread i delivers this CTA's sum to CTA i of the cluster.
-                slot = sCtaSums.iterator + cute.crd2idx((parity, own), sCtaSums.layout)
-                ptx.store_shared_cluster_f32(cute.arch.map_dsmem_ptr(slot, tidx).toint(), total)
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            total = Float32(0.0)
-            for cta in cutlass.range_constexpr(self.cluster):
-                total = total + sCtaSums[parity, cta]
-        return total
