@@ -14,7 +14,8 @@ namespace {
 
 // Dynamic shared memory above this needs an explicit opt-in per function.
 constexpr int64_t kDefaultSmemLimit = 48 * 1024;
-constexpr int64_t kMaxClusterCtas = 8;  // the portable cluster size
+constexpr int64_t kPortableClusterCtas = 8;
+constexpr int64_t kMaxClusterCtas = 16;  // Hopper's largest, beyond the portable size by opt-in
 
 // The kernel parameter ABI of each role, in PTX .param types.
 const std::vector<std::string>& ExpectedParams(Role role) {
@@ -316,6 +317,11 @@ void Registry::LoadKernelSet(int64_t kernel_set_id, int device, std::string_view
                   cuda.FuncSetAttribute(kernel.function,
                                         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         static_cast<int>(kernel.smem)));
+      }
+      if (kernel.cluster > kPortableClusterCtas) {
+        CheckCuda(cuda, where, "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)",
+                  cuda.FuncSetAttribute(kernel.function,
+                                        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1));
       }
       if (kernel.role == Role::kPublishReduce || kernel.role == Role::kPublishReduceNorm) {
         kernel.max_resident_ctas = ResidentCtas(cuda, where, device, kernel);

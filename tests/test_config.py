@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_moe_publish.config import ARCHS, SMALL_M, KernelConfig
+from jax_moe_publish.config import ARCHS, MAX_CLUSTER_CTAS, SMALL_M, KernelConfig
 
 # A valid oneshot config; each invalid case below changes a few fields of it.
 BASE = dict(hidden=1024, top_k=4, tp=2)
@@ -68,13 +68,11 @@ INVALID = [
     ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
     ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
     ({"fuse_reduce": True, "transport": "multicast"}, "transport", "multicast"),
-    # With the epilogue a row's CTAs (one cluster) publish: one 16-byte fragment per thread.
+    # With the epilogue a row's CTAs (one cluster) publish: one fragment per thread.
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "reduce_threads": 256}, "threads", 128),
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "threads": 256}, "threads", 256),
-    # 7168 / 4 = 1792 fragments over 128-thread CTAs: 14 CTAs, more than a cluster of 8.
-    ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 7168, "elements_per_thread": 4}, "threads", 128),
-    # 9216 / 8 = 1152 fragments need 9 CTAs of 128 threads: more than a cluster of 8 (and more
-    # than 8 fragments per reduce thread).
+    # 9216 / 8 = 1152 fragments over 128 threads: more than 8 per reduce thread (and more than
+    # 8 CTAs of a cluster).
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 9216, "threads": 128, "reduce_threads": 128},
      "reduce_threads", 128),
 ]
@@ -236,15 +234,31 @@ def test_key_changes_with_every_field():
     assert len(keys) == len(CHANGED) + 1
 
 
-def test_fused_epilogue_row_must_fit_one_cluster():
-    # 8-byte fragments double a row's fragments: 1792 over 128-thread CTAs would be 14 CTAs.
-    with pytest.raises(ValueError, match=re.escape(
-            "KernelConfig.threads=128: expected at least 224 with fuse_reduce and epilogue='rmsnorm' "
-            "(the 1792 fragments of a row over at most 8 CTAs, one cluster)")):
-        KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4)
+def test_fused_epilogue_cluster_beyond_the_portable_size():
+    # 8-byte fragments double a row's fragments: 1792 over 128-thread CTAs, 14 CTAs in one
+    # cluster, beyond the portable 8 (the launcher opts the kernel in).
+    narrow = KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4)
+    assert narrow.ctas_per_token == 14 and narrow.own_partial_tiles == 16
     wide = KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4,
                         threads=256, reduce_threads=256)
     assert wide.ctas_per_token == 7 and wide.own_partial_tiles == 8
+    # At most 8 16-byte fragments per reduce thread keep a row within Hopper's 16 CTAs.
+    with pytest.raises(ValueError, match=re.escape(
+            "KernelConfig.reduce_threads=128: expected at least 256 with epilogue='rmsnorm' "
+            "(at most 8 fragments of the 2048 of a row per thread)")):
+        KernelConfig(hidden=16384, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4)
+    accepted = 0
+    for hidden in range(1024, 16385, 1024):
+        for elements in (4, 8):
+            for threads in range(32, 1025, 32):
+                try:
+                    config = KernelConfig(hidden=hidden, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm",
+                                          elements_per_thread=elements, threads=threads, reduce_threads=threads)
+                except ValueError:
+                    continue
+                accepted += 1
+                assert config.ctas_per_token <= MAX_CLUSTER_CTAS, config
+    assert accepted > 100
 
 
 def test_keep_own_partial_follows_fuse_reduce():

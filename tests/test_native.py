@@ -193,9 +193,9 @@ def test_load_kernel_set_refuses_wrong_abi(role, given):
          r"the publish_reduce_norm ABI is \['u64'.*'f32'\]"),
         ({"kernels": [_kernel("publish_reduce")]},
          r"mode 'oneshot' expects \['publish', 'reduce'\]"),
-        # The fused epilogue's CTAs of a row form one cluster: at most the portable 8.
-        ({"fuse_reduce": True, "epilogue": "rmsnorm", "kernels": [_kernel("publish_reduce_norm", ctas_per_row=9)]},
-         r"ctas_per_row=9: the publish_reduce_norm kernel's CTAs of a row form one cluster, expected at most 8"),
+        # The fused epilogue's CTAs of a row form one cluster: at most Hopper's 16.
+        ({"fuse_reduce": True, "epilogue": "rmsnorm", "kernels": [_kernel("publish_reduce_norm", ctas_per_row=17)]},
+         r"ctas_per_row=17: the publish_reduce_norm kernel's CTAs of a row form one cluster, expected at most 16"),
     ],
 )
 def test_load_kernel_set_value_errors(changes, match):

@@ -106,8 +106,9 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
     ]
     if tp > 1:
         # Oneshot unfused (publish, then reduce_norm), which is not a default, stays tested;
-        # and fused with one CTA (no cluster) per row, with the own partials in the mailbox, and
-        # with 8-byte fragments (twice the threads, in as many CTAs).
+        # and fused with one CTA (no cluster) per row, with the own partials in the mailbox,
+        # with 8-byte fragments (twice the threads, in as many CTAs), and with 8-byte fragments
+        # in twice the CTAs (14 for hidden 7168: a cluster beyond the portable 8).
         configs += [KernelConfig.default(tp=tp, m=m, epilogue="rmsnorm", fuse_reduce=False, **problem)
                     for problem in TEST_EPILOGUE_PROBLEMS for m in DEFAULT_SHAPE_MS]
         fused = KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", **TEST_EPILOGUE_PROBLEMS[0])
@@ -115,6 +116,7 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
         configs.append(fused.replace(keep_own_partial=False))
         configs.append(fused.replace(elements_per_thread=4, threads=2 * fused.threads,
                                      reduce_threads=2 * fused.threads))
+        configs.append(fused.replace(elements_per_thread=4))
     return list(dict.fromkeys(configs))
 
 
