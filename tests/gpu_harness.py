@@ -33,7 +33,7 @@ from cuda.bindings import driver
 import numerics
 from jax_moe_publish import protocol
 from jax_moe_publish.aot.artifact import CLUSTER_ROLES, PERSISTENT_ROLES, KernelArtifact
-from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.config import PORTABLE_CLUSTER_CTAS, KernelConfig
 from jax_moe_publish.cuda_memory import CudaError, GroupMemory, check, init, primary_context
 
 PROGRAMMATIC_STREAM_SERIALIZATION = (
@@ -47,6 +47,8 @@ PUBLISH_REDUCE_NORM_TYPES = PUBLISH_REDUCE_TYPES + (ctypes.c_uint64,) * 3 + (cty
 # Dynamic shared memory above this needs an explicit opt-in per function (as in ffi/registry.cc).
 DEFAULT_SMEM_LIMIT = 48 * 1024
 MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+# Clusters above PORTABLE_CLUSTER_CTAS need an explicit opt-in per function (as in ffi/registry.cc).
+NON_PORTABLE_CLUSTER = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 POLL_S = 50e-6
 
 
@@ -128,6 +130,11 @@ class Device:
                         check(
                             driver.cuFuncSetAttribute(function, MAX_DYNAMIC_SMEM, kernel["smem"]),
                             f"cuFuncSetAttribute({symbol})",
+                        )
+                    if cluster_ctas(kernel) > PORTABLE_CLUSTER_CTAS:
+                        check(
+                            driver.cuFuncSetAttribute(function, NON_PORTABLE_CLUSTER, 1),
+                            f"cuFuncSetAttribute({symbol}, NON_PORTABLE_CLUSTER_SIZE_ALLOWED)",
                         )
                     functions.append(function)
             self._modules[key] = (module, functions)
