@@ -209,8 +209,9 @@ class KernelConfig:
                      "'unicast' with fuse_reduce=True")
             if self.epilogue != "none":
                 # Each thread publishes the one fragment of the row that it then normalizes,
-                # and a row's CTAs form one cluster. At most 8 16-byte fragments per reduce
-                # thread (above) keep it within MAX_CLUSTER_CTAS, at either fragment width.
+                # and a row's CTAs form one cluster. The reduce thread's limit of
+                # MAX_NORM_FRAGMENTS_PER_THREAD 16-byte fragments (above) keeps that cluster
+                # within MAX_CLUSTER_CTAS at either fragment width.
                 _require(self.threads == self.reduce_threads, "threads", self.threads,
                          f"reduce_threads={self.reduce_threads} with fuse_reduce and "
                          f"epilogue={self.epilogue!r}")

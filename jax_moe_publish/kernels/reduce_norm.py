@@ -317,8 +317,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
         ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
         ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
         same rows; ``sums`` is `RowSums.allocate`'s, ``row_index`` the row's index in this
-        CTA's sequence (`RowSums.sum`). ``own``: the
-        fused kernel's own partial (`LamportReduceKernel.wait_contributions`), else None."""
+        CTA's sequence (`RowSums.sum`). ``own``: the fused kernel's own partial
+        (`LamportReduceKernel.wait_contributions`), else None."""
         cfg = self.config
         row_offset = Int64(row) * self.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
