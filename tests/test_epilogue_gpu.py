@@ -22,6 +22,7 @@ import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import protocol
 from jax_moe_publish.aot import presets
+from jax_moe_publish.config import PORTABLE_CLUSTER_CTAS
 from kernel_checks import (
     CAPACITY_M,
     check_protocol_state,
@@ -170,8 +171,9 @@ def _mesh(count):
     return jax.sharding.Mesh(np.array([d for d in jax.devices() if d.platform == "gpu"][:count]), ("tp",))
 
 
-def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale):
-    """Each rank's (out, residual_out) as NumPy, in rank order, from one jitted call."""
+def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale, config=None):
+    """Each rank's (out, residual_out) as NumPy, in rank order, from one jitted call (with
+    ``config``'s kernels, or the default's)."""
     mesh, tp = mailbox.mesh, mailbox.tp
     stacks = [np.stack([getattr(p, f) for p in problems]) for f in ("routed", "weights", "indices")]
     shared = None if problems[0].shared is None else np.stack([p.shared for p in problems])
@@ -181,7 +183,7 @@ def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale):
         result = jmp.moe_finalize_publish(
             routed[0], weights[0], indices[0], rest[0][0] if rest else None, mailbox=mailbox,
             routed_scaling_factor=scale, impl="kernel", residual=residual_rows[0], norm_weight=weight,
-            norm_eps=eps,
+            norm_eps=eps, config=config,
         )
         return jax.tree.map(lambda x: x[None], result)
 
@@ -218,6 +220,25 @@ def test_epilogue_op_matches_model_on_two_gpus(problem, mode):
                 if mode == "allreduce":
                     for index in range(2):
                         assert np.array_equal(outputs[1][index].view(np.uint16), outputs[0][index].view(np.uint16))
+        mailbox.check()
+
+
+@pytest.mark.gpus(2)
+def test_epilogue_op_with_a_cluster_beyond_the_portable_size():
+    """The launcher's opt-in for a cluster of more than 8 CTAs: 8-byte fragments at 128
+    threads, 14 CTAs per row of hidden 7168, through the FFI target."""
+    config = next(c for c in CONFIGS if c.fuse_reduce and c.ctas_per_token > PORTABLE_CLUSTER_CTAS)
+    rng = np.random.default_rng()
+    with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY_M) as mailbox:
+        for m in M_VALUES:
+            problems, residual, norm_weight = _epilogue_problem(config, m, rng)
+            outputs = _op_outputs(mailbox, problems, residual, norm_weight, 1e-6, config.routed_scaling_factor,
+                                  config=config)
+            for rank, (out, residual_out) in enumerate(outputs):
+                _check_rank("oneshot", 2, rank, out, residual_out, problems, config.routed_scaling_factor, residual,
+                            norm_weight, 1e-6, f"m={m} rank {rank}")
+            for index in range(2):
+                assert np.array_equal(outputs[1][index].view(np.uint16), outputs[0][index].view(np.uint16))
         mailbox.check()
 
 
