@@ -148,7 +148,7 @@ def test_metadata(builds, config):
         "publish": (config.threads, 0, config.ctas_per_token, "m"),
         "reduce": (config.reduce_threads, 0, config.reduce_ctas_per_token, rows),
         # One CTA per row, and two floats per warp of dynamic shared memory (`RowSums`).
-        "reduce_norm": (config.reduce_threads, -(-2 * config.reduce_threads // 32 * 4 // 16) * 16, 1, rows),
+        "reduce_norm": (config.reduce_threads, aligned(2 * config.reduce_threads // 32 * 4), 1, rows),
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
         # The publish's shape: each thread reduces the fragment it published, its own partials
         # in shared memory.
@@ -302,10 +302,12 @@ def own_partial_smem(config) -> int:
     return max(1, 16384 // tile) * tile if config.keep_own_partial else 0
 
 
-def fused_norm_smem(config) -> int:
-    def aligned(nbytes):
-        return -(-nbytes // 16) * 16
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the 16-byte alignment of each shared-memory area."""
+    return -(-nbytes // 16) * 16
 
+
+def fused_norm_smem(config) -> int:
     cluster = config.ctas_per_token
     return (aligned(2 * config.threads // 32 * 4) + (aligned(2 * cluster * 4) + 16 if cluster > 1 else 0)
             + own_partial_smem(config))
