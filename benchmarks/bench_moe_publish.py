@@ -63,6 +63,7 @@ TUNING_GRID = {
     "enable_pdl": (True, False),
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
+    "waves": (1, 2, 4),
 }
 
 
@@ -183,6 +184,7 @@ def tuning_variants(problem, tp, mode, m):
         grid["reduce_threads"] = TUNING_GRID["reduce_threads"]
     if base.fuse_reduce:
         grid["keep_own_partial"] = TUNING_GRID["keep_own_partial"]
+        grid["waves"] = TUNING_GRID["waves"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
     variants = []
     for values in itertools.product(*grid.values()):

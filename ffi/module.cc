@@ -49,6 +49,7 @@ std::vector<KernelSpec> ParseKernels(const nb::list& kernels) {
         Field<int64_t>(record, name, "smem", "an int"),
         Field<int64_t>(record, name, "ctas_per_row", "an int"),
         Field<std::string>(record, name, "rows", "a str"),
+        Field<int64_t>(record, name, "waves", "an int"),
         Field<std::vector<std::string>>(record, name, "params", "a list of str"),
     });
   }

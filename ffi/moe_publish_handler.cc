@@ -95,9 +95,9 @@ ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel,
     ++count;
   }
   if (kernel.cluster > 1) attributes[count++] = ClusterDimension(kernel.cluster);
-  int64_t ctas = rows * kernel.ctas_per_row;
-  // A persistent (fused) grid: its CTAs wait on each other's peers, so all must run at once.
-  // (The limit is a whole number of clusters.)
+  // A persistent (fused) grid covers its rows in `waves` passes, and its CTAs wait on each
+  // other's peers, so all must run at once. (Both limits are whole numbers of clusters.)
+  int64_t ctas = (rows + kernel.waves - 1) / kernel.waves * kernel.ctas_per_row;
   if (kernel.max_resident_ctas > 0) ctas = std::min(ctas, kernel.max_resident_ctas);
   CUlaunchConfig config = LaunchConfig(kernel, static_cast<unsigned>(ctas));
   config.hStream = stream;  // The launch runs in the stream's context.

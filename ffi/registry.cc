@@ -166,6 +166,12 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
                                            Quote(kernel.symbol) + " has params " +
                                            ListRepr(kernel.params) + ", but the " + kernel.role +
                                            " ABI is " + ListRepr(expected));
+    const bool persistent = role == Role::kPublishReduce || role == Role::kPublishReduceNorm;
+    Require(kernel.waves >= 1 && kernel.waves <= std::numeric_limits<int>::max(),
+            name + ": waves=" + std::to_string(kernel.waves) + ": expected >= 1");
+    Require(persistent || kernel.waves == 1,
+            name + ": waves=" + std::to_string(kernel.waves) + ": expected 1 for the " + kernel.role +
+                " kernel (only a persistent kernel makes several passes)");
     const int64_t cluster = role == Role::kPublishReduceNorm ? kernel.ctas_per_row : 1;
     Require(cluster <= kMaxClusterCtas,
             name + ": ctas_per_row=" + std::to_string(kernel.ctas_per_row) + ": the " + kernel.role +
@@ -175,7 +181,8 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
                                  static_cast<unsigned>(kernel.smem),
                                  static_cast<unsigned>(kernel.ctas_per_row),
                                  static_cast<unsigned>(cluster),
-                                 kernel.rows == "m" ? Rows::kM : Rows::kOwned, 0});
+                                 kernel.rows == "m" ? Rows::kM : Rows::kOwned,
+                                 static_cast<unsigned>(kernel.waves), 0});
   }
   return set;
 }

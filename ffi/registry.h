@@ -40,6 +40,7 @@ struct KernelSpec {
   int64_t smem = 0;
   int64_t ctas_per_row = 0;
   std::string rows;
+  int64_t waves = 1;
   std::vector<std::string> params;
 };
 
@@ -66,6 +67,9 @@ struct Kernel {
   // whose CTAs of a row sum its squares through distributed shared memory; else 1.
   unsigned cluster;
   Rows rows;
+  // Passes of a persistent kernel's grid over the rows: its grid is the CTAs of
+  // ceil(rows / waves) rows. 1 for the other roles.
+  unsigned waves;
   // CTAs the device holds at once: the grid of a persistent (fused) kernel, whose
   // CTAs wait on each other's peers, is capped at it. 0 for the other roles.
   int64_t max_resident_ctas;

@@ -42,7 +42,8 @@ ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
-_INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads")
+_INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
+               "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
                 "fuse_reduce", "keep_own_partial")
 
@@ -108,6 +109,12 @@ class KernelConfig:
         re-arming that slot: ``3 * row`` of the ``3 * tp * row`` bytes that the
         mailbox moves per rank. Later tiles of a CTA use the slot. None (the
         default) means ``fuse_reduce``.
+    waves : int
+        Fused only: passes of the persistent grid over a call's rows. The grid
+        takes the CTAs of ``ceil(m / waves)`` rows (at most what the GPU holds
+        at once), so each CTA finalizes up to ``waves`` tiles in turn and the
+        NVLink stores of one overlap the HBM loads of the next. With 1, a call
+        that fits on the GPU loads all of its rows before it stores any.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -132,6 +139,7 @@ class KernelConfig:
     reduce_threads: int = 128
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
+    waves: int = 1
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -217,6 +225,9 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
+        _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
+        if self.waves > 1:
+            _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",

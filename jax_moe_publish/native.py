@@ -125,7 +125,11 @@ def load_kernel_set(
 
     A call launches the kernels in the order given, each on a 1-D grid of
     ``rows(m) * ctas_per_row`` CTAs, where ``rows`` is ``m`` or
-    ``ceil(m / tp)``, with programmatic dependent launch when ``pdl``.
+    ``ceil(m / tp)``, with programmatic dependent launch when ``pdl``. A
+    persistent kernel (``publish_reduce``, ``publish_reduce_norm``) gets
+    ``ceil(rows(m) / waves) * ctas_per_row`` CTAs, at most as many as the
+    device holds at once (from the kernel's occupancy), and loops over the
+    rest.
 
     Parameters
     ----------
@@ -137,10 +141,11 @@ def load_kernel_set(
         The compiled module (sm_90a), not PTX.
     kernels : sequence of mappings
         One record per ``.entry`` kernel, in launch order: ``role``
-        (``"publish"``, ``"reduce"``, ``"reduce_norm"``, ``"gather"``, ``"publish_reduce"``),
-        ``symbol`` (entry name),
+        (``"publish"``, ``"reduce"``, ``"reduce_norm"``, ``"gather"``, ``"publish_reduce"``,
+        ``"publish_reduce_norm"``), ``symbol`` (entry name),
         ``block`` (threads), ``smem`` (dynamic shared memory bytes),
-        ``ctas_per_row``, ``rows`` (``"m"`` or ``"owned"``) and ``params``
+        ``ctas_per_row``, ``rows`` (``"m"`` or ``"owned"``), ``waves`` (1
+        unless persistent) and ``params``
         (the PTX parameter types, which must match the role's ABI). Mode
         ``direct`` has a publish kernel, ``oneshot`` and ``reduce_scatter``
         publish then reduce, ``twoshot`` publish, reduce, then gather. With
@@ -155,10 +160,9 @@ def load_kernel_set(
         ``rmsnorm``: the set is called through :data:`RMSNORM_TARGET_NAME`
         (modes ``oneshot`` and ``reduce_scatter`` only).
     fuse_reduce : bool
-        The set's one kernel publishes and reduces (mode ``oneshot``, no
-        epilogue). Its CTAs wait on each other's peers, so calls whose grid
-        exceeds what the device holds at once (from the kernel's occupancy)
-        are refused.
+        The set's one kernel publishes and reduces (mode ``oneshot``):
+        publish_reduce, or publish_reduce_norm with the epilogue. Its CTAs
+        wait on each other's peers, hence the persistent grid.
 
     Raises
     ------

@@ -4,8 +4,8 @@ The kernel tests use it to exercise the cubins without JAX or the FFI library.
 It replays the launcher's contract from the artifact's metadata:
 
 * each kernel of ``metadata["kernels"]`` is launched in the listed order with
-  grid = rows * ctas_per_row (rows: ``m``, or ``ceil(m / tp)`` for ``owned``),
-  its block and dynamic shared memory, and the PDL attribute
+  grid = rows * ctas_per_row (rows: ``m``, or ``ceil(m / tp)`` for ``owned``;
+  a persistent kernel's ``ceil(rows / waves) * ctas_per_row``, capped), its block and dynamic shared memory, and the PDL attribute
   (``PROGRAMMATIC_STREAM_SERIALIZATION = 1``) on every launch when ``metadata["pdl"]``;
 * publish parameters: ``(routed, weights, indices, shared, stage_state,
   destination, num_rows, m, capacity_m, rank)``; destination is the rank's peer
@@ -166,8 +166,9 @@ class Device:
 
     def launch(self, function, kernel: dict, rows: int, params: tuple, types: tuple, pdl: bool,
                max_ctas: int | None = None) -> None:
-        """Enqueue one kernel of the artifact: grid = rows * ctas_per_row, at most ``max_ctas``."""
-        ctas = rows * kernel["ctas_per_row"]
+        """Enqueue one kernel of the artifact: grid = ceil(rows / waves) * ctas_per_row, at most
+        ``max_ctas``."""
+        ctas = -(-rows // kernel["waves"]) * kernel["ctas_per_row"]
         config = _launch_config(kernel, ctas if max_ctas is None else min(ctas, max_ctas))
         config.hStream = self.stream
         attributes = []

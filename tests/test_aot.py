@@ -165,6 +165,7 @@ def test_metadata(builds, config):
         assert kernel["params"] == entries[kernel["symbol"]]
         launch = (kernel["block"], kernel["smem"], kernel["ctas_per_row"], kernel["rows"])
         assert launch == geometry[role]
+        assert kernel["waves"] == (config.waves if role in artifact.PERSISTENT_ROLES else 1)
         assert kernel["symbol"].encode() in built.cubin
 
     assert built.cubin.startswith(b"\x7fELF")

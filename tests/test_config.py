@@ -64,6 +64,9 @@ INVALID = [
     # 16384 / 8 = 2048 fragments of a row over 32 threads: 64 per thread, more than 8.
     ({"epilogue": "rmsnorm", "hidden": 16384, "reduce_threads": 32}, "reduce_threads", 32),
     ({"fuse_reduce": 1}, "fuse_reduce", 1),
+    ({"waves": 0, "fuse_reduce": True}, "waves", 0),
+    ({"waves": 2.0, "fuse_reduce": True}, "waves", 2.0),
+    ({"waves": 2}, "waves", 2),  # several passes need the persistent (fused) grid
     ({"fuse_reduce": True, "mode": "twoshot"}, "mode", "twoshot"),
     ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
     ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
@@ -222,8 +225,9 @@ CHANGED = {
 
 
 def test_key_changes_with_every_field():
-    # keep_own_partial needs fuse_reduce: see test_keep_own_partial_follows_fuse_reduce.
-    assert set(CHANGED) | {"keep_own_partial"} == {f.name for f in dataclasses.fields(KernelConfig)}
+    # keep_own_partial and waves need fuse_reduce: see test_keep_own_partial_follows_fuse_reduce
+    # and test_waves_need_fuse_reduce.
+    assert set(CHANGED) | {"keep_own_partial", "waves"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():
@@ -280,6 +284,17 @@ def test_keep_own_partial_follows_fuse_reduce():
         fused.replace(fuse_reduce=False, keep_own_partial=True)
     with pytest.raises(ValueError, match=re.escape("KernelConfig.keep_own_partial=1: expected a bool")):
         fused.replace(keep_own_partial=1)
+
+
+def test_waves_need_fuse_reduce():
+    fused = KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True)
+    assert fused.waves == 1
+    two = fused.replace(waves=2)
+    assert two.key != fused.key and KernelConfig.from_dict(two.to_dict()) == two
+    epilogue = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=64, epilogue="rmsnorm")
+    assert epilogue.fuse_reduce and epilogue.replace(waves=4).waves == 4
+    with pytest.raises(ValueError, match=re.escape("KernelConfig.waves=2: expected 1 unless fuse_reduce is True")):
+        two.replace(fuse_reduce=False)
 
 
 def test_key_is_stable_for_equal_configs():

@@ -66,6 +66,7 @@ def compile_config(config: KernelConfig) -> KernelArtifact:
                 "smem": launch.smem,
                 "ctas_per_row": launch.ctas_per_row,
                 "rows": launch.rows,
+                "waves": launch.waves,
                 "params": entries[symbol],
             }
         )

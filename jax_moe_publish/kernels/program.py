@@ -24,14 +24,16 @@ from jax_moe_publish.kernels.reduce_norm import LamportReduceNormKernel, shared_
 
 @dataclasses.dataclass(frozen=True)
 class KernelLaunch:
-    """How to launch one kernel of the call: grid = rows(m) * ctas_per_row, capped for
-    `artifact.PERSISTENT_ROLES`."""
+    """How to launch one kernel of the call: grid = rows(m) * ctas_per_row; for
+    `artifact.PERSISTENT_ROLES`, ceil(rows(m) / waves) * ctas_per_row, capped at the CTAs
+    the GPU holds at once."""
 
     role: str  # "publish", "reduce", "reduce_norm", "gather", "publish_reduce", "publish_reduce_norm"
     block: int
     smem: int
     ctas_per_row: int
     rows: str  # "m" or "owned" (ceil(m / tp))
+    waves: int = 1  # `KernelConfig.waves`: persistent roles only
 
 
 class MoePublishProgram:
@@ -51,10 +53,11 @@ class MoePublishProgram:
         cfg = self.config
         if cfg.fuse_reduce and cfg.epilogue == "none":
             return [KernelLaunch("publish_reduce", cfg.threads, OwnPartials.shared_bytes(cfg), cfg.ctas_per_token,
-                                 "m")]
+                                 "m", cfg.waves)]
         if cfg.fuse_reduce:
             # A row's CTAs form one thread block cluster (`artifact.CLUSTER_ROLES`).
-            return [KernelLaunch("publish_reduce_norm", cfg.threads, shared_bytes(cfg), cfg.ctas_per_token, "m")]
+            return [KernelLaunch("publish_reduce_norm", cfg.threads, shared_bytes(cfg), cfg.ctas_per_token, "m",
+                                 cfg.waves)]
         result = [KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_token, "m")]
         if cfg.mode != "direct":
             rows = "m" if cfg.mode == "oneshot" else "owned"
