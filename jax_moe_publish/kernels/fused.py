@@ -184,16 +184,15 @@ class OwnPartials:
         """Finalize the tiles of ``work`` together (`FinalizePublishKernel.finalize_tiles`) and
         `publish` each live one (a ``live`` of None: always) as this CTA's ``j``-th, ``j + 1``-th,
         ... tile (``first``: ``j`` is 0)."""
-        def publish_one(i, packed):
+        packed = self.publisher.finalize_tiles(routed, weights, indices, num_rows, work)
+        for i in cutlass.range_constexpr(len(work)):
             token, offset, _, live = work[i]
             if cutlass.const_expr(live is None):
-                self.publish(sOwn, j + i, packed, token, offset, peer_table, capacity_m, rank, stage,
+                self.publish(sOwn, j + i, packed[i], token, offset, peer_table, capacity_m, rank, stage,
                              first=first and i == 0)
             elif live != 0:
-                self.publish(sOwn, j + i, packed, token, offset, peer_table, capacity_m, rank, stage,
+                self.publish(sOwn, j + i, packed[i], token, offset, peer_table, capacity_m, rank, stage,
                              first=first and i == 0)
-
-        self.publisher.finalize_tiles(routed, weights, indices, num_rows, work, publish_one)
 
     def held(self, sOwn, j, rank):
         """`LamportReduceKernel.wait_contributions`'s ``own`` for this thread's ``j``-th tile."""

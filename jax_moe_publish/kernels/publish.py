@@ -116,17 +116,13 @@ class FinalizePublishKernel:
 
     def finalize(self, routed, weights, indices, num_rows, token, row_offset, shared_words) -> list:
         """The bf16x2 words of one fragment of ``y[token]``."""
-        results = []
-        self.finalize_tiles(routed, weights, indices, num_rows, [(token, row_offset, shared_words, None)],
-                            lambda _, packed: results.append(packed))
-        return results[0]
+        return self.finalize_tiles(routed, weights, indices, num_rows, [(token, row_offset, shared_words, None)])[0]
 
-    def finalize_tiles(self, routed, weights, indices, num_rows, tiles: list, consume) -> None:
-        """Finalize one fragment of each of ``tiles``, ``(token, row_offset, shared_words, live)``
-        tuples, with their loads interleaved: each prefetch group's rows of every tile are in
-        flight before the first of them is used. ``consume(i, packed)`` gets tile ``i``'s
-        bf16x2 words as soon as they are ready, before the later tiles' last group is used, so
-        that its stores need not wait for their data.
+    def finalize_tiles(self, routed, weights, indices, num_rows, tiles: list) -> list:
+        """The bf16x2 words of one fragment of each of ``tiles``, ``(token, row_offset,
+        shared_words, live)`` tuples, with their loads interleaved: each prefetch group's
+        rows of every tile are in flight before the first of them is used, so the tiles
+        wait for memory once, and the first tile's data tends to arrive first.
 
         ``live`` is None or an Int32; where it is 0 no routed row is read (``token``
         must still be a valid row of ``indices``) and the result is not meaningful.
@@ -170,18 +166,18 @@ class FinalizePublishKernel:
                     source = routed + Int64(row) * (cfg.hidden * BF16_BYTES) + row_offset
                     tile_loaded.append(ptx.load_words(source, self.words, predicate=valid))
                 loaded.append(tile_loaded)
-            last = group == self.prefetch_groups - 1
-            for t, (_, _, shared_words, _) in enumerate(tiles):
+            for t in range(len(tiles)):
                 for k, words in zip(members, loaded[t]):
                     accumulators[t] = self._accumulate(accumulators[t], words, scaled_weights[t][k])
-                if last:
-                    accumulator = accumulators[t]
-                    if cutlass.const_expr(cfg.include_shared_expert):
-                        accumulator = self._accumulate(accumulator, shared_words, None)
-                    consume(t, [
-                        ptx.f32x2_to_bf16x2(accumulator[2 * i], accumulator[2 * i + 1])
-                        for i in range(self.words)
-                    ])
+        results = []
+        for (_, _, shared_words, _), accumulator in zip(tiles, accumulators):
+            if cutlass.const_expr(cfg.include_shared_expert):
+                accumulator = self._accumulate(accumulator, shared_words, None)
+            results.append([
+                ptx.f32x2_to_bf16x2(accumulator[2 * i], accumulator[2 * i + 1])
+                for i in range(self.words)
+            ])
+        return results
 
     def _accumulate(self, accumulator: list, words: list, weight) -> list:
         """accumulator + weight * bf16(words), or + bf16(words) when weight is None."""
