@@ -43,7 +43,7 @@ MAX_TOP_K = 64
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
-               "waves", "tiles_in_flight")
+               "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
                 "fuse_reduce", "keep_own_partial")
 
@@ -115,11 +115,6 @@ class KernelConfig:
         at once), so each CTA finalizes up to ``waves`` tiles in turn and the
         NVLink stores of one overlap the HBM loads of the next. With 1, a call
         that fits on the GPU loads all of its rows before it stores any.
-    tiles_in_flight : {1, 2}
-        Fused only: a CTA's consecutive tiles (rows, with the epilogue) that a
-        thread finalizes together, every routed row of both loaded before the
-        first is used. With ``waves`` > 1 the second pass then costs no memory
-        latency of its own, and the first tile's data arrives first.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -145,7 +140,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    tiles_in_flight: int = 1
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -234,9 +228,6 @@ class KernelConfig:
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")
-        _require(self.tiles_in_flight in (1, 2), "tiles_in_flight", self.tiles_in_flight, "1 or 2")
-        if self.tiles_in_flight > 1:
-            _require(self.fuse_reduce, "tiles_in_flight", self.tiles_in_flight, "1 unless fuse_reduce is True")
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",

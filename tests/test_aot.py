@@ -205,7 +205,8 @@ def test_publish_loads(builds, config):
     vector_loads = [op for op in opcodes(body, "ld.global") if re.search(r"\.v\d", op)]
     # (The fused epilogue also reads the residual and norm_weight fragments.)
     row_inputs = 2 if config.fuse_reduce and config.epilogue != "none" else 0
-    finalizes = traced_tiles(config)
+    # A persistent (fused) kernel finalizes in two places: its first tile, then a loop over the others.
+    finalizes = 2 if config.fuse_reduce else 1
     assert vector_loads == [load] * ((config.top_k + config.include_shared_expert) * finalizes + row_inputs)
     if config.enable_pdl:
         # Routed rows are the preceding kernel's output: read only after griddepcontrol.wait.
@@ -252,12 +253,6 @@ def test_reduce_ptx(builds, config, role):
     assert "multimem" not in body
 
 
-def traced_tiles(config: KernelConfig) -> int:
-    """Tiles whose finalize the kernel's code holds: a persistent (fused) kernel finalizes its
-    first tiles, then loops over the others, ``tiles_in_flight`` at a time."""
-    return 2 * config.tiles_in_flight if config.fuse_reduce else 1
-
-
 FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce and c.epilogue == "none"]
 
 
@@ -266,13 +261,12 @@ def test_fused_ptx(builds, config):
     """The publish's stores, then the reduce's polls, sum and re-arm, in one persistent kernel."""
     body = kernels_by_role(builds(config))["publish_reduce"]
     keep = int(config.keep_own_partial)
-    tiles = traced_tiles(config)
-    # The peer table, read where each traced tile publishes (the first tile's own partial,
-    # when kept, never goes to the mailbox).
-    assert len(opcodes(body, "ld.global.nc.u64")) == tiles * config.tp - keep
+    # The peer table, read where the first tile and the loop over the others publish (the
+    # first tile's own partial, when kept, never goes to the mailbox).
+    assert len(opcodes(body, "ld.global.nc.u64")) == 2 * config.tp - keep
     vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
-    # tp publish stores per traced tile, tp re-arms, the output, and NaN on a halted mailbox.
-    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * ((tiles + 1) * config.tp + 2 - keep)
+    # 2 x tp publish stores, tp re-arms, the output, and NaN on a halted mailbox.
+    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * (3 * config.tp + 2 - keep)
     assert_own_partial(body, config, polls=2 * config.tp, rearms=config.tp)
     # Each thread polls the fragment it published, at its width, after all of its publishes.
     polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
@@ -285,17 +279,16 @@ def test_fused_ptx(builds, config):
 
 def assert_own_partial(body: str, config: KernelConfig, *, polls: int, rearms: int, other_shared_stores: int = 0
                        ) -> None:
-    """A kept own partial goes to shared memory where each traced tile publishes, and comes
-    back once for the wait; the own-slot stores of the tiles after the first, the polls and
-    the re-arms are predicated on the tile not being kept."""
+    """A kept own partial goes to shared memory where the first tile and the loop over the
+    others publish, and comes back once for the wait; the loop's own-slot store, the polls
+    and the re-arms are predicated on the tile not being kept."""
     words = config.elements_per_thread // 2
-    tiles = traced_tiles(config)
     predicated = re.findall(r"^[ \t]*@p[ \t]+((?:st\.global|ld\.volatile\.global)\.v\d)", body, re.M)
     if config.keep_own_partial:
-        assert opcodes(body, "st.shared.b32") == ["st.shared.b32"] * (tiles * words + other_shared_stores)
+        assert opcodes(body, "st.shared.b32") == ["st.shared.b32"] * (2 * words + other_shared_stores)
         assert len(opcodes(body, "ld.shared.b32")) >= words
         vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
-        assert sorted(predicated) == sorted([f"st.global.{vector}"] * (tiles - 1 + rearms)
+        assert sorted(predicated) == sorted([f"st.global.{vector}"] * (1 + rearms)
                                             + [f"ld.volatile.global.{vector}"] * polls)
     else:
         assert predicated == []
@@ -333,18 +326,16 @@ def test_reduce_norm_ptx(builds, config):
         # residual, norm_weight, the routed rows and the shared row: all read only after
         # griddepcontrol.wait (the residual may be the previous call's residual_out), and
         # residual and weight before the mailbox polls.
-        # (The finalize is traced for the first rows, then the loop over the others.)
+        # (The finalize is traced twice: the first row, then the loop over the others.)
         input_loads = opcodes(body, "ld.global.nc.L1")
-        assert input_loads == [publish_load(config)] * (
-            2 + traced_tiles(config) * (config.top_k + config.include_shared_expert))
+        assert input_loads == [publish_load(config)] * (2 + 2 * (config.top_k + config.include_shared_expert))
         if config.enable_pdl:
             assert body.index("griddepcontrol.wait") < body.index("ld.global.nc.L1")
         polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
         assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
         assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")  # publishes first
-        # tp publish stores per traced row (less the first row's own partial, when kept), then
-        # as below.
-        stores = traced_tiles(config) * config.tp - config.keep_own_partial + per_thread * (1 + config.tp + 2)
+        # 2 x tp publish stores (less the first row's own partial, when kept), then as below.
+        stores = 2 * config.tp - config.keep_own_partial + per_thread * (1 + config.tp + 2)
         # (The other shared store: the warp's sum of squares.)
         assert_own_partial(body, config, polls=2 * config.tp, rearms=config.tp, other_shared_stores=1)
         # A cluster's CTAs exchange their sums of squares: one asynchronous remote store per

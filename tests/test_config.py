@@ -67,9 +67,6 @@ INVALID = [
     ({"waves": 0, "fuse_reduce": True}, "waves", 0),
     ({"waves": 2.0, "fuse_reduce": True}, "waves", 2.0),
     ({"waves": 2}, "waves", 2),  # several passes need the persistent (fused) grid
-    ({"tiles_in_flight": 3, "fuse_reduce": True}, "tiles_in_flight", 3),
-    ({"tiles_in_flight": 0, "fuse_reduce": True}, "tiles_in_flight", 0),
-    ({"tiles_in_flight": 2}, "tiles_in_flight", 2),
     ({"fuse_reduce": True, "mode": "twoshot"}, "mode", "twoshot"),
     ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
     ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
@@ -228,10 +225,9 @@ CHANGED = {
 
 
 def test_key_changes_with_every_field():
-    # keep_own_partial, waves and tiles_in_flight need fuse_reduce: see
-    # test_keep_own_partial_follows_fuse_reduce and test_fused_launch_options_need_fuse_reduce.
-    assert set(CHANGED) | {"keep_own_partial", "waves", "tiles_in_flight"} == {
-        f.name for f in dataclasses.fields(KernelConfig)}
+    # keep_own_partial and waves need fuse_reduce: see test_keep_own_partial_follows_fuse_reduce
+    # and test_waves_need_fuse_reduce.
+    assert set(CHANGED) | {"keep_own_partial", "waves"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():
@@ -290,17 +286,15 @@ def test_keep_own_partial_follows_fuse_reduce():
         fused.replace(keep_own_partial=1)
 
 
-@pytest.mark.parametrize("field, value", [("waves", 2), ("tiles_in_flight", 2)])
-def test_fused_launch_options_need_fuse_reduce(field, value):
+def test_waves_need_fuse_reduce():
     fused = KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True)
-    assert getattr(fused, field) == 1
-    changed = fused.replace(**{field: value})
-    assert changed.key != fused.key and KernelConfig.from_dict(changed.to_dict()) == changed
+    assert fused.waves == 1
+    two = fused.replace(waves=2)
+    assert two.key != fused.key and KernelConfig.from_dict(two.to_dict()) == two
     epilogue = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=64, epilogue="rmsnorm")
-    assert epilogue.fuse_reduce and getattr(epilogue.replace(**{field: value}), field) == value
-    with pytest.raises(ValueError, match=re.escape(
-            f"KernelConfig.{field}={value}: expected 1 unless fuse_reduce is True")):
-        changed.replace(fuse_reduce=False)
+    assert epilogue.fuse_reduce and epilogue.replace(waves=4).waves == 4
+    with pytest.raises(ValueError, match=re.escape("KernelConfig.waves=2: expected 1 unless fuse_reduce is True")):
+        two.replace(fuse_reduce=False)
 
 
 def test_key_is_stable_for_equal_configs():

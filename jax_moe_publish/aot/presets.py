@@ -70,13 +70,9 @@ TEST_VARIANTS = (
          keep_own_partial=False),
     dict(hidden=2880, top_k=10, routed_scaling_factor=1.0, fp32_weights=True, include_shared_expert=False,
          elements_per_thread=4, prefetch_group=5, enable_pdl=False, threads=96, fuse_reduce=True),
-    # A grid of a third of the rows' CTAs (three tiles per CTA even where the GPU holds them
-    # all), finalized two at a time; and two at a time with a partial last CTA.
+    # A grid of a third of the rows' CTAs: three tiles per CTA even where the GPU holds them all.
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, elements_per_thread=4, prefetch_group=8,
-         fuse_reduce=True, waves=3, tiles_in_flight=2),
-    dict(hidden=2880, top_k=10, routed_scaling_factor=1.0, fp32_weights=True, include_shared_expert=False,
-         elements_per_thread=4, prefetch_group=5, enable_pdl=False, threads=96, fuse_reduce=True,
-         tiles_in_flight=2),
+         fuse_reduce=True, waves=3),
 )
 
 # The shapes the op tests and the example call with their default configs.
@@ -116,7 +112,7 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
         # and fused with one CTA (no cluster) per row, with the own partials in the mailbox,
         # with 8-byte fragments (twice the threads, in as many CTAs), and with 8-byte fragments
         # in twice the CTAs (14 for hidden 7168: a cluster beyond the portable 8), and with a
-        # grid of a third of the rows' clusters, two rows finalized at a time.
+        # grid of a third of the rows' clusters.
         configs += [KernelConfig.default(tp=tp, m=m, epilogue="rmsnorm", fuse_reduce=False, **problem)
                     for problem in TEST_EPILOGUE_PROBLEMS for m in DEFAULT_SHAPE_MS]
         fused = KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", **TEST_EPILOGUE_PROBLEMS[0])
@@ -125,7 +121,7 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
         configs.append(fused.replace(elements_per_thread=4, threads=2 * fused.threads,
                                      reduce_threads=2 * fused.threads))
         configs.append(fused.replace(elements_per_thread=4))
-        configs.append(fused.replace(waves=3, tiles_in_flight=2))
+        configs.append(fused.replace(waves=3))
     return list(dict.fromkeys(configs))
 
 

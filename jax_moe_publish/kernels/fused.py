@@ -46,7 +46,6 @@ class FusedPublishReduceKernel:
         # Each thread polls exactly the fragment it published: 8 or 16 bytes.
         self.reducer = LamportReduceKernel(config, fragment_words=config.elements_per_thread // 2)
         self.own = OwnPartials(self.publisher)
-        self.in_flight = config.tiles_in_flight
 
     @cute.kernel
     def publish_reduce(
@@ -80,11 +79,19 @@ class FusedPublishReduceKernel:
                     self.reducer.halted(self._destination(out, halted_token, halted_offset), halt, stage,
                                         halted_token, stage_state, status)
         else:
-            self._publish_tiles(routed, weights, indices, shared, num_rows, tiles, block, grid, sOwn, peer_table,
-                                capacity_m, rank, stage, (token, fragment_offset, in_range, shared_words))
-            for tile in cutlass.range(block + grid * self.in_flight, tiles, grid * self.in_flight):
-                self._publish_tiles(routed, weights, indices, shared, num_rows, tiles, tile, grid, sOwn,
-                                    peer_table, capacity_m, rank, stage, None)
+            if in_range != 0 and block < tiles:
+                packed = self.publisher.finalize(routed, weights, indices, num_rows, token, fragment_offset,
+                                                 shared_words)
+                self.own.publish(sOwn, Int32(0), packed, token, fragment_offset, peer_table, capacity_m, rank,
+                                 stage, first=True)
+            for tile in cutlass.range(block + grid, tiles, grid):
+                next_token, next_offset, next_in_range = self.publisher.position(tile)
+                if next_in_range != 0:
+                    next_shared = self.publisher.load_shared(shared, next_token, next_offset, next_in_range)
+                    packed = self.publisher.finalize(routed, weights, indices, num_rows, next_token,
+                                                     next_offset, next_shared)
+                    self.own.publish(sOwn, (tile - block) // grid, packed, next_token, next_offset, peer_table,
+                                     capacity_m, rank, stage, first=False)
             for tile in cutlass.range(block, tiles, grid):
                 wait_token, wait_offset, wait_in_range = self.publisher.position(tile)
                 if wait_in_range != 0:
@@ -96,30 +103,6 @@ class FusedPublishReduceKernel:
                                     self.reducer.sum_sources(sources))
                     self.reducer.rearm(slots, skipped)
         self.reducer.finish_call(stage, stage_state, advance=True, waited=True)
-
-    @cute.jit
-    def _publish_tiles(self, routed, weights, indices, shared, num_rows, tiles, tile, grid, sOwn, peer_table,
-                       capacity_m, rank, stage, first) -> None:
-        """Finalize and publish this CTA's tiles ``tile``, ``tile + grid``, ... (`KernelConfig.tiles_in_flight`
-        of them, those below ``tiles``) together. ``first`` is the CTA's first tile's
-        ``(token, fragment_offset, in_range, shared_words)``, or None past the first."""
-        block, _, _ = cute.arch.block_idx()
-        work = []
-        for i in cutlass.range_constexpr(self.in_flight):
-            if cutlass.const_expr(i == 0 and first is not None):
-                token, offset, in_range, shared_words = first
-            else:
-                token, offset, in_range = self.publisher.position(tile + i * grid)
-                shared_words = None
-            live = in_range * Int32(tile + i * grid < tiles)
-            if cutlass.const_expr(i > 0):
-                # A tile past the last reads the first's indices: its rows are not loaded.
-                token = cutlass.select_(live != 0, token, work[0][0])
-            if cutlass.const_expr(shared_words is None):
-                shared_words = self.publisher.load_shared(shared, token, offset, live)
-            work.append((token, offset, shared_words, live))
-        self.own.publish_tiles(sOwn, (tile - block) // grid, work, routed, weights, indices, num_rows, peer_table,
-                               capacity_m, rank, stage, first is not None)
 
     def _destination(self, out, token, fragment_offset) -> Int64:
         """Address of a fragment of output row ``token``."""
@@ -177,22 +160,6 @@ class OwnPartials:
             if kept != 0:
                 for w in cutlass.range_constexpr(self.words):
                     sOwn[j, tidx, w] = published[w]
-
-    @cute.jit
-    def publish_tiles(self, sOwn, j, work, routed, weights, indices, num_rows, peer_table, capacity_m, rank, stage,
-                      first: cutlass.Constexpr[bool]) -> None:
-        """Finalize the tiles of ``work`` together (`FinalizePublishKernel.finalize_tiles`) and
-        `publish` each live one (a ``live`` of None: always) as this CTA's ``j``-th, ``j + 1``-th,
-        ... tile (``first``: ``j`` is 0)."""
-        packed = self.publisher.finalize_tiles(routed, weights, indices, num_rows, work)
-        for i in cutlass.range_constexpr(len(work)):
-            token, offset, _, live = work[i]
-            if cutlass.const_expr(live is None):
-                self.publish(sOwn, j + i, packed[i], token, offset, peer_table, capacity_m, rank, stage,
-                             first=first and i == 0)
-            elif live != 0:
-                self.publish(sOwn, j + i, packed[i], token, offset, peer_table, capacity_m, rank, stage,
-                             first=first and i == 0)
 
     def held(self, sOwn, j, rank):
         """`LamportReduceKernel.wait_contributions`'s ``own`` for this thread's ``j``-th tile."""

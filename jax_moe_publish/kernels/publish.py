@@ -116,68 +116,44 @@ class FinalizePublishKernel:
 
     def finalize(self, routed, weights, indices, num_rows, token, row_offset, shared_words) -> list:
         """The bf16x2 words of one fragment of ``y[token]``."""
-        return self.finalize_tiles(routed, weights, indices, num_rows, [(token, row_offset, shared_words, None)])[0]
-
-    def finalize_tiles(self, routed, weights, indices, num_rows, tiles: list) -> list:
-        """The bf16x2 words of one fragment of each of ``tiles``, ``(token, row_offset,
-        shared_words, live)`` tuples, with their loads interleaved: each prefetch group's
-        rows of every tile are in flight before the first of them is used, so the tiles
-        wait for memory once, and the first tile's data tends to arrive first.
-
-        ``live`` is None or an Int32; where it is 0 no routed row is read (``token``
-        must still be a valid row of ``indices``) and the result is not meaningful.
-        """
         cfg = self.config
         # Every thread reads the token's indices and weights itself (the warp's
         # loads of one address are one transaction): no shared memory, no barrier.
         rows, scaled_weights = [], []
-        for token, _, _, live in tiles:
-            tile_rows, tile_weights = [], []
-            for k in range(cfg.top_k):
-                element = Int64(token) * cfg.top_k + Int64(k)
-                row = ptx.load_s32(indices + element * 4)
-                if cutlass.const_expr(cfg.fp32_weights):
-                    weight = ptx.load_f32(weights + element * 4)
-                else:
-                    weight = ptx.load_bf16_as_f32(weights + element * BF16_BYTES)
-                if cutlass.const_expr(cfg.routed_scaling_factor != 1.0):
-                    weight = weight * Float32(cfg.routed_scaling_factor)
-                valid = (row >= 0) & (row < num_rows)
-                if cutlass.const_expr(live is not None):
-                    valid = valid & (live != 0)
-                tile_rows.append((row, Int32(valid)))
-                # A skipped expert's weight is 0 so that a NaN weight stays skipped.
-                tile_weights.append(Float32(cutlass.select_(valid, weight, Float32(0.0))))
-            rows.append(tile_rows)
-            scaled_weights.append(tile_weights)
-        accumulators = [[Float32(0.0)] * self.elements for _ in tiles]
+        for k in range(cfg.top_k):
+            element = Int64(token) * cfg.top_k + Int64(k)
+            row = ptx.load_s32(indices + element * 4)
+            if cutlass.const_expr(cfg.fp32_weights):
+                weight = ptx.load_f32(weights + element * 4)
+            else:
+                weight = ptx.load_bf16_as_f32(weights + element * BF16_BYTES)
+            if cutlass.const_expr(cfg.routed_scaling_factor != 1.0):
+                weight = weight * Float32(cfg.routed_scaling_factor)
+            valid = (row >= 0) & (row < num_rows)
+            rows.append((row, Int32(valid)))
+            # A skipped expert's weight is 0 so that a NaN weight stays skipped.
+            scaled_weights.append(Float32(cutlass.select_(valid, weight, Float32(0.0))))
+        accumulator = [Float32(0.0)] * self.elements
         for group in range(self.prefetch_groups):
             members = [
                 k
                 for k in range(group * cfg.prefetch_group, (group + 1) * cfg.prefetch_group)
                 if k < cfg.top_k
             ]
-            # Issue every load of the group, of every tile, before the first use.
+            # Issue every load of the group before the first use.
             loaded = []
-            for t, (_, row_offset, _, _) in enumerate(tiles):
-                tile_loaded = []
-                for k in members:
-                    row, valid = rows[t][k]
-                    source = routed + Int64(row) * (cfg.hidden * BF16_BYTES) + row_offset
-                    tile_loaded.append(ptx.load_words(source, self.words, predicate=valid))
-                loaded.append(tile_loaded)
-            for t in range(len(tiles)):
-                for k, words in zip(members, loaded[t]):
-                    accumulators[t] = self._accumulate(accumulators[t], words, scaled_weights[t][k])
-        results = []
-        for (_, _, shared_words, _), accumulator in zip(tiles, accumulators):
-            if cutlass.const_expr(cfg.include_shared_expert):
-                accumulator = self._accumulate(accumulator, shared_words, None)
-            results.append([
-                ptx.f32x2_to_bf16x2(accumulator[2 * i], accumulator[2 * i + 1])
-                for i in range(self.words)
-            ])
-        return results
+            for k in members:
+                row, valid = rows[k]
+                source = routed + Int64(row) * (cfg.hidden * BF16_BYTES) + row_offset
+                loaded.append(ptx.load_words(source, self.words, predicate=valid))
+            for k, words in zip(members, loaded):
+                accumulator = self._accumulate(accumulator, words, scaled_weights[k])
+        if cutlass.const_expr(cfg.include_shared_expert):
+            accumulator = self._accumulate(accumulator, shared_words, None)
+        return [
+            ptx.f32x2_to_bf16x2(accumulator[2 * i], accumulator[2 * i + 1])
+            for i in range(self.words)
+        ]
 
     def _accumulate(self, accumulator: list, words: list, weight) -> list:
         """accumulator + weight * bf16(words), or + bf16(words) when weight is None."""

@@ -165,7 +165,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
         self.fragments_per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
         self.row_sums = RowSums(config)
         self.cluster = cluster_ctas(config)
-        self.in_flight = config.tiles_in_flight
 
     @cute.kernel
     def reduce_norm(
@@ -247,12 +246,16 @@ class LamportReduceNormKernel(LamportReduceKernel):
             # call's residual_out, written by the kernel just before.
             rWeight = self._load_norm_weight(norm_weight, first_fragment)
             if present != 0 and halt == protocol.HALT_RUNNING:
-                finalize_inputs = (routed, weights, indices, shared, num_rows)
-                self._publish_rows(finalize_inputs, first_row, first_row, clusters, m, offset, sOwn, peer_table,
-                                   capacity_m, rank, stage, shared_words)
-                for row in cutlass.range(first_row + clusters * self.in_flight, m, clusters * self.in_flight):
-                    self._publish_rows(finalize_inputs, row, first_row, clusters, m, offset, sOwn, peer_table,
-                                       capacity_m, rank, stage, None)
+                packed = self.publisher.finalize(routed, weights, indices, num_rows, first_row, offset,
+                                                 shared_words)
+                self.own.publish(sOwn, Int32(0), packed, first_row, offset, peer_table, capacity_m, rank, stage,
+                                 first=True)
+                for row in cutlass.range(first_row + clusters, m, clusters):
+                    row_shared = self.publisher.load_shared(shared, row, offset, present)
+                    packed = self.publisher.finalize(routed, weights, indices, num_rows, row, offset,
+                                                     row_shared)
+                    self.own.publish(sOwn, (row - first_row) // clusters, packed, row, offset, peer_table,
+                                     capacity_m, rank, stage, first=False)
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
             for row in cutlass.range(first_row, m, clusters):
@@ -280,30 +283,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                            self.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
                            capacity_m, residual_out, eps, None)
             self.finish_call(stage, stage_state, advance=True, waited=False)
-
-    @cute.jit
-    def _publish_rows(self, finalize_inputs, row, first_row, clusters, m, offset, sOwn, peer_table, capacity_m, rank,
-                      stage, first_shared) -> None:
-        """Finalize and publish this thread's fragment of rows ``row``, ``row + clusters``, ...
-        (`KernelConfig.tiles_in_flight` of them, those below ``m``) together; ``first_shared`` is
-        the shared expert fragment of the cluster's first row, or None past it."""
-        routed, weights, indices, shared, num_rows = finalize_inputs
-        work = []
-        for i in cutlass.range_constexpr(self.in_flight):
-            if cutlass.const_expr(i == 0):
-                # The loop's bounds keep ``row`` below m.
-                token, live = row, None
-                shared_words = first_shared
-                if cutlass.const_expr(first_shared is None):
-                    shared_words = self.publisher.load_shared(shared, row, offset, Int32(1))
-            else:
-                live = Int32(row + i * clusters < m)
-                # A row past the last reads the first's indices: its routed rows are not loaded.
-                token = cutlass.select_(live != 0, row + i * clusters, row)
-                shared_words = self.publisher.load_shared(shared, token, offset, live)
-            work.append((token, offset, shared_words, live))
-        self.own.publish_tiles(sOwn, (row - first_row) // clusters, work, routed, weights, indices, num_rows,
-                               peer_table, capacity_m, rank, stage, first_shared is not None)
 
     def _fragment_registers(self):
         """Registers for this thread's fragments of a row, as bf16x2 words."""
