@@ -63,7 +63,7 @@ TUNING_GRID = {
     "enable_pdl": (True, False),
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
-    "waves": (1, 2, 4),
+    "waves": (1, 2),
 }
 
 

@@ -346,6 +346,12 @@ class KernelConfig:
         without a cluster, was 1.3 to 1.5 us slower than two kernels at m = 1
         and 8: one SM then loads all of the row's experts.)
 
+        A fused call of 33 to 64 tokens covers its rows in two passes of the grid
+        (``waves=2``): at m = 64 that took 0.3 to 0.8 us less than one pass in each
+        of three runs, with and without the epilogue; at m = 32 it was as fast or
+        up to 1.1 us slower, and at m = 128 slower without the epilogue
+        (``...-waves-tuning.json``, ``...-tiles-in-flight-tuning-*.json``).
+
         With an epilogue the reduce CTA holds a row: one fragment per thread up
         to hidden 8192 (1024 threads). Wider rows get at most 512 threads, so
         that each may use 128 registers for its several fragments (1024 threads
@@ -372,6 +378,7 @@ class KernelConfig:
             if fuse_reduce:
                 elements, threads = protocol.REDUCE_ELEMENTS, cluster_threads
                 reduce_threads = cluster_threads
+        waves = 2 if fuse_reduce and m is not None and SMALL_M // 2 < m <= SMALL_M else 1
         return cls(
             hidden=hidden,
             top_k=top_k,
@@ -386,6 +393,7 @@ class KernelConfig:
             prefetch_group=min(8 if small else 4, top_k),
             reduce_threads=reduce_threads,
             fuse_reduce=fuse_reduce,
+            waves=waves,
             epilogue=epilogue,
             arch=arch,
         )

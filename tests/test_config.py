@@ -189,6 +189,18 @@ def test_default_fuses_oneshot_calls(m, mode, epilogue, fused):
                                 fuse_reduce=False).fuse_reduce is False
 
 
+@pytest.mark.parametrize("epilogue, other_mode", [("none", "twoshot"), ("rmsnorm", "reduce_scatter")])
+def test_default_waves(epilogue, other_mode):
+    def waves(**changes):
+        return KernelConfig.default(hidden=7168, top_k=8, tp=2, epilogue=epilogue, **changes).waves
+
+    # Two passes of the fused grid for 33 to 64 tokens; one elsewhere, and for unfused calls.
+    assert {m: waves(m=m) for m in (1, 32, 33, 64, 65, 256, None)} == {
+        1: 1, 32: 1, 33: 2, 64: 2, 65: 1, 256: 1, None: 1}
+    assert waves(m=64, fuse_reduce=False) == 1
+    assert waves(m=64, mode=other_mode) == 1
+
+
 def test_default_fuses_the_epilogue_on_request_with_a_cluster_per_row():
     fused = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=1, epilogue="rmsnorm", fuse_reduce=True)
     assert fused.fuse_reduce and (fused.threads, fused.reduce_threads, fused.elements_per_thread) == (128, 128, 8)
