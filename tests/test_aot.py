@@ -26,7 +26,7 @@ pytest.importorskip("cutlass")
 from jax_moe_publish.aot import artifact, compile, presets, store  # noqa: E402
 from jax_moe_publish.aot.__main__ import main as cli_main  # noqa: E402
 from jax_moe_publish.aot.compile import compile_config  # noqa: E402  (bound before tests patch it)
-from jax_moe_publish.config import KernelConfig  # noqa: E402
+from jax_moe_publish.config import EPILOGUE_MODES, SMALL_M, KernelConfig  # noqa: E402
 
 PRESET_CONFIGS = list(dict.fromkeys(c for build in presets.PRESETS.values() for c in build()))
 MULTICAST_CONFIGS = [
@@ -700,3 +700,23 @@ def test_cli_presets(tmp_path, monkeypatch, capsys):
     assert [line.split()[:2] for line in lines[:-1]] == [
         [f"[{i}/{len(expected)}]", config.key] for i, config in enumerate(expected, 1)
     ]
+
+
+def test_presets_hold_the_default_of_every_m():
+    """A model preset, and the tests preset for the problems the op tests call, hold the
+    default config of every m: a prebuilt folder serves any call without CuTe DSL."""
+    tests = set(presets.tests())
+    calls = [(problem, 2, mode, "none") for problem in presets.TEST_DEFAULT_PROBLEMS
+             for mode in presets.MULTI_RANK_MODES]
+    calls += [(problem, 2, mode, "rmsnorm") for problem in presets.TEST_EPILOGUE_PROBLEMS
+              for mode in EPILOGUE_MODES]
+    deepseek = set(presets.deepseek_v3())
+    model = dict(hidden=7168, top_k=8, routed_scaling_factor=2.5)
+    for m in range(1, 4 * SMALL_M):
+        for problem, tp, mode, epilogue in calls:
+            config = KernelConfig.default(tp=tp, mode=mode, m=m, epilogue=epilogue, **problem)
+            assert config in tests, (m, problem, mode, epilogue)
+        for tp in presets.TP_SIZES:
+            for fp32_weights in (False, True):
+                config = KernelConfig.default(tp=tp, m=m, fp32_weights=fp32_weights, **model)
+                assert config in deepseek, (m, tp, fp32_weights)

@@ -12,8 +12,9 @@ TP_SIZES = (1, 2, 4, 8)
 MULTI_RANK_MODES = ("oneshot", "twoshot", "reduce_scatter")
 
 
-# One m of each launch-shape class of `KernelConfig.default`: latency-bound and bandwidth-bound.
-DEFAULT_SHAPE_MS = (SMALL_M, SMALL_M + 1)
+# One m of each launch-shape class of `KernelConfig.default`: latency-bound in one pass of a
+# fused grid and in two (`KernelConfig.waves`), and bandwidth-bound.
+DEFAULT_SHAPE_MS = (SMALL_M // 2, SMALL_M, SMALL_M + 1)
 
 
 def _model(hidden: int, top_k: int, scale: float, shared: bool, arch: str,
