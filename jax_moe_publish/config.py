@@ -347,10 +347,11 @@ class KernelConfig:
         and 8: one SM then loads all of the row's experts.)
 
         A fused call of 33 to 64 tokens covers its rows in two passes of the grid
-        (``waves=2``): at m = 64 that took 0.3 to 0.8 us less than one pass in each
-        of three runs, with and without the epilogue; at m = 32 it was as fast or
-        up to 1.1 us slower, and at m = 128 slower without the epilogue
-        (``...-waves-tuning.json``, ``...-tiles-in-flight-tuning-*.json``).
+        (``waves=2``): at m = 64 that took 0.31 to 0.96 us less than one pass in
+        each of four runs, with and without the epilogue; at m = 32 it was 0.4 us
+        faster to 1.1 us slower, at m = 48 (one run) 1.55 us faster without the
+        epilogue and 1.32 us slower with it, and at m = 128 slower without the
+        epilogue (``...-waves-tuning*.json``, ``...-tiles-in-flight-tuning*.json``).
 
         With an epilogue the reduce CTA holds a row: one fragment per thread up
         to hidden 8192 (1024 threads). Wider rows get at most 512 threads, so
