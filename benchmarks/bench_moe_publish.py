@@ -31,6 +31,12 @@ per-call estimates. (The runs of 2026-11-30 used 12 and 4 iterations, 256
 calls; their small-m figures moved by microseconds between repeats. The JSON
 records the iterations.)
 
+Separately compiled programs of one config can differ by more than a run's
+spread (up to 1.6 us at m = 48 and 64 on 2x H200). ``--rounds R`` times ours,
+XLA and every variant R times in turn, each round with freshly built
+programs, and reports each side's median round, with every round's figure in
+``rounds_us`` and the spread over all rounds' estimates.
+
 Each case also gets a *floor* (`report.bytes_per_rank` states the byte model):
 the slowest of its HBM bytes at the device copy bandwidth, its NVLink bytes at
 the peer-to-peer copy bandwidth and one tiny dependent XLA kernel, all three
@@ -80,6 +86,10 @@ def _parse():
                         help="also time each problem with the residual add + RMSNorm epilogue, as "
                              "case '<problem>+rmsnorm' (oneshot for tp > 1)")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time ours, XLA and every variant this many times in turn, each round with "
+                             "freshly compiled programs; report each side's median round (and every "
+                             "round's figure)")
     parser.add_argument("--no-command-buffer", action="store_true",
                         help="turn XLA command buffers (CUDA graphs) off for this run")
     parser.add_argument("--hlo", help="write the optimized HLO of the first case's chains and of the "
@@ -96,6 +106,8 @@ def _parse():
                         help="compile every kernel the cases (and their tuning variants) need into DIR, "
                              "then exit; needs CuTe DSL, not a GPU")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected at least 1")
     if args.out is None and not (args.list_configs or args.build_kernels):
         parser.error("--out is required to measure")
     return args
@@ -389,16 +401,31 @@ def time_runs(fn, args, reps):
     return np.array(times)
 
 
-def per_call_us(programs, inputs, reps, layers=LAYERS):
-    """Median per-call time and the 10-90 % spread of paired per-call estimates, from
-    ``programs[n]``, ``n`` loop iterations over ``layers`` calls."""
+def call_estimates(programs, inputs, reps, layers=LAYERS):
+    """Paired per-call estimates in us and their median, from ``programs[n]``, ``n`` loop
+    iterations over ``layers`` calls."""
     short = time_runs(programs[SHORT], inputs, reps)
     long = time_runs(programs[LONG], inputs, reps)
     calls = (LONG - SHORT) * layers
-    estimates = (np.sort(long) - np.sort(short)) / calls * 1e6
-    median = (np.median(long) - np.median(short)) / calls * 1e6
-    return {"us": float(median), "p10": float(np.percentile(estimates, 10)),
-            "p90": float(np.percentile(estimates, 90))}
+    return (np.sort(long) - np.sort(short)) / calls * 1e6, (np.median(long) - np.median(short)) / calls * 1e6
+
+
+def summarize(rounds):
+    """One side's figures from its rounds (`call_estimates` results, each from its own
+    programs): the median of the rounds' medians, the 10-90 % spread of all paired estimates,
+    and with several rounds each round's median (``rounds_us``)."""
+    estimates = np.concatenate([round_estimates for round_estimates, _ in rounds])
+    medians = [float(median) for _, median in rounds]
+    result = {"us": float(np.median(medians)), "p10": float(np.percentile(estimates, 10)),
+              "p90": float(np.percentile(estimates, 90))}
+    if len(rounds) > 1:
+        result["rounds_us"] = medians
+    return result
+
+
+def per_call_us(programs, inputs, reps, layers=LAYERS):
+    """`summarize` of one round of ``programs``."""
+    return summarize([call_estimates(programs, inputs, reps, layers)])
 
 
 def transfer_seconds(op, big, tiny, reps):
@@ -482,25 +509,28 @@ def measure_floors(gpus, reps):
     return floors
 
 
-def time_variants(mailbox, problem, configs, inputs, reps):
+def time_variants(mailbox, problem, configs, inputs, reps, rounds=1):
     """Per-call time of ours under each config; ``configs[0]`` is the default, whose bits all must match."""
+    timings = [[] for _ in configs]
+    bits = []
+    for round_index in range(rounds):
+        for config, config_rounds in zip(configs, timings):
+            programs = {n: make_chain("ours", mailbox, problem, config, n) for n in (SHORT, LONG)}
+            if round_index == 0:
+                bits.append(np.asarray(programs[SHORT](*inputs)).view(np.uint16))
+            config_rounds.append(call_estimates(programs, inputs, reps))
     variants = []
-    reference = None
-    for config in configs:
+    for config, config_rounds, config_bits in zip(configs, timings, bits):
         # Direct mode has no reduce kernel: its reduce_threads is not a choice.
         launch = {f: getattr(config, f) for f in TUNING_GRID
                   if f != "reduce_threads" or config.mode != "direct"}
-        programs = {n: make_chain("ours", mailbox, problem, config, n) for n in (SHORT, LONG)}
-        bits = np.asarray(programs[SHORT](*inputs)).view(np.uint16)
-        reference = bits if reference is None else reference
-        variants.append({"key": config.key, "launch": launch,
-                         **per_call_us(programs, inputs, reps),
-                         "same_bits_as_default": bool(np.array_equal(bits, reference))})
+        variants.append({"key": config.key, "launch": launch, **summarize(config_rounds),
+                         "same_bits_as_default": bool(np.array_equal(config_bits, bits[0]))})
     return {"variants": variants, "best": min(range(len(variants)), key=lambda i: variants[i]["us"])}
 
 
 def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LAYERS, op_impl="kernel",
-                      hlo=None):
+                      hlo=None, rounds=1):
     """Per-call time of ours and of XLA's path (`make_chain`) on the same inputs, and the
     relative difference of their outputs (this process's copy), which must be at most 1e-2.
 
@@ -508,14 +538,20 @@ def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LA
     ``<hlo>.<impl>.txt`` unless that exists.
     """
     result, outputs = {}, {}
-    for impl in ("ours", "xla"):
-        programs = {n: make_chain(impl, mailbox, problem, config, n, layers=layers, op_impl=op_impl)
-                    for n in (1, SHORT, LONG)}
-        outputs[impl] = np.asarray(programs[1](*inputs).addressable_data(0), np.float64)
-        result[impl] = per_call_us(programs, inputs, reps, layers)
-        if hlo and not os.path.exists(f"{hlo}.{impl}.txt"):
-            with open(f"{hlo}.{impl}.txt", "w") as f:
-                f.write(programs[SHORT].lower(*inputs).compile().as_text())
+    timings = {"ours": [], "xla": []}
+    for round_index in range(rounds):
+        for impl, impl_rounds in timings.items():
+            iterations = (1, SHORT, LONG) if round_index == 0 else (SHORT, LONG)
+            programs = {n: make_chain(impl, mailbox, problem, config, n, layers=layers, op_impl=op_impl)
+                        for n in iterations}
+            if round_index == 0:
+                outputs[impl] = np.asarray(programs[1](*inputs).addressable_data(0), np.float64)
+                if hlo and not os.path.exists(f"{hlo}.{impl}.txt"):
+                    with open(f"{hlo}.{impl}.txt", "w") as f:
+                        f.write(programs[SHORT].lower(*inputs).compile().as_text())
+            impl_rounds.append(call_estimates(programs, inputs, reps, layers))
+    for impl, impl_rounds in timings.items():
+        result[impl] = summarize(impl_rounds)
     # Both chains compute the same layers: their outputs must agree before their times count.
     difference = np.linalg.norm(outputs["ours"] - outputs["xla"]) / np.linalg.norm(outputs["xla"])
     result["relative_difference"] = float(difference)
@@ -533,9 +569,10 @@ def measure_case(mesh, name, m, mode, reps, key, floors, tune):
     with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
         inputs = chain_inputs(mesh, m, problem, key)
         result.update(time_ours_and_xla(mailbox, problem, config, inputs, reps, f"{name} tp={tp} {mode} m={m}",
-                                        hlo=ARGS.hlo))
+                                        hlo=ARGS.hlo, rounds=ARGS.rounds))
         if tune:
-            result["tuning"] = time_variants(mailbox, problem, tuning_variants(name, tp, mode, m), inputs, reps)
+            result["tuning"] = time_variants(mailbox, problem, tuning_variants(name, tp, mode, m), inputs, reps,
+                                             ARGS.rounds)
         mailbox.check()
     result["ratio"] = result["ours"]["us"] / result["xla"]["us"]
     # The op's own traffic only.
@@ -565,7 +602,7 @@ def machine_environment():
 
 def environment():
     return {**machine_environment(), "command_buffer": not ARGS.no_command_buffer, "layers": LAYERS,
-            "iterations": [SHORT, LONG], "reps": ARGS.reps, "configs": ARGS.configs,
+            "iterations": [SHORT, LONG], "reps": ARGS.reps, "rounds": ARGS.rounds, "configs": ARGS.configs,
             "tune_fields": ARGS.tune_fields}
 
 
