@@ -5,7 +5,8 @@ It replays the launcher's contract from the artifact's metadata:
 
 * each kernel of ``metadata["kernels"]`` is launched in the listed order with
   grid = rows * ctas_per_row (rows: ``m``, or ``ceil(m / tp)`` for ``owned``;
-  a persistent kernel's ``ceil(rows / waves) * ctas_per_row``, capped), its block and dynamic shared memory, and the PDL attribute
+  a persistent kernel's ``ceil(rows / waves) * ctas_per_row``, capped), its
+  block and dynamic shared memory, and the PDL attribute
   (``PROGRAMMATIC_STREAM_SERIALIZATION = 1``) on every launch when ``metadata["pdl"]``;
 * publish parameters: ``(routed, weights, indices, shared, stage_state,
   destination, num_rows, m, capacity_m, rank)``; destination is the rank's peer
