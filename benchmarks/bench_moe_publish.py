@@ -23,13 +23,18 @@ and RMSNorm in the same ``jit``; each layer's ``out`` feeds the next layer's
 shared input and its ``residual_out`` the next layer's residual. Twoshot has no
 fused epilogue, so those cases run oneshot only.
 
-Time per call = ``(T(36 iterations) - T(4 iterations)) / (32 * 32)``: one
+Time per call = ``(T(164 iterations) - T(36 iterations)) / (128 * 32)``: one
 dispatch per run, so host dispatch cancels, and the loop's own cost per
 iteration is spread over 32 calls. Each T is the median of ``--reps`` timed
 runs after a warm-up; the spread is the 10th-90th percentile of the paired
-per-call estimates. (The runs of 2026-11-30 used 12 and 4 iterations, 256
-calls; their small-m figures moved by microseconds between repeats. The JSON
-records the iterations.)
+per-call estimates. The short program runs 36 iterations, not fewer: on
+2x H200 a run of ours had a fixed cost of 2 to 3.5 ms that varied by up to 1 ms
+between batches of runs, and the first iterations of a run were slower than
+the rest, so that T(36) - T(4) put m = 16 at 5.1 us per call where the slope
+over 36 to 260 iterations gave 4.2 us, the same in two rounds
+(``benchmarks/results/2026-11-30-h200x2-iteration-counts.json``). The runs
+of 2026-11-30 before that used 4 and 36 iterations (and earlier 4 and 12);
+the JSON records the iterations.
 
 Separately compiled programs of one config can differ by more than a run's
 spread (up to 1.6 us at m = 48 and 64 on 2x H200). ``--rounds R`` times ours,
@@ -133,7 +138,7 @@ import jax_moe_publish as jmp  # noqa: E402
 import report  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
 LAYERS = 32
-SHORT, LONG = 4, 36  # loop iterations
+SHORT, LONG = 36, 164  # loop iterations of the two timed programs (module docstring)
 PROBLEMS = {
     "deepseek-v3": dict(hidden=7168, top_k=8, shared=True, scale=2.5),
     "qwen3-moe": dict(hidden=4096, top_k=8, shared=False, scale=1.0),
@@ -401,12 +406,13 @@ def time_runs(fn, args, reps):
     return np.array(times)
 
 
-def call_estimates(programs, inputs, reps, layers=LAYERS):
+def call_estimates(programs, inputs, reps, layers=LAYERS, iterations=(SHORT, LONG)):
     """Paired per-call estimates in us and their median, from ``programs[n]``, ``n`` loop
-    iterations over ``layers`` calls."""
-    short = time_runs(programs[SHORT], inputs, reps)
-    long = time_runs(programs[LONG], inputs, reps)
-    calls = (LONG - SHORT) * layers
+    iterations over ``layers`` calls, for the two counts of ``iterations``."""
+    few, many = iterations
+    short = time_runs(programs[few], inputs, reps)
+    long = time_runs(programs[many], inputs, reps)
+    calls = (many - few) * layers
     return (np.sort(long) - np.sort(short)) / calls * 1e6, (np.median(long) - np.median(short)) / calls * 1e6
 
 
@@ -530,7 +536,7 @@ def time_variants(mailbox, problem, configs, inputs, reps, rounds=1):
 
 
 def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LAYERS, op_impl="kernel",
-                      hlo=None, rounds=1):
+                      hlo=None, rounds=1, iterations=(SHORT, LONG)):
     """Per-call time of ours and of XLA's path (`make_chain`) on the same inputs, and the
     relative difference of their outputs (this process's copy), which must be at most 1e-2.
 
@@ -541,15 +547,15 @@ def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LA
     timings = {"ours": [], "xla": []}
     for round_index in range(rounds):
         for impl, impl_rounds in timings.items():
-            iterations = (1, SHORT, LONG) if round_index == 0 else (SHORT, LONG)
+            counts = (1, *iterations) if round_index == 0 else iterations
             programs = {n: make_chain(impl, mailbox, problem, config, n, layers=layers, op_impl=op_impl)
-                        for n in iterations}
+                        for n in counts}
             if round_index == 0:
                 outputs[impl] = np.asarray(programs[1](*inputs).addressable_data(0), np.float64)
                 if hlo and not os.path.exists(f"{hlo}.{impl}.txt"):
                     with open(f"{hlo}.{impl}.txt", "w") as f:
-                        f.write(programs[SHORT].lower(*inputs).compile().as_text())
-            impl_rounds.append(call_estimates(programs, inputs, reps, layers))
+                        f.write(programs[iterations[0]].lower(*inputs).compile().as_text())
+            impl_rounds.append(call_estimates(programs, inputs, reps, layers, iterations))
     for impl, impl_rounds in timings.items():
         result[impl] = summarize(impl_rounds)
     # Both chains compute the same layers: their outputs must agree before their times count.

@@ -15,8 +15,8 @@ finalize + ``psum`` on the DeepSeek-V3 problem (hidden 7168, top-k 8, shared
 expert, scale 2.5) at tp = 2, with the method and the code of
 ``bench_moe_publish.py``: a ``fori_loop`` over a chain of ``--layers`` calls,
 each layer with its own inputs and its output fed into the next layer's
-shared input; per call = (T(36 iterations) - T(4 iterations)) / (32 *
-layers), each T the median of ``--reps`` timed runs. The two processes time
+shared input; per call = (T(164 iterations) - T(36 iterations)) / (128 *
+layers) (``--iterations``), each T the median of ``--reps`` timed runs. The two processes time
 their own runs of the same programs; a call is done when both ranks have its
 output, so the two-process figure is the slower process's (the JSON keeps
 each one's). ``2p/1p`` is the two-process time over the one-process time.
@@ -61,6 +61,9 @@ def parse(argv=None):
     parser.add_argument("--hidden", type=int, help="replace the problem's hidden size (a smoke run)")
     parser.add_argument("--layers", type=int, default=bench.LAYERS, help="calls per loop iteration")
     parser.add_argument("--reps", type=int, default=30, help="timed runs of each program")
+    parser.add_argument("--iterations", nargs=2, type=int, metavar=("FEW", "MANY"),
+                        default=[bench.SHORT, bench.LONG],
+                        help="loop iterations of the two timed programs (bench_moe_publish.py's by default)")
     parser.add_argument("--cpu", action="store_true",
                         help="the plumbing check on CPU, also where there are GPUs")
     parser.add_argument("--deadline", type=float, default=1800.0,
@@ -70,7 +73,11 @@ def parse(argv=None):
     parser.add_argument("--role", choices=["worker", "single"], help=argparse.SUPPRESS)
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    few, many = args.iterations
+    if not 1 <= few < many:
+        parser.error(f"--iterations {few} {many}: expected 1 <= FEW < MANY")
+    return args
 
 
 def problem_spec(args):
@@ -108,7 +115,8 @@ def measure_cases(args, mesh):
             with jmp.Mailbox(mesh, "tp", hidden=spec["hidden"], capacity_m=m) as mailbox:
                 inputs = bench.chain_inputs(mesh, m, spec, sub, args.layers)
                 timed = bench.time_ours_and_xla(mailbox, spec, config, inputs, args.reps, f"{mode} m={m}",
-                                                layers=args.layers, op_impl="reference" if args.cpu else "kernel")
+                                                layers=args.layers, op_impl="reference" if args.cpu else "kernel",
+                                                iterations=tuple(args.iterations))
                 mailbox.check()
             print(f"{mode} m={m}: ours {timed['ours']['us']:.2f} us, xla {timed['xla']['us']:.2f} us per call",
                   flush=True)
@@ -146,7 +154,7 @@ def single(args):
 def run_phase(args, phase):
     """The child results of one phase; exits, naming the failed processes, if any failed."""
     script = [sys.executable, os.path.abspath(__file__), *case_flags(args), "--layers", str(args.layers),
-              "--reps", str(args.reps)] + (["--cpu"] if args.cpu else [])
+              "--reps", str(args.reps), "--iterations", *map(str, args.iterations)] + (["--cpu"] if args.cpu else [])
     if phase == "two_processes":
         port = local_processes.free_port()
         commands = [script + ["--role", "worker", "--process-id", str(i), "--port", str(port)] for i in range(TP)]
@@ -197,7 +205,7 @@ def environment(args, workers, single_result):
     drivers = sorted({line.rsplit(",", 1)[-1].strip() for line in machine["gpus"]})
     return {**machine, "driver": ", ".join(drivers) or None, "platform": "cpu" if args.cpu else "gpu",
             "plumbing_check": args.cpu, "problem": {"name": problem_name(args), **problem_spec(args)},
-            "tp": TP, "layers": args.layers, "iterations": [bench.SHORT, bench.LONG], "reps": args.reps,
+            "tp": TP, "layers": args.layers, "iterations": args.iterations, "reps": args.reps,
             "xla_flags": {"two_processes": workers[0]["xla_flags"], "one_process": single_result["xla_flags"]},
             "devices": {"two_processes": [w["device"] for w in workers], "one_process": single_result["devices"]}}
 

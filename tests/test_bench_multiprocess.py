@@ -19,7 +19,8 @@ import pytest
 BENCHMARK = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_multiprocess.py"
 MODES = ("oneshot", "twoshot")
 M = 3  # not a multiple of tp
-SHORT_RUN = ["--m", str(M), "--layers", "8", "--reps", "9"]
+# The iterations of the GPU default would take minutes on CPU (the reference path).
+SHORT_RUN = ["--m", str(M), "--layers", "8", "--reps", "9", "--iterations", "4", "36"]
 
 
 def _assert_timing(figure, what, positive=True):
@@ -54,6 +55,7 @@ def _check(data, stdout, problem):
     environment = data["environment"]
     assert {"date", "gpu", "driver", "jax", "commit"} <= set(environment), environment
     assert environment["layers"] == 8 and environment["reps"] == 9, environment
+    assert environment["iterations"] == [4, 36], environment
     for phase in ("two_processes", "one_process"):
         assert len(set(environment["devices"][phase])) == 2, environment["devices"]
     assert [(r["mode"], r["m"]) for r in data["results"]] == [(mode, M) for mode in MODES]
