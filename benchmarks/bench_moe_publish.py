@@ -27,17 +27,17 @@ Time per call = ``(T(164 iterations) - T(36 iterations)) / (128 * 32)``: one
 dispatch per run, so host dispatch cancels, and the loop's own cost per
 iteration is spread over 32 calls. Each T is the median of ``--reps`` timed
 runs after a warm-up; the spread is the 10th-90th percentile of the paired
-per-call estimates. The short program runs 36 iterations, not fewer: on
-2x H200 a run of ours had a fixed cost of 2 to 3.5 ms that varied by up to 1 ms
-between batches of runs, and the first iterations of a run were slower than
-the rest, so that T(36) - T(4) put m = 16 at 5.1 us per call where the slope
-over 36 to 260 iterations gave 4.2 us, the same in two rounds
-(``benchmarks/results/2026-11-30-h200x2-iteration-counts.json``). The runs
-of 2026-11-30 before that used 4 and 36 iterations (and earlier 4 and 12);
-the JSON records the iterations.
+per-call estimates. The counts are 128 iterations (4096 calls) apart: on
+2x H200 a run of ours has a fixed cost of 2 to 3 ms that moves between
+batches of runs, which over fewer calls reads as a different time per call. In
+``benchmarks/results/2026-11-30-h200x2-iteration-counts.json`` the estimate
+from 4 and 36 iterations was off the one from 36 and 260 by -0.93 to
++0.58 us, while two rounds of the latter agreed within 0.16 us. The runs of
+2026-11-30 before that used 4 and 36 iterations (and earlier 4 and 12); the
+JSON records the iterations.
 
-Separately compiled programs of one config can differ by more than a run's
-spread (up to 1.6 us at m = 48 and 64 on 2x H200). ``--rounds R`` times ours,
+XLA's path still differs between separately compiled programs by up to 3 us
+at small m (ours, with these counts, by under 0.25 us). ``--rounds R`` times ours,
 XLA and every variant R times in turn, each round with freshly built
 programs, and reports each side's median round, with every round's figure in
 ``rounds_us`` and the spread over all rounds' estimates.
