@@ -10,6 +10,12 @@ least-squares slope and intercept over all counts and the per-call estimate of
 each pair of counts. If T were linear in the iterations, every pair would give
 the same per-call time; where it is not (a fixed cost per run that varies, a
 start-up), the pairs differ and show which counts to time.
+
+It also records how often XLA ran our FFI handler per run (never on XLA's
+path), inside a CUDA graph capture and directly
+(`jax_moe_publish.native.execute_counts`): a replayed command buffer runs it
+not at all, a recapture once per layer, and a call outside the command buffer
+once per call. That tells whether a run's fixed cost comes from capturing the custom calls again.
 """
 
 from __future__ import annotations
@@ -49,14 +55,23 @@ PROBLEMS = ("deepseek-v3", "deepseek-v3" + bench.EPILOGUE_SUFFIX)
 
 def time_counts(impl, mailbox, problem, config, inputs, counts, reps):
     """Median run time in ms of ``impl``'s chain at each of ``counts`` iterations, and the fit."""
+    from jax_moe_publish import native
+
     programs = {n: bench.make_chain(impl, mailbox, problem, config, n) for n in counts}
-    ms = {n: float(np.median(bench.time_runs(programs[n], inputs, reps))) * 1e3 for n in counts}
+    ms, executes = {}, {}
+    for n in counts:
+        before = native.execute_counts()
+        ms[n] = float(np.median(bench.time_runs(programs[n], inputs, reps))) * 1e3
+        runs = reps + 1  # time_runs' warm-up run, then the timed ones
+        executes[str(n)] = {kind: (after - start) / runs for kind, after, start
+                            in zip(("captured", "direct"), native.execute_counts(), before)}
     calls = np.array(counts) * bench.LAYERS
     slope, intercept = np.polyfit(calls, np.array([ms[n] for n in counts]), 1)
     pairs = {f"{a}-{b}": (ms[b] - ms[a]) / ((b - a) * bench.LAYERS) * 1e3
              for a, b in itertools.combinations(sorted(counts), 2)}
     return {"ms": {str(n): ms[n] for n in counts}, "fit_us_per_call": float(slope * 1e3),
-            "fit_intercept_ms": float(intercept), "pair_us_per_call": pairs}
+            "fit_intercept_ms": float(intercept), "pair_us_per_call": pairs,
+            "handler_executes_per_run": executes}
 
 
 def main():
@@ -80,8 +95,11 @@ def main():
                                **time_counts(impl, mailbox, problem, config, inputs, counts, ARGS.reps)}
                         data["results"].append(row)
                         pairs = " ".join(f"{k} {v:.2f}" for k, v in row["pair_us_per_call"].items())
+                        handler = " ".join(f"{n}: {e['captured']:g} captured, {e['direct']:g} direct"
+                                           for n, e in row["handler_executes_per_run"].items())
                         print(f"{name} m={m} {impl} round {round_index}: fit {row['fit_us_per_call']:.2f} us/call "
-                              f"+ {row['fit_intercept_ms']:.2f} ms; pairs (us/call) {pairs}", flush=True)
+                              f"+ {row['fit_intercept_ms']:.2f} ms; pairs (us/call) {pairs}; "
+                              f"handler runs per run: {handler}", flush=True)
                 mailbox.check()
     bench.write_json(data, ARGS.out)
     print(f"wrote {ARGS.out}")
