@@ -15,7 +15,8 @@ It also records how often XLA ran our FFI handler per run (never on XLA's
 path), inside a CUDA graph capture and directly
 (`jax_moe_publish.native.execute_counts`): a replayed command buffer runs it
 not at all, a recapture once per layer, and a call outside the command buffer
-once per call. That tells whether a run's fixed cost comes from capturing the custom calls again.
+once per call. That tells whether a run's fixed cost comes from capturing the
+custom calls again.
 """
 
 from __future__ import annotations
