@@ -16,10 +16,10 @@ expert, scale 2.5) at tp = 2, with the method and the code of
 ``bench_moe_publish.py``: a ``fori_loop`` over a chain of ``--layers`` calls,
 each layer with its own inputs and its output fed into the next layer's
 shared input; per call = (T(164 iterations) - T(36 iterations)) / (128 *
-layers) (``--iterations``), each T the median of ``--reps`` timed runs. The two processes time
-their own runs of the same programs; a call is done when both ranks have its
-output, so the two-process figure is the slower process's (the JSON keeps
-each one's). ``2p/1p`` is the two-process time over the one-process time.
+layers) (``--iterations``), each T the median of ``--reps`` timed runs. The
+two processes time their own runs of the same programs; a call is done when
+both ranks have its output, so the two-process figure is the slower
+process's (the JSON keeps each one's). ``2p/1p`` is the two-process time over the one-process time.
 
 The run writes one JSON (by default
 ``benchmarks/results/<date>-<gpu>x2-multiprocess.json``) and prints a
@@ -154,7 +154,8 @@ def single(args):
 def run_phase(args, phase):
     """The child results of one phase; exits, naming the failed processes, if any failed."""
     script = [sys.executable, os.path.abspath(__file__), *case_flags(args), "--layers", str(args.layers),
-              "--reps", str(args.reps), "--iterations", *map(str, args.iterations)] + (["--cpu"] if args.cpu else [])
+              "--reps", str(args.reps), "--iterations", *map(str, args.iterations)]
+    script += ["--cpu"] if args.cpu else []
     if phase == "two_processes":
         port = local_processes.free_port()
         commands = [script + ["--role", "worker", "--process-id", str(i), "--port", str(port)] for i in range(TP)]

@@ -46,6 +46,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
+from jax_moe_publish import native  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe_publish as bench  # noqa: E402
@@ -56,8 +57,6 @@ PROBLEMS = ("deepseek-v3", "deepseek-v3" + bench.EPILOGUE_SUFFIX)
 
 def time_counts(impl, mailbox, problem, config, inputs, counts, reps):
     """Median run time in ms of ``impl``'s chain at each of ``counts`` iterations, and the fit."""
-    from jax_moe_publish import native
-
     programs = {n: bench.make_chain(impl, mailbox, problem, config, n) for n in counts}
     ms, executes = {}, {}
     for n in counts:
