@@ -40,13 +40,10 @@ sets of the presets use 40 to 96 registers per thread (``tools/kernel_resources.
 allow at most 12 CTAs of 128 threads: the buffer does not lower their occupancy."""
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
-MAX_NORM_GROUP_ROWS = 4
-FUSED_NORM_GROUP_ROWS = 2
-"""`KernelConfig.norm_group_rows` of a fused epilogue unless given."""
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
-               "waves", "norm_group_rows")
+               "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
                 "fuse_reduce", "keep_own_partial")
 
@@ -122,12 +119,6 @@ class KernelConfig:
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
         ``norm_fragments_per_thread`` 16-byte fragments per thread.
-    norm_group_rows : int or None
-        Fused epilogue only: rows of a cluster that it waits for together
-        (one poll loop over all of their slots) and whose sums of squares it
-        adds in one block and cluster reduction, 1 to 4. A cluster takes its
-        rows ``c, c + clusters, ...`` in groups of this many. None (the
-        default) means ``FUSED_NORM_GROUP_ROWS`` for a fused epilogue, else 1.
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin.
     """
@@ -150,16 +141,12 @@ class KernelConfig:
     keep_own_partial: bool | None = None
     waves: int = 1
     epilogue: Epilogue = "none"
-    norm_group_rows: int | None = None
     arch: str = "sm_90a"
 
     def __post_init__(self) -> None:
         # Normalize types first, so that equal configs have equal keys.
         if self.keep_own_partial is None:
             object.__setattr__(self, "keep_own_partial", self.fuse_reduce is True)
-        if self.norm_group_rows is None:
-            fused_norm = self.fuse_reduce is True and self.epilogue != "none"
-            object.__setattr__(self, "norm_group_rows", FUSED_NORM_GROUP_ROWS if fused_norm else 1)
         for field in _INT_FIELDS:
             value = getattr(self, field)
             _require(
@@ -238,15 +225,6 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
-        _require(1 <= self.norm_group_rows <= MAX_NORM_GROUP_ROWS, "norm_group_rows", self.norm_group_rows,
-                 f"an int in [1, {MAX_NORM_GROUP_ROWS}]")
-        if self.norm_group_rows > 1:
-            _require(self.fuse_reduce and self.epilogue != "none", "norm_group_rows", self.norm_group_rows,
-                     "1 unless fuse_reduce is True and there is an epilogue")
-            # Each of the group's rows sends one float to every CTA of the cluster: one thread each.
-            _require(self.norm_group_rows * self.ctas_per_token <= self.threads, "norm_group_rows",
-                     self.norm_group_rows,
-                     f"at most threads // ctas_per_token = {self.threads // self.ctas_per_token}")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")
@@ -320,12 +298,9 @@ class KernelConfig:
 
     def replace(self, **changes) -> "KernelConfig":
         """A copy with ``changes`` applied (and validated); ``keep_own_partial``, unless given,
-        follows a change of ``fuse_reduce``, and ``norm_group_rows`` one of ``fuse_reduce`` or
-        ``epilogue``."""
+        follows a change of ``fuse_reduce``."""
         if "fuse_reduce" in changes:
             changes.setdefault("keep_own_partial", None)
-        if "fuse_reduce" in changes or "epilogue" in changes:
-            changes.setdefault("norm_group_rows", None)
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -153,9 +153,9 @@ def test_metadata(builds, config):
         # The publish's shape: each thread reduces the fragment it published, its own partials
         # in shared memory.
         "publish_reduce": (config.threads, own_partial_smem(config), config.ctas_per_token, "m"),
-        # The publish's shape, a cluster of CTAs per row: two floats per warp and row of a
-        # group, then (with more than one CTA) two per CTA and row and two mbarriers, each area
-        # 16-byte aligned, and the own partials.
+        # The publish's shape, a cluster of CTAs per row: two floats per warp, then (with more
+        # than one CTA) two per CTA and two mbarriers, each area 16-byte aligned, and the own
+        # partials.
         "publish_reduce_norm": (config.threads, fused_norm_smem(config), config.ctas_per_token, "m"),
     }
     for kernel in kernels:
@@ -203,8 +203,8 @@ def test_publish_loads(builds, config):
     load = publish_load(config)
     # One vector load per routed row and one for the shared row, all of the configured width.
     vector_loads = [op for op in opcodes(body, "ld.global") if re.search(r"\.v\d", op)]
-    # (The fused epilogue also reads norm_weight and the residual of each row of a group.)
-    row_inputs = 1 + config.norm_group_rows if config.fuse_reduce and config.epilogue != "none" else 0
+    # (The fused epilogue also reads the residual and norm_weight fragments.)
+    row_inputs = 2 if config.fuse_reduce and config.epilogue != "none" else 0
     # A persistent (fused) kernel finalizes in two places: its first tile, then a loop over the others.
     finalizes = 2 if config.fuse_reduce else 1
     assert vector_loads == [load] * ((config.top_k + config.include_shared_expert) * finalizes + row_inputs)
@@ -281,18 +281,17 @@ def assert_own_partial(body: str, config: KernelConfig, *, polls: int, rearms: i
                        ) -> None:
     """A kept own partial goes to shared memory where the first tile and the loop over the
     others publish, and comes back once for the wait; the loop's own-slot store, the polls
-    and the re-arms are predicated on the tile not being kept. (A group of several rows
-    predicates its polls and re-arms on the row lying below m, kept or not.)"""
+    and the re-arms are predicated on the tile not being kept."""
     words = config.elements_per_thread // 2
-    vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
     predicated = re.findall(r"^[ \t]*@p[ \t]+((?:st\.global|ld\.volatile\.global)\.v\d)", body, re.M)
-    waits = [f"st.global.{vector}"] * rearms + [f"ld.volatile.global.{vector}"] * polls
     if config.keep_own_partial:
         assert opcodes(body, "st.shared.b32") == ["st.shared.b32"] * (2 * words + other_shared_stores)
         assert len(opcodes(body, "ld.shared.b32")) >= words
-        assert sorted(predicated) == sorted([f"st.global.{vector}"] + waits)
+        vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
+        assert sorted(predicated) == sorted([f"st.global.{vector}"] * (1 + rearms)
+                                            + [f"ld.volatile.global.{vector}"] * polls)
     else:
-        assert sorted(predicated) == sorted(waits if config.norm_group_rows > 1 else [])
+        assert predicated == []
 
 
 EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.epilogue != "none"]
@@ -310,9 +309,9 @@ def aligned(nbytes: int) -> int:
 
 
 def fused_norm_smem(config) -> int:
-    cluster, rows = config.ctas_per_token, config.norm_group_rows
-    return (aligned(2 * rows * config.threads // 32 * 4)
-            + (aligned(2 * rows * cluster * 4) + 16 if cluster > 1 else 0) + own_partial_smem(config))
+    cluster = config.ctas_per_token
+    return (aligned(2 * config.threads // 32 * 4) + (aligned(2 * cluster * 4) + 16 if cluster > 1 else 0)
+            + own_partial_smem(config))
 
 
 @pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=_ids(EPILOGUE_CONFIGS))
@@ -329,20 +328,16 @@ def test_reduce_norm_ptx(builds, config):
         # residual and weight before the mailbox polls.
         # (The finalize is traced twice: the first row, then the loop over the others.)
         input_loads = opcodes(body, "ld.global.nc.L1")
-        assert input_loads == [publish_load(config)] * (
-            1 + config.norm_group_rows + 2 * (config.top_k + config.include_shared_expert))
+        assert input_loads == [publish_load(config)] * (2 + 2 * (config.top_k + config.include_shared_expert))
         if config.enable_pdl:
             assert body.index("griddepcontrol.wait") < body.index("ld.global.nc.L1")
         polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
         assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
         assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")  # publishes first
-        # 2 x tp publish stores (less the first row's own partial, when kept), then as below for
-        # each row of a group, whose polls and re-arms are in one loop.
-        rows = config.norm_group_rows
-        stores = 2 * config.tp - config.keep_own_partial + rows * (1 + config.tp + 2)
-        # (The other shared stores: the warp's sums of squares.)
-        assert_own_partial(body, config, polls=2 * config.tp * rows, rearms=config.tp * rows,
-                           other_shared_stores=rows)
+        # 2 x tp publish stores (less the first row's own partial, when kept), then as below.
+        stores = 2 * config.tp - config.keep_own_partial + per_thread * (1 + config.tp + 2)
+        # (The other shared store: the warp's sum of squares.)
+        assert_own_partial(body, config, polls=2 * config.tp, rearms=config.tp, other_shared_stores=1)
         # A cluster's CTAs exchange their sums of squares: one asynchronous remote store per
         # thread that delivers, counted on the receiver's mbarrier, which each CTA waits on;
         # the one cluster barrier makes sure that the CTAs have all started and initialized
@@ -373,16 +368,15 @@ def test_reduce_norm_ptx(builds, config):
         zero_rows = 2 if config.mode == "reduce_scatter" else 0
         stores = per_thread * (1 + config.tp + 2 + zero_rows)
     assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * stores
-    # Each row's sum of squares: a butterfly in each warp, then one barrier for the group before
-    # the warp sums are read back; then one rsqrt per row.
-    rows = config.norm_group_rows
-    assert opcodes(body, "shfl.sync.bfly.b32") == ["shfl.sync.bfly.b32"] * 5 * rows
+    # The row's sum of squares: a butterfly in each warp, then one barrier before the
+    # warp sums are read back; then one rsqrt.
+    assert opcodes(body, "shfl.sync.bfly.b32") == ["shfl.sync.bfly.b32"] * 5
     barrier = first(body, "bar.sync")
     assert "st.shared.b32" in body[:barrier] and "ld.shared" in body[barrier:]
     # That barrier and finish_call's: the warp sums alternate between two buffers by row, so
     # that a CTA's next row needs no barrier before it writes them.
     assert len(opcodes(body, "bar.sync")) == 2
-    assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"] * rows
+    assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"]
     # Shared memory is the dynamic kind, and what the kernel touches fits the launch's.
     assert "__dynamic_shmem__" in body and not re.search(r"^\s*\.shared\b", built.ptx, re.M)
     smem = next(k["smem"] for k in built.metadata["kernels"] if k["role"] == role)

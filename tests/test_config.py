@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_moe_publish.config import ARCHS, FUSED_NORM_GROUP_ROWS, MAX_CLUSTER_CTAS, SMALL_M, KernelConfig
+from jax_moe_publish.config import ARCHS, MAX_CLUSTER_CTAS, SMALL_M, KernelConfig
 
 # A valid oneshot config; each invalid case below changes a few fields of it.
 BASE = dict(hidden=1024, top_k=4, tp=2)
@@ -78,16 +78,6 @@ INVALID = [
     # 8 CTAs of a cluster).
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 9216, "threads": 128, "reduce_threads": 128},
      "reduce_threads", 128),
-    ({"norm_group_rows": 2}, "norm_group_rows", 2),  # grouped rows need the fused epilogue
-    ({"norm_group_rows": 2, "epilogue": "rmsnorm"}, "norm_group_rows", 2),
-    ({"norm_group_rows": 2, "fuse_reduce": True}, "norm_group_rows", 2),
-    ({"norm_group_rows": 0, "fuse_reduce": True, "epilogue": "rmsnorm"}, "norm_group_rows", 0),
-    ({"norm_group_rows": 5, "fuse_reduce": True, "epilogue": "rmsnorm"}, "norm_group_rows", 5),
-    ({"norm_group_rows": 2.0, "fuse_reduce": True, "epilogue": "rmsnorm"}, "norm_group_rows", 2.0),
-    # 2048 / 4 = 512 fragments over 32 threads: 16 CTAs, each thread of which delivers one
-    # row's float to one of them, so at most 2 rows.
-    ({"norm_group_rows": 3, "fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 2048, "elements_per_thread": 4,
-      "threads": 32, "reduce_threads": 32}, "norm_group_rows", 3),
 ]
 
 
@@ -247,11 +237,9 @@ CHANGED = {
 
 
 def test_key_changes_with_every_field():
-    # keep_own_partial, waves and norm_group_rows need fuse_reduce: see
-    # test_keep_own_partial_follows_fuse_reduce, test_waves_need_fuse_reduce and
-    # test_norm_group_rows_follow_the_fused_epilogue.
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
-    assert set(CHANGED) | {"keep_own_partial", "waves", "norm_group_rows"} == fields
+    # keep_own_partial and waves need fuse_reduce: see test_keep_own_partial_follows_fuse_reduce
+    # and test_waves_need_fuse_reduce.
+    assert set(CHANGED) | {"keep_own_partial", "waves"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():
@@ -319,28 +307,6 @@ def test_waves_need_fuse_reduce():
     assert epilogue.fuse_reduce and epilogue.replace(waves=4).waves == 4
     with pytest.raises(ValueError, match=re.escape("KernelConfig.waves=2: expected 1 unless fuse_reduce is True")):
         two.replace(fuse_reduce=False)
-
-
-def test_norm_group_rows_follow_the_fused_epilogue():
-    fused = KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm")
-    assert fused.norm_group_rows == FUSED_NORM_GROUP_ROWS == 2
-    assert fused == fused.replace(norm_group_rows=None)
-    assert KernelConfig.default(hidden=7168, top_k=8, tp=2, m=1, epilogue="rmsnorm").norm_group_rows == 2
-    one = fused.replace(norm_group_rows=1)
-    assert one.key != fused.key and KernelConfig.from_dict(one.to_dict()) == one
-    # Unfused, or without the epilogue, each row is its own group, unless a group is given.
-    assert fused.replace(fuse_reduce=False).norm_group_rows == 1
-    assert fused.replace(epilogue="none").norm_group_rows == 1
-    assert KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True).norm_group_rows == 1
-    with pytest.raises(ValueError, match=re.escape(
-            "KernelConfig.norm_group_rows=2: expected 1 unless fuse_reduce is True and there is an epilogue")):
-        fused.replace(fuse_reduce=False, norm_group_rows=2)
-    # Each row of a group needs a delivering thread per CTA of the cluster: 4 x 14 of 128 here.
-    assert fused.replace(elements_per_thread=4, norm_group_rows=4).ctas_per_token == 14
-    with pytest.raises(ValueError, match=re.escape(
-            "KernelConfig.norm_group_rows=3: expected at most threads // ctas_per_token = 2")):
-        KernelConfig(hidden=2048, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4,
-                     threads=32, reduce_threads=32, norm_group_rows=3)
 
 
 def test_key_is_stable_for_equal_configs():

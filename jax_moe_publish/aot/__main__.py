@@ -37,8 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(KernelConfig):
         default = field.default
         if default is None:
-            # keep_own_partial and norm_group_rows: None follows the other fields.
-            kind = _bool if field.type.startswith("bool") else int
+            kind = _bool  # keep_own_partial: None follows fuse_reduce
         else:
             kind = types[type(default)] if default is not dataclasses.MISSING else int
         build.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,

@@ -167,6 +167,6 @@ class OwnPartials:
             return None
         tidx, _, _ = cute.arch.thread_idx()
         kept = Int32(j < self.tiles)
-        # Past the buffer, another tile's words stand in: they are not used there.
-        index = j % self.tiles
+        # Past the buffer, tile 0's words stand in: they are not used there.
+        index = cutlass.select_(kept != 0, j, Int32(0))
         return rank, kept, lambda: [sOwn[index, tidx, w] for w in range(self.words)]

@@ -137,7 +137,7 @@ class LamportReduceKernel:
             else:
                 slot = mailbox + self._gather_offset(stage, token, capacity_m) + fragment_offset
                 sources = self._wait(
-                    [slot], [owner], [token], stage, stage_state, status, timeout_ns
+                    [slot], [owner], stage, token, stage_state, status, timeout_ns
                 )
                 ptx.store_words(destination, sources[0])
                 ptx.store_words(slot, EMPTY)
@@ -168,106 +168,72 @@ class LamportReduceKernel:
     def wait_contributions(self, mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state,
                             status, timeout_ns, own=None) -> tuple[list, list, Int32 | None]:
         """(addresses, words, skipped) of every rank's contribution to one fragment of slot
-        ``[stage][*][slot]``, once all of them have arrived: `wait_rows` for one row."""
-        slots, sources, skipped = self.wait_rows(mailbox, stage, [slot], fragment_offset, capacity_m, [token],
-                                                 stage_state, status, timeout_ns,
-                                                 owns=None if own is None else [own])
-        return slots, sources[0], skipped
+        ``[stage][*][slot]``, once all of them have arrived.
 
-    def wait_rows(self, mailbox, stage, slots, fragment_offset, capacity_m, tokens, stage_state, status,
-                  timeout_ns, owns=None, lives=None) -> tuple[list, list, Int32 | None]:
-        """Wait in one poll loop for every rank's contribution to one fragment of each slot
-        ``[stage][*][slots[g]]`` (row ``g``, of token ``tokens[g]``).
-
-        Returns (addresses, sources, skipped): the ``len(slots) * tp`` slot
-        addresses, row-major, for `rearm`; ``sources[g][src]``, the words of row
-        ``g`` from rank ``src``; and ``skipped``, the Int32 bit mask of the
-        addresses not polled, or None when all are.
-
-        ``owns`` is None, or one (rank, kept, read) per row from a fused kernel:
-        where ``kept`` (an Int32) is nonzero, that row's contribution from this
-        rank is ``read()`` (called once the others have arrived, so that its
-        words are not live while polling) and its own slot, never written, is
-        neither polled nor re-armed. ``lives`` is None, or one Int32 per row: a
-        row whose entry is 0 is not polled (its sources are meaningless).
+        ``own`` is None, or (rank, kept, read) from a fused kernel: where ``kept``
+        (an Int32) is nonzero, this rank's contribution is ``read()`` (called once
+        the others have arrived, so that its words are not live while polling) and
+        its own slot, never written, is neither polled nor (`rearm`) re-armed.
+        ``skipped`` is then the Int32 bit mask of the slots not polled (one
+        register, not one per rank), else None.
         """
-        tp = self.config.tp
-        addresses = [
+        slots = [
             mailbox + self._contribution_offset(stage, src, slot, capacity_m) + fragment_offset
-            for slot in slots for src in range(tp)
+            for src in range(self.config.tp)
         ]
-        skipped = None
-        if owns is not None or lives is not None:
-            skipped = Int32(0)
-            for g in range(len(slots)):
-                if lives is not None:
-                    skipped = skipped | (((Int32(1) - lives[g]) * Int32((1 << tp) - 1)) << (g * tp))
-                if owns is not None:
-                    rank, kept, _ = owns[g]
-                    skipped = skipped | (kept << (rank + g * tp))  # kept is 0 or 1
-        words = self._wait(addresses, list(range(tp)) * len(slots), [t for t in tokens for _ in range(tp)],
-                           stage, stage_state, status, timeout_ns, skipped)
-        sources = []
-        for g in range(len(slots)):
-            row = words[g * tp:(g + 1) * tp]
-            if owns is not None:
-                held = owns[g][2]()
-                row = [[cutlass.select_(_polled(skipped, src + g * tp) != 0, word, held[w])
-                        for w, word in enumerate(row_words)] for src, row_words in enumerate(row)]
-            sources.append(row)
-        return addresses, sources, skipped
+        if own is None:
+            sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns)
+            return slots, sources, None
+        rank, kept, read = own
+        skipped = kept << rank  # kept is 0 or 1
+        sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns,
+                             skipped)
+        held = read()
+        sources = [[cutlass.select_(_polled(skipped, src) != 0, word, held[w]) for w, word in enumerate(words)]
+                   for src, words in enumerate(sources)]
+        return slots, sources, skipped
 
     def rearm(self, slots: list, skipped) -> None:
-        """Store the empty sentinel back into the slots that `wait_rows` polled."""
+        """Store the empty sentinel back into the slots that `wait_contributions` polled."""
         for i, address in enumerate(slots):
             ptx.store_words(address, [Uint32(protocol.EMPTY_U32)] * self.fragment_words,
                             predicate=None if skipped is None else _polled(skipped, i))
 
     @cute.jit
-    def _wait(self, slots, ranks, tokens, stage, stage_state, status, timeout_ns, skipped=None) -> list:
+    def _wait(self, slots, ranks, stage, token, stage_state, status, timeout_ns, skipped=None) -> list:
         """Poll ``slots`` until every bf16 lane is filled; return their words.
 
-        ``ranks[i]`` is the rank that fills ``slots[i]`` and ``tokens[i]`` its
-        token (for diagnostics). Slot ``i`` with bit ``i`` of ``skipped`` (an
-        Int32) set is not read: its words are zeros, which count as filled.
+        ``ranks[i]`` is the rank that fills ``slots[i]`` (for diagnostics). Slot
+        ``i`` with bit ``i`` of ``skipped`` (an Int32) set is not read: its words
+        are zeros, which count as filled.
         """
         words_per_slot = self.fragment_words
         rValues = cute.make_rmem_tensor(cute.make_layout((len(slots), words_per_slot)), Uint32)
-        # Bit i: slot i still holds an empty lane.
-        empty = Int32(0)
+        missing = Int32(0)
         for i in cutlass.range_constexpr(len(slots)):
             words = self._poll(slots, i, skipped)
             for w in cutlass.range_constexpr(words_per_slot):
                 rValues[i, w] = words[w]
             if ptx.has_empty_lane(words) != Uint32(0):
-                empty = empty | (Int32(1) << i)
-        if empty != 0:
+                missing = missing | (Int32(1) << ranks[i])
+        if missing != 0:
             start = ptx.global_timer_ns()
             timed_out = Int32(0)
-            while empty != 0:
-                empty = Int32(0)
+            while missing != 0:
+                missing = Int32(0)
                 for i in cutlass.range_constexpr(len(slots)):
                     words = self._poll(slots, i, skipped)
                     for w in cutlass.range_constexpr(words_per_slot):
                         rValues[i, w] = words[w]
                     if ptx.has_empty_lane(words) != Uint32(0):
-                        empty = empty | (Int32(1) << i)
-                if empty != 0 and timeout_ns > 0:
+                        missing = missing | (Int32(1) << ranks[i])
+                if missing != 0 and timeout_ns > 0:
                     if ptx.global_timer_ns() - start > timeout_ns:
-                        # Returns only under ON_TIMEOUT_FLAG, with the mailbox halted. The
-                        # diagnostic names the ranks still missing and the token of the
-                        # first slot still empty.
-                        missing = Int32(0)
-                        token = tokens[len(slots) - 1]
-                        for k in cutlass.range_constexpr(len(slots)):
-                            i = len(slots) - 1 - k
-                            late = ((empty >> i) & 1) != 0
-                            missing = missing | cutlass.select_(late, Int32(1) << ranks[i], Int32(0))
-                            token = cutlass.select_(late, tokens[i], token)
+                        # Returns only under ON_TIMEOUT_FLAG, with the mailbox halted.
                         self._record(protocol.STATUS_TIMEOUT, stage, token, missing, stage_state, status)
                         ptx.store_volatile_s32(stage_state + protocol.HALT * 4, protocol.HALT_FAILED)
                         timed_out = Int32(1)
-                        empty = Int32(0)
+                        missing = Int32(0)
             if timed_out != 0:
                 for i in cutlass.range_constexpr(len(slots)):
                     for w in cutlass.range_constexpr(words_per_slot):

@@ -22,12 +22,9 @@ form a thread block cluster (so that the row's expert loads spread over as
 many SMs as the plain publish's); cluster ``c`` first publishes each thread's
 fragment of rows ``c``, ``c + clusters``, ..., as `FusedPublishReduceKernel`
 does, then goes on as above for the same rows, the CTAs' sums of squares
-added in cluster order through distributed shared memory (`RowSums`). It takes
-those rows ``norm_group_rows`` at a time: one poll loop waits for all of a
-group's slots, and one block and cluster reduction serves all of its rows, so
-that a cluster of two rows (``waves=2``) pays one memory round trip and one
-exchange less than one row after the other. It reads the residual only after
-``griddepcontrol.wait``, since it may be the previous call's ``residual_out``.
+added in cluster order through distributed shared memory (`RowSums`). It reads the
+residual only after ``griddepcontrol.wait``, since it may be the previous
+call's ``residual_out``.
 
 The wait, the stage protocol, the timeout and the halt word are the plain
 reduce's (`LamportReduceKernel`), so every guarantee of it holds here: a bounded wait,
@@ -70,19 +67,18 @@ def _aligned(nbytes: int) -> int:
 
 
 class RowSums:
-    """The sums over a row's CTA (cluster) of one float per thread, for each of a group of
-    rows, the same bits in every thread: each warp's butterfly sum, then the warps' sums
-    added in warp order, then, with a cluster, the CTAs' sums added in cluster order. A
-    group costs one CTA barrier and one cluster exchange, whatever its rows.
+    """The sum over a row's CTA (cluster) of one float per thread, the same bits in every
+    thread: each warp's butterfly sum, then the warps' sums added in warp order, then,
+    with a cluster, the CTAs' sums added in cluster order.
 
-    Each CTA delivers its sums into every CTA's shared memory with ``st.async``,
+    Each CTA delivers its sum into every CTA's shared memory with ``st.async``,
     which counts the bytes on the receiver's mbarrier: the receivers wait on their
     own mbarrier, with no cluster barrier (whose release would first make this
-    thread's earlier global stores visible, an L2 round trip, every group).
-    Everything is double-buffered by the parity of the group's index in the CTA's
-    sequence: a CTA delivers its sums for group ``j + 1`` only after all of its
-    threads have read group ``j``'s sums (the CTA barrier of group ``j + 1`` orders
-    that), and no CTA gets past group ``j + 1`` without that delivery, so group
+    thread's earlier global stores visible, an L2 round trip, every row).
+    Everything is double-buffered by the parity of the row's index in the CTA's
+    sequence: a CTA delivers its sum for row ``j + 1`` only after all of its
+    threads have read row ``j``'s sums (the CTA barrier of row ``j + 1`` orders
+    that), and no CTA gets past row ``j + 1`` without that delivery, so row
     ``j + 2``'s writes never land on sums still being read.
     """
 
@@ -91,28 +87,22 @@ class RowSums:
     def __init__(self, config: KernelConfig) -> None:
         self.warps = config.reduce_threads // WARP
         self.cluster = cluster_ctas(config)
-        self.rows = config.norm_group_rows
 
     @staticmethod
     def shared_bytes(config: KernelConfig) -> int:
-        """Two floats per warp and row of a group; with a cluster, two per CTA of it and row,
-        and two mbarriers."""
-        rows = config.norm_group_rows
-        total = _aligned(2 * rows * config.reduce_threads // WARP * FLOAT_BYTES)
+        """Two floats per warp; with a cluster, two per CTA of it and two mbarriers."""
+        total = _aligned(2 * config.reduce_threads // WARP * FLOAT_BYTES)
         if cluster_ctas(config) == 1:
             return total
-        return (total + _aligned(2 * rows * cluster_ctas(config) * FLOAT_BYTES)
-                + _aligned(2 * RowSums.BARRIER_BYTES))
+        return total + _aligned(2 * cluster_ctas(config) * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
 
     def allocate(self):
         """(warp sums, CTA sums, mbarriers), the last two None without a cluster."""
         smem = cutlass.memory.SmemAllocator()
-        sWarpSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.rows, self.warps)),
-                                         byte_alignment=SMEM_ALIGNMENT)
+        sWarpSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.warps)), byte_alignment=SMEM_ALIGNMENT)
         if self.cluster == 1:
             return sWarpSums, None, None
-        sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.rows, self.cluster)),
-                                        byte_alignment=SMEM_ALIGNMENT)
+        sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)), byte_alignment=SMEM_ALIGNMENT)
         barriers = smem.allocate_array(Int64, 2, byte_alignment=SMEM_ALIGNMENT)
         return sWarpSums, sCtaSums, barriers
 
@@ -124,53 +114,40 @@ class RowSums:
             barriers = storage[2]
             if tidx == 0:
                 for parity in cutlass.range_constexpr(2):
-                    # One arrival per group: thread 0's, which also expects the cluster's bytes.
+                    # One arrival per row: thread 0's, which also expects the cluster's bytes.
                     cute.arch.mbarrier_init(barriers + parity, 1)
                 cute.arch.mbarrier_init_fence()
 
     @cute.jit
-    def sum(self, storage, values: list, tidx, group_index) -> list:
-        """Sum of each of ``values`` (one per row of the group) over the CTA (the cluster), for
-        this CTA's ``group_index``-th group; every thread of the cluster must call it, for the
-        same groups in the same order."""
+    def sum(self, storage, value: Float32, tidx, row_index) -> Float32:
+        """Sum of ``value`` over the CTA (the cluster), for this CTA's ``row_index``-th row; every
+        thread of the cluster must call it, for the same rows in the same order."""
         sWarpSums, sCtaSums, barriers = storage
-        parity = group_index % 2
-        warp_sums = [ptx.warp_sum_f32(value) for value in values]
+        parity = row_index % 2
+        warp_sum = ptx.warp_sum_f32(value)
         if tidx % WARP == 0:
-            for row in cutlass.range_constexpr(self.rows):
-                sWarpSums[parity, row, tidx // WARP] = warp_sums[row]
+            sWarpSums[parity, tidx // WARP] = warp_sum
         cute.arch.barrier()
-        totals = []
-        for row in cutlass.range_constexpr(self.rows):
-            total = Float32(0.0)
-            for warp in cutlass.range_constexpr(self.warps):
-                total = total + sWarpSums[parity, row, warp]
-            totals.append(total)
+        total = Float32(0.0)
+        for warp in cutlass.range_constexpr(self.warps):
+            total = total + sWarpSums[parity, warp]
         if cutlass.const_expr(self.cluster > 1):
             barrier = barriers + parity
             if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.rows * self.cluster * FLOAT_BYTES)
-            if tidx < self.rows * self.cluster:
-                # Thread i delivers this CTA's sum of row i // cluster to CTA i % cluster.
-                row = tidx // self.cluster
-                target = tidx % self.cluster
-                delivered = totals[0]
-                for other in cutlass.range_constexpr(1, self.rows):
-                    delivered = cutlass.select_(row == other, totals[other], delivered)
+                cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * FLOAT_BYTES)
+            if tidx < self.cluster:
+                # Thread i delivers this CTA's sum to CTA i of the cluster.
                 own = cute.arch.block_idx_in_cluster()
-                slot = sCtaSums.iterator + cute.crd2idx((parity, row, own), sCtaSums.layout)
-                ptx.store_async_cluster_f32(cute.arch.map_dsmem_ptr(slot, target).toint(), delivered,
-                                            cute.arch.map_dsmem_ptr(barrier, target).toint())
-            # Barrier `parity` serves groups parity, parity + 2, ...: this is its
-            # (group_index // 2)-th phase.
-            cute.arch.mbarrier_wait(barrier, (group_index // 2) % 2)
-            totals = []
-            for row in cutlass.range_constexpr(self.rows):
-                total = Float32(0.0)
-                for cta in cutlass.range_constexpr(self.cluster):
-                    total = total + sCtaSums[parity, row, cta]
-                totals.append(total)
-        return totals
+                slot = sCtaSums.iterator + cute.crd2idx((parity, own), sCtaSums.layout)
+                ptx.store_async_cluster_f32(cute.arch.map_dsmem_ptr(slot, tidx).toint(), total,
+                                            cute.arch.map_dsmem_ptr(barrier, tidx).toint())
+            # Barrier `parity` serves rows parity, parity + 2, ...: this is its
+            # (row_index // 2)-th phase.
+            cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
+            total = Float32(0.0)
+            for cta in cutlass.range_constexpr(self.cluster):
+                total = total + sCtaSums[parity, cta]
+        return total
 
 
 class LamportReduceNormKernel(LamportReduceKernel):
@@ -188,7 +165,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
         self.fragments_per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
         self.row_sums = RowSums(config)
         self.cluster = cluster_ctas(config)
-        self.group_rows = config.norm_group_rows
 
     @cute.kernel
     def reduce_norm(
@@ -282,19 +258,12 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                      capacity_m, rank, stage, first=False)
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
-            # The cluster's rows, `norm_group_rows` at a time: the rows of a group are waited
-            # for together and normalized after one row sum (the last group may run past m).
-            group_stride = clusters * self.group_rows
-            for group_row in cutlass.range(first_row, m, group_stride):
-                group = (group_row - first_row) // group_stride
-                rows = [group_row + k * clusters for k in range(self.group_rows)]
-                lives = [Int32(row < m) for row in rows]
-                # A row's index in this cluster's sequence: which own partial it is.
-                tiles = [group * self.group_rows + k for k in range(self.group_rows)]
-                rResidual = self._load_residuals(residual, rows, lives, first_fragment)
-                self._norm_rows(rows, rows, lives, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
-                                group, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
-                                eps, None if sOwn is None else [self.own.held(sOwn, tile, rank) for tile in tiles])
+            for row in cutlass.range(first_row, m, clusters):
+                j = (row - first_row) // clusters
+                rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
+                self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
+                               sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
+                               eps, self.own.held(sOwn, j, rank))
             self.finish_call(stage, stage_state, advance=True, waited=True)
         else:
             if cutlass.const_expr(cfg.mode == "oneshot"):
@@ -306,19 +275,18 @@ class LamportReduceNormKernel(LamportReduceKernel):
             # has passed its griddepcontrol.wait (the publish releases it after that wait),
             # so everything the stream ran before the publish, where these inputs come from,
             # has completed.
-            lives = [Int32(token < m)]
+            live = Int32(token < m)
             rWeight = self._load_norm_weight(norm_weight, tidx)
-            rResidual = self._load_residuals(residual, [block], lives, tidx)
+            rResidual = self._load_residual(residual, block, live, tidx)
             stage, halt = self._start_call(stage_state)
-            self._norm_rows([block], [token], lives, stage, halt, rWeight, rResidual, tidx, tidx,
-                            self.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
-                            capacity_m, residual_out, eps, None)
+            self._norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, tidx,
+                           self.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
+                           capacity_m, residual_out, eps, None)
             self.finish_call(stage, stage_state, advance=True, waited=False)
 
-    def _fragment_registers(self, rows: int = 1):
-        """Registers for this thread's fragments of ``rows`` rows, as bf16x2 words."""
-        return cute.make_rmem_tensor(
-            cute.make_layout((rows, self.fragments_per_thread, self.fragment_words)), Uint32)
+    def _fragment_registers(self):
+        """Registers for this thread's fragments of a row, as bf16x2 words."""
+        return cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, self.fragment_words)), Uint32)
 
     def _load_norm_weight(self, norm_weight, first_fragment):
         """This thread's fragments of ``norm_weight``, as bf16x2 words."""
@@ -327,93 +295,79 @@ class LamportReduceNormKernel(LamportReduceKernel):
             offset, present = self._fragment(first_fragment, j)
             weight = ptx.load_words(norm_weight + offset, self.fragment_words, predicate=present)
             for w in range(self.fragment_words):
-                rWeight[0, j, w] = weight[w]
+                rWeight[j, w] = weight[w]
         return rWeight
 
-    def _load_residuals(self, residual, rows, lives, first_fragment):
-        """This thread's fragments of residual rows ``rows`` (zeros where ``lives`` is 0)."""
-        rResidual = self._fragment_registers(len(rows))
-        for g, (row, live) in enumerate(zip(rows, lives)):
-            for j in range(self.fragments_per_thread):
-                offset, present = self._fragment(first_fragment, j)
-                kept = ptx.load_words(residual + Int64(row) * self.row_bytes + offset, self.fragment_words,
-                                      predicate=present & live)
-                for w in range(self.fragment_words):
-                    rResidual[g, j, w] = kept[w]
+    def _load_residual(self, residual, row, live, first_fragment):
+        """This thread's fragments of residual row ``row`` (zeros where ``live`` is 0)."""
+        rResidual = self._fragment_registers()
+        for j in range(self.fragments_per_thread):
+            offset, present = self._fragment(first_fragment, j)
+            kept = ptx.load_words(residual + Int64(row) * self.row_bytes + offset, self.fragment_words,
+                                  predicate=present & live)
+            for w in range(self.fragment_words):
+                rResidual[j, w] = kept[w]
         return rResidual
 
     @cute.jit
-    def _norm_rows(self, rows, tokens, lives, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
-                   group_index, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
-                   owns) -> None:
-        """Wait for, sum, add the residual to and normalize output rows ``rows`` (those of
-        ``tokens``; ``lives[g]`` is Int32 0 for a row past m) over this thread's fragments
-        from ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it,
-        for the same rows; ``sums`` is `RowSums.allocate`'s, ``group_index`` the group's
-        index in this CTA's sequence (`RowSums.sum`). ``owns``: the fused kernel's own
-        partials, one per row (`LamportReduceKernel.wait_rows`), else None."""
+    def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
+                  row_index, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
+                  own) -> None:
+        """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
+        ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
+        ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
+        same rows; ``sums`` is `RowSums.allocate`'s, ``row_index`` the row's index in this
+        CTA's sequence (`RowSums.sum`). ``own``: the fused kernel's own partial
+        (`LamportReduceKernel.wait_contributions`), else None."""
         cfg = self.config
-        group = len(rows)
-        row_offsets = [Int64(row) * self.row_bytes for row in rows]
-        any_live = lives[0]
-        for live in lives[1:]:
-            any_live = any_live | live
-        # residual_out, as bf16 words, and the float32 sums of its squares over this thread's lanes.
-        rResidualOut = self._fragment_registers(group)
-        rSquares = cute.make_rmem_tensor(cute.make_layout((group,)), Float32)
-        for g in cutlass.range_constexpr(group):
-            rSquares[g] = Float32(0.0)
-        if any_live != 0:
+        row_offset = Int64(row) * self.row_bytes
+        # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
+        rResidualOut = self._fragment_registers()
+        squares = Float32(0.0)
+        if live != 0:
             for j in cutlass.range_constexpr(self.fragments_per_thread):
                 offset, present = self._fragment(first_fragment, j)
                 if present != 0 and halt != protocol.HALT_RUNNING:
                     # Never touch a halted mailbox: report (closed) and trap, or NaN out.
-                    for g in cutlass.range_constexpr(group):
-                        if lives[g] != 0:
-                            self.halted(residual_out + row_offsets[g] + offset, halt, stage, tokens[g], stage_state,
-                                        status)
-                        for w in cutlass.range_constexpr(self.fragment_words):
-                            rResidualOut[g, j, w] = Uint32(NAN_BF16X2)
+                    self.halted(residual_out + row_offset + offset, halt, stage, token, stage_state, status)
+                    for w in cutlass.range_constexpr(self.fragment_words):
+                        rResidualOut[j, w] = Uint32(NAN_BF16X2)
                 if present != 0 and halt == protocol.HALT_RUNNING:
-                    slots, sources, skipped = self.wait_rows(
-                        mailbox, stage, rows, offset, capacity_m, tokens, stage_state, status, timeout_ns, owns,
-                        lives=None if group == 1 else lives
+                    slots, sources, skipped = self.wait_contributions(
+                        mailbox, stage, row, offset, capacity_m, token, stage_state, status, timeout_ns, own
                     )
-                    for g in cutlass.range_constexpr(group):
-                        total = self.sum_sources(sources[g])
-                        for w in cutlass.range_constexpr(self.fragment_words):
-                            y_low, y_high = ptx.bf16x2_to_f32(total[w])
-                            r_low, r_high = ptx.bf16x2_to_f32(rResidual[g, j, w])
-                            word = ptx.f32x2_to_bf16x2(y_low + r_low, y_high + r_high)
-                            rResidualOut[g, j, w] = word
-                            low, high = ptx.bf16x2_to_f32(word)
-                            rSquares[g] = rSquares[g] + low * low + high * high
+                    total = self.sum_sources(sources)
                     self.rearm(slots, skipped)
+                    for w in cutlass.range_constexpr(self.fragment_words):
+                        y_low, y_high = ptx.bf16x2_to_f32(total[w])
+                        r_low, r_high = ptx.bf16x2_to_f32(rResidual[j, w])
+                        word = ptx.f32x2_to_bf16x2(y_low + r_low, y_high + r_high)
+                        rResidualOut[j, w] = word
+                        low, high = ptx.bf16x2_to_f32(word)
+                        squares = squares + low * low + high * high
 
-        # Every thread takes part in the row sums (they have a barrier); rows past m sum zeros.
-        totals = self.row_sums.sum(sums, [rSquares[g] for g in range(group)], tidx, group_index)
-        for g in cutlass.range_constexpr(group):
-            inverse_rms = ptx.rsqrt_f32(totals[g] / Float32(cfg.hidden) + eps)
-            for j in cutlass.range_constexpr(self.fragments_per_thread):
-                offset, present = self._fragment(first_fragment, j)
-                if present != 0:
-                    if lives[g] != 0:
-                        normed = []
-                        for w in cutlass.range_constexpr(self.fragment_words):
-                            x_low, x_high = ptx.bf16x2_to_f32(rResidualOut[g, j, w])
-                            g_low, g_high = ptx.bf16x2_to_f32(rWeight[0, j, w])
-                            normed.append(
-                                ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high)
-                            )
-                        ptx.store_words(residual_out + row_offsets[g] + offset,
-                                        [rResidualOut[g, j, w] for w in range(self.fragment_words)])
-                        ptx.store_words(out + row_offsets[g] + offset, normed)
-                    else:
-                        if cutlass.const_expr(cfg.mode == "reduce_scatter"):
-                            # Rows of no token: both outputs are +0.0, like the plain reduce's.
-                            ptx.store_words(residual_out + row_offsets[g] + offset,
-                                            [Uint32(0)] * self.fragment_words)
-                            ptx.store_words(out + row_offsets[g] + offset, [Uint32(0)] * self.fragment_words)
+        # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
+        mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
+        inverse_rms = ptx.rsqrt_f32(mean + eps)
+        for j in cutlass.range_constexpr(self.fragments_per_thread):
+            offset, present = self._fragment(first_fragment, j)
+            if present != 0:
+                if live != 0:
+                    normed = []
+                    for w in cutlass.range_constexpr(self.fragment_words):
+                        x_low, x_high = ptx.bf16x2_to_f32(rResidualOut[j, w])
+                        g_low, g_high = ptx.bf16x2_to_f32(rWeight[j, w])
+                        normed.append(
+                            ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high)
+                        )
+                    ptx.store_words(residual_out + row_offset + offset,
+                                    [rResidualOut[j, w] for w in range(self.fragment_words)])
+                    ptx.store_words(out + row_offset + offset, normed)
+                else:
+                    if cutlass.const_expr(cfg.mode == "reduce_scatter"):
+                        # Rows of no token: both outputs are +0.0, like the plain reduce's.
+                        ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
+                        ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)
 
     def _fragment(self, first_fragment, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's
