@@ -29,10 +29,11 @@ MAX_THREADS = 1024
 MAX_NORM_FRAGMENTS_PER_THREAD = 8
 """Register budget of the fused epilogue: 16-byte fragments of a row per reduce thread."""
 PORTABLE_CLUSTER_CTAS = 8
-"""The portable thread block cluster size: the most CTAs of a default fused epilogue row."""
+"""The portable thread block cluster size: the most CTAs of a default fused epilogue row of
+16-byte fragments."""
 MAX_CLUSTER_CTAS = 16
 """The largest cluster Hopper launches (beyond the portable 8 the launcher opts the kernel in):
-the most CTAs that share one fused epilogue row."""
+the most CTAs that share one fused epilogue row, which a default row of 8-byte fragments uses."""
 OWN_PARTIAL_BYTES = 16 * 1024
 """Shared memory per CTA of a fused kernel for this rank's own partials (`KernelConfig.keep_own_partial`).
 At 16 KiB (plus 1 KiB reserved per CTA) 13 CTAs fit in an H100/H200 SM's 228 KiB. The fused
@@ -344,7 +345,14 @@ class KernelConfig:
         4.26 against 5.40 us at m = 1, 0.81 and 0.88 of the time at m = 256 and
         1024, and within 0.4 us either way at m = 2 to 64. (One CTA per row,
         without a cluster, was 1.3 to 1.5 us slower than two kernels at m = 1
-        and 8: one SM then loads all of the row's experts.)
+        and 8: one SM then loads all of the row's experts.) Up to ``SMALL_M // 2``
+        tokens its fragments are 8 bytes, in twice the CTAs (14 for hidden 7168,
+        beyond the portable cluster size): against 16 bytes in 7 CTAs, 3.93
+        against 4.31 us at m = 1, 5.19 against 5.56 at m = 16, and 5.79 against
+        6.53 and 6.09 against 6.44 at m = 32 in two runs; at m = 64 (two passes)
+        16 bytes stayed faster, 7.65 against 7.81 and 7.71 against 7.95 us
+        (``...-epilogue-norm-group-rows-m1-m16.json``, ``...-m32-m64.json``,
+        ``...-epilogue-fragments-waves-m32-m64.json``).
 
         A fused call of 33 to 64 tokens covers its rows in two passes of the grid
         (``waves=2``): at m = 64 that took 0.31 to 0.96 us less than one pass in
@@ -372,12 +380,17 @@ class KernelConfig:
             fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
             per_thread = 1 if fragments <= MAX_THREADS else -(-fragments // (MAX_THREADS // 2))
             reduce_threads = -(-fragments // per_thread // 32) * 32
-            # Fused, a cluster of CTAs per row publishes and normalizes it.
-            cluster_threads = max(128, -(-fragments // PORTABLE_CLUSTER_CTAS // 32) * 32)
+            # Fused, a cluster of CTAs per row publishes and normalizes it: in one pass of
+            # the grid, 8-byte fragments over up to MAX_CLUSTER_CTAS CTAs; else 16-byte ones
+            # over up to PORTABLE_CLUSTER_CTAS.
+            narrow = m is not None and m <= SMALL_M // 2
+            fused_elements = protocol.REDUCE_ELEMENTS // 2 if narrow else protocol.REDUCE_ELEMENTS
+            cluster_ctas = MAX_CLUSTER_CTAS if narrow else PORTABLE_CLUSTER_CTAS
+            cluster_threads = max(128, -(-(hidden // fused_elements) // cluster_ctas // 32) * 32)
             wanted = requested is not False
             fuse_reduce = wanted and mode == "oneshot" and cluster_threads <= MAX_THREADS
             if fuse_reduce:
-                elements, threads = protocol.REDUCE_ELEMENTS, cluster_threads
+                elements, threads = fused_elements, cluster_threads
                 reduce_threads = cluster_threads
         waves = 2 if fuse_reduce and m is not None and SMALL_M // 2 < m <= SMALL_M else 1
         return cls(

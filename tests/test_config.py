@@ -144,14 +144,17 @@ def test_default_validates(problem, field):
 EPILOGUE_SHAPES = [(2048, 256, 1), (2880, 384, 1), (5120, 640, 1), (7168, 896, 1), (8192, 1024, 1),
                    (9216, 384, 3), (16384, 512, 4)]
 # (threads, CTAs of the row's cluster) by hidden, of the fused epilogue's default shape: 128
-# threads, or more where 8 CTAs of 128 would not hold the row.
+# threads, or more where the cluster would not hold the row; 16-byte fragments in at most 8
+# CTAs, and up to SMALL_M // 2 tokens 8-byte ones in at most 16.
 FUSED_EPILOGUE_SHAPES = {2048: (128, 2), 2880: (128, 3), 5120: (128, 5), 7168: (128, 7), 8192: (128, 8),
                          9216: (160, 8), 16384: (256, 8)}
+NARROW_FUSED_EPILOGUE_SHAPES = {2048: (128, 4), 2880: (128, 6), 5120: (128, 10), 7168: (128, 14),
+                                8192: (128, 16), 9216: (160, 15), 16384: (256, 16)}
 
 
 @pytest.mark.parametrize("hidden, threads, per_thread", EPILOGUE_SHAPES)
 @pytest.mark.parametrize("mode", ["oneshot", "reduce_scatter"])
-@pytest.mark.parametrize("m", [1, 1024, None])
+@pytest.mark.parametrize("m", [1, SMALL_M // 2, SMALL_M // 2 + 1, 1024, None])
 def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
     problem = dict(hidden=hidden, top_k=8, tp=2, mode=mode, m=m)
     config = KernelConfig.default(**problem, epilogue="rmsnorm")
@@ -159,8 +162,10 @@ def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
     assert (config.epilogue, config.mode) == ("rmsnorm", mode)
     assert config.fuse_reduce == (mode == "oneshot")  # fused exactly for oneshot
     if config.fuse_reduce:
-        assert (config.threads, config.ctas_per_token) == FUSED_EPILOGUE_SHAPES[hidden]
-        assert (config.reduce_threads, config.elements_per_thread) == (config.threads, 8)
+        narrow = m is not None and m <= SMALL_M // 2
+        shapes = NARROW_FUSED_EPILOGUE_SHAPES if narrow else FUSED_EPILOGUE_SHAPES
+        assert (config.threads, config.ctas_per_token) == shapes[hidden]
+        assert (config.reduce_threads, config.elements_per_thread) == (config.threads, 4 if narrow else 8)
     else:
         assert config == unfused
     assert (unfused.reduce_threads, unfused.norm_fragments_per_thread) == (threads, per_thread)
@@ -203,8 +208,8 @@ def test_default_waves(epilogue, other_mode):
 
 def test_default_fuses_the_epilogue_on_request_with_a_cluster_per_row():
     fused = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=1, epilogue="rmsnorm", fuse_reduce=True)
-    assert fused.fuse_reduce and (fused.threads, fused.reduce_threads, fused.elements_per_thread) == (128, 128, 8)
-    assert fused.ctas_per_token == 7
+    assert fused.fuse_reduce and (fused.threads, fused.reduce_threads, fused.elements_per_thread) == (128, 128, 4)
+    assert fused.ctas_per_token == 14
 
 
 def test_default_refuses_epilogue_with_twoshot():
