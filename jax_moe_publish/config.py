@@ -41,11 +41,10 @@ sets of the presets use 40 to 96 registers per thread (``tools/kernel_resources.
 allow at most 12 CTAs of 128 threads: the buffer does not lower their occupancy."""
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
-MAX_PREFETCH_RESIDUAL_ROWS = 4
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
-               "waves", "prefetch_residual_rows")
+               "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
                 "fuse_reduce", "keep_own_partial")
 
@@ -121,11 +120,6 @@ class KernelConfig:
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
         ``norm_fragments_per_thread`` 16-byte fragments per thread.
-    prefetch_residual_rows : int
-        Fused epilogue only: residual rows of a cluster (its first ones, 0 to
-        4) loaded right after ``griddepcontrol.wait``, before the cluster
-        publishes, so that their loads overlap the finalize's; its later rows'
-        residuals are loaded when their wait begins.
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin.
     """
@@ -148,7 +142,6 @@ class KernelConfig:
     keep_own_partial: bool | None = None
     waves: int = 1
     epilogue: Epilogue = "none"
-    prefetch_residual_rows: int = 0
     arch: str = "sm_90a"
 
     def __post_init__(self) -> None:
@@ -233,11 +226,6 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
-        _require(0 <= self.prefetch_residual_rows <= MAX_PREFETCH_RESIDUAL_ROWS, "prefetch_residual_rows",
-                 self.prefetch_residual_rows, f"an int in [0, {MAX_PREFETCH_RESIDUAL_ROWS}]")
-        if self.prefetch_residual_rows:
-            _require(self.fuse_reduce and self.epilogue != "none", "prefetch_residual_rows",
-                     self.prefetch_residual_rows, "0 unless fuse_reduce is True and there is an epilogue")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")

@@ -203,8 +203,8 @@ def test_publish_loads(builds, config):
     load = publish_load(config)
     # One vector load per routed row and one for the shared row, all of the configured width.
     vector_loads = [op for op in opcodes(body, "ld.global") if re.search(r"\.v\d", op)]
-    # (The fused epilogue also reads norm_weight, the prefetched residual rows and the others.)
-    row_inputs = 2 + config.prefetch_residual_rows if config.fuse_reduce and config.epilogue != "none" else 0
+    # (The fused epilogue also reads the residual and norm_weight fragments.)
+    row_inputs = 2 if config.fuse_reduce and config.epilogue != "none" else 0
     # A persistent (fused) kernel finalizes in two places: its first tile, then a loop over the others.
     finalizes = 2 if config.fuse_reduce else 1
     assert vector_loads == [load] * ((config.top_k + config.include_shared_expert) * finalizes + row_inputs)
@@ -326,14 +326,9 @@ def test_reduce_norm_ptx(builds, config):
         # residual, norm_weight, the routed rows and the shared row: all read only after
         # griddepcontrol.wait (the residual may be the previous call's residual_out), and
         # residual and weight before the mailbox polls.
-        # (The finalize is traced twice: the first row, then the loop over the others; the
-        # prefetched residual rows are loaded before both, the others in the wait loop.)
+        # (The finalize is traced twice: the first row, then the loop over the others.)
         input_loads = opcodes(body, "ld.global.nc.L1")
-        # Before the first publish store: the weight, the prefetched rows and the first row's finalize.
-        early = opcodes(body[:body.index("ld.global.nc.u64")], "ld.global.nc.L1")
-        assert len(early) == 1 + config.prefetch_residual_rows + config.top_k + config.include_shared_expert
-        assert input_loads == [publish_load(config)] * (
-            2 + config.prefetch_residual_rows + 2 * (config.top_k + config.include_shared_expert))
+        assert input_loads == [publish_load(config)] * (2 + 2 * (config.top_k + config.include_shared_expert))
         if config.enable_pdl:
             assert body.index("griddepcontrol.wait") < body.index("ld.global.nc.L1")
         polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]

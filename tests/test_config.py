@@ -78,13 +78,6 @@ INVALID = [
     # 8 CTAs of a cluster).
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "hidden": 9216, "threads": 128, "reduce_threads": 128},
      "reduce_threads", 128),
-    # Residuals prefetched only by the fused epilogue, 0 to 4 rows.
-    ({"prefetch_residual_rows": 1}, "prefetch_residual_rows", 1),
-    ({"prefetch_residual_rows": 1, "epilogue": "rmsnorm"}, "prefetch_residual_rows", 1),
-    ({"prefetch_residual_rows": 1, "fuse_reduce": True}, "prefetch_residual_rows", 1),
-    ({"prefetch_residual_rows": -1, "fuse_reduce": True, "epilogue": "rmsnorm"}, "prefetch_residual_rows", -1),
-    ({"prefetch_residual_rows": 5, "fuse_reduce": True, "epilogue": "rmsnorm"}, "prefetch_residual_rows", 5),
-    ({"prefetch_residual_rows": True, "fuse_reduce": True, "epilogue": "rmsnorm"}, "prefetch_residual_rows", True),
 ]
 
 
@@ -249,11 +242,9 @@ CHANGED = {
 
 
 def test_key_changes_with_every_field():
-    # keep_own_partial, waves and prefetch_residual_rows need fuse_reduce: see
-    # test_keep_own_partial_follows_fuse_reduce, test_waves_need_fuse_reduce and
-    # test_prefetch_residual_rows_need_the_fused_epilogue.
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
-    assert set(CHANGED) | {"keep_own_partial", "waves", "prefetch_residual_rows"} == fields
+    # keep_own_partial and waves need fuse_reduce: see test_keep_own_partial_follows_fuse_reduce
+    # and test_waves_need_fuse_reduce.
+    assert set(CHANGED) | {"keep_own_partial", "waves"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():
@@ -320,16 +311,6 @@ def test_waves_need_fuse_reduce():
     epilogue = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=64, epilogue="rmsnorm")
     assert epilogue.fuse_reduce and epilogue.replace(waves=4).waves == 4
     with pytest.raises(ValueError, match=re.escape("KernelConfig.waves=2: expected 1 unless fuse_reduce is True")):
-        two.replace(fuse_reduce=False)
-
-
-def test_prefetch_residual_rows_need_the_fused_epilogue():
-    fused = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=64, epilogue="rmsnorm")
-    two = fused.replace(prefetch_residual_rows=2)
-    assert two.key != fused.key and KernelConfig.from_dict(two.to_dict()) == two
-    with pytest.raises(ValueError, match=re.escape(
-            "KernelConfig.prefetch_residual_rows=2: expected 0 unless fuse_reduce is True and there is an "
-            "epilogue")):
         two.replace(fuse_reduce=False)
 
 

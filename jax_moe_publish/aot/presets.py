@@ -112,8 +112,8 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
         # Oneshot unfused (publish, then reduce_norm), which is not a default, stays tested;
         # and fused with one CTA (no cluster) per row, with the own partials in the mailbox,
         # with 8-byte fragments (twice the threads, in as many CTAs), and with 8-byte fragments
-        # in twice the CTAs (14 for hidden 7168: a cluster beyond the portable 8), with a
-        # grid of a third of the rows' clusters, and with residuals prefetched.
+        # in twice the CTAs (14 for hidden 7168: a cluster beyond the portable 8), and with a
+        # grid of a third of the rows' clusters.
         configs += [KernelConfig.default(tp=tp, m=m, epilogue="rmsnorm", fuse_reduce=False, **problem)
                     for problem in TEST_EPILOGUE_PROBLEMS for m in DEFAULT_SHAPE_MS]
         fused = KernelConfig.default(tp=tp, m=SMALL_M, epilogue="rmsnorm", **TEST_EPILOGUE_PROBLEMS[0])
@@ -123,10 +123,6 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
                                      reduce_threads=2 * fused.threads))
         configs.append(fused.replace(elements_per_thread=4))
         configs.append(fused.replace(waves=3))
-        # Residuals loaded before the publishes: every row of a cluster's pass, or the first
-        # of three.
-        configs.append(fused.replace(prefetch_residual_rows=2))
-        configs.append(fused.replace(waves=3, prefetch_residual_rows=1))
     return list(dict.fromkeys(configs))
 
 

@@ -24,8 +24,7 @@ fragment of rows ``c``, ``c + clusters``, ..., as `FusedPublishReduceKernel`
 does, then goes on as above for the same rows, the CTAs' sums of squares
 added in cluster order through distributed shared memory (`RowSums`). It reads the
 residual only after ``griddepcontrol.wait``, since it may be the previous
-call's ``residual_out``: the first ``prefetch_residual_rows`` rows' right
-after it, alongside the finalize's loads, the others' when their wait begins.
+call's ``residual_out``.
 
 The wait, the stage protocol, the timeout and the halt word are the plain
 reduce's (`LamportReduceKernel`), so every guarantee of it holds here: a bounded wait,
@@ -246,11 +245,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
             # After begin_call's griddepcontrol.wait: the residual may be the previous
             # call's residual_out, written by the kernel just before.
             rWeight = self._load_norm_weight(norm_weight, first_fragment)
-            early = [
-                self._load_residual(residual, first_row + k * clusters, Int32(first_row + k * clusters < m),
-                                    first_fragment)
-                for k in range(cfg.prefetch_residual_rows)
-            ]
             if present != 0 and halt == protocol.HALT_RUNNING:
                 packed = self.publisher.finalize(routed, weights, indices, num_rows, first_row, offset,
                                                  shared_words)
@@ -266,7 +260,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 cute.arch.cluster_wait()
             for row in cutlass.range(first_row, m, clusters):
                 j = (row - first_row) // clusters
-                rResidual = self._residual_row(residual, row, j, early, first_fragment)
+                rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
                                sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
                                eps, self.own.held(sOwn, j, rank))
@@ -303,20 +297,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
             for w in range(self.fragment_words):
                 rWeight[j, w] = weight[w]
         return rWeight
-
-    def _residual_row(self, residual, row, j, early, first_fragment):
-        """This thread's fragment of residual row ``row``, the cluster's ``j``-th: from ``early``
-        (the prefetched rows' registers) while ``j`` is below their count, else loaded now."""
-        if len(early) == 0:
-            return self._load_residual(residual, row, Int32(1), first_fragment)
-        late = self._load_residual(residual, row, Int32(j >= len(early)), first_fragment)
-        rResidual = self._fragment_registers()
-        for w in range(self.fragment_words):
-            word = late[0, w]
-            for k, prefetched in enumerate(early):
-                word = cutlass.select_(j == k, prefetched[0, w], word)
-            rResidual[0, w] = word
-        return rResidual
 
     def _load_residual(self, residual, row, live, first_fragment):
         """This thread's fragments of residual row ``row`` (zeros where ``live`` is 0)."""
