@@ -351,7 +351,8 @@ class KernelConfig:
         against 4.31 us at m = 1, 5.19 against 5.56 at m = 16, and 5.79 against
         6.53 and 6.09 against 6.44 at m = 32 in two runs; at m = 64 (two passes)
         16 bytes stayed faster, 7.65 against 7.81 and 7.71 against 7.95 us
-        (``...-epilogue-norm-group-rows-m1-m16.json``, ``...-m32-m64.json``,
+        (``...-epilogue-norm-group-rows-m1-m16.json``,
+        ``...-epilogue-norm-group-rows-m32-m64.json``,
         ``...-epilogue-fragments-waves-m32-m64.json``).
 
         A fused call of 33 to 64 tokens covers its rows in two passes of the grid
