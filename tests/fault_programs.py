@@ -57,6 +57,7 @@ import numerics
 from jax_moe_publish import protocol
 from jax_moe_publish.aot import presets
 from jax_moe_publish.aot.store import default_store
+from jax_moe_publish.config import PORTABLE_CLUSTER_CTAS
 from jax_moe_publish.cuda_memory import CudaError, check
 
 RESULT_PREFIX = "RESULT "
@@ -507,7 +508,7 @@ def sanitize_configs() -> dict:
         "fused-own-slot": next(c for c in fused if not c.keep_own_partial),
         "fused-4-elements": next(c for c in fused if c.elements_per_thread == 4),
         "rmsnorm": next(c for c in epilogues if not c.fuse_reduce),
-        "rmsnorm-fused": next(c for c in epilogues if c.fuse_reduce and c.ctas_per_token <= 8),
+        "rmsnorm-fused": next(c for c in epilogues if c.fuse_reduce and c.ctas_per_token <= PORTABLE_CLUSTER_CTAS),
         "rmsnorm-fused-14-ctas": next(c for c in epilogues if c.fuse_reduce and c.ctas_per_token == 14),
     }
 
