@@ -75,7 +75,6 @@ TUNING_GRID = {
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
     "waves": (1, 2),
-    "poll_backoff_ns": (0, 32, 128, 512),
 }
 
 
@@ -197,7 +196,6 @@ def tuning_variants(problem, tp, mode, m):
         "elements_per_thread": tuple(e for e in TUNING_GRID["elements_per_thread"] if base.hidden % e == 0),
         "prefetch_group": tuple(g for g in TUNING_GRID["prefetch_group"] if g <= base.top_k),
         "enable_pdl": TUNING_GRID["enable_pdl"],
-        "poll_backoff_ns": TUNING_GRID["poll_backoff_ns"],
     }
     if mode != "direct":
         grid["reduce_threads"] = TUNING_GRID["reduce_threads"]

@@ -41,12 +41,10 @@ sets of the presets use 40 to 96 registers per thread (``tools/kernel_resources.
 allow at most 12 CTAs of 128 threads: the buffer does not lower their occupancy."""
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
-MAX_POLL_BACKOFF_NS = 1_000_000
-"""The longest ``nanosleep`` PTX allows (1 ms)."""
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
-               "waves", "poll_backoff_ns")
+               "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
                 "fuse_reduce", "keep_own_partial")
 
@@ -118,9 +116,6 @@ class KernelConfig:
         at once), so each CTA finalizes up to ``waves`` tiles in turn and the
         NVLink stores of one overlap the HBM loads of the next. With 1, a call
         that fits on the GPU loads all of its rows before it stores any.
-    poll_backoff_ns : int
-        A thread whose mailbox poll found a slot still empty sleeps about this
-        long (``nanosleep``) before it polls again; 0 polls back to back.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -146,7 +141,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    poll_backoff_ns: int = 0
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -235,10 +229,6 @@ class KernelConfig:
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")
-        _require(
-            0 <= self.poll_backoff_ns <= MAX_POLL_BACKOFF_NS,
-            "poll_backoff_ns", self.poll_backoff_ns, f"an int in [0, {MAX_POLL_BACKOFF_NS}]",
-        )
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",

@@ -67,9 +67,6 @@ INVALID = [
     ({"waves": 0, "fuse_reduce": True}, "waves", 0),
     ({"waves": 2.0, "fuse_reduce": True}, "waves", 2.0),
     ({"waves": 2}, "waves", 2),  # several passes need the persistent (fused) grid
-    ({"poll_backoff_ns": -1}, "poll_backoff_ns", -1),
-    ({"poll_backoff_ns": 1_000_001}, "poll_backoff_ns", 1_000_001),
-    ({"poll_backoff_ns": 32.0}, "poll_backoff_ns", 32.0),
     ({"fuse_reduce": True, "mode": "twoshot"}, "mode", "twoshot"),
     ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
     ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
@@ -238,7 +235,6 @@ CHANGED = {
     "load_shared_expert_before_pdl": True,
     "enable_pdl": False,
     "reduce_threads": 64,
-    "poll_backoff_ns": 128,
     "fuse_reduce": True,
     "epilogue": "rmsnorm",
     "arch": "sm_100a",

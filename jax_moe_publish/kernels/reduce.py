@@ -220,10 +220,6 @@ class LamportReduceKernel:
             start = ptx.global_timer_ns()
             timed_out = Int32(0)
             while missing != 0:
-                if cutlass.const_expr(self.config.poll_backoff_ns > 0):
-                    # Fewer polls in flight leave the SM's memory pipeline and L2 to
-                    # the stores and loads of the tiles still being published.
-                    ptx.sleep_ns(self.config.poll_backoff_ns)
                 missing = Int32(0)
                 for i in cutlass.range_constexpr(len(slots)):
                     words = self._poll(slots, i, skipped)
