@@ -46,7 +46,7 @@ SMALL_M = 64
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
                "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
-                "fuse_reduce", "keep_own_partial", "arrive_early")
+                "fuse_reduce", "keep_own_partial")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -116,11 +116,6 @@ class KernelConfig:
         at once), so each CTA finalizes up to ``waves`` tiles in turn and the
         NVLink stores of one overlap the HBM loads of the next. With 1, a call
         that fits on the GPU loads all of its rows before it stores any.
-    arrive_early : bool
-        Fused only: each CTA counts itself in the stage's arrivals right after it
-        reads the stage, and the last one to arrive advances the stage at its own
-        end, instead of every CTA arriving at its end (where the last one waits for
-        the atomic's result).
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -146,7 +141,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    arrive_early: bool = False
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -232,8 +226,6 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
-        if self.arrive_early:
-            _require(self.fuse_reduce, "arrive_early", True, "False unless fuse_reduce is True")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")

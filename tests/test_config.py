@@ -67,8 +67,6 @@ INVALID = [
     ({"waves": 0, "fuse_reduce": True}, "waves", 0),
     ({"waves": 2.0, "fuse_reduce": True}, "waves", 2.0),
     ({"waves": 2}, "waves", 2),  # several passes need the persistent (fused) grid
-    ({"arrive_early": True}, "arrive_early", True),
-    ({"arrive_early": 1, "fuse_reduce": True}, "arrive_early", 1),
     ({"fuse_reduce": True, "mode": "twoshot"}, "mode", "twoshot"),
     ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
     ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
@@ -246,7 +244,7 @@ CHANGED = {
 def test_key_changes_with_every_field():
     # keep_own_partial and waves need fuse_reduce: see test_keep_own_partial_follows_fuse_reduce
     # and test_waves_need_fuse_reduce.
-    assert set(CHANGED) | {"keep_own_partial", "waves", "arrive_early"} == {f.name for f in dataclasses.fields(KernelConfig)}
+    assert set(CHANGED) | {"keep_own_partial", "waves"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():

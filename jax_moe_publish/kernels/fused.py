@@ -72,7 +72,6 @@ class FusedPublishReduceKernel:
         token, fragment_offset, in_range = self.publisher.position(block)
         shared_words = self.publisher.begin_call(shared, token, fragment_offset, in_range)
         stage, halt = self.publisher.read_stage(stage_state)
-        arrived = self.reducer.arrive(stage_state) if cutlass.const_expr(self.config.arrive_early) else None
         if halt != protocol.HALT_RUNNING:
             for tile in cutlass.range(block, tiles, grid):
                 halted_token, halted_offset, halted_in_range = self.publisher.position(tile)
@@ -103,7 +102,7 @@ class FusedPublishReduceKernel:
                     ptx.store_words(self._destination(out, wait_token, wait_offset),
                                     self.reducer.sum_sources(sources))
                     self.reducer.rearm(slots, skipped)
-        self.reducer.finish_call(stage, stage_state, advance=True, waited=True, arrived=arrived)
+        self.reducer.finish_call(stage, stage_state, advance=True, waited=True)
 
     def _destination(self, out, token, fragment_offset) -> Int64:
         """Address of a fragment of output row ``token``."""

@@ -202,24 +202,6 @@ def fetch_add_s32(address: Int64, value, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def fetch_add_acq_rel_s32(address: Int64, value, *, loc=None, ip=None) -> Int32:
-    """`fetch_add_s32` with acquire-release semantics at GPU scope: this thread's earlier
-    accesses (and, after a CTA barrier, its CTA's) happen before those of the thread whose
-    atomic reads the sum."""
-    return Int32(
-        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-             "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r", side_effects=True, loc=loc, ip=ip)
-    )
-
-
-@dsl_user_op
-def add_s32(address: Int64, value, *, loc=None, ip=None) -> None:
-    """Atomically add ``value`` to the int32 at ``address``, without waiting for the result."""
-    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-         "red.global.add.s32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def claim_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Atomically set the int32 at ``address`` from 0 to 1; returns the old value (0: claimed)."""
     return Int32(_scalar_at(address, "atom.global.cas.b32", T.i32(), "r", True, loc, ip, operands=", 0, 1"))

@@ -310,44 +310,21 @@ class LamportReduceKernel:
         return stage, halt
 
     @cute.jit
-    def arrive(self, stage_state) -> Int32:
-        """Once every thread of the CTA has read the stage, count the CTA in ``ARRIVALS``
-        (`KernelConfig.arrive_early`). Returns, in thread 0, the CTAs that arrived before it
-        (0 in the other threads): `finish_call` needs it only at the end, so the atomic's
-        round trip overlaps the call."""
-        cute.arch.barrier()
-        tidx, _, _ = cute.arch.thread_idx()
-        arrived = Int32(0)
-        if tidx == 0:
-            arrived = ptx.fetch_add_acq_rel_s32(stage_state + protocol.ARRIVALS * 4, 1)
-        return arrived
-
-    @cute.jit
     def finish_call(self, stage, stage_state, advance: cutlass.Constexpr[bool],
-                    waited: cutlass.Constexpr[bool], arrived=None) -> None:
+                    waited: cutlass.Constexpr[bool]) -> None:
         """Wait for the predecessor grid (so that the call ends after its publish) unless this
         kernel ``waited`` already, and with ``advance`` let the last CTA to arrive move the
-        stage and count the call (``arrived``: `arrive`'s count, the CTA arrived early)."""
+        stage and count the call."""
         if cutlass.const_expr(self.config.enable_pdl and not waited):
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(advance and arrived is not None):
-            tidx, _, _ = cute.arch.thread_idx()
-            grid, _, _ = cute.arch.grid_dim()
-            if tidx == 0:
-                if arrived == grid - 1:
-                    ptx.store_volatile_s32(stage_state + protocol.ARRIVALS * 4, 0)
-                    ptx.store_volatile_s32(
-                        stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES
-                    )
-                    ptx.add_s32(stage_state + protocol.CALL_COUNT * 4, 1)
-        if cutlass.const_expr(advance and arrived is None):
+        if cutlass.const_expr(advance):
             # Every thread of this CTA has read the stage before the CTA arrives.
             cute.arch.barrier()
             tidx, _, _ = cute.arch.thread_idx()
             grid, _, _ = cute.arch.grid_dim()
             if tidx == 0:
-                before = ptx.fetch_add_s32(stage_state + protocol.ARRIVALS * 4, 1)
-                if before == grid - 1:
+                arrived = ptx.fetch_add_s32(stage_state + protocol.ARRIVALS * 4, 1)
+                if arrived == grid - 1:
                     ptx.store_volatile_s32(stage_state + protocol.ARRIVALS * 4, 0)
                     ptx.store_volatile_s32(
                         stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES

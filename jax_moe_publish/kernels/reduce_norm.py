@@ -242,7 +242,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
             first_fragment = cluster_rank * cfg.threads + tidx
             shared_words = self.publisher.begin_call(shared, first_row, offset, present)
             stage, halt = self.publisher.read_stage(stage_state)
-            arrived = self.arrive(stage_state) if cutlass.const_expr(cfg.arrive_early) else None
             # After begin_call's griddepcontrol.wait: the residual may be the previous
             # call's residual_out, written by the kernel just before.
             rWeight = self._load_norm_weight(norm_weight, first_fragment)
@@ -265,7 +264,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
                                sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
                                eps, self.own.held(sOwn, j, rank))
-            self.finish_call(stage, stage_state, advance=True, waited=True, arrived=arrived)
+            self.finish_call(stage, stage_state, advance=True, waited=True)
         else:
             if cutlass.const_expr(cfg.mode == "oneshot"):
                 token = block
