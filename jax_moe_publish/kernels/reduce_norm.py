@@ -87,7 +87,6 @@ class RowSums:
     def __init__(self, config: KernelConfig) -> None:
         self.warps = config.reduce_threads // WARP
         self.cluster = cluster_ctas(config)
-        self.ablation = config.epilogue_ablation
 
     @staticmethod
     def shared_bytes(config: KernelConfig) -> int:
@@ -124,8 +123,6 @@ class RowSums:
         """Sum of ``value`` over the CTA (the cluster), for this CTA's ``row_index``-th row; every
         thread of the cluster must call it, for the same rows in the same order."""
         sWarpSums, sCtaSums, barriers = storage
-        if cutlass.const_expr(self.ablation & 2):
-            return value
         parity = row_index % 2
         warp_sum = ptx.warp_sum_f32(value)
         if tidx % WARP == 0:
@@ -134,7 +131,7 @@ class RowSums:
         total = Float32(0.0)
         for warp in cutlass.range_constexpr(self.warps):
             total = total + sWarpSums[parity, warp]
-        if cutlass.const_expr(self.cluster > 1 and not self.ablation & 1):
+        if cutlass.const_expr(self.cluster > 1):
             barrier = barriers + parity
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * FLOAT_BYTES)
@@ -307,7 +304,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
         for j in range(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
             kept = ptx.load_words(residual + Int64(row) * self.row_bytes + offset, self.fragment_words,
-                                  predicate=present & live & Int32(not self.config.epilogue_ablation & 4))
+                                  predicate=present & live)
             for w in range(self.fragment_words):
                 rResidual[j, w] = kept[w]
         return rResidual
@@ -363,11 +360,9 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         normed.append(
                             ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high)
                         )
-                    if cutlass.const_expr(not cfg.epilogue_ablation & 8):
-                        ptx.store_words(residual_out + row_offset + offset,
-                                        [rResidualOut[j, w] for w in range(self.fragment_words)])
-                    if cutlass.const_expr(not cfg.epilogue_ablation & 16):
-                        ptx.store_words(out + row_offset + offset, normed)
+                    ptx.store_words(residual_out + row_offset + offset,
+                                    [rResidualOut[j, w] for w in range(self.fragment_words)])
+                    ptx.store_words(out + row_offset + offset, normed)
                 else:
                     if cutlass.const_expr(cfg.mode == "reduce_scatter"):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
