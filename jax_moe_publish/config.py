@@ -44,7 +44,7 @@ MAX_TOP_K = 64
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
-               "waves", "stagger_ns")
+               "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
                 "fuse_reduce", "keep_own_partial")
 
@@ -141,7 +141,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    stagger_ns: int = 0
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -227,9 +226,6 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
-        if self.stagger_ns:
-            _require(self.fuse_reduce and self.epilogue != "none" and 0 < self.stagger_ns < 10**6, "stagger_ns",
-                     self.stagger_ns, "0 unless fused with an epilogue, and under 1 ms")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")

@@ -228,12 +228,6 @@ def global_timer_ns(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
-def sleep_ns(duration: int, *, loc=None, ip=None) -> None:
-    """Suspend the thread for about ``duration`` ns (``nanosleep``: somewhere in [0, 2 * duration])."""
-    _asm(None, [], f"nanosleep.u32 {duration};", "", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def bf16x2_to_f32(word, *, loc=None, ip=None) -> tuple:
     """Widen the two bf16 lanes of a word to float32 (exact): (low lane, high lane)."""
     w = Uint32(word).ir_value(loc=loc, ip=ip)

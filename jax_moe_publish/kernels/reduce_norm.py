@@ -240,12 +240,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 cute.arch.cluster_arrive_relaxed()
             _, offset, present = self.publisher.position(first_row * self.cluster + cluster_rank)
             first_fragment = cluster_rank * cfg.threads + tidx
-            if cutlass.const_expr(cfg.stagger_ns > 0):
-                # The later half of the clusters starts its loads later, so that the first
-                # half's loads finish (and its NVLink stores start) sooner.
-                cute.arch.griddepcontrol_wait()
-                if first_row >= (clusters + 1) // 2:
-                    ptx.sleep_ns(cfg.stagger_ns)
             shared_words = self.publisher.begin_call(shared, first_row, offset, present)
             stage, halt = self.publisher.read_stage(stage_state)
             # After begin_call's griddepcontrol.wait: the residual may be the previous
