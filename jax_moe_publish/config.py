@@ -371,6 +371,8 @@ class KernelConfig:
             mode = "direct" if tp == 1 else "oneshot"
         transport = "direct" if mode == "direct" else "unicast"
         small = m is not None and m <= SMALL_M
+        # A fused call of up to SMALL_M // 2 tokens covers its rows in one pass of the grid.
+        one_pass = m is not None and m <= SMALL_M // 2
         requested = fuse_reduce
         if fuse_reduce is None:
             fuse_reduce = mode == "oneshot"
@@ -384,16 +386,15 @@ class KernelConfig:
             # Fused, a cluster of CTAs per row publishes and normalizes it: in one pass of
             # the grid, 8-byte fragments over up to MAX_CLUSTER_CTAS CTAs; else 16-byte ones
             # over up to PORTABLE_CLUSTER_CTAS.
-            narrow = m is not None and m <= SMALL_M // 2
-            fused_elements = protocol.REDUCE_ELEMENTS // 2 if narrow else protocol.REDUCE_ELEMENTS
-            cluster_ctas = MAX_CLUSTER_CTAS if narrow else PORTABLE_CLUSTER_CTAS
+            fused_elements = protocol.REDUCE_ELEMENTS // 2 if one_pass else protocol.REDUCE_ELEMENTS
+            cluster_ctas = MAX_CLUSTER_CTAS if one_pass else PORTABLE_CLUSTER_CTAS
             cluster_threads = max(128, -(-(hidden // fused_elements) // cluster_ctas // 32) * 32)
             wanted = requested is not False
             fuse_reduce = wanted and mode == "oneshot" and cluster_threads <= MAX_THREADS
             if fuse_reduce:
                 elements, threads = fused_elements, cluster_threads
                 reduce_threads = cluster_threads
-        waves = 2 if fuse_reduce and m is not None and SMALL_M // 2 < m <= SMALL_M else 1
+        waves = 2 if fuse_reduce and small and not one_pass else 1
         return cls(
             hidden=hidden,
             top_k=top_k,
