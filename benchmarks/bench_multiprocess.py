@@ -19,7 +19,8 @@ shared input; per call = (T(164 iterations) - T(36 iterations)) / (128 *
 layers) (``--iterations``), each T the median of ``--reps`` timed runs. The
 two processes time their own runs of the same programs; a call is done when
 both ranks have its output, so the two-process figure is the slower
-process's (the JSON keeps each one's). ``2p/1p`` is the two-process time over the one-process time.
+process's (the JSON keeps each one's). ``2p/1p`` is the two-process time
+over the one-process time.
 
 The run writes one JSON (by default
 ``benchmarks/results/<date>-<gpu>x2-multiprocess.json``) and prints a
