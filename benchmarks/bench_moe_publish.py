@@ -75,8 +75,6 @@ TUNING_GRID = {
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
     "waves": (1, 2),
-    "store_residual_early": (False, True),
-    "warp_delivery": (False, True),
 }
 
 
@@ -204,8 +202,6 @@ def tuning_variants(problem, tp, mode, m):
     if base.fuse_reduce:
         grid["keep_own_partial"] = TUNING_GRID["keep_own_partial"]
         grid["waves"] = TUNING_GRID["waves"]
-        grid["store_residual_early"] = TUNING_GRID["store_residual_early"]
-        grid["warp_delivery"] = TUNING_GRID["warp_delivery"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
     variants = []
     for values in itertools.product(*grid.values()):

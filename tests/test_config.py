@@ -19,8 +19,6 @@ DIRECT = dict(tp=1, mode="direct", transport="direct")
 
 # (changes to BASE, the field the error must name, the bad value it must show)
 INVALID = [
-    ({"store_residual_early": True}, "store_residual_early", True),
-    ({"warp_delivery": True}, "warp_delivery", True),
     ({"hidden": 0}, "hidden", 0),
     ({"hidden": -8}, "hidden", -8),
     ({"hidden": 1024.0}, "hidden", 1024.0),
@@ -246,7 +244,7 @@ CHANGED = {
 def test_key_changes_with_every_field():
     # keep_own_partial and waves need fuse_reduce: see test_keep_own_partial_follows_fuse_reduce
     # and test_waves_need_fuse_reduce.
-    assert set(CHANGED) | {"keep_own_partial", "waves", "store_residual_early", "warp_delivery"} == {f.name for f in dataclasses.fields(KernelConfig)}
+    assert set(CHANGED) | {"keep_own_partial", "waves"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():

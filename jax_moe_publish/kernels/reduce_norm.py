@@ -87,7 +87,6 @@ class RowSums:
     def __init__(self, config: KernelConfig) -> None:
         self.warps = config.reduce_threads // WARP
         self.cluster = cluster_ctas(config)
-        self.warp_delivery = config.warp_delivery
 
     @staticmethod
     def shared_bytes(config: KernelConfig) -> int:
@@ -95,8 +94,7 @@ class RowSums:
         total = _aligned(2 * config.reduce_threads // WARP * FLOAT_BYTES)
         if cluster_ctas(config) == 1:
             return total
-        senders = cluster_ctas(config) * (config.reduce_threads // WARP if config.warp_delivery else 1)
-        return total + _aligned(2 * senders * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
+        return total + _aligned(2 * cluster_ctas(config) * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
 
     def allocate(self):
         """(warp sums, CTA sums, mbarriers), the last two None without a cluster."""
@@ -104,12 +102,7 @@ class RowSums:
         sWarpSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.warps)), byte_alignment=SMEM_ALIGNMENT)
         if self.cluster == 1:
             return sWarpSums, None, None
-        if cutlass.const_expr(self.warp_delivery):
-            sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster, self.warps)),
-                                            byte_alignment=SMEM_ALIGNMENT)
-        else:
-            sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)),
-                                            byte_alignment=SMEM_ALIGNMENT)
+        sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)), byte_alignment=SMEM_ALIGNMENT)
         barriers = smem.allocate_array(Int64, 2, byte_alignment=SMEM_ALIGNMENT)
         return sWarpSums, sCtaSums, barriers
 
@@ -132,55 +125,28 @@ class RowSums:
         sWarpSums, sCtaSums, barriers = storage
         parity = row_index % 2
         warp_sum = ptx.warp_sum_f32(value)
-        if cutlass.const_expr(self.cluster > 1 and self.warp_delivery):
-            total = self._sum_by_warps(sCtaSums, barriers, warp_sum, tidx, row_index)
-        else:
-            if tidx % WARP == 0:
-                sWarpSums[parity, tidx // WARP] = warp_sum
-            cute.arch.barrier()
-            total = Float32(0.0)
-            for warp in cutlass.range_constexpr(self.warps):
-                total = total + sWarpSums[parity, warp]
-            if cutlass.const_expr(self.cluster > 1):
-                barrier = barriers + parity
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * FLOAT_BYTES)
-                if tidx < self.cluster:
-                    # Thread i delivers this CTA's sum to CTA i of the cluster.
-                    own = cute.arch.block_idx_in_cluster()
-                    slot = sCtaSums.iterator + cute.crd2idx((parity, own), sCtaSums.layout)
-                    ptx.store_async_cluster_f32(cute.arch.map_dsmem_ptr(slot, tidx).toint(), total,
-                                                cute.arch.map_dsmem_ptr(barrier, tidx).toint())
-                # Barrier `parity` serves rows parity, parity + 2, ...: this is its
-                # (row_index // 2)-th phase.
-                cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
-                total = Float32(0.0)
-                for cta in cutlass.range_constexpr(self.cluster):
-                    total = total + sCtaSums[parity, cta]
-        return total
-
-    @cute.jit
-    def _sum_by_warps(self, sSums, barriers, warp_sum, tidx, row_index) -> Float32:
-        """`sum` with a cluster, without the CTA barrier: lane i of each warp delivers the
-        warp's sum to CTA i of the cluster, and every thread adds the cluster's warp sums,
-        CTA by CTA in warp order, then the CTAs' in cluster order (the same bits as `sum`)."""
-        parity = row_index % 2
-        barrier = barriers + parity
-        if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * self.warps * FLOAT_BYTES)
-        lane = tidx % WARP
-        if lane < self.cluster:
-            own = cute.arch.block_idx_in_cluster()
-            slot = sSums.iterator + cute.crd2idx((parity, own, tidx // WARP), sSums.layout)
-            ptx.store_async_cluster_f32(cute.arch.map_dsmem_ptr(slot, lane).toint(), warp_sum,
-                                        cute.arch.map_dsmem_ptr(barrier, lane).toint())
-        cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
+        if tidx % WARP == 0:
+            sWarpSums[parity, tidx // WARP] = warp_sum
+        cute.arch.barrier()
         total = Float32(0.0)
-        for cta in cutlass.range_constexpr(self.cluster):
-            cta_total = Float32(0.0)
-            for warp in cutlass.range_constexpr(self.warps):
-                cta_total = cta_total + sSums[parity, cta, warp]
-            total = total + cta_total
+        for warp in cutlass.range_constexpr(self.warps):
+            total = total + sWarpSums[parity, warp]
+        if cutlass.const_expr(self.cluster > 1):
+            barrier = barriers + parity
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * FLOAT_BYTES)
+            if tidx < self.cluster:
+                # Thread i delivers this CTA's sum to CTA i of the cluster.
+                own = cute.arch.block_idx_in_cluster()
+                slot = sCtaSums.iterator + cute.crd2idx((parity, own), sCtaSums.layout)
+                ptx.store_async_cluster_f32(cute.arch.map_dsmem_ptr(slot, tidx).toint(), total,
+                                            cute.arch.map_dsmem_ptr(barrier, tidx).toint())
+            # Barrier `parity` serves rows parity, parity + 2, ...: this is its
+            # (row_index // 2)-th phase.
+            cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
+            total = Float32(0.0)
+            for cta in cutlass.range_constexpr(self.cluster):
+                total = total + sCtaSums[parity, cta]
         return total
 
 
@@ -379,9 +345,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         rResidualOut[j, w] = word
                         low, high = ptx.bf16x2_to_f32(word)
                         squares = squares + low * low + high * high
-                    if cutlass.const_expr(cfg.store_residual_early):
-                        ptx.store_words(residual_out + row_offset + offset,
-                                        [rResidualOut[j, w] for w in range(self.fragment_words)])
 
         # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
         mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
@@ -397,9 +360,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         normed.append(
                             ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high)
                         )
-                    if cutlass.const_expr(not cfg.store_residual_early):
-                        ptx.store_words(residual_out + row_offset + offset,
-                                        [rResidualOut[j, w] for w in range(self.fragment_words)])
+                    ptx.store_words(residual_out + row_offset + offset,
+                                    [rResidualOut[j, w] for w in range(self.fragment_words)])
                     ptx.store_words(out + row_offset + offset, normed)
                 else:
                     if cutlass.const_expr(cfg.mode == "reduce_scatter"):
