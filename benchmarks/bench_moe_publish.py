@@ -67,10 +67,10 @@ import sys
 
 # Launch shapes that --configs tries; tuning_variants keeps the valid ones per case.
 TUNING_GRID = {
-    "threads": (128, 224, 448, 896),
+    "threads": (128, 256),
     "elements_per_thread": (4, 8),
     "prefetch_group": (4, 8),
-    "reduce_threads": (128, 224, 448, 896),
+    "reduce_threads": (128, 256),
     "enable_pdl": (True, False),
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
