@@ -247,8 +247,10 @@ def test_reduce_ptx(builds, config, role):
     vector_loads = [op for op in opcodes(body, "ld.") if re.search(r"\.v\d", op)
                     and not op.startswith(("ld.global.nc", "ld.shared"))]
     assert vector_loads and set(vector_loads) == {"ld.volatile.global.v4.u32"}
-    # A timed-out wait and a call on a closed mailbox abort (unless the mailbox flags instead) ...
-    assert opcodes(body, "trap") == ["trap", "trap"]
+    # A timed-out wait and a call on a closed mailbox abort (unless the mailbox flags instead),
+    # in each of reduce_norm's unrolled fragments ...
+    fragments = config.norm_fragments_per_thread if role == "reduce_norm" else 1
+    assert opcodes(body, "trap") == ["trap", "trap"] * fragments
     assert "%globaltimer" in body  # ... after timeout_ns on the global timer
     assert "multimem" not in body
 
@@ -708,7 +710,8 @@ def test_presets_hold_the_default_of_every_m():
     tests = set(presets.tests())
     calls = [(problem, 2, mode, "none") for problem in presets.TEST_DEFAULT_PROBLEMS
              for mode in presets.MULTI_RANK_MODES]
-    calls += [(problem, 2, mode, "rmsnorm") for problem in presets.TEST_EPILOGUE_PROBLEMS
+    calls += [(problem, 2, mode, "rmsnorm")
+              for problem in presets.TEST_EPILOGUE_PROBLEMS + presets.TEST_WIDE_EPILOGUE_PROBLEMS
               for mode in EPILOGUE_MODES]
     deepseek = set(presets.deepseek_v3())
     model = dict(hidden=7168, top_k=8, routed_scaling_factor=2.5)

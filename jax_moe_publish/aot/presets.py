@@ -95,9 +95,19 @@ TEST_EPILOGUE_PROBLEMS = (
 )
 
 
+# Rows wider than the issue's: a fused row over a cluster of 15 CTAs of 160 threads (9216,
+# its last CTA part-filled) or 16 CTAs of 256 threads (16384), and, unfused, several 16-byte
+# fragments per reduce thread (3 and 4). Kernel tests only, for a group.
+TEST_WIDE_EPILOGUE_PROBLEMS = (
+    dict(hidden=9216, top_k=4, routed_scaling_factor=1.5, fp32_weights=True),
+    dict(hidden=16384, top_k=8, routed_scaling_factor=2.5),
+)
+
+
 def test_epilogues(tp: int) -> list[KernelConfig]:
     """The default configs of `TEST_EPILOGUE_PROBLEMS`: with the fused epilogue for a group,
-    the plain direct kernel for tp = 1."""
+    the plain direct kernel for tp = 1; for a group also those of
+    `TEST_WIDE_EPILOGUE_PROBLEMS`, fused and not."""
     if tp == 1:
         variants = [("direct", "none")]
     else:
@@ -123,6 +133,9 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
                                      reduce_threads=2 * fused.threads))
         configs.append(fused.replace(elements_per_thread=4))
         configs.append(fused.replace(waves=3))
+        configs += [KernelConfig.default(tp=tp, mode=mode, m=m, epilogue="rmsnorm", fuse_reduce=fuse, **problem)
+                    for problem in TEST_WIDE_EPILOGUE_PROBLEMS for m in DEFAULT_SHAPE_MS
+                    for mode, fuse in (("oneshot", None), ("oneshot", False), ("reduce_scatter", None))]
     return list(dict.fromkeys(configs))
 
 
