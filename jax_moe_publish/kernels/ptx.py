@@ -311,3 +311,15 @@ def rsqrt_f32(value, *, loc=None, ip=None) -> Float32:
             "rsqrt.approx.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip,
         )
     )
+
+
+@dsl_user_op
+def clock64(*, loc=None, ip=None) -> Int64:
+    """This SM's cycle counter."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    """This SM's index."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True, loc=loc, ip=ip))

@@ -49,6 +49,7 @@ from jax_moe_publish.kernels.reduce import NAN_BF16X2, WORDS, LamportReduceKerne
 WARP = 32
 FLOAT_BYTES = 4
 SMEM_ALIGNMENT = 16
+TRACE_POINTS = 16
 
 
 def cluster_ctas(config: KernelConfig) -> int:
@@ -227,6 +228,12 @@ class LamportReduceNormKernel(LamportReduceKernel):
             # (the launcher caps the grid at the resident clusters), then reduces and
             # normalizes the same rows.
             routed, weights, indices, shared, num_rows = finalize_inputs
+            rTrace = cute.make_rmem_tensor(cute.make_layout((TRACE_POINTS,)), Int64)
+            for point in cutlass.range_constexpr(TRACE_POINTS):
+                rTrace[point] = Int64(0)
+            if cutlass.const_expr(cfg.trace):
+                rTrace[0] = ptx.global_timer_ns()
+                rTrace[1] = ptx.clock64()
             sOwn = self.own.allocate()
             sums = self.row_sums.allocate()
             self.row_sums.initialize(sums, tidx)
@@ -241,6 +248,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
             _, offset, present = self.publisher.position(first_row * self.cluster + cluster_rank)
             first_fragment = cluster_rank * cfg.threads + tidx
             shared_words = self.publisher.begin_call(shared, first_row, offset, present)
+            if cutlass.const_expr(cfg.trace):
+                rTrace[2] = ptx.clock64()
             stage, halt = self.publisher.read_stage(stage_state)
             # After begin_call's griddepcontrol.wait: the residual may be the previous
             # call's residual_out, written by the kernel just before.
@@ -256,15 +265,32 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                                      row_shared)
                     self.own.publish(sOwn, (row - first_row) // clusters, packed, row, offset, peer_table,
                                      capacity_m, rank, stage, first=False)
+            if cutlass.const_expr(cfg.trace):
+                rTrace[3] = ptx.clock64()
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
+            if cutlass.const_expr(cfg.trace):
+                rTrace[4] = ptx.clock64()
             for row in cutlass.range(first_row, m, clusters):
                 j = (row - first_row) // clusters
                 rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
                                sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
-                               eps, self.own.held(sOwn, j, rank))
+                               eps, self.own.held(sOwn, j, rank), rTrace)
+                rTrace[14] = rTrace[14] + Int64(1)
             self.finish_call(stage, stage_state, advance=True, waited=True)
+            if cutlass.const_expr(cfg.trace):
+                rTrace[11] = ptx.clock64()
+                rTrace[12] = ptx.global_timer_ns()
+                rTrace[13] = Int64(ptx.smid())
+                if tidx == 0:
+                    region = out + Int64(first_row) * self.row_bytes + Int64(cluster_rank * cfg.threads) * self.fragment_bytes
+                    for quad in cutlass.range_constexpr(TRACE_POINTS // 2):
+                        low = rTrace[2 * quad]
+                        high = rTrace[2 * quad + 1]
+                        ptx.store_words(region + Int64(16 * quad),
+                                        [Uint32(low & Int64(0xFFFFFFFF)), Uint32(low >> Int64(32)),
+                                         Uint32(high & Int64(0xFFFFFFFF)), Uint32(high >> Int64(32))])
         else:
             if cutlass.const_expr(cfg.mode == "oneshot"):
                 token = block
@@ -312,7 +338,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
     @cute.jit
     def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
                   row_index, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
-                  own) -> None:
+                  own, rTrace=None) -> None:
         """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
         ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
         ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
@@ -346,8 +372,10 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         low, high = ptx.bf16x2_to_f32(word)
                         squares = squares + low * low + high * high
 
+        self._trace(rTrace, row_index, 5)
         # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
         mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
+        self._trace(rTrace, row_index, 6)
         inverse_rms = ptx.rsqrt_f32(mean + eps)
         for j in cutlass.range_constexpr(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
@@ -368,6 +396,16 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)
+        self._trace(rTrace, row_index, 7)
+
+    @cute.jit
+    def _trace(self, rTrace, row_index, point: int) -> None:
+        """With ``trace``, this SM's clock at ``point`` of the first two rows (+3 for the second)."""
+        if cutlass.const_expr(self.config.trace and rTrace is not None):
+            if row_index == 0:
+                rTrace[point] = ptx.clock64()
+            if row_index == 1:
+                rTrace[point + 3] = ptx.clock64()
 
     def _fragment(self, first_fragment, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's
