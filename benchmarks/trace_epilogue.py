@@ -3,9 +3,9 @@
 Each CTA's thread 0 writes 16 int64 into its own region of row ``first_row`` of
 ``out`` (so the last layer's ``out``, which the chain returns, holds that
 layer's trace): 0 globaltimer at entry, 1 clock at entry, 2 after
-griddepcontrol.wait, 3 after the publishes, 4 after the cluster wait, 5/8 row
-0/1 polled and added, 6/9 row sum done, 7/10 stores issued, 11 clock at exit,
-12 globaltimer at exit, 13 SM, 14 rows.
+griddepcontrol.wait, 3 after the publishes, 4 after the cluster wait, then for
+rows 0 and 1 (5 to 9, 10 to 14): poll started, polled and added, CTA barrier
+of the row sum passed, row sum done, stores issued; 15 clock at exit.
 """
 import json
 import sys
@@ -40,34 +40,54 @@ def trace(mesh, m, iterations=8):
             "runs": runs}
 
 
+NAMES = (["entry", "pdl_wait", "published", "cluster_wait"]
+         + [f"r{r}_{what}" for r in range(2) for what in ("poll_start", "polled", "cta_ready", "sum", "stored")]
+         + ["exit"])
+CYCLES_PER_NS = 1.98  # SM clock 1980 MHz (nvidia-smi; 1.971 to 1.980 clocks per globaltimer ns measured)
+
+
+def timeline(records):
+    """[CTA, point] ns since the first CTA's entry: globaltimer at entry plus own clock since."""
+    r = np.array(records, dtype=np.int64)
+    entry = (r[:, 0] - r[:, 0].min()).astype(float)
+    out = entry[:, None] + (r[:, 1:16] - r[:, 1:2]) / CYCLES_PER_NS
+    out[r[:, 1:16] == 0] = np.nan
+    return out
+
+
 def summarize(result):
-    rows = []
-    for records in result["runs"]:
-        r = np.array(records, dtype=np.int64)
-        start = r[:, 1]
-        rel = (r[:, 1:12] - start[:, None]).astype(float)
-        gt0, gt1 = r[:, 0], r[:, 12]
-        cycles_per_ns = (r[:, 11] - r[:, 1]).sum() / max(1, (gt1 - gt0).sum())
-        rows.append((cycles_per_ns, rel, gt0 - gt0.min(), gt1 - gt0.min()))
-    for cycles_per_ns, rel, g0, g1 in rows[-2:]:
-        ns = rel / cycles_per_ns
-        names = ["entry", "pdl_wait", "published", "cluster_wait", "r0_polled", "r0_sum", "r0_stored",
-                 "r1_polled", "r1_sum", "r1_stored", "exit"]
-        print(f"m={result['m']} cycles/ns={cycles_per_ns:.3f} entry spread (gt) {g0.min()}..{g0.max()} ns, "
-              f"exit (gt) {g1.min()}..{g1.max()} ns")
-        for i, name in enumerate(names):
+    cluster = result["ctas_per_token"]
+    for records in result["runs"][-2:]:
+        ns = timeline(records)
+        print(f"m={result['m']} ({result['config']}, {len(records) // cluster} clusters of {cluster})")
+        for i, name in enumerate(NAMES):
             col = ns[:, i]
-            print(f"  {name:13s} p10 {np.percentile(col, 10):8.0f} p50 {np.median(col):8.0f} "
-                  f"p90 {np.percentile(col, 90):8.0f} max {col.max():8.0f} ns")
+            if np.isnan(col).any():
+                continue
+            print(f"  {name:14s} p10 {np.percentile(col, 10):6.0f} p50 {np.median(col):6.0f} "
+                  f"p90 {np.percentile(col, 90):6.0f} max {col.max():6.0f} ns")
+        by_cluster = ns.reshape(-1, cluster, ns.shape[1])
+        for row in range(2):
+            base = 4 + 5 * row  # poll_start of the row, in timeline columns
+            if np.isnan(by_cluster[:, :, base + 3]).any():
+                continue
+            last_ready = by_cluster[:, :, base + 2].max(axis=1)
+            sums = by_cluster[:, :, base + 3]
+            poll = (by_cluster[:, :, base + 1] - by_cluster[:, :, base]).ravel()
+            print(f"  r{row}: row sum after the cluster's last CTA barrier: p50 "
+                  f"{np.median(sums.min(axis=1) - last_ready):.0f} ns, max {np.max(sums.max(axis=1) - last_ready):.0f}; "
+                  f"CTA barrier after thread 0 polled: p50 "
+                  f"{np.median(by_cluster[:, :, base + 2] - by_cluster[:, :, base + 1]):.0f} ns; "
+                  f"thread 0 poll + add: p10 {np.percentile(poll, 10):.0f} p50 {np.median(poll):.0f} ns")
 
 
 def main():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
     results = [trace(mesh, m) for m in map(int, sys.argv[2:])]
-    for result in results:
-        summarize(result)
     with open(sys.argv[1], "w") as f:
         json.dump(results, f)
+    for result in results:
+        summarize(result)
 
 
 if __name__ == "__main__":

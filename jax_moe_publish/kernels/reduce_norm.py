@@ -120,7 +120,7 @@ class RowSums:
                 cute.arch.mbarrier_init_fence()
 
     @cute.jit
-    def sum(self, storage, value: Float32, tidx, row_index) -> Float32:
+    def sum(self, storage, value: Float32, tidx, row_index, after_block=None) -> Float32:
         """Sum of ``value`` over the CTA (the cluster), for this CTA's ``row_index``-th row; every
         thread of the cluster must call it, for the same rows in the same order."""
         sWarpSums, sCtaSums, barriers = storage
@@ -129,6 +129,8 @@ class RowSums:
         if tidx % WARP == 0:
             sWarpSums[parity, tidx // WARP] = warp_sum
         cute.arch.barrier()
+        if cutlass.const_expr(after_block is not None):
+            after_block()
         total = Float32(0.0)
         for warp in cutlass.range_constexpr(self.warps):
             total = total + sWarpSums[parity, warp]
@@ -277,12 +279,9 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
                                sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
                                eps, self.own.held(sOwn, j, rank), rTrace)
-                rTrace[14] = rTrace[14] + Int64(1)
             self.finish_call(stage, stage_state, advance=True, waited=True)
             if cutlass.const_expr(cfg.trace):
-                rTrace[11] = ptx.clock64()
-                rTrace[12] = ptx.global_timer_ns()
-                rTrace[13] = Int64(ptx.smid())
+                rTrace[15] = ptx.clock64()
                 if tidx == 0:
                     region = out + Int64(first_row) * self.row_bytes + Int64(cluster_rank * cfg.threads) * self.fragment_bytes
                     for quad in cutlass.range_constexpr(TRACE_POINTS // 2):
@@ -346,6 +345,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
         CTA's sequence (`RowSums.sum`). ``own``: the fused kernel's own partial
         (`LamportReduceKernel.wait_contributions`), else None."""
         cfg = self.config
+        self._trace(rTrace, row_index, 5)
         row_offset = Int64(row) * self.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
         rResidualOut = self._fragment_registers()
@@ -372,10 +372,11 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         low, high = ptx.bf16x2_to_f32(word)
                         squares = squares + low * low + high * high
 
-        self._trace(rTrace, row_index, 5)
-        # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
-        mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
         self._trace(rTrace, row_index, 6)
+        # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
+        mean = self.row_sums.sum(sums, squares, tidx, row_index,
+                                 after_block=lambda: self._trace(rTrace, row_index, 7)) / Float32(cfg.hidden)
+        self._trace(rTrace, row_index, 8)
         inverse_rms = ptx.rsqrt_f32(mean + eps)
         for j in cutlass.range_constexpr(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
@@ -396,16 +397,16 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)
-        self._trace(rTrace, row_index, 7)
+        self._trace(rTrace, row_index, 9)
 
     @cute.jit
     def _trace(self, rTrace, row_index, point: int) -> None:
-        """With ``trace``, this SM's clock at ``point`` of the first two rows (+3 for the second)."""
+        """With ``trace``, this SM's clock at ``point`` of the first two rows (+5 for the second)."""
         if cutlass.const_expr(self.config.trace and rTrace is not None):
             if row_index == 0:
                 rTrace[point] = ptx.clock64()
             if row_index == 1:
-                rTrace[point + 3] = ptx.clock64()
+                rTrace[point + 5] = ptx.clock64()
 
     def _fragment(self, first_fragment, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's
