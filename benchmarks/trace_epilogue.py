@@ -3,9 +3,10 @@
 Each CTA's thread 0 writes 16 int64 into its own region of row ``first_row`` of
 ``out`` (so the last layer's ``out``, which the chain returns, holds that
 layer's trace): 0 globaltimer at entry, 1 clock at entry, 2 after
-griddepcontrol.wait, 3 after the publishes, 4 after the cluster wait, then for
+griddepcontrol.wait, 3 after the publishes, 4 the previous layer's exit
+globaltimer (read from the shared input), then for
 rows 0 and 1 (5 to 9, 10 to 14): poll started, polled and added, CTA barrier
-of the row sum passed, row sum done, stores issued; 15 clock at exit.
+of the row sum passed, row sum done, stores issued; 15 globaltimer at exit.
 """
 import json
 import sys
@@ -40,7 +41,7 @@ def trace(mesh, m, iterations=8):
             "runs": runs}
 
 
-NAMES = (["entry", "pdl_wait", "published", "cluster_wait"]
+NAMES = (["entry", "pdl_wait", "published", "previous_exit"]
          + [f"r{r}_{what}" for r in range(2) for what in ("poll_start", "polled", "cta_ready", "sum", "stored")]
          + ["exit"])
 CYCLES_PER_NS = 1.98  # SM clock 1980 MHz (nvidia-smi; 1.971 to 1.980 clocks per globaltimer ns measured)
@@ -49,9 +50,13 @@ CYCLES_PER_NS = 1.98  # SM clock 1980 MHz (nvidia-smi; 1.971 to 1.980 clocks per
 def timeline(records):
     """[CTA, point] ns since the first CTA's entry: globaltimer at entry plus own clock since."""
     r = np.array(records, dtype=np.int64)
-    entry = (r[:, 0] - r[:, 0].min()).astype(float)
+    origin = r[:, 0].min()
+    entry = (r[:, 0] - origin).astype(float)
     out = entry[:, None] + (r[:, 1:16] - r[:, 1:2]) / CYCLES_PER_NS
     out[r[:, 1:16] == 0] = np.nan
+    # Globaltimer columns: the previous layer's exit (read by this CTA) and this CTA's exit.
+    out[:, 3] = r[:, 4] - origin
+    out[:, 14] = r[:, 15] - origin
     return out
 
 
@@ -59,7 +64,9 @@ def summarize(result):
     cluster = result["ctas_per_token"]
     for records in result["runs"][-2:]:
         ns = timeline(records)
-        print(f"m={result['m']} ({result['config']}, {len(records) // cluster} clusters of {cluster})")
+        print(f"m={result['m']} ({result['config']}, {len(records) // cluster} clusters of {cluster}): "
+              f"previous layer's last exit {np.nanmax(ns[:, 3]):.0f} ns, this layer's first entry 0, "
+              f"first pdl_wait {np.nanmin(ns[:, 1]):.0f}, last exit {np.nanmax(ns[:, 14]):.0f}")
         for i, name in enumerate(NAMES):
             col = ns[:, i]
             if np.isnan(col).any():

@@ -252,6 +252,9 @@ class LamportReduceNormKernel(LamportReduceKernel):
             shared_words = self.publisher.begin_call(shared, first_row, offset, present)
             if cutlass.const_expr(cfg.trace):
                 rTrace[2] = ptx.clock64()
+                # The previous layer's exit globaltimer, from its trace in this layer's shared input.
+                rTrace[4] = ptx.load_u64(shared + Int64(first_row) * self.row_bytes
+                                         + Int64(cluster_rank * cfg.threads) * self.fragment_bytes + Int64(15 * 8))
             stage, halt = self.publisher.read_stage(stage_state)
             # After begin_call's griddepcontrol.wait: the residual may be the previous
             # call's residual_out, written by the kernel just before.
@@ -271,8 +274,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 rTrace[3] = ptx.clock64()
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
-            if cutlass.const_expr(cfg.trace):
-                rTrace[4] = ptx.clock64()
             for row in cutlass.range(first_row, m, clusters):
                 j = (row - first_row) // clusters
                 rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
@@ -281,7 +282,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                eps, self.own.held(sOwn, j, rank), rTrace)
             self.finish_call(stage, stage_state, advance=True, waited=True)
             if cutlass.const_expr(cfg.trace):
-                rTrace[15] = ptx.clock64()
+                rTrace[15] = ptx.global_timer_ns()
                 if tidx == 0:
                     region = out + Int64(first_row) * self.row_bytes + Int64(cluster_rank * cfg.threads) * self.fragment_bytes
                     for quad in cutlass.range_constexpr(TRACE_POINTS // 2):
