@@ -44,7 +44,7 @@ MAX_TOP_K = 64
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
-               "waves")
+               "waves", "exchange_wait")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
                 "fuse_reduce", "keep_own_partial", "trace")
 
@@ -142,6 +142,7 @@ class KernelConfig:
     keep_own_partial: bool | None = None
     waves: int = 1
     trace: bool = False
+    exchange_wait: int = 0
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -227,6 +228,7 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
+        _require(self.exchange_wait in (0, 1, 2), "exchange_wait", self.exchange_wait, "0, 1 or 2")
         if self.trace:
             _require(self.fuse_reduce and self.epilogue != "none", "trace", True, "False unless fused with an epilogue")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")

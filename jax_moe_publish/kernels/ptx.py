@@ -323,3 +323,17 @@ def clock64(*, loc=None, ip=None) -> Int64:
 def smid(*, loc=None, ip=None) -> Int32:
     """This SM's index."""
     return Int32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mbarrier_wait_parity(barrier, phase, spin: bool, *, loc=None, ip=None) -> None:
+    """Wait for phase parity ``phase`` of the mbarrier at 32-bit shared address ``barrier``:
+    ``spin`` with ``mbarrier.test_wait`` (never suspends), else ``try_wait`` with the
+    system's own time limit."""
+    test = "test_wait" if spin else "try_wait"
+    _asm(
+        None, [Int32(barrier).ir_value(loc=loc, ip=ip), Int32(phase).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\nWAIT:\n"
+        f"mbarrier.{test}.parity.shared::cta.b64 p, [$0], $1;\n"
+        "@!p bra WAIT;\n}", "r,r", side_effects=True, loc=loc, ip=ip,
+    )

@@ -88,6 +88,7 @@ class RowSums:
     def __init__(self, config: KernelConfig) -> None:
         self.warps = config.reduce_threads // WARP
         self.cluster = cluster_ctas(config)
+        self.exchange_wait = config.exchange_wait
 
     @staticmethod
     def shared_bytes(config: KernelConfig) -> int:
@@ -146,7 +147,10 @@ class RowSums:
                                             cute.arch.map_dsmem_ptr(barrier, tidx).toint())
             # Barrier `parity` serves rows parity, parity + 2, ...: this is its
             # (row_index // 2)-th phase.
-            cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
+            if cutlass.const_expr(self.exchange_wait == 0):
+                cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
+            else:
+                ptx.mbarrier_wait_parity(barrier.toint(), (row_index // 2) % 2, spin=self.exchange_wait == 2)
             total = Float32(0.0)
             for cta in cutlass.range_constexpr(self.cluster):
                 total = total + sCtaSums[parity, cta]
