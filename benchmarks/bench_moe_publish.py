@@ -75,7 +75,7 @@ TUNING_GRID = {
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
     "waves": (1, 2),
-    "exchange_wait": (0, 1, 2),
+    "exchange_wait": (0, 3),
 }
 
 

@@ -228,7 +228,7 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
-        _require(self.exchange_wait in (0, 1, 2), "exchange_wait", self.exchange_wait, "0, 1 or 2")
+        _require(self.exchange_wait in (0, 1, 2, 3), "exchange_wait", self.exchange_wait, "0 to 3")
         if self.trace:
             _require(self.fuse_reduce and self.epilogue != "none", "trace", True, "False unless fused with an epilogue")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")

@@ -337,3 +337,42 @@ def mbarrier_wait_parity(barrier, phase, spin: bool, *, loc=None, ip=None) -> No
         f"mbarrier.{test}.parity.shared::cta.b64 p, [$0], $1;\n"
         "@!p bra WAIT;\n}", "r,r", side_effects=True, loc=loc, ip=ip,
     )
+
+
+@dsl_user_op
+def pack_tagged_f32(value, tag, *, loc=None, ip=None) -> Int64:
+    """A 64-bit word: the bits of float ``value`` in the low half, ``tag`` in the high half."""
+    return Int64(_asm(T.i64(), [Float32(value).ir_value(loc=loc, ip=ip), Int32(tag).ir_value(loc=loc, ip=ip)],
+                      "{\n.reg .b32 v;\nmov.b32 v, $1;\nmov.b64 $0, {v, $2};\n}", "=l,f,r",
+                      side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def unpack_tagged_f32(word, *, loc=None, ip=None) -> tuple:
+    """(float, tag) of `pack_tagged_f32`'s word."""
+    w = Int64(word).ir_value(loc=loc, ip=ip)
+    value = _asm(T.f32(), [w], "{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, $1;\nmov.b32 $0, lo;\n}", "=f,l",
+                 side_effects=False, loc=loc, ip=ip)
+    tag = _asm(T.i32(), [w], "{\n.reg .b32 lo;\nmov.b64 {lo, $0}, $1;\n}", "=r,l",
+               side_effects=False, loc=loc, ip=ip)
+    return Float32(value), Int32(tag)
+
+
+@dsl_user_op
+def store_relaxed_cluster_u64(address, value, *, loc=None, ip=None) -> None:
+    """Store one 64-bit word at 32-bit shared address ``address``, visible to the cluster."""
+    _asm(None, [Int32(address).ir_value(loc=loc, ip=ip), Int64(value).ir_value(loc=loc, ip=ip)],
+         "st.relaxed.cluster.shared::cta.b64 [$0], $1;", "r,l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_relaxed_cluster_u64(address, *, loc=None, ip=None) -> Int64:
+    """Load one 64-bit word at a 32-bit ``shared::cluster`` address (any CTA of the cluster)."""
+    return Int64(_asm(T.i64(), [Int32(address).ir_value(loc=loc, ip=ip)],
+                      "ld.relaxed.cluster.shared::cluster.b64 $0, [$1];", "=l,r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def fence_acq_rel_cluster(*, loc=None, ip=None) -> None:
+    """Order this thread's earlier memory operations before its later ones, for the cluster."""
+    _asm(None, [], "fence.acq_rel.cluster;", "~{memory}", side_effects=True, loc=loc, ip=ip)

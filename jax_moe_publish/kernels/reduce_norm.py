@@ -96,7 +96,8 @@ class RowSums:
         total = _aligned(2 * config.reduce_threads // WARP * FLOAT_BYTES)
         if cluster_ctas(config) == 1:
             return total
-        return total + _aligned(2 * cluster_ctas(config) * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
+        return (total + _aligned(2 * cluster_ctas(config) * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
+                + _aligned(2 * RowSums.BARRIER_BYTES))
 
     def allocate(self):
         """(warp sums, CTA sums, mbarriers), the last two None without a cluster."""
@@ -106,13 +107,24 @@ class RowSums:
             return sWarpSums, None, None
         sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)), byte_alignment=SMEM_ALIGNMENT)
         barriers = smem.allocate_array(Int64, 2, byte_alignment=SMEM_ALIGNMENT)
+        if cutlass.const_expr(self.exchange_wait == 3):
+            # Pull exchange: each CTA's own sum per parity, tagged with the row's sequence number.
+            tagged = smem.allocate_array(Int64, 2, byte_alignment=SMEM_ALIGNMENT)
+            return sWarpSums, sCtaSums, (barriers, tagged)
         return sWarpSums, sCtaSums, barriers
 
     @cute.jit
     def initialize(self, storage, tidx) -> None:
         """With a cluster, initialize the mbarriers; the other CTAs may deliver into them only
         after a cluster barrier that follows."""
-        if cutlass.const_expr(self.cluster > 1):
+        if cutlass.const_expr(self.cluster > 1 and self.exchange_wait == 3):
+            _, tagged = storage[2]
+            if tidx == 0:
+                for parity in cutlass.range_constexpr(2):
+                    ptx.store_relaxed_cluster_u64((tagged + parity).toint(), Int64(0))
+                # Released by the fused kernel's cluster arrive (relaxed) that follows.
+                ptx.fence_acq_rel_cluster()
+        if cutlass.const_expr(self.cluster > 1 and self.exchange_wait != 3):
             barriers = storage[2]
             if tidx == 0:
                 for parity in cutlass.range_constexpr(2):
@@ -135,7 +147,27 @@ class RowSums:
         total = Float32(0.0)
         for warp in cutlass.range_constexpr(self.warps):
             total = total + sWarpSums[parity, warp]
-        if cutlass.const_expr(self.cluster > 1):
+        if cutlass.const_expr(self.cluster > 1 and self.exchange_wait == 3):
+            _, tagged = barriers
+            slot = tagged + parity
+            tag = row_index + 1
+            if tidx == 0:
+                ptx.store_relaxed_cluster_u64(slot.toint(), ptx.pack_tagged_f32(total, tag))
+            rTagged = cute.make_rmem_tensor(cute.make_layout((self.cluster,)), Int64)
+            pending = Int32(1)
+            while pending != 0:
+                pending = Int32(0)
+                for cta in cutlass.range_constexpr(self.cluster):
+                    rTagged[cta] = ptx.load_relaxed_cluster_u64(cute.arch.map_dsmem_ptr(slot, cta).toint())
+                for cta in cutlass.range_constexpr(self.cluster):
+                    _, seen = ptx.unpack_tagged_f32(rTagged[cta])
+                    if seen != tag:
+                        pending = Int32(1)
+            total = Float32(0.0)
+            for cta in cutlass.range_constexpr(self.cluster):
+                value, _ = ptx.unpack_tagged_f32(rTagged[cta])
+                total = total + value
+        if cutlass.const_expr(self.cluster > 1 and self.exchange_wait != 3):
             barrier = barriers + parity
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * FLOAT_BYTES)
