@@ -149,16 +149,16 @@ class RowSums:
             total = total + sWarpSums[parity, warp]
         if cutlass.const_expr(self.cluster > 1 and self.exchange_wait == 3):
             _, tagged = barriers
-            slot = tagged + parity
+            tagged_slot = tagged + parity
             tag = row_index + 1
             if tidx == 0:
-                ptx.store_relaxed_cluster_u64(slot.toint(), ptx.pack_tagged_f32(total, tag))
+                ptx.store_relaxed_cluster_u64(tagged_slot.toint(), ptx.pack_tagged_f32(total, tag))
             rTagged = cute.make_rmem_tensor(cute.make_layout((self.cluster,)), Int64)
             pending = Int32(1)
             while pending != 0:
                 pending = Int32(0)
                 for cta in cutlass.range_constexpr(self.cluster):
-                    rTagged[cta] = ptx.load_relaxed_cluster_u64(cute.arch.map_dsmem_ptr(slot, cta).toint())
+                    rTagged[cta] = ptx.load_relaxed_cluster_u64(cute.arch.map_dsmem_ptr(tagged_slot, cta).toint())
                 for cta in cutlass.range_constexpr(self.cluster):
                     _, seen = ptx.unpack_tagged_f32(rTagged[cta])
                     if seen != tag:
