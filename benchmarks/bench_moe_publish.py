@@ -76,6 +76,7 @@ TUNING_GRID = {
     "keep_own_partial": (True, False),
     "waves": (1, 2),
     "exchange_wait": (0, 3),
+    "residual_ahead": (False, True),
 }
 
 
@@ -205,6 +206,7 @@ def tuning_variants(problem, tp, mode, m):
         grid["waves"] = TUNING_GRID["waves"]
         if base.epilogue != "none":
             grid["exchange_wait"] = TUNING_GRID["exchange_wait"]
+            grid["residual_ahead"] = TUNING_GRID["residual_ahead"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
     variants = []
     for values in itertools.product(*grid.values()):

@@ -22,7 +22,7 @@ NAME = "deepseek-v3+rmsnorm"
 
 def trace(mesh, m, exchange_wait, iterations=8):
     problem = bench.problem_spec(NAME)
-    config = bench.case_config(NAME, 2, "oneshot", m).replace(trace=True, exchange_wait=exchange_wait)
+    config = bench.case_config(NAME, 2, "oneshot", m).replace(trace=True, residual_ahead=bool(exchange_wait))
     with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
         fn = bench.make_chain("ours", mailbox, problem, config, iterations)
         inputs = bench.chain_inputs(mesh, m, problem, jax.random.key(m))
@@ -37,7 +37,7 @@ def trace(mesh, m, exchange_wait, iterations=8):
                     records.append(y[row, start:start + 64].copy().view(np.int64).tolist())
             runs.append(records)
         mailbox.check()
-    return {"m": m, "exchange_wait": exchange_wait, "config": config.key, "ctas_per_token": config.ctas_per_token, "waves": config.waves,
+    return {"m": m, "residual_ahead": bool(exchange_wait), "config": config.key, "ctas_per_token": config.ctas_per_token, "waves": config.waves,
             "runs": runs}
 
 
@@ -64,7 +64,7 @@ def summarize(result):
     cluster = result["ctas_per_token"]
     for records in result["runs"][-2:]:
         ns = timeline(records)
-        print(f"m={result['m']} exchange_wait={result['exchange_wait']} ({result['config']}, {len(records) // cluster} clusters of {cluster}): "
+        print(f"m={result['m']} residual_ahead={result['residual_ahead']} ({result['config']}, {len(records) // cluster} clusters of {cluster}): "
               f"previous layer's last exit {np.nanmax(ns[:, 3]):.0f} ns, this layer's first entry 0, "
               f"first pdl_wait {np.nanmin(ns[:, 1]):.0f}, last exit {np.nanmax(ns[:, 14]):.0f}")
         for i, name in enumerate(NAMES):

@@ -46,7 +46,7 @@ SMALL_M = 64
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
                "waves", "exchange_wait")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
-                "fuse_reduce", "keep_own_partial", "trace")
+                "fuse_reduce", "keep_own_partial", "trace", "residual_ahead")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -142,6 +142,7 @@ class KernelConfig:
     keep_own_partial: bool | None = None
     waves: int = 1
     trace: bool = False
+    residual_ahead: bool = False
     exchange_wait: int = 0
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"

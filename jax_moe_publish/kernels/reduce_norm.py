@@ -310,9 +310,22 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 rTrace[3] = ptx.clock64()
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
+            rAhead = self._load_residual(residual, first_row, Int32(first_row < m), first_fragment)
             for row in cutlass.range(first_row, m, clusters):
                 j = (row - first_row) // clusters
-                rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
+                if cutlass.const_expr(cfg.residual_ahead):
+                    # This row's residual was loaded one row ahead; load the next one's now.
+                    rResidual = self._fragment_registers()
+                    for f in cutlass.range_constexpr(self.fragments_per_thread):
+                        for w in cutlass.range_constexpr(self.fragment_words):
+                            rResidual[f, w] = rAhead[f, w]
+                    following = row + clusters
+                    rNext = self._load_residual(residual, following, Int32(following < m), first_fragment)
+                    for f in cutlass.range_constexpr(self.fragments_per_thread):
+                        for w in cutlass.range_constexpr(self.fragment_words):
+                            rAhead[f, w] = rNext[f, w]
+                else:
+                    rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
                                sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
                                eps, self.own.held(sOwn, j, rank), rTrace)
