@@ -44,9 +44,9 @@ MAX_TOP_K = 64
 SMALL_M = 64
 """Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
-               "waves", "exchange_wait")
+               "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
-                "fuse_reduce", "keep_own_partial", "trace", "residual_ahead")
+                "fuse_reduce", "keep_own_partial")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -141,9 +141,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    trace: bool = False
-    residual_ahead: bool = False
-    exchange_wait: int = 0
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -229,9 +226,6 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
-        _require(self.exchange_wait in (0, 1, 2, 3), "exchange_wait", self.exchange_wait, "0 to 3")
-        if self.trace:
-            _require(self.fuse_reduce and self.epilogue != "none", "trace", True, "False unless fused with an epilogue")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")

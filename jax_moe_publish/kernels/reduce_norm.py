@@ -49,7 +49,6 @@ from jax_moe_publish.kernels.reduce import NAN_BF16X2, WORDS, LamportReduceKerne
 WARP = 32
 FLOAT_BYTES = 4
 SMEM_ALIGNMENT = 16
-TRACE_POINTS = 16
 
 
 def cluster_ctas(config: KernelConfig) -> int:
@@ -88,7 +87,6 @@ class RowSums:
     def __init__(self, config: KernelConfig) -> None:
         self.warps = config.reduce_threads // WARP
         self.cluster = cluster_ctas(config)
-        self.exchange_wait = config.exchange_wait
 
     @staticmethod
     def shared_bytes(config: KernelConfig) -> int:
@@ -96,8 +94,7 @@ class RowSums:
         total = _aligned(2 * config.reduce_threads // WARP * FLOAT_BYTES)
         if cluster_ctas(config) == 1:
             return total
-        return (total + _aligned(2 * cluster_ctas(config) * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
-                + _aligned(2 * RowSums.BARRIER_BYTES))
+        return total + _aligned(2 * cluster_ctas(config) * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
 
     def allocate(self):
         """(warp sums, CTA sums, mbarriers), the last two None without a cluster."""
@@ -107,24 +104,13 @@ class RowSums:
             return sWarpSums, None, None
         sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)), byte_alignment=SMEM_ALIGNMENT)
         barriers = smem.allocate_array(Int64, 2, byte_alignment=SMEM_ALIGNMENT)
-        if cutlass.const_expr(self.exchange_wait == 3):
-            # Pull exchange: each CTA's own sum per parity, tagged with the row's sequence number.
-            tagged = smem.allocate_array(Int64, 2, byte_alignment=SMEM_ALIGNMENT)
-            return sWarpSums, sCtaSums, (barriers, tagged)
         return sWarpSums, sCtaSums, barriers
 
     @cute.jit
     def initialize(self, storage, tidx) -> None:
         """With a cluster, initialize the mbarriers; the other CTAs may deliver into them only
         after a cluster barrier that follows."""
-        if cutlass.const_expr(self.cluster > 1 and self.exchange_wait == 3):
-            _, tagged = storage[2]
-            if tidx == 0:
-                for parity in cutlass.range_constexpr(2):
-                    ptx.store_relaxed_cluster_u64((tagged + parity).toint(), Int64(0))
-                # Released by the fused kernel's cluster arrive (relaxed) that follows.
-                ptx.fence_acq_rel_cluster()
-        if cutlass.const_expr(self.cluster > 1 and self.exchange_wait != 3):
+        if cutlass.const_expr(self.cluster > 1):
             barriers = storage[2]
             if tidx == 0:
                 for parity in cutlass.range_constexpr(2):
@@ -133,7 +119,7 @@ class RowSums:
                 cute.arch.mbarrier_init_fence()
 
     @cute.jit
-    def sum(self, storage, value: Float32, tidx, row_index, after_block=None) -> Float32:
+    def sum(self, storage, value: Float32, tidx, row_index) -> Float32:
         """Sum of ``value`` over the CTA (the cluster), for this CTA's ``row_index``-th row; every
         thread of the cluster must call it, for the same rows in the same order."""
         sWarpSums, sCtaSums, barriers = storage
@@ -142,32 +128,10 @@ class RowSums:
         if tidx % WARP == 0:
             sWarpSums[parity, tidx // WARP] = warp_sum
         cute.arch.barrier()
-        if cutlass.const_expr(after_block is not None):
-            after_block()
         total = Float32(0.0)
         for warp in cutlass.range_constexpr(self.warps):
             total = total + sWarpSums[parity, warp]
-        if cutlass.const_expr(self.cluster > 1 and self.exchange_wait == 3):
-            _, tagged = barriers
-            tagged_slot = tagged + parity
-            tag = row_index + 1
-            if tidx == 0:
-                ptx.store_relaxed_cluster_u64(tagged_slot.toint(), ptx.pack_tagged_f32(total, tag))
-            rTagged = cute.make_rmem_tensor(cute.make_layout((self.cluster,)), Int64)
-            pending = Int32(1)
-            while pending != 0:
-                pending = Int32(0)
-                for cta in cutlass.range_constexpr(self.cluster):
-                    rTagged[cta] = ptx.load_relaxed_cluster_u64(cute.arch.map_dsmem_ptr(tagged_slot, cta).toint())
-                for cta in cutlass.range_constexpr(self.cluster):
-                    _, seen = ptx.unpack_tagged_f32(rTagged[cta])
-                    if seen != tag:
-                        pending = Int32(1)
-            total = Float32(0.0)
-            for cta in cutlass.range_constexpr(self.cluster):
-                value, _ = ptx.unpack_tagged_f32(rTagged[cta])
-                total = total + value
-        if cutlass.const_expr(self.cluster > 1 and self.exchange_wait != 3):
+        if cutlass.const_expr(self.cluster > 1):
             barrier = barriers + parity
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * FLOAT_BYTES)
@@ -179,10 +143,7 @@ class RowSums:
                                             cute.arch.map_dsmem_ptr(barrier, tidx).toint())
             # Barrier `parity` serves rows parity, parity + 2, ...: this is its
             # (row_index // 2)-th phase.
-            if cutlass.const_expr(self.exchange_wait == 0):
-                cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
-            else:
-                ptx.mbarrier_wait_parity(barrier.toint(), (row_index // 2) % 2, spin=self.exchange_wait == 2)
+            cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
             total = Float32(0.0)
             for cta in cutlass.range_constexpr(self.cluster):
                 total = total + sCtaSums[parity, cta]
@@ -266,12 +227,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
             # (the launcher caps the grid at the resident clusters), then reduces and
             # normalizes the same rows.
             routed, weights, indices, shared, num_rows = finalize_inputs
-            rTrace = cute.make_rmem_tensor(cute.make_layout((TRACE_POINTS,)), Int64)
-            for point in cutlass.range_constexpr(TRACE_POINTS):
-                rTrace[point] = Int64(0)
-            if cutlass.const_expr(cfg.trace):
-                rTrace[0] = ptx.global_timer_ns()
-                rTrace[1] = ptx.clock64()
             sOwn = self.own.allocate()
             sums = self.row_sums.allocate()
             self.row_sums.initialize(sums, tidx)
@@ -286,11 +241,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
             _, offset, present = self.publisher.position(first_row * self.cluster + cluster_rank)
             first_fragment = cluster_rank * cfg.threads + tidx
             shared_words = self.publisher.begin_call(shared, first_row, offset, present)
-            if cutlass.const_expr(cfg.trace):
-                rTrace[2] = ptx.clock64()
-                # The previous layer's exit globaltimer, from its trace in this layer's shared input.
-                rTrace[4] = ptx.load_u64(shared + Int64(first_row) * self.row_bytes
-                                         + Int64(cluster_rank * cfg.threads) * self.fragment_bytes + Int64(15 * 8))
             stage, halt = self.publisher.read_stage(stage_state)
             # After begin_call's griddepcontrol.wait: the residual may be the previous
             # call's residual_out, written by the kernel just before.
@@ -306,40 +256,15 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                                      row_shared)
                     self.own.publish(sOwn, (row - first_row) // clusters, packed, row, offset, peer_table,
                                      capacity_m, rank, stage, first=False)
-            if cutlass.const_expr(cfg.trace):
-                rTrace[3] = ptx.clock64()
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
-            rAhead = self._load_residual(residual, first_row, Int32(first_row < m), first_fragment)
             for row in cutlass.range(first_row, m, clusters):
                 j = (row - first_row) // clusters
-                if cutlass.const_expr(cfg.residual_ahead):
-                    # This row's residual was loaded one row ahead; load the next one's now.
-                    rResidual = self._fragment_registers()
-                    for f in cutlass.range_constexpr(self.fragments_per_thread):
-                        for w in cutlass.range_constexpr(self.fragment_words):
-                            rResidual[f, w] = rAhead[f, w]
-                    following = row + clusters
-                    rNext = self._load_residual(residual, following, Int32(following < m), first_fragment)
-                    for f in cutlass.range_constexpr(self.fragments_per_thread):
-                        for w in cutlass.range_constexpr(self.fragment_words):
-                            rAhead[f, w] = rNext[f, w]
-                else:
-                    rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
+                rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
                                sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
-                               eps, self.own.held(sOwn, j, rank), rTrace)
+                               eps, self.own.held(sOwn, j, rank))
             self.finish_call(stage, stage_state, advance=True, waited=True)
-            if cutlass.const_expr(cfg.trace):
-                rTrace[15] = ptx.global_timer_ns()
-                if tidx == 0:
-                    region = out + Int64(first_row) * self.row_bytes + Int64(cluster_rank * cfg.threads) * self.fragment_bytes
-                    for quad in cutlass.range_constexpr(TRACE_POINTS // 2):
-                        low = rTrace[2 * quad]
-                        high = rTrace[2 * quad + 1]
-                        ptx.store_words(region + Int64(16 * quad),
-                                        [Uint32(low & Int64(0xFFFFFFFF)), Uint32(low >> Int64(32)),
-                                         Uint32(high & Int64(0xFFFFFFFF)), Uint32(high >> Int64(32))])
         else:
             if cutlass.const_expr(cfg.mode == "oneshot"):
                 token = block
@@ -387,7 +312,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
     @cute.jit
     def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
                   row_index, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
-                  own, rTrace=None) -> None:
+                  own) -> None:
         """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
         ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
         ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
@@ -395,7 +320,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
         CTA's sequence (`RowSums.sum`). ``own``: the fused kernel's own partial
         (`LamportReduceKernel.wait_contributions`), else None."""
         cfg = self.config
-        self._trace(rTrace, row_index, 5)
         row_offset = Int64(row) * self.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
         rResidualOut = self._fragment_registers()
@@ -422,11 +346,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         low, high = ptx.bf16x2_to_f32(word)
                         squares = squares + low * low + high * high
 
-        self._trace(rTrace, row_index, 6)
         # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
-        mean = self.row_sums.sum(sums, squares, tidx, row_index,
-                                 after_block=lambda: self._trace(rTrace, row_index, 7)) / Float32(cfg.hidden)
-        self._trace(rTrace, row_index, 8)
+        mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
         inverse_rms = ptx.rsqrt_f32(mean + eps)
         for j in cutlass.range_constexpr(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
@@ -447,16 +368,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)
-        self._trace(rTrace, row_index, 9)
-
-    @cute.jit
-    def _trace(self, rTrace, row_index, point: int) -> None:
-        """With ``trace``, this SM's clock at ``point`` of the first two rows (+5 for the second)."""
-        if cutlass.const_expr(self.config.trace and rTrace is not None):
-            if row_index == 0:
-                rTrace[point] = ptx.clock64()
-            if row_index == 1:
-                rTrace[point + 5] = ptx.clock64()
 
     def _fragment(self, first_fragment, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's
