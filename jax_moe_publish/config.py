@@ -46,7 +46,7 @@ SMALL_M = 64
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
                "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
-                "fuse_reduce", "keep_own_partial", "poll_ahead")
+                "fuse_reduce", "keep_own_partial")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -141,7 +141,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    poll_ahead: bool = False
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -227,9 +226,6 @@ class KernelConfig:
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
             _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
-        if self.poll_ahead:
-            _require(self.fuse_reduce and self.epilogue != "none", "poll_ahead", True,
-                     "False unless fused with an epilogue")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")

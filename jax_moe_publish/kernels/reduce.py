@@ -166,7 +166,7 @@ class LamportReduceKernel:
         return (contributions + Int64(stage) * Int64(capacity_m) + Int64(token)) * self.row_bytes
 
     def wait_contributions(self, mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state,
-                            status, timeout_ns, own=None, first=None) -> tuple[list, list, Int32 | None]:
+                            status, timeout_ns, own=None) -> tuple[list, list, Int32 | None]:
         """(addresses, words, skipped) of every rank's contribution to one fragment of slot
         ``[stage][*][slot]``, once all of them have arrived.
 
@@ -182,13 +182,12 @@ class LamportReduceKernel:
             for src in range(self.config.tp)
         ]
         if own is None:
-            sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns,
-                                 None, first)
+            sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns)
             return slots, sources, None
         rank, kept, read = own
         skipped = kept << rank  # kept is 0 or 1
         sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns,
-                             skipped, first)
+                             skipped)
         held = read()
         sources = [[cutlass.select_(_polled(skipped, src) != 0, word, held[w]) for w, word in enumerate(words)]
                    for src, words in enumerate(sources)]
@@ -201,7 +200,7 @@ class LamportReduceKernel:
                             predicate=None if skipped is None else _polled(skipped, i))
 
     @cute.jit
-    def _wait(self, slots, ranks, stage, token, stage_state, status, timeout_ns, skipped=None, first=None) -> list:
+    def _wait(self, slots, ranks, stage, token, stage_state, status, timeout_ns, skipped=None) -> list:
         """Poll ``slots`` until every bf16 lane is filled; return their words.
 
         ``ranks[i]`` is the rank that fills ``slots[i]`` (for diagnostics). Slot
@@ -212,13 +211,7 @@ class LamportReduceKernel:
         rValues = cute.make_rmem_tensor(cute.make_layout((len(slots), words_per_slot)), Uint32)
         missing = Int32(0)
         for i in cutlass.range_constexpr(len(slots)):
-            if cutlass.const_expr(first is None):
-                words = self._poll(slots, i, skipped)
-            else:
-                # (valid, rWords): where valid, the words of an earlier poll stand for the first one.
-                valid, rFirst = first
-                polled = self._poll(slots, i, skipped, Int32(valid == 0))
-                words = [cutlass.select_(valid != 0, rFirst[i, w], polled[w]) for w in range(words_per_slot)]
+            words = self._poll(slots, i, skipped)
             for w in cutlass.range_constexpr(words_per_slot):
                 rValues[i, w] = words[w]
             if ptx.has_empty_lane(words) != Uint32(0):
@@ -247,12 +240,9 @@ class LamportReduceKernel:
                         rValues[i, w] = Uint32(NAN_BF16X2)
         return [[rValues[i, w] for w in range(words_per_slot)] for i in range(len(slots))]
 
-    def _poll(self, slots, i, skipped, also=None) -> list:
-        """Slot ``i``'s words, zeros unless polled (and ``also``, an Int32, is nonzero)."""
-        predicate = None if skipped is None else _polled(skipped, i)
-        if also is not None:
-            predicate = also if predicate is None else predicate & also
-        return ptx.load_volatile_words(slots[i], self.fragment_words, predicate=predicate)
+    def _poll(self, slots, i, skipped) -> list:
+        return ptx.load_volatile_words(slots[i], self.fragment_words,
+                                       predicate=None if skipped is None else _polled(skipped, i))
 
     @cute.jit
     def halted(self, destination, halt, stage, token, stage_state, status) -> None:

@@ -258,18 +258,12 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                      capacity_m, rank, stage, first=False)
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
-            # With poll_ahead: the next row's slots, polled once while this row's sum is exchanged.
-            rAhead = cute.make_rmem_tensor(cute.make_layout((cfg.tp, self.fragment_words)), Uint32)
             for row in cutlass.range(first_row, m, clusters):
                 j = (row - first_row) // clusters
                 rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
-                ahead = None
-                if cutlass.const_expr(cfg.poll_ahead):
-                    following = row + clusters
-                    ahead = (rAhead, Int32(j > 0), following, Int32(following < m), self.own.held(sOwn, j + 1, rank))
                 self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
                                sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
-                               eps, self.own.held(sOwn, j, rank), ahead)
+                               eps, self.own.held(sOwn, j, rank))
             self.finish_call(stage, stage_state, advance=True, waited=True)
         else:
             if cutlass.const_expr(cfg.mode == "oneshot"):
@@ -318,7 +312,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
     @cute.jit
     def _norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
                   row_index, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
-                  own, ahead=None) -> None:
+                  own) -> None:
         """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
         ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
         ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
@@ -339,9 +333,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
                     for w in cutlass.range_constexpr(self.fragment_words):
                         rResidualOut[j, w] = Uint32(NAN_BF16X2)
                 if present != 0 and halt == protocol.HALT_RUNNING:
-                    first = None if ahead is None else (ahead[1], ahead[0])
                     slots, sources, skipped = self.wait_contributions(
-                        mailbox, stage, row, offset, capacity_m, token, stage_state, status, timeout_ns, own, first
+                        mailbox, stage, row, offset, capacity_m, token, stage_state, status, timeout_ns, own
                     )
                     total = self.sum_sources(sources)
                     self.rearm(slots, skipped)
@@ -353,20 +346,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         low, high = ptx.bf16x2_to_f32(word)
                         squares = squares + low * low + high * high
 
-        if cutlass.const_expr(ahead is not None):
-            rAhead, _, following, following_live, next_own = ahead
-            offset, present = self._fragment(first_fragment, 0)
-            if following_live != 0 and present != 0 and halt == protocol.HALT_RUNNING:
-                next_slots = [mailbox + self._contribution_offset(stage, src, following, capacity_m) + offset
-                              for src in range(cfg.tp)]
-                next_skipped = None
-                if cutlass.const_expr(next_own is not None):
-                    next_rank, next_kept, _ = next_own
-                    next_skipped = next_kept << next_rank
-                for i in cutlass.range_constexpr(cfg.tp):
-                    words = self._poll(next_slots, i, next_skipped)
-                    for w in cutlass.range_constexpr(self.fragment_words):
-                        rAhead[i, w] = words[w]
         # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
         mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
         inverse_rms = ptx.rsqrt_f32(mean + eps)
