@@ -337,8 +337,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         mailbox, stage, row, offset, capacity_m, token, stage_state, status, timeout_ns, own
                     )
                     total = self.sum_sources(sources)
-                    if cutlass.const_expr(not cfg.rearm_after_sum):
-                        self.rearm(slots, skipped)
+                    self.rearm(slots, skipped)
                     for w in cutlass.range_constexpr(self.fragment_words):
                         y_low, y_high = ptx.bf16x2_to_f32(total[w])
                         r_low, r_high = ptx.bf16x2_to_f32(rResidual[j, w])
@@ -349,14 +348,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
 
         # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
         mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
-        if cutlass.const_expr(cfg.rearm_after_sum):
-            # The re-arm stores, out of the way of the row sum's exchange.
-            for j in cutlass.range_constexpr(self.fragments_per_thread):
-                offset, present = self._fragment(first_fragment, j)
-                if live != 0 and present != 0 and halt == protocol.HALT_RUNNING:
-                    rearmed = [mailbox + self._contribution_offset(stage, src, row, capacity_m) + offset
-                               for src in range(cfg.tp)]
-                    self.rearm(rearmed, None if own is None else own[1] << own[0])
         inverse_rms = ptx.rsqrt_f32(mean + eps)
         for j in cutlass.range_constexpr(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
