@@ -133,6 +133,10 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
                                      reduce_threads=2 * fused.threads))
         configs.append(fused.replace(elements_per_thread=4))
         configs.append(fused.replace(waves=3))
+        configs.append(fused.replace(pipeline_rows=True))
+        configs.append(fused.replace(early_arrival=True))
+        configs.append(fused.replace(waves=3, pipeline_rows=True, early_arrival=True))
+        configs.append(fused.replace(elements_per_thread=4, pipeline_rows=True, early_arrival=True))
         configs += [KernelConfig.default(tp=tp, mode=mode, m=m, epilogue="rmsnorm", fuse_reduce=fuse, **problem)
                     for problem in TEST_WIDE_EPILOGUE_PROBLEMS for m in DEFAULT_SHAPE_MS
                     for mode, fuse in (("oneshot", None), ("oneshot", False), ("reduce_scatter", None))]

@@ -310,27 +310,46 @@ class LamportReduceKernel:
         return stage, halt
 
     @cute.jit
+    def arrive(self, stage_state, tidx) -> Int32:
+        """Count this CTA in ``ARRIVALS`` now (`KernelConfig.early_arrival`), once all of its
+        threads have read the stage; returns, in thread 0, how many CTAs arrived before it, for
+        `finish_call` (0 elsewhere). The atomic's round trip then overlaps the CTA's rows."""
+        cute.arch.barrier()
+        arrived = Int32(0)
+        if tidx == 0:
+            arrived = ptx.fetch_add_s32(stage_state + protocol.ARRIVALS * 4, 1)
+        return arrived
+
+    @cute.jit
     def finish_call(self, stage, stage_state, advance: cutlass.Constexpr[bool],
-                    waited: cutlass.Constexpr[bool]) -> None:
+                    waited: cutlass.Constexpr[bool], arrived=None) -> None:
         """Wait for the predecessor grid (so that the call ends after its publish) unless this
         kernel ``waited`` already, and with ``advance`` let the last CTA to arrive move the
-        stage and count the call."""
+        stage and count the call (``arrived``: `arrive`'s count, where the CTA arrived earlier)."""
         if cutlass.const_expr(self.config.enable_pdl and not waited):
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(advance):
+        if cutlass.const_expr(advance and arrived is not None):
+            tidx, _, _ = cute.arch.thread_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            if tidx == 0:
+                if arrived == grid - 1:
+                    self._advance_stage(stage, stage_state)
+        if cutlass.const_expr(advance and arrived is None):
             # Every thread of this CTA has read the stage before the CTA arrives.
             cute.arch.barrier()
             tidx, _, _ = cute.arch.thread_idx()
             grid, _, _ = cute.arch.grid_dim()
             if tidx == 0:
-                arrived = ptx.fetch_add_s32(stage_state + protocol.ARRIVALS * 4, 1)
-                if arrived == grid - 1:
-                    ptx.store_volatile_s32(stage_state + protocol.ARRIVALS * 4, 0)
-                    ptx.store_volatile_s32(
-                        stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES
-                    )
-                    call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
-                    ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
+                before = ptx.fetch_add_s32(stage_state + protocol.ARRIVALS * 4, 1)
+                if before == grid - 1:
+                    self._advance_stage(stage, stage_state)
+
+    def _advance_stage(self, stage, stage_state) -> None:
+        """The last CTA to arrive: reset the arrivals, move the stage and count the call."""
+        ptx.store_volatile_s32(stage_state + protocol.ARRIVALS * 4, 0)
+        ptx.store_volatile_s32(stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES)
+        call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
+        ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
 
 
 def _polled(skipped, i: int) -> Int32:
