@@ -204,9 +204,9 @@ def tuning_variants(problem, tp, mode, m):
     if base.fuse_reduce:
         grid["keep_own_partial"] = TUNING_GRID["keep_own_partial"]
         grid["waves"] = TUNING_GRID["waves"]
+        grid["early_arrival"] = TUNING_GRID["early_arrival"]
         if base.epilogue != "none":
             grid["pipeline_rows"] = TUNING_GRID["pipeline_rows"]
-            grid["early_arrival"] = TUNING_GRID["early_arrival"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
     variants = []
     for values in itertools.product(*grid.values()):

@@ -202,6 +202,13 @@ def fetch_add_s32(address: Int64, value, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def add_s32(address: Int64, value, *, loc=None, ip=None) -> None:
+    """Atomically add ``value`` to the int32 at ``address``, without waiting for the result."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+         "red.global.add.s32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def claim_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Atomically set the int32 at ``address`` from 0 to 1; returns the old value (0: claimed)."""
     return Int32(_scalar_at(address, "atom.global.cas.b32", T.i32(), "r", True, loc, ip, operands=", 0, 1"))

@@ -257,7 +257,10 @@ class LamportReduceKernel:
         """The first thread to fail writes the diagnostic (code last, after a fence).
         Then every failing thread traps, unless the mailbox asks for a flag instead."""
         if ptx.claim_s32(stage_state + protocol.DIAGNOSTIC_CLAIM * 4) == 0:
-            call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
+            count = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
+            # The calls before this one, unless a CTA of this call has counted it already
+            # (`KernelConfig.early_arrival`): the count of call c is c % STAGES == stage.
+            call = count - Int32(count % protocol.STAGES != stage)
             ptx.store_volatile_s32(status + protocol.STATUS_STAGE * 4, stage)
             ptx.store_volatile_s32(status + protocol.STATUS_TOKEN * 4, token)
             ptx.store_volatile_s32(status + protocol.STATUS_MISSING_RANKS * 4, missing)
@@ -348,8 +351,8 @@ class LamportReduceKernel:
         """The last CTA to arrive: reset the arrivals, move the stage and count the call."""
         ptx.store_volatile_s32(stage_state + protocol.ARRIVALS * 4, 0)
         ptx.store_volatile_s32(stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES)
-        call = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
-        ptx.store_volatile_s32(stage_state + protocol.CALL_COUNT * 4, call + 1)
+        # No round trip: this may be the call's last CTA to finish.
+        ptx.add_s32(stage_state + protocol.CALL_COUNT * 4, 1)
 
 
 def _polled(skipped, i: int) -> Int32:
