@@ -75,8 +75,6 @@ TUNING_GRID = {
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
     "waves": (1, 2),
-    "pipeline_rows": (False, True),
-    "early_arrival": (False, True),
 }
 
 
@@ -204,9 +202,6 @@ def tuning_variants(problem, tp, mode, m):
     if base.fuse_reduce:
         grid["keep_own_partial"] = TUNING_GRID["keep_own_partial"]
         grid["waves"] = TUNING_GRID["waves"]
-        grid["early_arrival"] = TUNING_GRID["early_arrival"]
-        if base.epilogue != "none":
-            grid["pipeline_rows"] = TUNING_GRID["pipeline_rows"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
     variants = []
     for values in itertools.product(*grid.values()):

@@ -46,7 +46,7 @@ SMALL_M = 64
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
                "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
-                "fuse_reduce", "keep_own_partial", "pipeline_rows", "early_arrival")
+                "fuse_reduce", "keep_own_partial")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -141,8 +141,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    pipeline_rows: bool = False
-    early_arrival: bool = False
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 

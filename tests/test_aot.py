@@ -154,8 +154,8 @@ def test_metadata(builds, config):
         # in shared memory.
         "publish_reduce": (config.threads, own_partial_smem(config), config.ctas_per_token, "m"),
         # The publish's shape, a cluster of CTAs per row: two floats per warp, then (with more
-        # than one CTA) two or, with pipeline_rows, four per CTA and as many mbarriers, each area
-        # 16-byte aligned, and the own partials.
+        # than one CTA) two per CTA and two mbarriers, each area 16-byte aligned, and the own
+        # partials.
         "publish_reduce_norm": (config.threads, fused_norm_smem(config), config.ctas_per_token, "m"),
     }
     for kernel in kernels:
@@ -274,6 +274,12 @@ def test_fused_ptx(builds, config):
     polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
     assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
     assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")
+    # The CTA arrives in the stage's count between its publishes and its first poll (and on a
+    # halted mailbox at once); the call is counted with red.add, which waits for no result.
+    arrivals = [match.start() for match in re.finditer(r"atom\.global\.add", body)]
+    assert len(arrivals) == 2
+    assert body.rindex("ld.global.nc.u64") < arrivals[1] < body.index("ld.volatile.global.v")
+    assert opcodes(body, "red.global") == ["red.global.add.s32"]
     assert "%nctaid.x" in body  # the grid's size: the stride of the tile loops
     assert opcodes(body, "trap") == ["trap", "trap"] and "%globaltimer" in body
     assert "multimem" not in body
@@ -312,9 +318,7 @@ def aligned(nbytes: int) -> int:
 
 def fused_norm_smem(config) -> int:
     cluster = config.ctas_per_token
-    buffers = 4 if config.pipeline_rows else 2
-    return (aligned(2 * config.threads // 32 * 4)
-            + (aligned(buffers * cluster * 4) + aligned(buffers * 8) if cluster > 1 else 0)
+    return (aligned(2 * config.threads // 32 * 4) + (aligned(2 * cluster * 4) + 16 if cluster > 1 else 0)
             + own_partial_smem(config))
 
 
@@ -338,28 +342,22 @@ def test_reduce_norm_ptx(builds, config):
         polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
         assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
         assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")  # publishes first
-        # 2 x tp publish stores (less the first row's own partial, when kept), then as below;
-        # with pipeline_rows the two output stores are traced twice (in the loop, for the
-        # previous row, and after it, for the last).
-        outputs = 2 * (1 + config.pipeline_rows)
-        stores = 2 * config.tp - config.keep_own_partial + per_thread * (1 + config.tp + outputs)
+        # 2 x tp publish stores (less the first row's own partial, when kept), then as below.
+        stores = 2 * config.tp - config.keep_own_partial + per_thread * (1 + config.tp + 2)
         # (The other shared store: the warp's sum of squares.)
         assert_own_partial(body, config, polls=2 * config.tp, rearms=config.tp, other_shared_stores=1)
         # A cluster's CTAs exchange their sums of squares: one asynchronous remote store per
         # thread that delivers, counted on the receiver's mbarrier, which each CTA waits on;
         # the one cluster barrier makes sure that the CTAs have all started and initialized
-        # their mbarriers, one per buffer of the CTAs' sums (its arrive at the top, its wait after
-        # the publishes). With pipeline_rows the wait is traced twice, like the outputs.
+        # their two mbarriers (its arrive at the top, its wait after the publishes).
         cluster = config.ctas_per_token
-        buffers = 4 if config.pipeline_rows else 2
         assert opcodes(body, "st.async") == ["st.async.shared::cluster.mbarrier::complete_tx::bytes.b32"] * (
             cluster > 1)
         assert opcodes(body, "barrier.cluster") == ["barrier.cluster.arrive.relaxed", "barrier.cluster.wait"] * (
             cluster > 1)
-        assert len(opcodes(body, "mbarrier.init")) == buffers * (cluster > 1)
+        assert len(opcodes(body, "mbarrier.init")) == 2 * (cluster > 1)
         assert opcodes(body, "mbarrier.arrive.expect_tx") == ["mbarrier.arrive.expect_tx.shared.b64"] * (cluster > 1)
-        assert opcodes(body, "mbarrier.try_wait.parity") == ["mbarrier.try_wait.parity.shared.b64"] * (
-            (1 + config.pipeline_rows) * (cluster > 1))
+        assert opcodes(body, "mbarrier.try_wait.parity") == ["mbarrier.try_wait.parity.shared.b64"] * (cluster > 1)
         assert "st.shared::cluster" not in body
         if cluster > 1:
             assert body.rindex("mbarrier.init") < body.index("fence.mbarrier_init.release.cluster") < body.index(
@@ -381,13 +379,23 @@ def test_reduce_norm_ptx(builds, config):
     # The row's sum of squares: a butterfly in each warp, then one barrier before the
     # warp sums are read back; then one rsqrt.
     assert opcodes(body, "shfl.sync.bfly.b32") == ["shfl.sync.bfly.b32"] * 5
-    barrier = first(body, "bar.sync")
+    barriers = [match.start() for match in re.finditer(r"\bbar\.sync\b", body)]
+    if config.fuse_reduce:
+        # Fused, the CTA first arrives in the stage's count, after its publishes and before its
+        # first poll, with the kernel's only atomic add that waits for its result; the call is
+        # counted with red.add, which does not.
+        assert body.rindex("ld.global.nc.u64") < barriers[0] < body.index("atom.global.add") < first(
+            body, "ld.volatile.global.v")
+        assert opcodes(body, "atom.global.add") == ["atom.global.add.s32"]
+        assert opcodes(body, "red.global") == ["red.global.add.s32"]
+        barriers = barriers[1:] + barriers[:1]
+    barrier = barriers[0]
     assert "st.shared.b32" in body[:barrier] and "ld.shared" in body[barrier:]
-    # That barrier and finish_call's (or, with early_arrival, the one before the CTA's early
-    # arrival): the warp sums alternate between two buffers by row, so that a CTA's next row
-    # needs no barrier before it writes them.
-    assert len(opcodes(body, "bar.sync")) == 2
-    assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"] * (1 + config.pipeline_rows)
+    # That barrier and the arrival's (fused, above; else finish_call's): the warp sums
+    # alternate between two buffers by row, so that a CTA's next row needs no barrier before
+    # it writes them.
+    assert len(barriers) == 2
+    assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"]
     # Shared memory is the dynamic kind, and what the kernel touches fits the launch's.
     assert "__dynamic_shmem__" in body and not re.search(r"^\s*\.shared\b", built.ptx, re.M)
     smem = next(k["smem"] for k in built.metadata["kernels"] if k["role"] == role)

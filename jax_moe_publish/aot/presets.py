@@ -66,14 +66,14 @@ TEST_VARIANTS = (
          threads=96),
     # One kernel per call (oneshot only): 16-byte fragments, own partials in shared memory or
     # in the mailbox; 8-byte ones with a partial last CTA and without PDL.
-    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True, early_arrival=True),
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True),
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True,
          keep_own_partial=False),
     dict(hidden=2880, top_k=10, routed_scaling_factor=1.0, fp32_weights=True, include_shared_expert=False,
          elements_per_thread=4, prefetch_group=5, enable_pdl=False, threads=96, fuse_reduce=True),
     # A grid of a third of the rows' CTAs: three tiles per CTA even where the GPU holds them all.
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, elements_per_thread=4, prefetch_group=8,
-         fuse_reduce=True, waves=3, early_arrival=True),
+         fuse_reduce=True, waves=3),
 )
 
 # The shapes the op tests and the example call with their default configs.
@@ -133,10 +133,6 @@ def test_epilogues(tp: int) -> list[KernelConfig]:
                                      reduce_threads=2 * fused.threads))
         configs.append(fused.replace(elements_per_thread=4))
         configs.append(fused.replace(waves=3))
-        configs.append(fused.replace(pipeline_rows=True))
-        configs.append(fused.replace(early_arrival=True))
-        configs.append(fused.replace(waves=3, pipeline_rows=True, early_arrival=True))
-        configs.append(fused.replace(elements_per_thread=4, pipeline_rows=True, early_arrival=True))
         configs += [KernelConfig.default(tp=tp, mode=mode, m=m, epilogue="rmsnorm", fuse_reduce=fuse, **problem)
                     for problem in TEST_WIDE_EPILOGUE_PROBLEMS for m in DEFAULT_SHAPE_MS
                     for mode, fuse in (("oneshot", None), ("oneshot", False), ("reduce_scatter", None))]

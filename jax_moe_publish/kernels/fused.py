@@ -75,8 +75,7 @@ class FusedPublishReduceKernel:
         tidx, _, _ = cute.arch.thread_idx()
         arrived = Int32(0)
         if halt != protocol.HALT_RUNNING:
-            if cutlass.const_expr(self.config.early_arrival):
-                arrived = self.reducer.arrive(stage_state, tidx)
+            arrived = self.reducer.arrive(stage_state, tidx)
             for tile in cutlass.range(block, tiles, grid):
                 halted_token, halted_offset, halted_in_range = self.publisher.position(tile)
                 if halted_in_range != 0:
@@ -96,8 +95,7 @@ class FusedPublishReduceKernel:
                                                      next_offset, next_shared)
                     self.own.publish(sOwn, (tile - block) // grid, packed, next_token, next_offset, peer_table,
                                      capacity_m, rank, stage, first=False)
-            if cutlass.const_expr(self.config.early_arrival):
-                arrived = self.reducer.arrive(stage_state, tidx)
+            arrived = self.reducer.arrive(stage_state, tidx)
             for tile in cutlass.range(block, tiles, grid):
                 wait_token, wait_offset, wait_in_range = self.publisher.position(tile)
                 if wait_in_range != 0:
@@ -108,8 +106,7 @@ class FusedPublishReduceKernel:
                     ptx.store_words(self._destination(out, wait_token, wait_offset),
                                     self.reducer.sum_sources(sources))
                     self.reducer.rearm(slots, skipped)
-        self.reducer.finish_call(stage, stage_state, advance=True, waited=True,
-                                 arrived=arrived if self.config.early_arrival else None)
+        self.reducer.finish_call(stage, stage_state, advance=True, waited=True, arrived=arrived)
 
     def _destination(self, out, token, fragment_offset) -> Int64:
         """Address of a fragment of output row ``token``."""

@@ -258,8 +258,8 @@ class LamportReduceKernel:
         Then every failing thread traps, unless the mailbox asks for a flag instead."""
         if ptx.claim_s32(stage_state + protocol.DIAGNOSTIC_CLAIM * 4) == 0:
             count = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
-            # The calls before this one, unless a CTA of this call has counted it already
-            # (`KernelConfig.early_arrival`): the count of call c is c % STAGES == stage.
+            # The calls before this one, unless this call's last CTA to arrive has counted it
+            # already (a fused CTA arrives before its waits): call c has stage c % STAGES.
             call = count - Int32(count % protocol.STAGES != stage)
             ptx.store_volatile_s32(status + protocol.STATUS_STAGE * 4, stage)
             ptx.store_volatile_s32(status + protocol.STATUS_TOKEN * 4, token)
@@ -314,9 +314,10 @@ class LamportReduceKernel:
 
     @cute.jit
     def arrive(self, stage_state, tidx) -> Int32:
-        """Count this CTA in ``ARRIVALS`` now (`KernelConfig.early_arrival`), once all of its
-        threads have read the stage; returns, in thread 0, how many CTAs arrived before it, for
-        `finish_call` (0 elsewhere). The atomic's round trip then overlaps the CTA's rows."""
+        """Count this CTA in ``ARRIVALS`` once all of its threads have read the stage; returns,
+        in thread 0, how many CTAs arrived before it (0 elsewhere), for `finish_call`. A fused
+        kernel arrives once it has published, so that the atomic's round trip overlaps its
+        waits instead of ending the CTA."""
         cute.arch.barrier()
         arrived = Int32(0)
         if tidx == 0:
@@ -328,23 +329,17 @@ class LamportReduceKernel:
                     waited: cutlass.Constexpr[bool], arrived=None) -> None:
         """Wait for the predecessor grid (so that the call ends after its publish) unless this
         kernel ``waited`` already, and with ``advance`` let the last CTA to arrive move the
-        stage and count the call (``arrived``: `arrive`'s count, where the CTA arrived earlier)."""
+        stage and count the call. ``arrived`` is `arrive`'s count where the CTA has arrived
+        already, else None: it arrives now."""
         if cutlass.const_expr(self.config.enable_pdl and not waited):
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(advance and arrived is not None):
+        if cutlass.const_expr(advance):
             tidx, _, _ = cute.arch.thread_idx()
             grid, _, _ = cute.arch.grid_dim()
+            if cutlass.const_expr(arrived is None):
+                arrived = self.arrive(stage_state, tidx)
             if tidx == 0:
                 if arrived == grid - 1:
-                    self._advance_stage(stage, stage_state)
-        if cutlass.const_expr(advance and arrived is None):
-            # Every thread of this CTA has read the stage before the CTA arrives.
-            cute.arch.barrier()
-            tidx, _, _ = cute.arch.thread_idx()
-            grid, _, _ = cute.arch.grid_dim()
-            if tidx == 0:
-                before = ptx.fetch_add_s32(stage_state + protocol.ARRIVALS * 4, 1)
-                if before == grid - 1:
                     self._advance_stage(stage, stage_state)
 
     def _advance_stage(self, stage, stage_state) -> None:

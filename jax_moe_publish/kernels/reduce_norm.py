@@ -87,23 +87,14 @@ class RowSums:
     def __init__(self, config: KernelConfig) -> None:
         self.warps = config.reduce_threads // WARP
         self.cluster = cluster_ctas(config)
-        self.buffers = RowSums.cluster_buffers(config)
-
-    @staticmethod
-    def cluster_buffers(config: KernelConfig) -> int:
-        """Buffers of the CTAs' sums: 2, or 4 with `KernelConfig.pipeline_rows`, where a CTA
-        delivers row ``j + 1``'s sum before it reads row ``j``'s (`send`, `receive`)."""
-        return 4 if config.pipeline_rows else 2
 
     @staticmethod
     def shared_bytes(config: KernelConfig) -> int:
-        """Two floats per warp; with a cluster, a float per CTA of it and an mbarrier per buffer."""
+        """Two floats per warp; with a cluster, two per CTA of it and two mbarriers."""
         total = _aligned(2 * config.reduce_threads // WARP * FLOAT_BYTES)
         if cluster_ctas(config) == 1:
             return total
-        buffers = RowSums.cluster_buffers(config)
-        return (total + _aligned(buffers * cluster_ctas(config) * FLOAT_BYTES)
-                + _aligned(buffers * RowSums.BARRIER_BYTES))
+        return total + _aligned(2 * cluster_ctas(config) * FLOAT_BYTES) + _aligned(2 * RowSums.BARRIER_BYTES)
 
     def allocate(self):
         """(warp sums, CTA sums, mbarriers), the last two None without a cluster."""
@@ -111,9 +102,8 @@ class RowSums:
         sWarpSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.warps)), byte_alignment=SMEM_ALIGNMENT)
         if self.cluster == 1:
             return sWarpSums, None, None
-        sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((self.buffers, self.cluster)),
-                                        byte_alignment=SMEM_ALIGNMENT)
-        barriers = smem.allocate_array(Int64, self.buffers, byte_alignment=SMEM_ALIGNMENT)
+        sCtaSums = smem.allocate_tensor(Float32, cute.make_layout((2, self.cluster)), byte_alignment=SMEM_ALIGNMENT)
+        barriers = smem.allocate_array(Int64, 2, byte_alignment=SMEM_ALIGNMENT)
         return sWarpSums, sCtaSums, barriers
 
     @cute.jit
@@ -123,21 +113,15 @@ class RowSums:
         if cutlass.const_expr(self.cluster > 1):
             barriers = storage[2]
             if tidx == 0:
-                for buffer in cutlass.range_constexpr(self.buffers):
+                for parity in cutlass.range_constexpr(2):
                     # One arrival per row: thread 0's, which also expects the cluster's bytes.
-                    cute.arch.mbarrier_init(barriers + buffer, 1)
+                    cute.arch.mbarrier_init(barriers + parity, 1)
                 cute.arch.mbarrier_init_fence()
 
     @cute.jit
     def sum(self, storage, value: Float32, tidx, row_index) -> Float32:
         """Sum of ``value`` over the CTA (the cluster), for this CTA's ``row_index``-th row; every
         thread of the cluster must call it, for the same rows in the same order."""
-        return self.receive(storage, self.send(storage, value, tidx, row_index), row_index)
-
-    @cute.jit
-    def send(self, storage, value: Float32, tidx, row_index) -> Float32:
-        """The CTA's sum of ``value`` (every thread gets it), delivered to every CTA of the
-        cluster: the first half of `sum`."""
         sWarpSums, sCtaSums, barriers = storage
         parity = row_index % 2
         warp_sum = ptx.warp_sum_f32(value)
@@ -148,31 +132,21 @@ class RowSums:
         for warp in cutlass.range_constexpr(self.warps):
             total = total + sWarpSums[parity, warp]
         if cutlass.const_expr(self.cluster > 1):
-            buffer = row_index % self.buffers
-            barrier = barriers + buffer
+            barrier = barriers + parity
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.cluster * FLOAT_BYTES)
             if tidx < self.cluster:
                 # Thread i delivers this CTA's sum to CTA i of the cluster.
                 own = cute.arch.block_idx_in_cluster()
-                slot = sCtaSums.iterator + cute.crd2idx((buffer, own), sCtaSums.layout)
+                slot = sCtaSums.iterator + cute.crd2idx((parity, own), sCtaSums.layout)
                 ptx.store_async_cluster_f32(cute.arch.map_dsmem_ptr(slot, tidx).toint(), total,
                                             cute.arch.map_dsmem_ptr(barrier, tidx).toint())
-        return total
-
-    @cute.jit
-    def receive(self, storage, cta_total: Float32, row_index) -> Float32:
-        """The cluster's sum for the ``row_index``-th row, from `send`'s ``cta_total``."""
-        total = cta_total
-        if cutlass.const_expr(self.cluster > 1):
-            _, sCtaSums, barriers = storage
-            buffer = row_index % self.buffers
-            # Barrier `buffer` serves rows buffer, buffer + buffers, ...: this is its
-            # (row_index // buffers)-th phase.
-            cute.arch.mbarrier_wait(barriers + buffer, (row_index // self.buffers) % 2)
+            # Barrier `parity` serves rows parity, parity + 2, ...: this is its
+            # (row_index // 2)-th phase.
+            cute.arch.mbarrier_wait(barrier, (row_index // 2) % 2)
             total = Float32(0.0)
             for cta in cutlass.range_constexpr(self.cluster):
-                total = total + sCtaSums[buffer, cta]
+                total = total + sCtaSums[parity, cta]
         return total
 
 
@@ -284,20 +258,13 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                      capacity_m, rank, stage, first=False)
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
-            arrived = None
-            if cutlass.const_expr(cfg.early_arrival):
-                arrived = self.arrive(stage_state, tidx)
-            if cutlass.const_expr(cfg.pipeline_rows):
-                self._pipelined_rows(first_row, clusters, m, stage, halt, rWeight, tidx, first_fragment, sums,
-                                     sOwn, rank, residual, mailbox, stage_state, status, out, timeout_ns,
-                                     capacity_m, residual_out, eps)
-            else:
-                for row in cutlass.range(first_row, m, clusters):
-                    j = (row - first_row) // clusters
-                    rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
-                    self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
-                                   sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m,
-                                   residual_out, eps, self.own.held(sOwn, j, rank))
+            arrived = self.arrive(stage_state, tidx)
+            for row in cutlass.range(first_row, m, clusters):
+                j = (row - first_row) // clusters
+                rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
+                self._norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment,
+                               sums, j, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
+                               eps, self.own.held(sOwn, j, rank))
             self.finish_call(stage, stage_state, advance=True, waited=True, arrived=arrived)
         else:
             if cutlass.const_expr(cfg.mode == "oneshot"):
@@ -317,37 +284,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                            self.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
                            capacity_m, residual_out, eps, None)
             self.finish_call(stage, stage_state, advance=True, waited=False)
-
-    @cute.jit
-    def _pipelined_rows(self, first_row, clusters, m, stage, halt, rWeight, tidx, first_fragment, sums, sOwn,
-                        rank, residual, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out,
-                        eps) -> None:
-        """The fused kernel's rows ``first_row``, ``first_row + clusters``, ... < m
-        (`KernelConfig.pipeline_rows`): a row's sum of squares is delivered to the cluster
-        before the previous row's is read, so that waiting for the next row's partials
-        overlaps the previous row's exchange."""
-        rHeld = self._fragment_registers()
-        held_total = Float32(0.0)
-        for row in cutlass.range(first_row, m, clusters):
-            j = (row - first_row) // clusters
-            rResidual = self._load_residual(residual, row, Int32(1), first_fragment)
-            rResidualOut, squares = self._add_residual(row, row, Int32(1), stage, halt, rResidual, first_fragment,
-                                                       mailbox, stage_state, status, timeout_ns, capacity_m,
-                                                       residual_out, self.own.held(sOwn, j, rank))
-            cta_total = self.row_sums.send(sums, squares, tidx, j)
-            if j > 0:
-                self._normalize(row - clusters, Int32(1), rWeight, rHeld,
-                                self.row_sums.receive(sums, held_total, j - 1), first_fragment, out,
-                                residual_out, eps)
-            for f in cutlass.range_constexpr(self.fragments_per_thread):
-                for w in cutlass.range_constexpr(self.fragment_words):
-                    rHeld[f, w] = rResidualOut[f, w]
-            held_total = cta_total
-        if first_row < m:
-            last_j = (m - 1 - first_row) // clusters
-            self._normalize(first_row + last_j * clusters, Int32(1), rWeight, rHeld,
-                            self.row_sums.receive(sums, held_total, last_j), first_fragment, out, residual_out,
-                            eps)
 
     def _fragment_registers(self):
         """Registers for this thread's fragments of a row, as bf16x2 words."""
@@ -384,19 +320,9 @@ class LamportReduceNormKernel(LamportReduceKernel):
         same rows; ``sums`` is `RowSums.allocate`'s, ``row_index`` the row's index in this
         CTA's sequence (`RowSums.sum`). ``own``: the fused kernel's own partial
         (`LamportReduceKernel.wait_contributions`), else None."""
-        rResidualOut, squares = self._add_residual(row, token, live, stage, halt, rResidual, first_fragment,
-                                                   mailbox, stage_state, status, timeout_ns, capacity_m,
-                                                   residual_out, own)
-        # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
-        total = self.row_sums.sum(sums, squares, tidx, row_index)
-        self._normalize(row, live, rWeight, rResidualOut, total, first_fragment, out, residual_out, eps)
-
-    @cute.jit
-    def _add_residual(self, row, token, live, stage, halt, rResidual, first_fragment, mailbox, stage_state,
-                      status, timeout_ns, capacity_m, residual_out, own):
-        """The first half of `_norm_row`: (residual_out's fragments as bf16 words, the float32
-        sum of their squares over this thread's lanes)."""
+        cfg = self.config
         row_offset = Int64(row) * self.row_bytes
+        # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
         rResidualOut = self._fragment_registers()
         squares = Float32(0.0)
         if live != 0:
@@ -420,15 +346,9 @@ class LamportReduceNormKernel(LamportReduceKernel):
                         rResidualOut[j, w] = word
                         low, high = ptx.bf16x2_to_f32(word)
                         squares = squares + low * low + high * high
-        return rResidualOut, squares
 
-    @cute.jit
-    def _normalize(self, row, live, rWeight, rResidualOut, squares_total, first_fragment, out, residual_out,
-                   eps) -> None:
-        """The second half of `_norm_row`, from the row's sum of squares: store both outputs."""
-        cfg = self.config
-        row_offset = Int64(row) * self.row_bytes
-        mean = squares_total / Float32(cfg.hidden)
+        # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
+        mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
         inverse_rms = ptx.rsqrt_f32(mean + eps)
         for j in cutlass.range_constexpr(self.fragments_per_thread):
             offset, present = self._fragment(first_fragment, j)
