@@ -19,7 +19,9 @@ launch at every ``m``.
 
 Rounding, summation order, stage protocol, timeout and halt word are those of
 `FinalizePublishKernel` and `LamportReduceKernel`, so a fused call returns the
-same bits as an unfused one of the same config otherwise.
+same bits as an unfused one of the same config otherwise. Only the arrival that
+lets the last CTA advance the stage comes earlier: once the CTA has published
+(`LamportReduceKernel.arrive`), so that its round trip overlaps the waits.
 """
 
 from __future__ import annotations

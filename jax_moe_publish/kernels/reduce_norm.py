@@ -28,7 +28,8 @@ call's ``residual_out``.
 
 The wait, the stage protocol, the timeout and the halt word are the plain
 reduce's (`LamportReduceKernel`), so every guarantee of it holds here: a bounded wait,
-exactly the consumed slots re-armed, the stage advanced by the last CTA, and
+exactly the consumed slots re-armed, the stage advanced by the last CTA (which,
+fused, arrives once it has published, as `FusedPublishReduceKernel` does), and
 the same bits on every rank (the same config fixes every summation order; a
 different launch shape may round the mean of squares differently).
 """
