@@ -20,7 +20,7 @@ advances it once all of its CTAs have read it."""
 ARRIVALS = 1
 """CTAs of the call's last kernel that have read the stage; reset to 0 by the last one."""
 CALL_COUNT = 2
-"""Completed calls on this device (wraps at 2**32)."""
+"""Completed calls on this device, modulo `CALL_COUNT_PERIOD`."""
 DIAGNOSTIC_CLAIM = 3
 """Set once by the first thread that records a diagnostic, so one thread writes it."""
 HALT = 4
@@ -28,6 +28,11 @@ HALT = 4
 ON_TIMEOUT = 5
 """ON_TIMEOUT_ABORT or ON_TIMEOUT_FLAG, set by the Mailbox; read only on the failure paths."""
 STAGE_STATE_WORDS = 8
+
+CALL_COUNT_PERIOD = STAGES * (2**31 // STAGES)
+"""Where ``CALL_COUNT`` wraps to 0: a multiple of STAGES, so that a call's stage is always its
+count modulo STAGES, and below 2**31, so that the count stays a nonnegative int32. A device
+that runs 10**4 calls a second wraps after about 2.5 days."""
 
 HALT_RUNNING = 0
 HALT_CLOSED = 1

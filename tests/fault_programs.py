@@ -69,6 +69,7 @@ HEALTHY_TIMEOUT_NS = 2 * 10**9
 SANITIZE_TIMEOUT_NS = 120 * 10**9  # instrumented kernels poll slowly
 HOST_DEADLINE_S = 20.0  # far past every kernel timeout used here: reaching it is a hang
 POLL_S = 50e-6
+EPILOGUE_EPS = 1e-6
 
 
 def finish(result: dict) -> None:
@@ -109,6 +110,20 @@ def random_problem(config, rng, m: int) -> numerics.Problem:
 def prepare(rank_buffers, problem) -> None:
     rank_buffers.upload(problem)
     rank_buffers.out.poison()
+
+
+def prepare_call(buffers, problems, rng, m: int):
+    """`prepare` every rank's buffers; with an epilogue also upload residual rows and a norm
+    weight for ``m`` tokens, the same on every rank, and return them (else None)."""
+    for rank_buffers, problem in zip(buffers, problems):
+        prepare(rank_buffers, problem)
+    if not buffers[0].epilogue:
+        return None
+    residual, norm_weight = numerics.epilogue_inputs(rng, m, buffers[0].config.hidden)
+    for rank_buffers in buffers:
+        rank_buffers.upload_epilogue(residual, norm_weight, EPILOGUE_EPS)
+        rank_buffers.residual_out.poison()
+    return residual, norm_weight
 
 
 def launch_rank(launcher, rank: int, rank_buffers, m: int, roles=None) -> None:
@@ -213,26 +228,27 @@ def stage_words(launcher, rank: int) -> dict:
 
 
 def silent_peer(args) -> None:
-    """``--warmup`` healthy calls, then a call that only ``1 - silent`` runs."""
+    """``--warmup`` healthy calls, then a call that only ``1 - silent`` runs; the group's first
+    call is number ``--first-call`` (its stage words are set so)."""
     silent = args.silent_rank
     waiting = 1 - silent
     m = 5
     rng = np.random.default_rng(args.seed)
-    with group(args.mode, FAULT_TIMEOUT_NS) as launcher:
+    config = sanitize_configs()[args.config] if args.config else None
+    with group(args.mode, FAULT_TIMEOUT_NS, config=config) as launcher:
         config = launcher.config
+        launcher.start_at_call(args.first_call)
         buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
         for _ in range(args.warmup):
-            problems = [random_problem(config, rng, m) for _ in range(config.tp)]
-            for rank_buffers, problem in zip(buffers, problems):
-                prepare(rank_buffers, problem)
+            prepare_call(buffers, [random_problem(config, rng, m) for _ in buffers], rng, m)
             launcher.run(buffers, m)
-        prepare(buffers[waiting], random_problem(config, rng, m))
+        prepare_call(buffers[waiting:waiting + 1], [random_problem(config, rng, m)], rng, m)
         start = time.monotonic()
         launch_rank(launcher, waiting, buffers[waiting], m)
         outcome = wait_ranks(launcher, [waiting], start)[str(waiting)]
         finish({
-            "mode": config.mode, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "warmup": args.warmup,
-            "waiting": waiting, "silent": silent, "outcome": outcome,
+            "key": config.key, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "warmup": args.warmup,
+            "first_call": args.first_call, "waiting": waiting, "silent": silent, "outcome": outcome,
             "status": [status(launcher, rank) for rank in range(config.tp)],
         })
 
@@ -515,7 +531,6 @@ def sanitize_configs() -> dict:
 
 # Fused grids capped below their tiles, unequal by rank: every CTA loops.
 SANITIZE_GRID_LIMITS = [3, 7]
-SANITIZE_EPS = 1e-6
 
 
 def sanitize(args) -> dict:
@@ -530,24 +545,20 @@ def sanitize(args) -> dict:
             failures = []
             for m in (1, 5, CAPACITY_M):
                 problems = [random_problem(config, rng, m) for _ in range(config.tp)]
-                for rank_buffers, problem in zip(buffers, problems):
-                    prepare(rank_buffers, problem)
-                if config.epilogue == "none":
+                epilogue_inputs = prepare_call(buffers, problems, rng, m)
+                if epilogue_inputs is None:
                     launcher.run(buffers, m)
                     failures += [f"m={m}: {text}" for rank, b in enumerate(buffers)
                                  if (text := output_failure(config, b.output(), problems, m, rank))]
                     continue
-                residual, norm_weight = numerics.epilogue_inputs(rng, m, config.hidden)
-                for rank_buffers in buffers:
-                    rank_buffers.upload_epilogue(residual, norm_weight, SANITIZE_EPS)
-                    rank_buffers.residual_out.poison()
+                residual, norm_weight = epilogue_inputs
                 launcher.run(buffers, m)
                 total, bound = numerics.expected_sum(problems, config.routed_scaling_factor)
                 for rank, b in enumerate(buffers):
                     try:
                         numerics.assert_epilogue_close(
                             b.output()[:m].view(numerics.BF16), b.residual_output()[:m].view(numerics.BF16),
-                            total, bound, residual, norm_weight, SANITIZE_EPS, what=f"rank {rank}")
+                            total, bound, residual, norm_weight, EPILOGUE_EPS, what=f"rank {rank}")
                     except AssertionError as error:
                         failures.append(f"m={m}: {error}")
             report[name] = {"key": config.key, "failures": failures}
@@ -808,6 +819,9 @@ def main(argv=None) -> None:
     parser.add_argument("--mode", choices=MODES, default="oneshot")
     parser.add_argument("--silent-rank", type=int, choices=(0, 1), default=1)
     parser.add_argument("--warmup", type=int, default=2, help="healthy calls before the fault")
+    parser.add_argument("--first-call", type=int, default=0, help="number of the group's first call")
+    parser.add_argument("--config", choices=sorted(sanitize_configs()),
+                        help="a config of `sanitize_configs` instead of --mode's first")
     parser.add_argument("--m", type=int, nargs=2, default=(3, 5), help="m of rank 0 and rank 1")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

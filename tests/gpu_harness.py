@@ -459,6 +459,15 @@ class GroupLauncher:
             self.memory.ranks[rank].stage_state, np.int32, protocol.STAGE_STATE_WORDS
         )
 
+    def start_at_call(self, call: int) -> None:
+        """Make the group's next call number ``call`` (below `protocol.CALL_COUNT_PERIOD`): set
+        every rank's stage words as that many calls would have left them."""
+        for rank, device in enumerate(self.devices):
+            state = self.stage_state(rank)
+            state[protocol.NEXT_STAGE] = call % protocol.STAGES
+            state[protocol.CALL_COUNT] = call
+            device.upload(self.memory.ranks[rank].stage_state, state)
+
     def status(self, rank: int) -> list[int]:
         """Rank's status words, read from host memory (valid even after a kernel trap)."""
         return self.memory.status(rank)

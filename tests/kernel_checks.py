@@ -45,15 +45,17 @@ def random_problems(config, m: int, rng, num_rows: int) -> list[numerics.Problem
     ]
 
 
-def check_protocol_state(launcher, calls: int) -> None:
-    """After ``calls`` complete calls on a mailbox: healthy, advanced, and every lane empty again."""
+def check_protocol_state(launcher, calls: int, first_call: int = 0) -> None:
+    """After ``calls`` complete calls on a mailbox, from call number ``first_call`` on: healthy,
+    advanced, and every lane empty again."""
+    count = (first_call + calls) % protocol.CALL_COUNT_PERIOD
     for rank in range(launcher.config.tp):
-        what = f"{launcher.config.key} rank {rank} after {calls} calls"
+        what = f"{launcher.config.key} rank {rank} after {calls} calls from call {first_call}"
         assert launcher.status(rank) == [0] * protocol.STATUS_WORDS, f"{what}: status words set"
         state = launcher.stage_state(rank)
-        assert state[protocol.NEXT_STAGE] == calls % protocol.STAGES, f"{what}: stage words {state}"
+        assert state[protocol.NEXT_STAGE] == count % protocol.STAGES, f"{what}: stage words {state}"
         assert state[protocol.ARRIVALS] == 0, f"{what}: arrival count not reset: {state}"
-        assert state[protocol.CALL_COUNT] == calls, f"{what}: stage words {state}"
+        assert state[protocol.CALL_COUNT] == count, f"{what}: stage words {state}"
         for name, area in zip(("contributions", "gather area"), launcher.mailbox(rank)):
             stale = np.argwhere(area != protocol.EMPTY_BF16)
             assert stale.size == 0, (

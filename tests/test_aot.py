@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from jax_moe_publish import protocol  # noqa: E402
 from jax_moe_publish.aot import artifact, compile, presets, store  # noqa: E402
 from jax_moe_publish.aot.__main__ import main as cli_main  # noqa: E402
 from jax_moe_publish.aot.compile import compile_config  # noqa: E402  (bound before tests patch it)
@@ -275,11 +276,13 @@ def test_fused_ptx(builds, config):
     assert polls and set(polls) == {f"ld.volatile.global.{vector}.u32"}
     assert body.rindex("ld.global.nc.u64") < body.index("ld.volatile.global.v")
     # The CTA arrives in the stage's count between its publishes and its first poll (and on a
-    # halted mailbox at once); the call is counted with red.add, which waits for no result.
+    # halted mailbox at once); the call is counted with red.inc, which waits for no result and
+    # wraps at a multiple of the stages.
     arrivals = [match.start() for match in re.finditer(r"atom\.global\.add", body)]
     assert len(arrivals) == 2
     assert body.rindex("ld.global.nc.u64") < arrivals[1] < body.index("ld.volatile.global.v")
-    assert opcodes(body, "red.global") == ["red.global.add.s32"]
+    assert opcodes(body, "red.global") == ["red.global.inc.u32"]
+    assert str(protocol.CALL_COUNT_PERIOD - 1) in body
     assert "%nctaid.x" in body  # the grid's size: the stride of the tile loops
     assert opcodes(body, "trap") == ["trap", "trap"] and "%globaltimer" in body
     assert "multimem" not in body
@@ -383,11 +386,11 @@ def test_reduce_norm_ptx(builds, config):
     if config.fuse_reduce:
         # Fused, the CTA first arrives in the stage's count, after its publishes and before its
         # first poll, with the kernel's only atomic add that waits for its result; the call is
-        # counted with red.add, which does not.
+        # counted with red.inc, which does not.
         assert body.rindex("ld.global.nc.u64") < barriers[0] < body.index("atom.global.add") < first(
             body, "ld.volatile.global.v")
         assert opcodes(body, "atom.global.add") == ["atom.global.add.s32"]
-        assert opcodes(body, "red.global") == ["red.global.add.s32"]
+        assert opcodes(body, "red.global") == ["red.global.inc.u32"]
         barriers = barriers[1:] + barriers[:1]
     barrier = barriers[0]
     assert "st.shared.b32" in body[:barrier] and "ld.shared" in body[barrier:]

@@ -91,13 +91,32 @@ def _assert_faulted_in_time(outcome: dict, timeout_s: float, what: str) -> None:
     print(f"{what}: time to error {outcome['elapsed_s']:.3f} s (timeout {timeout_s} s): {outcome['error']}")
 
 
+LAST_CALL = protocol.CALL_COUNT_PERIOD - 1
+
+
 @pytest.mark.parametrize("mode,silent", [("oneshot", 1), ("twoshot", 1), ("reduce_scatter", 1), ("oneshot", 0)])
 def test_silent_peer_traps_within_the_timeout(mode, silent):
-    result = run_program("silent-peer", "--mode", mode, "--silent-rank", str(silent))
-    waiting = result["waiting"]
-    _assert_faulted_in_time(result["outcome"], result["timeout_s"], f"{mode}, rank {silent} silent")
-    _assert_timed_out(result["status"][waiting], missing=[silent], call=result["warmup"],
-                      tokens=range(result["m"]))
+    _check_silent_peer("--mode", mode, "--silent-rank", str(silent))
+
+
+@pytest.mark.parametrize("config,first_call,warmup", [
+    ("fused", 0, 2), ("rmsnorm-fused", 0, 2), ("rmsnorm-fused-14-ctas", 0, 2),
+    # The timed-out call is the last before the count wraps: its fused CTAs may have counted
+    # it (wrapping the count to 0) before the diagnostic reads the count.
+    ("fused", LAST_CALL, 0), ("rmsnorm-fused", LAST_CALL, 0),
+    # ... and the first after the wrap.
+    ("fused", LAST_CALL, 1), ("rmsnorm", LAST_CALL, 1),
+])
+def test_silent_peer_diagnostic_names_the_call(config, first_call, warmup):
+    _check_silent_peer("--config", config, "--first-call", str(first_call), "--warmup", str(warmup))
+
+
+def _check_silent_peer(*options: str) -> None:
+    result = run_program("silent-peer", *options)
+    waiting, silent = result["waiting"], result["silent"]
+    _assert_faulted_in_time(result["outcome"], result["timeout_s"], f"{result['key']}, rank {silent} silent")
+    call = (result["first_call"] + result["warmup"]) % protocol.CALL_COUNT_PERIOD
+    _assert_timed_out(result["status"][waiting], missing=[silent], call=call, tokens=range(result["m"]))
     assert result["status"][silent]["words"] == [0] * protocol.STATUS_WORDS
 
 

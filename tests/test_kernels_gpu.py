@@ -180,6 +180,25 @@ def test_consecutive_rounds_cycle_the_stages(config, devices):
 
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("config", TP2_MODE_CONFIGS, ids=_key)
+def test_calls_across_the_call_count_wrap(config, devices):
+    """The count wraps to 0 after `protocol.CALL_COUNT_PERIOD` calls, and the stages go on
+    cycling through the wrap: call c always has stage c % STAGES."""
+    rng = seeded_rng(config.key, "wrap")
+    first_call = protocol.CALL_COUNT_PERIOD - 2
+    with open_test_group(config, devices, ROUNDS_CAPACITY_M) as launcher:
+        launcher.start_at_call(first_call)
+        buffers = launcher.allocate(ROUNDS_CAPACITY_M, ROUNDS_ROUTED_ROWS)
+        for call in range(protocol.STAGES + 1):
+            m = int(rng.integers(1, ROUNDS_CAPACITY_M, endpoint=True))
+            problems = random_problems(config, m, rng, ROUNDS_ROUTED_ROWS)
+            _prepare(buffers, problems)
+            launcher.run(buffers, m)
+            _check_outputs(config, [b.output() for b in buffers], problems, m)
+            check_protocol_state(launcher, calls=call + 1, first_call=first_call)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("config", TP2_MODE_CONFIGS, ids=_key)
 def test_chained_calls_without_host_waits(config, devices):
     """Calls enqueued back to back, as XLA issues them: ranks drift apart by up to a call
     and PDL overlaps each call with the previous one; each call has its own buffers."""

@@ -2,7 +2,9 @@
 # The GPU test path, run on an NVIDIA machine in the repository root:
 #   bash tools/gpu_check.sh [pytest args...]
 # Installs the package offline into the machine's Python (build tools already
-# present), points the kernel store at the prebuilt folder, and runs the GPU tests.
+# present), points the kernel store at the prebuilt folder, checks the prebuilt kernels
+# for spills and local memory (tools/kernel_resources.py, with this machine's cuobjdump),
+# and runs the GPU tests. It fails if either fails.
 # Build the folder first where CuTe DSL is installed:
 #   python -m jax_moe_publish.aot build --preset tests --out kernels-prebuilt
 set -euo pipefail
@@ -13,8 +15,18 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 [ -d "$JAX_MOE_PUBLISH_KERNEL_DIR" ] || { echo "no prebuilt kernels at $JAX_MOE_PUBLISH_KERNEL_DIR" >&2; exit 2; }
 "$PYTHON" -m pip install --quiet --no-build-isolation --no-deps .
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+resources=0
+report=$(mktemp)
+"$PYTHON" tools/kernel_resources.py "$JAX_MOE_PUBLISH_KERNEL_DIR" > "$report" || resources=$?
+grep -v " regs " "$report" || true
 # Run from outside the checkout so that the installed package (with its
 # compiled extension) is imported, not the source folder.
 repo=$PWD
 cd "$(mktemp -d)"
-"$PYTHON" -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -m gpu -rs "$@" "$repo/tests"
+tests=0
+"$PYTHON" -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -m gpu -rs "$@" "$repo/tests" || tests=$?
+if [ "$tests" = 0 ] && [ "$resources" != 0 ]; then
+    echo "the tests passed, but some kernels spill or use local memory: see above" >&2
+    exit "$resources"
+fi
+exit "$tests"

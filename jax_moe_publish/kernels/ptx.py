@@ -202,10 +202,11 @@ def fetch_add_s32(address: Int64, value, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def add_s32(address: Int64, value, *, loc=None, ip=None) -> None:
-    """Atomically add ``value`` to the int32 at ``address``, without waiting for the result."""
-    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-         "red.global.add.s32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
+def increment_wrapping_u32(address: Int64, last, *, loc=None, ip=None) -> None:
+    """Atomically increment the uint32 at ``address``, from ``last`` back to 0, without
+    waiting for the result."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Uint32(last).ir_value(loc=loc, ip=ip)],
+         "red.global.inc.u32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

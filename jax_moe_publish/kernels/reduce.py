@@ -259,8 +259,10 @@ class LamportReduceKernel:
         if ptx.claim_s32(stage_state + protocol.DIAGNOSTIC_CLAIM * 4) == 0:
             count = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
             # The calls before this one, unless this call's last CTA to arrive has counted it
-            # already (a fused CTA arrives before its waits): call c has stage c % STAGES.
+            # already (a fused CTA arrives before its waits): call c has stage c % STAGES,
+            # also across the count's wrap.
             call = count - Int32(count % protocol.STAGES != stage)
+            call = cutlass.select_(call < 0, call + protocol.CALL_COUNT_PERIOD, call)
             ptx.store_volatile_s32(status + protocol.STATUS_STAGE * 4, stage)
             ptx.store_volatile_s32(status + protocol.STATUS_TOKEN * 4, token)
             ptx.store_volatile_s32(status + protocol.STATUS_MISSING_RANKS * 4, missing)
@@ -347,7 +349,7 @@ class LamportReduceKernel:
         ptx.store_volatile_s32(stage_state + protocol.ARRIVALS * 4, 0)
         ptx.store_volatile_s32(stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES)
         # No round trip: this may be the call's last CTA to finish.
-        ptx.add_s32(stage_state + protocol.CALL_COUNT * 4, 1)
+        ptx.increment_wrapping_u32(stage_state + protocol.CALL_COUNT * 4, protocol.CALL_COUNT_PERIOD - 1)
 
 
 def _polled(skipped, i: int) -> Int32:
