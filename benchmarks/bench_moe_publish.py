@@ -75,8 +75,6 @@ TUNING_GRID = {
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
     "waves": (1, 2),
-    "prefetch_next_route": (False, True),
-    "finalize_before_halt": (False, True),
 }
 
 
@@ -204,8 +202,6 @@ def tuning_variants(problem, tp, mode, m):
     if base.fuse_reduce:
         grid["keep_own_partial"] = TUNING_GRID["keep_own_partial"]
         grid["waves"] = TUNING_GRID["waves"]
-        grid["prefetch_next_route"] = TUNING_GRID["prefetch_next_route"]
-        grid["finalize_before_halt"] = TUNING_GRID["finalize_before_halt"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
     variants = []
     for values in itertools.product(*grid.values()):

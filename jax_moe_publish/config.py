@@ -46,8 +46,7 @@ SMALL_M = 64
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
                "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
-                "fuse_reduce", "keep_own_partial", "prefetch_next_route",
-                "finalize_before_halt")
+                "fuse_reduce", "keep_own_partial")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -117,13 +116,6 @@ class KernelConfig:
         at once), so each CTA finalizes up to ``waves`` tiles in turn and the
         NVLink stores of one overlap the HBM loads of the next. With 1, a call
         that fits on the GPU loads all of its rows before it stores any.
-    prefetch_next_route : bool
-        Fused only (an experiment): a CTA loads its second tile's indices and
-        weights alongside its first tile's, so that the second tile's routed
-        loads need not wait for them.
-    finalize_before_halt : bool
-        Fused only (an experiment): a CTA finalizes its first tile before it
-        reads the halt word's value; only its stores into the mailbox wait for it.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -149,8 +141,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    prefetch_next_route: bool = False
-    finalize_before_halt: bool = False
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -239,12 +229,6 @@ class KernelConfig:
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")
-        if self.prefetch_next_route:
-            _require(self.fuse_reduce, "prefetch_next_route", self.prefetch_next_route,
-                     "False unless fuse_reduce is True")
-        if self.finalize_before_halt:
-            _require(self.fuse_reduce, "finalize_before_halt", self.finalize_before_halt,
-                     "False unless fuse_reduce is True")
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",

@@ -15,16 +15,19 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 [ -d "$JAX_MOE_PUBLISH_KERNEL_DIR" ] || { echo "no prebuilt kernels at $JAX_MOE_PUBLISH_KERNEL_DIR" >&2; exit 2; }
 "$PYTHON" -m pip install --quiet --no-build-isolation --no-deps .
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
-resources=0
+# The resource check needs no GPU: it runs beside the tests.
 report=$(mktemp)
-"$PYTHON" tools/kernel_resources.py "$JAX_MOE_PUBLISH_KERNEL_DIR" > "$report" || resources=$?
-grep -v " regs " "$report" || true
+"$PYTHON" tools/kernel_resources.py "$JAX_MOE_PUBLISH_KERNEL_DIR" > "$report" &
+resources_pid=$!
 # Run from outside the checkout so that the installed package (with its
 # compiled extension) is imported, not the source folder.
 repo=$PWD
 cd "$(mktemp -d)"
 tests=0
 "$PYTHON" -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -m gpu -rs "$@" "$repo/tests" || tests=$?
+resources=0
+wait "$resources_pid" || resources=$?
+grep -v " regs " "$report" || true
 if [ "$tests" = 0 ] && [ "$resources" != 0 ]; then
     echo "the tests passed, but some kernels spill or use local memory: see above" >&2
     exit "$resources"

@@ -75,21 +75,6 @@ class FusedPublishReduceKernel:
         shared_words = self.publisher.begin_call(shared, token, fragment_offset, in_range)
         stage, halt = self.publisher.read_stage(stage_state)
         tidx, _, _ = cute.arch.thread_idx()
-        second_route = None
-        if cutlass.const_expr(self.config.prefetch_next_route):
-            # The second tile's indices and weights load alongside the first tile's, so that
-            # its routed loads need not wait for them (the token clamped into [0, m)).
-            second_token, _, _ = self.publisher.position(block + grid)
-            second_route = self.publisher.load_route(weights, indices, num_rows, cutlass.min(second_token, m - 1))
-        if cutlass.const_expr(self.config.finalize_before_halt):
-            # The inputs are XLA's buffers, valid whatever the halt word: only the stores into
-            # the mailbox wait for it, not the first tile's loads.
-            if in_range != 0 and block < tiles:
-                packed = self.publisher.finalize(routed, weights, indices, num_rows, token, fragment_offset,
-                                                 shared_words)
-                if halt == protocol.HALT_RUNNING:
-                    self.own.publish(sOwn, Int32(0), packed, token, fragment_offset, peer_table, capacity_m,
-                                     rank, stage, first=True)
         arrived = Int32(0)
         if halt != protocol.HALT_RUNNING:
             arrived = self.reducer.arrive(stage_state, tidx)
@@ -99,21 +84,19 @@ class FusedPublishReduceKernel:
                     self.reducer.halted(self._destination(out, halted_token, halted_offset), halt, stage,
                                         halted_token, stage_state, status)
         else:
-            if cutlass.const_expr(not self.config.finalize_before_halt):
-                if in_range != 0 and block < tiles:
-                    packed = self.publisher.finalize(routed, weights, indices, num_rows, token, fragment_offset,
-                                                     shared_words)
-                    self.own.publish(sOwn, Int32(0), packed, token, fragment_offset, peer_table, capacity_m,
-                                     rank, stage, first=True)
-            later_tiles = block + grid
-            if cutlass.const_expr(second_route is not None):
-                if later_tiles < tiles:
-                    self._publish_later_tile(later_tiles, block, grid, routed, weights, indices, shared, num_rows,
-                                             sOwn, peer_table, capacity_m, rank, stage, second_route)
-                later_tiles = later_tiles + grid
-            for tile in cutlass.range(later_tiles, tiles, grid):
-                self._publish_later_tile(tile, block, grid, routed, weights, indices, shared, num_rows, sOwn,
-                                         peer_table, capacity_m, rank, stage, None)
+            if in_range != 0 and block < tiles:
+                packed = self.publisher.finalize(routed, weights, indices, num_rows, token, fragment_offset,
+                                                 shared_words)
+                self.own.publish(sOwn, Int32(0), packed, token, fragment_offset, peer_table, capacity_m, rank,
+                                 stage, first=True)
+            for tile in cutlass.range(block + grid, tiles, grid):
+                next_token, next_offset, next_in_range = self.publisher.position(tile)
+                if next_in_range != 0:
+                    next_shared = self.publisher.load_shared(shared, next_token, next_offset, next_in_range)
+                    packed = self.publisher.finalize(routed, weights, indices, num_rows, next_token,
+                                                     next_offset, next_shared)
+                    self.own.publish(sOwn, (tile - block) // grid, packed, next_token, next_offset, peer_table,
+                                     capacity_m, rank, stage, first=False)
             arrived = self.reducer.arrive(stage_state, tidx)
             for tile in cutlass.range(block, tiles, grid):
                 wait_token, wait_offset, wait_in_range = self.publisher.position(tile)
@@ -126,19 +109,6 @@ class FusedPublishReduceKernel:
                                     self.reducer.sum_sources(sources))
                     self.reducer.rearm(slots, skipped)
         self.reducer.finish_call(stage, stage_state, advance=True, waited=True, arrived=arrived)
-
-    @cute.jit
-    def _publish_later_tile(self, tile, block, grid, routed, weights, indices, shared, num_rows, sOwn, peer_table,
-                            capacity_m, rank, stage, route) -> None:
-        """Finalize and publish this thread's fragment of ``tile``, a later one than ``block``
-        (``route``: its `FinalizePublishKernel.load_route`, or None)."""
-        token, offset, in_range = self.publisher.position(tile)
-        if in_range != 0:
-            shared_words = self.publisher.load_shared(shared, token, offset, in_range)
-            packed = self.publisher.finalize(routed, weights, indices, num_rows, token, offset, shared_words,
-                                             route)
-            self.own.publish(sOwn, (tile - block) // grid, packed, token, offset, peer_table, capacity_m, rank,
-                             stage, first=False)
 
     def _destination(self, out, token, fragment_offset) -> Int64:
         """Address of a fragment of output row ``token``."""

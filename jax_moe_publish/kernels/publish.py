@@ -114,9 +114,8 @@ class FinalizePublishKernel:
         halt = ptx.load_volatile_s32(stage_state + protocol.HALT * 4)
         return stage, halt
 
-    def load_route(self, weights, indices, num_rows, token) -> tuple:
-        """(rows, scaled weights) of ``token``: per k, (routed row, Int32 1 if it lies in
-        ``[0, num_rows)``) and ``w[token, k] * scale``, 0 where the row is skipped."""
+    def finalize(self, routed, weights, indices, num_rows, token, row_offset, shared_words) -> list:
+        """The bf16x2 words of one fragment of ``y[token]``."""
         cfg = self.config
         # Every thread reads the token's indices and weights itself (the warp's
         # loads of one address are one transaction): no shared memory, no barrier.
@@ -134,13 +133,6 @@ class FinalizePublishKernel:
             rows.append((row, Int32(valid)))
             # A skipped expert's weight is 0 so that a NaN weight stays skipped.
             scaled_weights.append(Float32(cutlass.select_(valid, weight, Float32(0.0))))
-        return rows, scaled_weights
-
-    def finalize(self, routed, weights, indices, num_rows, token, row_offset, shared_words, route=None) -> list:
-        """The bf16x2 words of one fragment of ``y[token]``; ``route`` is `load_route`'s for
-        ``token``, loaded here when None."""
-        cfg = self.config
-        rows, scaled_weights = self.load_route(weights, indices, num_rows, token) if route is None else route
         accumulator = [Float32(0.0)] * self.elements
         for group in range(self.prefetch_groups):
             members = [

@@ -246,35 +246,21 @@ class LamportReduceNormKernel(LamportReduceKernel):
             # After begin_call's griddepcontrol.wait: the residual may be the previous
             # call's residual_out, written by the kernel just before.
             rWeight = self._load_norm_weight(norm_weight, first_fragment)
-            second_route = None
-            if cutlass.const_expr(cfg.prefetch_next_route):
-                # As in `FusedPublishReduceKernel`: the second row's indices and weights load
-                # alongside the first row's.
-                second_route = self.publisher.load_route(weights, indices, num_rows,
-                                                         cutlass.min(first_row + clusters, m - 1))
-            if cutlass.const_expr(cfg.finalize_before_halt):
-                # As in `FusedPublishReduceKernel`: only the stores wait for the halt word.
-                if present != 0:
-                    packed = self.publisher.finalize(routed, weights, indices, num_rows, first_row, offset,
-                                                     shared_words)
-                    if halt == protocol.HALT_RUNNING:
-                        self.own.publish(sOwn, Int32(0), packed, first_row, offset, peer_table, capacity_m, rank,
-                                         stage, first=True)
-            if present != 0 and halt == protocol.HALT_RUNNING:
-                if cutlass.const_expr(not cfg.finalize_before_halt):
-                    packed = self.publisher.finalize(routed, weights, indices, num_rows, first_row, offset,
-                                                     shared_words)
+            if present != 0:
+                # The inputs are XLA's buffers, valid whatever the halt word: only the stores
+                # into the mailbox wait for its value, not the first row's loads.
+                packed = self.publisher.finalize(routed, weights, indices, num_rows, first_row, offset,
+                                                 shared_words)
+                if halt == protocol.HALT_RUNNING:
                     self.own.publish(sOwn, Int32(0), packed, first_row, offset, peer_table, capacity_m, rank,
                                      stage, first=True)
-                later_rows = first_row + clusters
-                if cutlass.const_expr(second_route is not None):
-                    if later_rows < m:
-                        self._publish_later_row(later_rows, first_row, clusters, finalize_inputs, offset, present,
-                                                sOwn, peer_table, capacity_m, rank, stage, second_route)
-                    later_rows = later_rows + clusters
-                for row in cutlass.range(later_rows, m, clusters):
-                    self._publish_later_row(row, first_row, clusters, finalize_inputs, offset, present, sOwn,
-                                            peer_table, capacity_m, rank, stage, None)
+            if present != 0 and halt == protocol.HALT_RUNNING:
+                for row in cutlass.range(first_row + clusters, m, clusters):
+                    row_shared = self.publisher.load_shared(shared, row, offset, present)
+                    packed = self.publisher.finalize(routed, weights, indices, num_rows, row, offset,
+                                                     row_shared)
+                    self.own.publish(sOwn, (row - first_row) // clusters, packed, row, offset, peer_table,
+                                     capacity_m, rank, stage, first=False)
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
             arrived = self.arrive(stage_state, tidx)
@@ -303,17 +289,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                            self.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
                            capacity_m, residual_out, eps, None)
             self.finish_call(stage, stage_state, advance=True, waited=False)
-
-    @cute.jit
-    def _publish_later_row(self, row, first_row, clusters, finalize_inputs, offset, present, sOwn, peer_table,
-                           capacity_m, rank, stage, route) -> None:
-        """Finalize and publish this thread's fragment of ``row``, a later one than ``first_row``
-        (``route``: its `FinalizePublishKernel.load_route`, or None)."""
-        routed, weights, indices, shared, num_rows = finalize_inputs
-        row_shared = self.publisher.load_shared(shared, row, offset, present)
-        packed = self.publisher.finalize(routed, weights, indices, num_rows, row, offset, row_shared, route)
-        self.own.publish(sOwn, (row - first_row) // clusters, packed, row, offset, peer_table, capacity_m, rank,
-                         stage, first=False)
 
     def _fragment_registers(self):
         """Registers for this thread's fragments of a row, as bf16x2 words."""
