@@ -273,7 +273,8 @@ class Mailbox:
     def status(self) -> list[dict]:
         """Per device: rank, and the diagnostic of its first failure (``code`` 0 = healthy,
         else ``protocol.STATUS_TIMEOUT`` or ``STATUS_CLOSED``). Works after `close` and after
-        a device fault: the status blocks are host memory that outlives both."""
+        a device fault: the status blocks are host memory that outlives both. ``call`` counts
+        from 0 and wraps at ``protocol.CALL_COUNT_PERIOD``."""
         report = []
         for memory in self._memories:
             for rank_memory in memory.ranks:
