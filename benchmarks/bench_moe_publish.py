@@ -75,7 +75,6 @@ TUNING_GRID = {
     "fuse_reduce": (False, True),
     "keep_own_partial": (True, False),
     "waves": (1, 2),
-    "preload_peer_bases": (False, True),
 }
 
 
@@ -203,7 +202,6 @@ def tuning_variants(problem, tp, mode, m):
     if base.fuse_reduce:
         grid["keep_own_partial"] = TUNING_GRID["keep_own_partial"]
         grid["waves"] = TUNING_GRID["waves"]
-        grid["preload_peer_bases"] = TUNING_GRID["preload_peer_bases"]
     grid = {field: values for field, values in grid.items() if field in ARGS.tune_fields}
     variants = []
     for values in itertools.product(*grid.values()):

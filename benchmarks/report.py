@@ -24,7 +24,7 @@ import sys
 BF16_BYTES = 2
 INDEX_BYTES = 4  # int32 permuted indices
 LAUNCH_FIELDS = ("threads", "elements_per_thread", "prefetch_group", "reduce_threads", "enable_pdl", "fuse_reduce",
-                 "keep_own_partial", "waves", "preload_peer_bases")
+                 "keep_own_partial", "waves")
 
 
 def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, shared_expert: bool,

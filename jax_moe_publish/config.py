@@ -46,7 +46,7 @@ SMALL_M = 64
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
                "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
-                "fuse_reduce", "keep_own_partial", "preload_peer_bases")
+                "fuse_reduce", "keep_own_partial")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -116,10 +116,6 @@ class KernelConfig:
         at once), so each CTA finalizes up to ``waves`` tiles in turn and the
         NVLink stores of one overlap the HBM loads of the next. With 1, a call
         that fits on the GPU loads all of its rows before it stores any.
-    preload_peer_bases : bool
-        Fused only (an experiment): a CTA loads the peers' mailbox bases from
-        the peer table at its start, before ``griddepcontrol.wait``, instead of
-        right before its first stores.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
         (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
@@ -145,7 +141,6 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    preload_peer_bases: bool = False
     epilogue: Epilogue = "none"
     arch: str = "sm_90a"
 
@@ -234,9 +229,6 @@ class KernelConfig:
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")
-        if self.preload_peer_bases:
-            _require(self.fuse_reduce, "preload_peer_bases", self.preload_peer_bases,
-                     "False unless fuse_reduce is True")
         _require(
             1 <= self.prefetch_group <= self.top_k,
             "prefetch_group", self.prefetch_group, f"an int in [1, top_k={self.top_k}]",

@@ -244,7 +244,7 @@ CHANGED = {
 def test_key_changes_with_every_field():
     # keep_own_partial and waves need fuse_reduce: see test_keep_own_partial_follows_fuse_reduce
     # and test_waves_need_fuse_reduce.
-    assert set(CHANGED) | {"keep_own_partial", "waves", "preload_peer_bases"} == {f.name for f in dataclasses.fields(KernelConfig)}
+    assert set(CHANGED) | {"keep_own_partial", "waves"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():

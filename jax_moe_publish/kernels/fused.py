@@ -72,11 +72,6 @@ class FusedPublishReduceKernel:
         tiles = m * self.config.ctas_per_token
         sOwn = self.own.allocate()
         token, fragment_offset, in_range = self.publisher.position(block)
-        peer_bases = None
-        if cutlass.const_expr(self.config.preload_peer_bases):
-            # The host wrote the peer table before the first call: no kernel before this one
-            # writes it, so it is read before griddepcontrol.wait.
-            peer_bases = self.publisher.load_peer_bases(peer_table, rank)
         shared_words = self.publisher.begin_call(shared, token, fragment_offset, in_range)
         stage, halt = self.publisher.read_stage(stage_state)
         tidx, _, _ = cute.arch.thread_idx()
@@ -93,7 +88,7 @@ class FusedPublishReduceKernel:
                 packed = self.publisher.finalize(routed, weights, indices, num_rows, token, fragment_offset,
                                                  shared_words)
                 self.own.publish(sOwn, Int32(0), packed, token, fragment_offset, peer_table, capacity_m, rank,
-                                 stage, first=True, peer_bases=peer_bases)
+                                 stage, first=True)
             for tile in cutlass.range(block + grid, tiles, grid):
                 next_token, next_offset, next_in_range = self.publisher.position(tile)
                 if next_in_range != 0:
@@ -101,7 +96,7 @@ class FusedPublishReduceKernel:
                     packed = self.publisher.finalize(routed, weights, indices, num_rows, next_token,
                                                      next_offset, next_shared)
                     self.own.publish(sOwn, (tile - block) // grid, packed, next_token, next_offset, peer_table,
-                                     capacity_m, rank, stage, first=False, peer_bases=peer_bases)
+                                     capacity_m, rank, stage, first=False)
             arrived = self.reducer.arrive(stage_state, tidx)
             for tile in cutlass.range(block, tiles, grid):
                 wait_token, wait_offset, wait_in_range = self.publisher.position(tile)
@@ -153,23 +148,21 @@ class OwnPartials:
 
     @cute.jit
     def publish(self, sOwn, j, packed, token, fragment_offset, peer_table, capacity_m, rank, stage,
-                first: cutlass.Constexpr[bool], peer_bases=None) -> None:
+                first: cutlass.Constexpr[bool]) -> None:
         """Publish ``packed``, this thread's fragment of its ``j``-th tile (``first``: ``j`` is 0),
-        into the peers' mailboxes, and into ``sOwn`` instead of the own slot while ``j`` fits
-        (``peer_bases``: `FinalizePublishKernel.store`'s)."""
+        into the peers' mailboxes, and into ``sOwn`` instead of the own slot while ``j`` fits."""
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(sOwn is None):
-            self.publisher.store(packed, token, fragment_offset, peer_table, capacity_m, rank, stage,
-                                 peer_bases=peer_bases)
+            self.publisher.store(packed, token, fragment_offset, peer_table, capacity_m, rank, stage)
         elif cutlass.const_expr(first):
             published = self.publisher.store(packed, token, fragment_offset, peer_table, capacity_m, rank, stage,
-                                             store_own=False, peer_bases=peer_bases)
+                                             store_own=False)
             for w in cutlass.range_constexpr(self.words):
                 sOwn[0, tidx, w] = published[w]
         else:
             kept = Int32(j < self.tiles)
             published = self.publisher.store(packed, token, fragment_offset, peer_table, capacity_m, rank, stage,
-                                             store_own=Int32(kept == 0), peer_bases=peer_bases)
+                                             store_own=Int32(kept == 0))
             if kept != 0:
                 for w in cutlass.range_constexpr(self.words):
                     sOwn[j, tidx, w] = published[w]

@@ -166,22 +166,7 @@ class FinalizePublishKernel:
                 result += [accumulator[2 * i] + weight * low, accumulator[2 * i + 1] + weight * high]
         return result
 
-    def load_peer_bases(self, peer_table, rank) -> list:
-        """Oneshot unicast: every rank's mailbox base in this rank's store order (the next
-        rank first, this rank's own last), for `store`'s ``peer_bases``."""
-        return [ptx.load_u64(peer_table + Int64((rank + step + 1) % self.config.tp) * 8)
-                for step in range(self.config.tp)]
-
-    @staticmethod
-    def _peer_base(peer_table, peer, peer_bases, step: int) -> Int64:
-        """Mailbox base of ``peer``, the ``step``-th in store order: from ``peer_bases`` where
-        given, else loaded now."""
-        if peer_bases is None:
-            return ptx.load_u64(peer_table + Int64(peer) * 8)
-        return peer_bases[step]
-
-    def store(self, packed: list, token, row_offset, destination, capacity_m, rank, stage, store_own=True,
-              peer_bases=None) -> list:
+    def store(self, packed: list, token, row_offset, destination, capacity_m, rank, stage, store_own=True) -> list:
         """Store fragment ``packed`` of ``y[token]`` (transport ``direct``: the output row) and
         return the words published. A fused kernel that keeps its own partial passes
         ``store_own`` False, or an Int32 that is zero where it keeps it: oneshot unicast then
@@ -207,9 +192,9 @@ class FinalizePublishKernel:
                 # the last store is this rank's own.
                 for step in range(cfg.tp - 1):
                     peer = (rank + (step + 1)) % cfg.tp
-                    ptx.store_words(self._peer_base(destination, peer, peer_bases, step) + slot_bytes, packed)
+                    ptx.store_words(ptx.load_u64(destination + Int64(peer) * 8) + slot_bytes, packed)
                 if cutlass.const_expr(store_own is not False):
-                    own_slot = self._peer_base(destination, rank, peer_bases, cfg.tp - 1) + slot_bytes
+                    own_slot = ptx.load_u64(destination + Int64(rank) * 8) + slot_bytes
                     ptx.store_words(own_slot, packed, predicate=None if store_own is True else store_own)
             else:
                 owner = token % cfg.tp

@@ -241,10 +241,6 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 cute.arch.cluster_arrive_relaxed()
             _, offset, present = self.publisher.position(first_row * self.cluster + cluster_rank)
             first_fragment = cluster_rank * cfg.threads + tidx
-            peer_bases = None
-            if cutlass.const_expr(cfg.preload_peer_bases):
-                # As in `FusedPublishReduceKernel`: before griddepcontrol.wait.
-                peer_bases = self.publisher.load_peer_bases(peer_table, rank)
             shared_words = self.publisher.begin_call(shared, first_row, offset, present)
             stage, halt = self.publisher.read_stage(stage_state)
             # After begin_call's griddepcontrol.wait: the residual may be the previous
@@ -257,14 +253,14 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                                  shared_words)
                 if halt == protocol.HALT_RUNNING:
                     self.own.publish(sOwn, Int32(0), packed, first_row, offset, peer_table, capacity_m, rank,
-                                     stage, first=True, peer_bases=peer_bases)
+                                     stage, first=True)
             if present != 0 and halt == protocol.HALT_RUNNING:
                 for row in cutlass.range(first_row + clusters, m, clusters):
                     row_shared = self.publisher.load_shared(shared, row, offset, present)
                     packed = self.publisher.finalize(routed, weights, indices, num_rows, row, offset,
                                                      row_shared)
                     self.own.publish(sOwn, (row - first_row) // clusters, packed, row, offset, peer_table,
-                                     capacity_m, rank, stage, first=False, peer_bases=peer_bases)
+                                     capacity_m, rank, stage, first=False)
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_wait()
             arrived = self.arrive(stage_state, tidx)
