@@ -459,14 +459,18 @@ class GroupLauncher:
             self.memory.ranks[rank].stage_state, np.int32, protocol.STAGE_STATE_WORDS
         )
 
+    def set_stage_words(self, words: dict[int, int]) -> None:
+        """Write ``{word index: value}`` into every rank's stage words (`protocol.NEXT_STAGE` etc.)."""
+        for rank, device in enumerate(self.devices):
+            state = self.stage_state(rank)
+            for index, value in words.items():
+                state[index] = value
+            device.upload(self.memory.ranks[rank].stage_state, state)
+
     def start_at_call(self, call: int) -> None:
         """Make the group's next call number ``call`` (below `protocol.CALL_COUNT_PERIOD`): set
         every rank's stage words as that many calls would have left them."""
-        for rank, device in enumerate(self.devices):
-            state = self.stage_state(rank)
-            state[protocol.NEXT_STAGE] = call % protocol.STAGES
-            state[protocol.CALL_COUNT] = call
-            device.upload(self.memory.ranks[rank].stage_state, state)
+        self.set_stage_words({protocol.NEXT_STAGE: call % protocol.STAGES, protocol.CALL_COUNT: call})
 
     def status(self, rank: int) -> list[int]:
         """Rank's status words, read from host memory (valid even after a kernel trap)."""

@@ -20,12 +20,12 @@ def seeded_rng(*labels) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(labels).encode()))
 
 
-def open_test_group(config, devices, capacity_m, grid_limits=None):
+def open_test_group(config, devices, capacity_m, grid_limits=None, on_timeout=protocol.ON_TIMEOUT_ABORT):
     """The config's kernels on ``devices``, with a mailbox of ``capacity_m`` and the tests' timeout;
     ``grid_limits`` caps each rank's persistent (fused) grid."""
     return gpu_harness.open_group(
         default_store().get(config), devices, capacity_m=capacity_m, timeout_ns=TIMEOUT_NS,
-        grid_limits=grid_limits,
+        on_timeout=on_timeout, grid_limits=grid_limits,
     )
 
 

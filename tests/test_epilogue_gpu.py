@@ -164,6 +164,44 @@ def test_epilogue_kernel_consecutive_calls(config, devices):  # noqa: F811
         check_protocol_state(launcher, calls=len(calls))
 
 
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("halt", (protocol.HALT_FAILED, protocol.HALT_CLOSED), ids=("failed", "closed"))
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.hidden == 7168], ids=lambda c: c.key)
+def test_epilogue_on_a_halted_mailbox(config, halt, devices):  # noqa: F811
+    """A call on a halted mailbox, under on_timeout="flag" (under "abort" a closed one traps):
+    NaN in both outputs of every token's row, the mailbox untouched, and a closed mailbox
+    recorded in the status words."""
+    m = 37
+    rng = seeded_rng(config.key, halt, "halted epilogue")
+    problems, residual, norm_weight = _epilogue_problem(config, m, rng)
+    scatter = config.mode == "reduce_scatter"
+    rows = protocol.owned_rows(m, config.tp) if scatter else m
+    with open_test_group(config, devices, CAPACITY_M, on_timeout=protocol.ON_TIMEOUT_FLAG) as launcher:
+        launcher.set_stage_words({protocol.HALT: halt})
+        buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
+        for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
+            rank_buffers.upload(problem)
+            rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, config.tp, rank), norm_weight, 1e-6)
+            rank_buffers.out.poison()
+            rank_buffers.residual_out.poison()
+        launcher.run(buffers, m)
+        for rank, rank_buffers in enumerate(buffers):
+            what = f"{config.key} halt={halt} rank {rank}"
+            # Rows of the rank's tokens (in reduce_scatter the last row may have none).
+            token_rows = np.arange(rows) * config.tp + rank < m if scatter else np.ones(rows, bool)
+            for name, bits in (("out", rank_buffers.output()), ("residual_out", rank_buffers.residual_output())):
+                values = bits[:rows].view(numerics.BF16).astype(np.float32)
+                assert np.all(np.isnan(values[token_rows])), f"{what}: {name} holds numbers"
+                assert np.all(bits[:rows][~token_rows] == 0), f"{what}: {name} rows of no token are not +0.0"
+                assert np.all(bits[rows:] == numerics.POISON_BF16), f"{what}: {name} rows past {rows} written"
+            code = protocol.STATUS_CLOSED if halt == protocol.HALT_CLOSED else protocol.STATUS_OK
+            assert launcher.status(rank)[protocol.STATUS_CODE] == code, f"{what}: {launcher.status(rank)}"
+            state = launcher.stage_state(rank)
+            assert state[protocol.HALT] == halt and state[protocol.ARRIVALS] == 0, f"{what}: stage words {state}"
+            for name, area in zip(("contributions", "gather area"), launcher.mailbox(rank)):
+                assert np.all(area == protocol.EMPTY_BF16), f"{what}: the {name} was written"
+
+
 # Through JAX: the FFI target, the Mailbox and the kernels together.
 
 
