@@ -10,7 +10,9 @@ Run with ``-rP`` to see the time to error of each fault.
 What the protocol guarantees, and what it does not:
 
 * A peer that never publishes: the waiting rank traps after ``timeout_s`` and
-  its status block names the peer, the stage, the token and the call.
+  its status block names the peer, the stage, the token and the call (also
+  where a fused CTA counted the call before it timed out, and across the
+  wrap of the call count).
 * Ranks that run different m in the same call: the rank with the larger m
   waits for tokens that never come and traps; the rank with the smaller m
   returns the correct sum of the tokens both have, and keeps the other rank's
@@ -54,6 +56,8 @@ RESULT_PREFIX = "RESULT "
 CHILD_TIMEOUT_S = 300
 TIME_TO_ERROR_S = 5.0
 """A fault must be reported within the kernel timeout plus this."""
+LAST_CALL = protocol.CALL_COUNT_PERIOD - 1
+"""The last call number before the call count wraps to 0."""
 
 
 def run_program(program: str, *options: str, env: dict | None = None) -> dict:
@@ -89,9 +93,6 @@ def _assert_faulted_in_time(outcome: dict, timeout_s: float, what: str) -> None:
         f"{what}: error after {outcome['elapsed_s']:.3f} s with a {timeout_s} s timeout"
     )
     print(f"{what}: time to error {outcome['elapsed_s']:.3f} s (timeout {timeout_s} s): {outcome['error']}")
-
-
-LAST_CALL = protocol.CALL_COUNT_PERIOD - 1
 
 
 @pytest.mark.parametrize("mode,silent", [("oneshot", 1), ("twoshot", 1), ("reduce_scatter", 1), ("oneshot", 0)])
