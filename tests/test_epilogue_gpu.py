@@ -83,6 +83,18 @@ def _check_rank(mode, tp, rank, out, residual_out, problems, scale, residual, no
         assert np.all(residual_out[silent].astype(np.float64) == 0), f"{what}: the zero row's residual_out"
 
 
+def _prepared_buffers(launcher, config, m, problems, residual, norm_weight, eps):
+    """Every rank's buffers for one call of m tokens: its inputs uploaded (residual rows in the
+    layout of its result) and both outputs poisoned."""
+    buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
+    for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
+        rank_buffers.upload(problem)
+        rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, config.tp, rank), norm_weight, eps)
+        rank_buffers.out.poison()
+        rank_buffers.residual_out.poison()
+    return buffers
+
+
 # Through the harness: the kernels alone, with poisoned outputs.
 
 
@@ -112,12 +124,7 @@ def _check_epilogue_call(config, m, eps, devices, grid_limits=None) -> None:
     tp = config.tp
     rows = protocol.owned_rows(m, tp) if config.mode == "reduce_scatter" else m
     with open_test_group(config, devices, CAPACITY_M, grid_limits) as launcher:
-        buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
-        for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
-            rank_buffers.upload(problem)
-            rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, tp, rank), norm_weight, eps)
-            rank_buffers.out.poison()
-            rank_buffers.residual_out.poison()
+        buffers = _prepared_buffers(launcher, config, m, problems, residual, norm_weight, eps)
         launcher.run(buffers, m)
         outputs = [(b.output(), b.residual_output()) for b in buffers]
         for rank, (out, residual_out) in enumerate(outputs):
@@ -178,12 +185,7 @@ def test_epilogue_on_a_halted_mailbox(config, halt, devices):  # noqa: F811
     rows = protocol.owned_rows(m, config.tp) if scatter else m
     with open_test_group(config, devices, CAPACITY_M, on_timeout=protocol.ON_TIMEOUT_FLAG) as launcher:
         launcher.set_stage_words({protocol.HALT: halt})
-        buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
-        for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
-            rank_buffers.upload(problem)
-            rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, config.tp, rank), norm_weight, 1e-6)
-            rank_buffers.out.poison()
-            rank_buffers.residual_out.poison()
+        buffers = _prepared_buffers(launcher, config, m, problems, residual, norm_weight, 1e-6)
         launcher.run(buffers, m)
         for rank, rank_buffers in enumerate(buffers):
             what = f"{config.key} halt={halt} rank {rank}"
