@@ -254,6 +254,8 @@ class LamportReduceNormKernel(LamportReduceKernel):
                 if halt == protocol.HALT_RUNNING:
                     self.own.publish(sOwn, Int32(0), packed, first_row, offset, peer_table, capacity_m, rank,
                                      stage, first=True)
+            # A separate test, not nested in the one above: nested, ptxas spills 16 bytes in
+            # the hidden-9216 fp32-weight kernels.
             if present != 0 and halt == protocol.HALT_RUNNING:
                 for row in cutlass.range(first_row + clusters, m, clusters):
                     row_shared = self.publisher.load_shared(shared, row, offset, present)
