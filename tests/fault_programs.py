@@ -304,7 +304,7 @@ def _written(config, bits: np.ndarray, m: int, rank: int) -> np.ndarray:
     rows = protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
     values = bits[:rows].view(numerics.BF16).astype(np.float32)
     if config.mode == "reduce_scatter":
-        values = values[[i for i in range(rows) if i * config.tp + rank < m]]
+        values = values[~numerics.tokenless_rows(rows, config.tp, rank, m)]
     return values
 
 

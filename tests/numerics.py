@@ -119,6 +119,12 @@ def assert_close(out, reference, bound, *, what="output", max_relative=1e-2):
     return relative
 
 
+def tokenless_rows(rows: int, tp: int, rank: int, m: int) -> np.ndarray:
+    """Mask of a reduce_scatter rank's ``rows`` output rows that hold no token: row i holds
+    token i * tp + rank, and there are ``m`` tokens."""
+    return np.arange(rows) * tp + rank >= m
+
+
 def owned(x: np.ndarray, tp: int, rank: int) -> np.ndarray:
     """Rows t of ``x`` with t % tp == rank, zero-padded to ceil(m / tp) rows."""
     rows = -(-x.shape[0] // tp)

@@ -59,7 +59,7 @@ def _rank_rows(mode, x, tp, rank):
     if mode != "reduce_scatter":
         return x
     rows = numerics.owned(x, tp, rank)
-    rows[np.arange(len(rows)) * tp + rank >= len(x)] = GARBAGE
+    rows[numerics.tokenless_rows(len(rows), tp, rank, len(x))] = GARBAGE
     return rows
 
 
@@ -69,7 +69,7 @@ def _check_rank(mode, tp, rank, out, residual_out, problems, scale, residual, no
     m = len(total)
     if mode == "reduce_scatter":
         total, bound = numerics.owned(total, tp, rank), numerics.owned(bound, tp, rank)
-        unused = np.arange(len(total)) * tp + rank >= m
+        unused = numerics.tokenless_rows(len(total), tp, rank, m)
         assert np.all(out.view(np.uint16)[unused] == 0), f"{what}: out rows of no token are not +0.0"
         assert np.all(residual_out.view(np.uint16)[unused] == 0), f"{what}: residual_out rows of no token"
         residual = numerics.owned(residual, tp, rank)
@@ -190,7 +190,7 @@ def test_epilogue_on_a_halted_mailbox(config, halt, devices):  # noqa: F811
         for rank, rank_buffers in enumerate(buffers):
             what = f"{config.key} halt={halt} rank {rank}"
             # Rows of the rank's tokens (in reduce_scatter the last row may have none).
-            token_rows = np.arange(rows) * config.tp + rank < m if scatter else np.ones(rows, bool)
+            token_rows = ~numerics.tokenless_rows(rows, config.tp, rank, m) if scatter else np.ones(rows, bool)
             for name, bits in (("out", rank_buffers.output()), ("residual_out", rank_buffers.residual_output())):
                 values = bits[:rows].view(numerics.BF16).astype(np.float32)
                 assert np.all(np.isnan(values[token_rows])), f"{what}: {name} holds numbers"

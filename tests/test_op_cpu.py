@@ -113,7 +113,7 @@ def _epilogue_call(mesh, mode, problems, residual, norm_weight, eps, scale=2.5):
         residual = np.stack([numerics.owned(residual, tp, rank) for rank in range(tp)])
         # Rows of no token hold garbage: they must not be read.
         for rank in range(tp):
-            residual[rank][np.arange(residual.shape[1]) * tp + rank >= len(problems[0].indices)] = 7.0
+            residual[rank][numerics.tokenless_rows(residual.shape[1], tp, rank, len(problems[0].indices))] = 7.0
     with jmp.Mailbox(mesh, "tp", hidden=norm_weight.shape[0], capacity_m=16, mode=mode) as mailbox:
         out, residual_out = jmp.sharded_moe_finalize_publish(
             mailbox, _stack(problems, "routed"), _stack(problems, "weights"), _stack(problems, "indices"),
@@ -153,7 +153,7 @@ def test_reference_epilogue_matches_float64(hidden, mode, eps):
                 what=f"rank {rank}",
             )
             # Rows of no token are zero, whatever their residual rows held.
-            unused = np.arange(out.shape[1]) * tp + rank >= m
+            unused = numerics.tokenless_rows(out.shape[1], tp, rank, m)
             assert np.all(out[rank][unused] == 0) and np.all(residual_out[rank][unused] == 0)
         silent = [(out[SILENT_TOKEN % tp][SILENT_TOKEN // tp], residual_out[SILENT_TOKEN % tp][SILENT_TOKEN // tp])]
     for row in silent:  # eps keeps a zero row finite: 0 * rsqrt(eps) * w
