@@ -1,5 +1,9 @@
 """Test setup: virtual CPU devices for the sharded CPU tests, and GPU discovery for ``gpu`` tests.
 
+The tiers are folders: ``cpu/`` (CI), ``compile/`` (needs CuTe DSL, no GPU), ``gpu/``
+(marked ``gpu``); ``support/`` holds the modules and child programs they share, importable
+by name from every test.
+
 GPU tests are marked ``@pytest.mark.gpu`` and declare how many GPUs they need
 with the ``gpus`` fixture's parameter (``@pytest.mark.gpus(2)``); they skip,
 with the reason, where there are fewer.
@@ -8,6 +12,10 @@ with the reason, where there are fewer.
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "support"))
 
 # Before JAX starts: four virtual CPU devices for shard_map tests on the CPU.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over every kernel role on two GPUs:
 #   bash tools/sanitize.sh [REPORT_DIR]
-# The workload is `tests/fault_programs.py sanitize`: healthy calls with m = 1, 5 and 16 of
+# The workload is `tests/support/fault_programs.py sanitize`: healthy calls with m = 1, 5 and 16 of
 # each of its configs through the kernel harness (no JAX on the GPUs), every output checked.
 # It runs once per tool (SANITIZE_TOOLS, default "memcheck racecheck"; synccheck and
 # initcheck also work), saves each tool's report, the program's stdout and stderr in
@@ -26,7 +26,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     # Instrumented kernels are slow; the workload's own waits time out after 120 s.
     timeout "${SANITIZE_TIMEOUT_S:-1800}" "$SANITIZER" --tool "$tool" --error-exitcode 3 \
         --print-limit 200 --log-file "$out/$tool.log" \
-        "$PYTHON" tests/fault_programs.py sanitize >"$out/$tool.stdout" 2>"$out/$tool.stderr"
+        "$PYTHON" tests/support/fault_programs.py sanitize >"$out/$tool.stdout" 2>"$out/$tool.stderr"
     rc=$?
     summary=$(grep -hE "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$out/$tool.log" 2>/dev/null \
         | sed 's/^=* *//' | paste -sd ';' -)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))  # its sibling imports
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))  # its sibling imports
 import bench_moe_publish as bench  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Child programs of the multi-process tests: one device per process, joined by ``jax.distributed``.
 
-    python tests/process_programs.py PROGRAM --process-id I --num-processes N --port P [--gpu ORDINAL]
+    python tests/support/process_programs.py PROGRAM --process-id I --num-processes N --port P [--gpu ORDINAL]
 
 With ``--gpu`` a process owns that GPU and calls the kernels (``impl="kernel"``);
 without it, one CPU device (gloo collectives) and ``impl="auto"``, which runs

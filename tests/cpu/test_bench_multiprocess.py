@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-BENCHMARK = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_multiprocess.py"
+BENCHMARK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_multiprocess.py"
 MODES = ("oneshot", "twoshot")
 M = 3  # not a multiple of tp
 # The iterations of the GPU default would take minutes on CPU (the reference path).

@@ -51,7 +51,7 @@ from jax_moe_publish import protocol
 
 pytestmark = pytest.mark.gpus(2)
 
-PROGRAMS = pathlib.Path(__file__).with_name("fault_programs.py")
+PROGRAMS = pathlib.Path(__file__).resolve().parents[1] / "support" / "fault_programs.py"
 RESULT_PREFIX = "RESULT "
 CHILD_TIMEOUT_S = 300
 TIME_TO_ERROR_S = 5.0

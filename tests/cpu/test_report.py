@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-REPORT_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
+REPORT_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "report.py"
 _spec = importlib.util.spec_from_file_location("bench_report", REPORT_PATH)
 report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(report)

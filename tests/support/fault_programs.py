@@ -4,7 +4,7 @@ A kernel that traps (a timed-out mailbox wait) loses its device's CUDA
 context for the rest of the process, so each fault runs in a process of its
 own::
 
-    python tests/fault_programs.py PROGRAM [options]
+    python tests/support/fault_programs.py PROGRAM [options]
 
 A program prints one line ``RESULT {json}`` on stdout, the last of its output.
 After a fault no memory is freed (every free would fail): the program prints
