@@ -444,7 +444,7 @@ def driver_copy_bytes_per_s(ordinal, nbytes, reps):
     bytes read + written per second (the median)."""
     from cuda.bindings import driver
 
-    from jax_moe_publish.cuda_memory import check, primary_context
+    from jax_moe_publish.memory.driver import check, primary_context
 
     with primary_context(ordinal):
         source = check(driver.cuMemAlloc(nbytes), "cuMemAlloc")

@@ -6,9 +6,9 @@ over the TP group through Lamport mailboxes that peers write over NVLink.
 """
 
 from jax_moe_publish import reference
-from jax_moe_publish.cluster import ProcessGroupError
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.mailbox import Mailbox, MailboxStatusError
+from jax_moe_publish.memory.process_group import ProcessGroupError
 from jax_moe_publish.op import moe_finalize_publish, sharded_moe_finalize_publish
 
 __all__ = [

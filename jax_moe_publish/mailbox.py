@@ -14,8 +14,11 @@ import warnings
 
 import jax
 import numpy as np
+from jax._src import distributed
 
 from jax_moe_publish import protocol
+from jax_moe_publish.memory.cross_process import MailboxSpec, ProcessMailboxMemory, RankPlace
+from jax_moe_publish.memory.group import GroupMemory
 
 MODES = ("allreduce", "reduce_scatter")
 TRANSPORTS = ("auto", "unicast", "multicast")
@@ -33,6 +36,15 @@ def multicast_allowed() -> bool:
 
 def _is_cuda(device) -> bool:
     return device.platform in ("gpu", "cuda")
+
+
+def _distributed_client():
+    """The client of ``jax.distributed``; RuntimeError if it was never initialized."""
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("the mesh spans processes, but jax.distributed is not initialized: call "
+                           "jax.distributed.initialize() in every process first")
+    return client
 
 
 class MailboxStatusError(RuntimeError):
@@ -81,7 +93,7 @@ class Mailbox:
     A mesh may span processes (``jax.distributed``, one process per GPU or
     per host). Then creation and `close` are collective: every process of the
     mesh creates its Mailboxes in the same order and closes them. Processes
-    of one host map each other's mailboxes (`jax_moe_publish.cross_process`).
+    of one host map each other's mailboxes (`jax_moe_publish.memory.cross_process`).
     Where a TP group spans hosts nothing is allocated, and the op runs the
     reference, whose ``psum`` XLA lowers to NCCL; see `spans_hosts`.
     """
@@ -172,8 +184,6 @@ class Mailbox:
         return any(d.process_index != jax.process_index() for d in self.mesh.devices.flat)
 
     def _allocate(self) -> None:
-        from jax_moe_publish.cuda_memory import GroupMemory
-
         try:
             for group in self.groups:
                 ordinals = [d.local_hardware_id for d in group]
@@ -196,10 +206,22 @@ class Mailbox:
                 rank_memory.stage_state, rank_memory.status, self.timeout_ns,
             )
 
-    def _setup_across_processes(self) -> None:
-        """Collective setup with the other processes of the mesh (see `cross_process`)."""
-        from jax_moe_publish.cross_process import ProcessMailboxMemory
+    def _spec(self) -> MailboxSpec:
+        """This mailbox as every process of its mesh describes it (`memory.cross_process`)."""
+        signature = {
+            "axis_name": self.axis_name, "mesh_axes": list(self.mesh.axis_names),
+            "mesh_devices": [int(d.id) for d in self.mesh.devices.flat],
+            "mesh_shape": list(self.mesh.devices.shape), "hidden": self.hidden,
+            "capacity_m": self.capacity_m, "mode": self.mode, "transport": self.transport,
+            "timeout_ns": self.timeout_ns, "on_timeout": self.on_timeout,
+        }
+        groups = tuple(tuple(RankPlace(int(d.process_index), d.local_hardware_id) for d in group)
+                       for group in self.groups)
+        return MailboxSpec(self.id, groups, self.hidden, self.capacity_m, ON_TIMEOUT[self.on_timeout],
+                           self.on_cuda, signature)
 
+    def _setup_across_processes(self) -> None:
+        """Collective setup with the other processes of the mesh (see `memory.cross_process`)."""
         if jax.process_index() not in {d.process_index for d in self.mesh.devices.flat}:
             return  # no device here: nothing to share or allocate
         registered = []
@@ -209,8 +231,9 @@ class Mailbox:
             self._register(memory)
 
         try:
-            self._processes = ProcessMailboxMemory(self, process=jax.process_index(),
-                                                   timeout_s=self.process_timeout_s, register=register)
+            self._processes = ProcessMailboxMemory(
+                self._spec(), process=jax.process_index(), timeout_s=self.process_timeout_s, register=register,
+                client=_distributed_client(), process_count=jax.process_count())
         except BaseException:
             if registered:
                 from jax_moe_publish import native

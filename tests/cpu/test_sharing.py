@@ -1,4 +1,4 @@
-"""`jax_moe_publish.sharing` without a GPU: payload encoding and validation, the pidfd helpers, and
+"""`jax_moe_publish.memory.sharing` without a GPU: payload encoding and validation, the pidfd helpers, and
 the import's mapping steps and their undoing (against a recording driver)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from jax_moe_publish import cuda_memory, sharing
+from jax_moe_publish.memory import driver as memory_driver
+from jax_moe_publish.memory import sharing
+from jax_moe_publish.memory.driver import CudaError
 
 POSIX_FD = sharing.MECHANISMS[1]
 
@@ -115,7 +117,7 @@ class _RecordingDriver:
     ``failing`` returns an error."""
 
     def __init__(self, failing: str | None = None):
-        self._real = cuda_memory._driver()
+        self._real = memory_driver.api()
         self.failing = failing
         self.calls = []
 
@@ -157,9 +159,9 @@ MAPPING_STEPS = ["cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"]
 @pytest.mark.parametrize("failing", MAPPING_STEPS)
 def test_a_failed_import_undoes_exactly_the_steps_taken(monkeypatch, failing):
     driver = _RecordingDriver(failing)
-    monkeypatch.setattr(cuda_memory, "_driver", lambda: driver)
+    monkeypatch.setattr(memory_driver, "api", lambda: driver)
     monkeypatch.setattr(type(POSIX_FD), "open", lambda self, body: "imported handle")
-    with pytest.raises(cuda_memory.CudaError, match=re.escape(f"{failing}(imported) failed")):
+    with pytest.raises(CudaError, match=re.escape(f"{failing}(imported) failed")):
         sharing.import_mapping(_payload(), [0, 1])
     taken = MAPPING_STEPS[:MAPPING_STEPS.index(failing)]
     undo = {"cuMemAddressReserve": "cuMemAddressFree", "cuMemMap": "cuMemUnmap"}
@@ -169,7 +171,7 @@ def test_a_failed_import_undoes_exactly_the_steps_taken(monkeypatch, failing):
 
 def test_an_import_is_released_once(monkeypatch):
     driver = _RecordingDriver()
-    monkeypatch.setattr(cuda_memory, "_driver", lambda: driver)
+    monkeypatch.setattr(memory_driver, "api", lambda: driver)
     monkeypatch.setattr(type(POSIX_FD), "open", lambda self, body: "imported handle")
     mapping = sharing.import_mapping(_payload(size=4 << 20), [0, 1])
     assert (mapping.address, mapping.size, mapping.mapped) == (0x7000_0000, 4 << 20, True)

@@ -58,7 +58,7 @@ from jax_moe_publish import protocol
 from jax_moe_publish.aot import presets
 from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.config import PORTABLE_CLUSTER_CTAS
-from jax_moe_publish.cuda_memory import CudaError, check
+from jax_moe_publish.memory.driver import CudaError, check
 
 RESULT_PREFIX = "RESULT "
 MODES = presets.MULTI_RANK_MODES

@@ -35,7 +35,8 @@ import numerics
 from jax_moe_publish import protocol
 from jax_moe_publish.aot.artifact import CLUSTER_ROLES, PERSISTENT_ROLES, KernelArtifact
 from jax_moe_publish.config import PORTABLE_CLUSTER_CTAS, KernelConfig
-from jax_moe_publish.cuda_memory import CudaError, GroupMemory, check, init, primary_context
+from jax_moe_publish.memory.driver import CudaError, check, init, primary_context
+from jax_moe_publish.memory.group import GroupMemory
 
 PROGRAMMATIC_STREAM_SERIALIZATION = (
     driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION

@@ -6,7 +6,8 @@ the key-value store and barriers of JAX's distributed runtime
 whose part of a step fails says so in the store, under every key the others
 wait for, so that they raise at once with its message instead of timing out.
 
-Nothing here touches CUDA.
+Nothing here touches CUDA or imports JAX: the caller passes the distributed runtime's
+client.
 """
 
 from __future__ import annotations
@@ -53,31 +54,22 @@ def host_identity() -> str:
     return f"{socket.gethostname()} (boot {_read('/proc/sys/kernel/random/boot_id')}, {namespace})"
 
 
-def distributed_client():
-    """The client of ``jax.distributed``; RuntimeError if it was never initialized."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("the mesh spans processes, but jax.distributed is not initialized: call "
-                           "jax.distributed.initialize() in every process first")
-    return client
-
-
 class Exchange:
-    """One collective setup or close: keys under ``namespace``, among ``processes``.
+    """One collective setup or close: keys under ``namespace``, among ``processes`` of the
+    ``process_count`` processes of the job, through ``client`` (``jax.distributed``'s).
 
     Keys this process publishes are remembered, so that `abandon` can mark the
     rest of what it owes as failed and `forget` can delete them once read.
     """
 
-    def __init__(self, namespace: str, processes: list[int], process: int, timeout_s: float,
-                 client=None) -> None:
+    def __init__(self, namespace: str, processes: list[int], process: int, timeout_s: float, client,
+                 process_count: int) -> None:
         self.namespace = namespace
         self.processes = sorted(processes)
         self.process = process
         self.timeout_ms = max(1, int(timeout_s * 1000))
-        self.client = client if client is not None else distributed_client()
+        self.client = client
+        self.process_count = process_count
         self._published: list[str] = []
 
     def key(self, *parts) -> str:
@@ -108,9 +100,7 @@ class Exchange:
 
     def barrier(self, name: str) -> None:
         """Wait for every process; ProcessGroupError names the step if one never arrives."""
-        import jax
-
-        everyone = self.processes == list(range(jax.process_count()))
+        everyone = self.processes == list(range(self.process_count))
         kwargs = {} if everyone else {"process_ids": self.processes}
         try:
             self.client.wait_at_barrier(self.key("barrier", name), self.timeout_ms, **kwargs)

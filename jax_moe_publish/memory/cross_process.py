@@ -32,22 +32,47 @@ touch freed memory; it is raised after the local groups are closed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from jax_moe_publish import cluster, sharing
-from jax_moe_publish.cuda_memory import CudaError, GroupMemory, VmmMapping, primary_context
-from jax_moe_publish.mailbox import ON_TIMEOUT
+from jax_moe_publish.memory import process_group, sharing
+from jax_moe_publish.memory.driver import CudaError, primary_context
+from jax_moe_publish.memory.group import GroupMemory
+from jax_moe_publish.memory.vmm import VmmMapping
 
 
-def signature(mailbox) -> dict:
-    """What every process must agree on for one mailbox."""
-    return {
-        "axis_name": mailbox.axis_name, "mesh_axes": list(mailbox.mesh.axis_names),
-        "mesh_devices": [int(d.id) for d in mailbox.mesh.devices.flat],
-        "mesh_shape": list(mailbox.mesh.devices.shape), "hidden": mailbox.hidden,
-        "capacity_m": mailbox.capacity_m, "mode": mailbox.mode, "transport": mailbox.transport,
-        "timeout_ns": mailbox.timeout_ns, "on_timeout": mailbox.on_timeout,
-    }
+@dataclasses.dataclass(frozen=True)
+class RankPlace:
+    """Where one rank of a group lives: its process, and its CUDA ordinal in that process
+    (None off CUDA, where nothing is allocated)."""
+
+    process: int
+    ordinal: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MailboxSpec:
+    """One mailbox, as every process of its mesh describes it.
+
+    ``groups[g][r]`` places rank ``r`` of TP group ``g``; ``signature`` (JSON-ready) is
+    what the processes must agree on: the mailbox's parameters and its mesh.
+    """
+
+    mailbox_id: int
+    groups: tuple[tuple[RankPlace, ...], ...]
+    hidden: int
+    capacity_m: int
+    on_timeout: int  # protocol.ON_TIMEOUT_ABORT or ON_TIMEOUT_FLAG
+    on_cuda: bool
+    signature: dict
+
+    @property
+    def tp(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def processes(self) -> list[int]:
+        return sorted({place.process for group in self.groups for place in group})
 
 
 def _differences(mine: dict, theirs: dict) -> str:
@@ -62,30 +87,33 @@ class ProcessMailboxMemory:
     ``group_hosts[g][r]`` is the host of rank ``r`` of group ``g``; ``groups``
     holds the `GroupMemory` of every group with a device here (empty when
     nothing is allocated). ``register(memory)`` registers a group's local
-    devices with the FFI handler.
+    devices with the FFI handler. ``client`` is ``jax.distributed``'s, of a job of
+    ``process_count`` processes.
     """
 
-    def __init__(self, mailbox, *, process: int, timeout_s: float, register, client=None) -> None:
-        self.mailbox_id = mailbox.id
+    def __init__(self, spec: MailboxSpec, *, process: int, timeout_s: float, register, client,
+                 process_count: int) -> None:
+        self.mailbox_id = spec.mailbox_id
         self.process = process
-        self.processes = sorted({int(d.process_index) for d in mailbox.mesh.devices.flat})
+        self.processes = spec.processes
         self.groups: list[GroupMemory] = []
         self.group_hosts: list[list[str]] = []
         self._exports: list[sharing.Exported] = []
         self._imports: list[tuple[int, VmmMapping]] = []  # (device that maps it, mapping)
         self._timeout_s = timeout_s
         self._client = client
+        self._process_count = process_count
         self._closed = False
         exchange = self._exchange("setup")
         owed = [exchange.key("process", process)] + [
-            exchange.key("group", g, "rank", r) for g, r in self._exported_ranks(mailbox)
+            exchange.key("group", g, "rank", r) for g, r in self._exported_ranks(spec)
         ]
         try:
-            self._setup(mailbox, exchange, register)
+            self._setup(spec, exchange, register)
         except BaseException as error:
             # Keys stay in the store: a process may still be about to read them.
             exchange.abandon(f"{type(error).__name__}: {error}", owed)
-            if not (isinstance(error, cluster.ProcessGroupError) and error.timed_out):
+            if not (isinstance(error, process_group.ProcessGroupError) and error.timed_out):
                 self._barrier_quietly(exchange, "setup")
             self._release_local()  # its own errors would hide the one that matters
             raise
@@ -93,8 +121,8 @@ class ProcessMailboxMemory:
             exchange.barrier("setup")
             failures = exchange.failures()
             if failures:
-                raise cluster.ProcessGroupError(
-                    f"mailbox {mailbox.id}: setup failed in another process:\n  " + "\n  ".join(failures))
+                raise process_group.ProcessGroupError(
+                    f"mailbox {spec.mailbox_id}: setup failed in another process:\n  " + "\n  ".join(failures))
         except BaseException:
             self._release_local()
             raise
@@ -106,44 +134,44 @@ class ProcessMailboxMemory:
     def spans_hosts(self) -> bool:
         return any(len(set(hosts)) > 1 for hosts in self.group_hosts)
 
-    def _exchange(self, step: str) -> cluster.Exchange:
-        return cluster.Exchange(f"jax_moe_publish/mailbox/{self.mailbox_id}/{step}", self.processes,
-                                self.process, self._timeout_s, self._client)
+    def _exchange(self, step: str) -> process_group.Exchange:
+        return process_group.Exchange(f"jax_moe_publish/mailbox/{self.mailbox_id}/{step}", self.processes,
+                                      self.process, self._timeout_s, self._client, self._process_count)
 
-    def _exported_ranks(self, mailbox) -> list[tuple[int, int]]:
+    def _exported_ranks(self, spec: MailboxSpec) -> list[tuple[int, int]]:
         """(group, rank) of this process's devices in groups that reach into other processes."""
         ranks = []
-        for g, group in enumerate(mailbox.groups):
-            owners = [d.process_index for d in group]
+        for g, group in enumerate(spec.groups):
+            owners = [place.process for place in group]
             if len(set(owners)) > 1:
                 ranks += [(g, r) for r, owner in enumerate(owners) if owner == self.process]
         return ranks
 
-    def _setup(self, mailbox, exchange: cluster.Exchange, register) -> None:
-        mine = {"host": cluster.host_identity(), "signature": signature(mailbox)}
+    def _setup(self, spec: MailboxSpec, exchange: process_group.Exchange, register) -> None:
+        mine = {"host": process_group.host_identity(), "signature": spec.signature}
         exchange.publish(exchange.key("process", self.process), json.dumps(mine).encode())
         records = {self.process: mine}
         for other in self.processes:
             if other != self.process:
-                what = f"its record of mailbox {mailbox.id}"
+                what = f"its record of mailbox {spec.mailbox_id}"
                 records[other] = json.loads(exchange.fetch(exchange.key("process", other), other, what))
                 if records[other]["signature"] != mine["signature"]:
                     raise ValueError(
-                        f"mailbox {mailbox.id} differs between processes {self.process} and {other} "
+                        f"mailbox {spec.mailbox_id} differs between processes {self.process} and {other} "
                         f"({_differences(mine['signature'], records[other]['signature'])}): every "
                         "process must create the same Mailboxes in the same order")
-        self.group_hosts = [[records[d.process_index]["host"] for d in group] for group in mailbox.groups]
-        if not mailbox.on_cuda or self.spans_hosts:
+        self.group_hosts = [[records[place.process]["host"] for place in group] for group in spec.groups]
+        if not spec.on_cuda or self.spans_hosts:
             return
-        exported = set(self._exported_ranks(mailbox))
+        exported = set(self._exported_ranks(spec))
         local_groups = []
-        for g, group in enumerate(mailbox.groups):
-            ordinals = [d.local_hardware_id if d.process_index == self.process else None for d in group]
+        for g, group in enumerate(spec.groups):
+            ordinals = [place.ordinal if place.process == self.process else None for place in group]
             if all(o is None for o in ordinals):
                 continue
-            memory = GroupMemory(ordinals, hidden=mailbox.hidden, capacity_m=mailbox.capacity_m,
-                                 on_timeout=ON_TIMEOUT[mailbox.on_timeout],
-                                 shareable=any((g, r) in exported for r in range(mailbox.tp)))
+            memory = GroupMemory(ordinals, hidden=spec.hidden, capacity_m=spec.capacity_m,
+                                 on_timeout=spec.on_timeout,
+                                 shareable=any((g, r) in exported for r in range(spec.tp)))
             self.groups.append(memory)
             local_groups.append((g, group, memory))
             for rank_memory in memory.ranks:
@@ -154,24 +182,25 @@ class ProcessMailboxMemory:
                     exchange.publish(exchange.key("group", g, "rank", rank_memory.rank), export.payload)
         for g, group, memory in local_groups:
             addresses = {m.rank: m.mailbox for m in memory.ranks}
-            for rank, device in enumerate(group):
+            for rank, place in enumerate(group):
                 if rank in addresses:
                     continue
-                payload = exchange.fetch(exchange.key("group", g, "rank", rank), device.process_index,
-                                         f"the mailbox handle of group {g} rank {rank} ({device})")
+                payload = exchange.fetch(exchange.key("group", g, "rank", rank), place.process,
+                                         f"the mailbox handle of group {g} rank {rank} (process "
+                                         f"{place.process}, device {place.ordinal})")
                 ordinal = memory.local_ordinals[0]
                 with primary_context(ordinal):
                     imported = sharing.import_mapping(payload, memory.local_ordinals)
                 self._imports.append((ordinal, imported))
                 addresses[rank] = imported.address
-            memory.write_peer_tables([addresses[r] for r in range(mailbox.tp)])
+            memory.write_peer_tables([addresses[r] for r in range(spec.tp)])
             register(memory)
 
     @staticmethod
-    def _barrier_quietly(exchange: cluster.Exchange, name: str) -> None:
+    def _barrier_quietly(exchange: process_group.Exchange, name: str) -> None:
         try:
             exchange.barrier(name)
-        except cluster.ProcessGroupError:
+        except process_group.ProcessGroupError:
             pass  # the error being raised says more
 
     def _release_imports(self) -> list[int]:
@@ -209,7 +238,7 @@ class ProcessMailboxMemory:
 
         Returns the devices whose context was lost to an earlier fault, like
         `GroupMemory.close`. A peer that never reaches the barrier (a dead
-        process) raises `cluster.ProcessGroupError`, after the local groups are
+        process) raises `process_group.ProcessGroupError`, after the local groups are
         closed all the same.
         """
         if self._closed:

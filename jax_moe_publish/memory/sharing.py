@@ -34,7 +34,9 @@ import os
 import struct
 from typing import Protocol
 
-from jax_moe_publish.cuda_memory import VmmMapping, check
+from jax_moe_publish.memory import driver
+from jax_moe_publish.memory.driver import check
+from jax_moe_publish.memory.vmm import VmmMapping
 
 MAGIC = b"JMPB"
 VERSION = 1
@@ -178,24 +180,18 @@ class PosixFd:
 
     @staticmethod
     def handle_type():
-        from cuda.bindings import driver
-
-        return driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return driver.api().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
     def export(self, handle, size: int) -> Exported:
-        from cuda.bindings import driver
-
-        fd = int(check(driver.cuMemExportToShareableHandle(handle, self.handle_type(), 0),
+        fd = int(check(driver.api().cuMemExportToShareableHandle(handle, self.handle_type(), 0),
                        "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)"))
         return Exported(encode(self, size, self._BODY.pack(os.getpid(), fd)), fd)
 
     def open(self, body: bytes):
-        from cuda.bindings import driver
-
         pid, fd = self._BODY.unpack(body)
         local_fd = fetch_fd(pid, fd)
         try:
-            return check(driver.cuMemImportFromShareableHandle(local_fd, self.handle_type()),
+            return check(driver.api().cuMemImportFromShareableHandle(local_fd, self.handle_type()),
                          f"cuMemImportFromShareableHandle(descriptor {fd} of process {pid})")
         finally:
             os.close(local_fd)  # the imported handle holds its own reference

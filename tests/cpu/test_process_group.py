@@ -1,14 +1,14 @@
-"""`jax_moe_publish.cluster` without processes: host identity and the bounded exchange, on a fake store."""
+"""`jax_moe_publish.memory.process_group` without processes: host identity and the bounded exchange, on a fake store."""
 
 from __future__ import annotations
 
 import pytest
 
-from jax_moe_publish import cluster
+from jax_moe_publish.memory import process_group
 
 
 class FakeStore:
-    """The calls of the distributed client that `cluster.Exchange` uses, in memory."""
+    """The calls of the distributed client that `process_group.Exchange` uses, in memory."""
 
     def __init__(self):
         self.values: dict[str, bytes] = {}
@@ -36,17 +36,18 @@ class FakeStore:
 
 
 def _exchange(store, process=0):
-    return cluster.Exchange("ns/mailbox/3/setup", [0, 1], process, timeout_s=2.5, client=store)
+    return process_group.Exchange("ns/mailbox/3/setup", [0, 1], process, timeout_s=2.5, client=store,
+                                  process_count=2)
 
 
 def test_host_identity_names_the_host_and_can_be_overridden_for_tests(monkeypatch):
-    monkeypatch.delenv(cluster.TEST_HOST_ID_ENV, raising=False)
+    monkeypatch.delenv(process_group.TEST_HOST_ID_ENV, raising=False)
     import socket
 
-    assert cluster.host_identity().startswith(socket.gethostname())
-    assert cluster.host_identity() == cluster.host_identity()
-    monkeypatch.setenv(cluster.TEST_HOST_ID_ENV, "host-b")
-    assert cluster.host_identity() == "host-b"
+    assert process_group.host_identity().startswith(socket.gethostname())
+    assert process_group.host_identity() == process_group.host_identity()
+    monkeypatch.setenv(process_group.TEST_HOST_ID_ENV, "host-b")
+    assert process_group.host_identity() == "host-b"
 
 
 def test_published_values_are_fetched_and_forgotten():
@@ -60,7 +61,7 @@ def test_published_values_are_fetched_and_forgotten():
 
 def test_a_missing_value_times_out_naming_the_process_and_the_key():
     exchange = _exchange(FakeStore())
-    with pytest.raises(cluster.ProcessGroupError) as caught:
+    with pytest.raises(process_group.ProcessGroupError) as caught:
         exchange.fetch(exchange.key("process", 1), 1, "its record")
     assert caught.value.timed_out
     message = str(caught.value)
@@ -76,7 +77,7 @@ def test_an_abandoned_step_reaches_every_waiting_process_with_its_message():
     failing.publish(record, b"{}")
     failing.abandon("SharingError: pidfd_getfd failed: EPERM", owed=[record, handle])
     assert store.values[record] == b"{}", "a published value was overwritten"
-    with pytest.raises(cluster.ProcessGroupError) as caught:
+    with pytest.raises(process_group.ProcessGroupError) as caught:
         waiting.fetch(handle, 1, "a handle")
     assert not caught.value.timed_out
     assert str(caught.value) == "process 1: SharingError: pidfd_getfd failed: EPERM"
@@ -89,15 +90,12 @@ def test_values_cannot_pose_as_failures():
         exchange.publish(exchange.key("x"), b"!jax_moe_publish failed: no")
 
 
-def test_a_barrier_that_never_passes_names_the_step_and_the_likely_cause(monkeypatch):
-    import jax
-
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
+def test_a_barrier_that_never_passes_names_the_step_and_the_likely_cause():
     store = FakeStore()
     exchange = _exchange(store)
     exchange.barrier("setup")
     assert store.barriers == ["ns/mailbox/3/setup/barrier/setup"]
-    with pytest.raises(cluster.ProcessGroupError) as caught:
+    with pytest.raises(process_group.ProcessGroupError) as caught:
         exchange.barrier("never")
     assert caught.value.timed_out
     assert "barrier 'never' of processes [0, 1] did not pass within 2.5 s" in str(caught.value)
