@@ -135,7 +135,8 @@ from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
-import report  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
+import report  # noqa: E402
+from jax_moe_publish import tuning  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
 LAYERS = 32
 SHORT, LONG = 36, 164  # loop iterations of the two timed programs (module docstring)
@@ -160,20 +161,18 @@ def problem_spec(name):
 
 
 def case_config(problem, tp, mode, m, fuse_reduce=None):
-    """The default `jmp.KernelConfig` of a case, as the op picks it (``mode`` is ``direct``
-    exactly when tp = 1; there the op runs the epilogue in ``jnp``); ``fuse_reduce`` as
-    `jmp.KernelConfig.default` takes it."""
+    """The `jmp.KernelConfig` of a case, as the op picks it from the tuning table, for the
+    algorithm ``mode`` (``direct`` exactly when tp = 1; there the op runs the epilogue in
+    ``jnp``); ``fuse_reduce`` overrides the table's choice."""
     return spec_config(problem_spec(problem), tp, mode, m, fuse_reduce)
 
 
 def spec_config(spec, tp, mode, m, fuse_reduce=None):
     """`case_config` of a problem given by its spec (a `problem_spec` value)."""
-    return jmp.KernelConfig.default(
-        hidden=spec["hidden"], top_k=spec["top_k"], tp=tp, mode=mode,
-        routed_scaling_factor=spec["scale"], include_shared_expert=spec["shared"],
-        fp32_weights=WEIGHT_BYTES == 4, m=m, epilogue="rmsnorm" if spec["epilogue"] and tp > 1 else "none",
-        fuse_reduce=fuse_reduce,
-    )
+    problem = tuning.Problem(hidden=spec["hidden"], top_k=spec["top_k"], routed_scaling_factor=spec["scale"],
+                             include_shared_expert=spec["shared"], fp32_weights=WEIGHT_BYTES == 4)
+    return tuning.kernel_config(problem, tp=tp, m=m, epilogue="rmsnorm" if spec["epilogue"] and tp > 1 else "none",
+                                algorithm=mode, fuse_reduce=fuse_reduce)
 
 
 def tuning_variants(problem, tp, mode, m):
@@ -228,14 +227,15 @@ def modes_for(tp, problem):
     return ARGS.modes
 
 
-def needed_configs(tp_sizes, tuning):
-    """Every kernel config the cases of this run use: defaults, plus their tuning variants if ``tuning``."""
+def needed_configs(tp_sizes, with_variants):
+    """Every kernel config the cases of this run use: the table's, plus their tuning variants if
+    ``with_variants``."""
     configs = []
     for tp in tp_sizes:
         for name in case_problems():
             for mode in modes_for(tp, name):
                 for m in ARGS.m:
-                    configs += (tuning_variants(name, tp, mode, m) if tuning
+                    configs += (tuning_variants(name, tp, mode, m) if with_variants
                                 else [case_config(name, tp, mode, m)])
     return list(dict.fromkeys(configs))
 
@@ -529,7 +529,7 @@ def time_variants(mailbox, problem, configs, inputs, reps, rounds=1):
     for config, config_rounds, config_bits in zip(configs, timings, bits):
         # Direct mode has no reduce kernel: its reduce_threads is not a choice.
         launch = {f: getattr(config, f) for f in TUNING_GRID
-                  if f != "reduce_threads" or config.mode != "direct"}
+                  if f != "reduce_threads" or config.algorithm != "direct"}
         variants.append({"key": config.key, "launch": launch, **summarize(config_rounds),
                          "same_bits_as_default": bool(np.array_equal(config_bits, bits[0]))})
     return {"variants": variants, "best": min(range(len(variants)), key=lambda i: variants[i]["us"])}
@@ -630,7 +630,7 @@ def print_tuning(tuning):
 
 def main():
     if ARGS.list_configs or ARGS.build_kernels:
-        configs = needed_configs(ARGS.tp, tuning=True)
+        configs = needed_configs(ARGS.tp, with_variants=True)
         if ARGS.list_configs:
             list_configs(configs)
         if ARGS.build_kernels:
@@ -642,7 +642,7 @@ def main():
         print(f"skipping tp={tp}: {len(gpus)} GPU(s)")
     if not tp_sizes:
         raise SystemExit(f"no case can run: {len(gpus)} GPU(s) for --tp {' '.join(map(str, ARGS.tp))}")
-    check_kernels(needed_configs(tp_sizes, tuning=ARGS.configs is not None),
+    check_kernels(needed_configs(tp_sizes, with_variants=ARGS.configs is not None),
                   f"python benchmarks/bench_moe_publish.py --build-kernels DIR {case_flags()}")
     floors = measure_floors(gpus, ARGS.reps)
     p2p = floors["p2p"]

@@ -7,7 +7,7 @@ Two phases, one after the other, each in fresh child processes (this process
 never starts JAX, so it holds no GPU memory):
 
 1. two processes, one GPU each, joined by ``jax.distributed`` on localhost
-   (`jax_moe_publish.local_processes`, as in ``examples/multiprocess_decode.py``);
+   (`jax_moe_publish.testing.local_processes`, as in ``examples/multiprocess_decode.py``);
 2. one process with both GPUs.
 
 Each times, for every mode and m, our op (``impl="kernel"``) and XLA's
@@ -45,7 +45,7 @@ import re
 import sys
 
 import bench_moe_publish as bench  # benchmarks/ is on sys.path when this file runs as a script
-from jax_moe_publish import local_processes
+from jax_moe_publish.testing import local_processes
 
 TP = 2
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

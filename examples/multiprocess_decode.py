@@ -17,7 +17,7 @@ naming each process that failed and its exit code, if any did; a process
 still running after ``--deadline`` seconds is killed. Each process prints its
 lines first and then leaves through a last barrier, so that process 0, which
 serves the ``jax.distributed`` coordinator, exits after the others
-(`jax_moe_publish.local_processes.leave`). The time per layer is measured on
+(`jax_moe_publish.testing.local_processes.leave`). The time per layer is measured on
 the host around whole steps; ``benchmarks/bench_multiprocess.py`` times the
 op per call.
 
@@ -32,7 +32,7 @@ import argparse
 import sys
 import time
 
-from jax_moe_publish import local_processes
+from jax_moe_publish.testing import local_processes
 
 
 def launch(args) -> int:

@@ -1,8 +1,9 @@
 """`KernelConfig`: every compile-time choice of one specialization of the op.
 
 A config names one cubin. It holds the problem constants that the kernels are
-specialized on (hidden, top-k, tp, scale, ...) and the launch shapes. Runtime
-values (m, rank, capacity, addresses) are kernel parameters and are not here.
+specialized on (hidden, top-k, tp, scale, ...), the algorithm and the launch shapes.
+Runtime values (m, rank, capacity, addresses) are kernel parameters and are not here.
+Which config a call gets is the tuning table's choice (`jax_moe_publish.tuning`).
 """
 
 from __future__ import annotations
@@ -13,27 +14,18 @@ import math
 import numbers
 from typing import Literal
 
-from jax_moe_publish import protocol
+from jax_moe_publish import _abi, protocol
 
-Mode = Literal["oneshot", "twoshot", "reduce_scatter", "direct"]
-Transport = Literal["unicast", "multicast", "direct"]
+Algorithm = Literal["direct", "oneshot", "twoshot", "reduce_scatter"]
 Epilogue = Literal["none", "rmsnorm"]
 
-MODES = ("oneshot", "twoshot", "reduce_scatter", "direct")
-TRANSPORTS = ("unicast", "multicast", "direct")
+ALGORITHMS = ("direct", "oneshot", "twoshot", "reduce_scatter")
 EPILOGUES = ("none", "rmsnorm")
-EPILOGUE_MODES = ("oneshot", "reduce_scatter")
-"""Modes that can fuse an epilogue: their reduce writes the final rows (twoshot's gather
+EPILOGUE_ALGORITHMS = ("oneshot", "reduce_scatter")
+"""Algorithms that can fuse an epilogue: their reduce writes the final rows (twoshot's gather
 would have to fan out both outputs of the epilogue)."""
-MAX_THREADS = 1024
 MAX_NORM_FRAGMENTS_PER_THREAD = 8
 """Register budget of the fused epilogue: 16-byte fragments of a row per reduce thread."""
-PORTABLE_CLUSTER_CTAS = 8
-"""The portable thread block cluster size: the most CTAs of a default fused epilogue row of
-16-byte fragments."""
-MAX_CLUSTER_CTAS = 16
-"""The largest cluster Hopper launches (beyond the portable 8 the launcher opts the kernel in):
-the most CTAs that share one fused epilogue row, which a default row of 8-byte fragments uses."""
 OWN_PARTIAL_BYTES = 16 * 1024
 """Shared memory per CTA of a fused kernel for this rank's own partials (`KernelConfig.keep_own_partial`).
 At 16 KiB (plus 1 KiB reserved per CTA) 13 CTAs fit in an H100/H200 SM's 228 KiB. The fused
@@ -41,8 +33,6 @@ sets of the presets use 40 to 96 registers per thread (``tools/kernel_resources.
 allow at most 12 CTAs of 128 threads: the buffer does not lower their occupancy."""
 ARCHS = ("sm_90a", "sm_100a")
 MAX_TOP_K = 64
-SMALL_M = 64
-"""Up to this many tokens `KernelConfig.default` picks the latency-bound launch shape."""
 _INT_FIELDS = ("hidden", "top_k", "tp", "elements_per_thread", "threads", "prefetch_group", "reduce_threads",
                "waves")
 _BOOL_FIELDS = ("include_shared_expert", "fp32_weights", "load_shared_expert_before_pdl", "enable_pdl",
@@ -66,14 +56,12 @@ class KernelConfig:
         Routed experts per token.
     tp : int
         Size of the tensor-parallel group, 1 to 8.
-    mode : {"oneshot", "twoshot", "reduce_scatter", "direct"}
-        ``oneshot``: every rank publishes every token to every peer and reduces
-        all of them. ``twoshot``: token ``t`` is reduced by rank ``t % tp``,
-        which fans the sum out to every rank. ``reduce_scatter``: the owners
-        keep their sums. ``direct``: tp = 1, the finalize writes the output.
-    transport : {"unicast", "multicast", "direct"}
-        How the publish reaches the peers: ``tp`` stores through a table of
-        peer addresses, one ``multimem.st`` (oneshot only), or no peers at all.
+    algorithm : {"direct", "oneshot", "twoshot", "reduce_scatter"}
+        ``oneshot``: every rank publishes every token to every peer (``tp``
+        stores through a table of peer addresses) and reduces all of them.
+        ``twoshot``: token ``t`` is reduced by its owner, rank ``t % tp``, which
+        fans the sum out to every rank. ``reduce_scatter``: the owners keep their
+        sums. ``direct``: tp = 1, the finalize writes the output.
     routed_scaling_factor : float
         Multiplies every routed weight; 1.0 compiles the multiply away.
     include_shared_expert : bool
@@ -95,7 +83,7 @@ class KernelConfig:
         Reduce threads per CTA; each moves 8 bf16 values per source (per
         fragment it holds, with the epilogue).
     fuse_reduce : bool
-        One kernel per call (mode ``oneshot``): each publish thread then waits
+        One kernel per call (``oneshot``): each publish thread then waits
         for its own fragment from every peer, sums and re-arms, saving the
         reduce launch. The grid is persistent, capped at the CTAs the GPU holds
         at once: each CTA publishes all of its tiles, then reduces them.
@@ -118,7 +106,7 @@ class KernelConfig:
         that fits on the GPU loads all of its rows before it stores any.
     epilogue : {"none", "rmsnorm"}
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
-        (modes ``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
+        (``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
         ``norm_fragments_per_thread`` 16-byte fragments per thread.
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin.
@@ -127,8 +115,7 @@ class KernelConfig:
     hidden: int
     top_k: int
     tp: int
-    mode: Mode = "oneshot"
-    transport: Transport = "unicast"
+    algorithm: Algorithm = "oneshot"
     routed_scaling_factor: float = 1.0
     include_shared_expert: bool = True
     fp32_weights: bool = False
@@ -167,18 +154,11 @@ class KernelConfig:
         _require(self.hidden > 0, "hidden", self.hidden, "a positive int")
         _require(1 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k, f"an int in [1, {MAX_TOP_K}]")
         _require(1 <= self.tp <= protocol.MAX_TP, "tp", self.tp, f"an int in [1, {protocol.MAX_TP}]")
-        _require(self.mode in MODES, "mode", self.mode, f"one of {MODES}")
-        _require(self.transport in TRANSPORTS, "transport", self.transport, f"one of {TRANSPORTS}")
+        _require(self.algorithm in ALGORITHMS, "algorithm", self.algorithm, f"one of {ALGORITHMS}")
         if self.tp == 1:
-            _require(self.mode == "direct", "mode", self.mode, "'direct' when tp == 1")
+            _require(self.algorithm == "direct", "algorithm", self.algorithm, "'direct' when tp == 1")
         else:
-            _require(self.mode != "direct", "mode", self.mode, "not 'direct' when tp > 1")
-        _require(
-            (self.mode == "direct") == (self.transport == "direct"),
-            "transport", self.transport, f"'direct' exactly when mode is 'direct' (mode={self.mode!r})",
-        )
-        if self.transport == "multicast":
-            _require(self.mode == "oneshot", "mode", self.mode, "'oneshot' with the multicast transport")
+            _require(self.algorithm != "direct", "algorithm", self.algorithm, "not 'direct' when tp > 1")
         _require(
             self.elements_per_thread in (4, 8),
             "elements_per_thread", self.elements_per_thread, "4 or 8",
@@ -196,14 +176,14 @@ class KernelConfig:
         for field in ("threads", "reduce_threads"):
             value = getattr(self, field)
             _require(
-                32 <= value <= MAX_THREADS and value % 32 == 0,
-                field, value, f"a multiple of 32 in [32, {MAX_THREADS}]",
+                32 <= value <= _abi.MAX_THREADS and value % 32 == 0,
+                field, value, f"a multiple of 32 in [32, {_abi.MAX_THREADS}]",
             )
         _require(self.epilogue in EPILOGUES, "epilogue", self.epilogue, f"one of {EPILOGUES}")
         if self.epilogue != "none":
             _require(
-                self.mode in EPILOGUE_MODES,
-                "mode", self.mode, f"one of {EPILOGUE_MODES} with epilogue={self.epilogue!r}",
+                self.algorithm in EPILOGUE_ALGORITHMS,
+                "algorithm", self.algorithm, f"one of {EPILOGUE_ALGORITHMS} with epilogue={self.epilogue!r}",
             )
             _require(
                 self.norm_fragments_per_thread <= MAX_NORM_FRAGMENTS_PER_THREAD,
@@ -213,14 +193,12 @@ class KernelConfig:
                 f"the {self.reduce_fragments} of a row per thread)",
             )
         if self.fuse_reduce:
-            _require(self.mode == "oneshot", "mode", self.mode, "'oneshot' with fuse_reduce=True")
-            _require(self.transport == "unicast", "transport", self.transport,
-                     "'unicast' with fuse_reduce=True")
+            _require(self.algorithm == "oneshot", "algorithm", self.algorithm, "'oneshot' with fuse_reduce=True")
             if self.epilogue != "none":
                 # Each thread publishes the one fragment of the row that it then normalizes,
                 # and a row's CTAs form one cluster. The reduce thread's limit of
                 # MAX_NORM_FRAGMENTS_PER_THREAD 16-byte fragments (above) keeps that cluster
-                # within MAX_CLUSTER_CTAS at either fragment width.
+                # within _abi.MAX_CLUSTER_CTAS at either fragment width.
                 _require(self.threads == self.reduce_threads, "threads", self.threads,
                          f"reduce_threads={self.reduce_threads} with fuse_reduce and "
                          f"epilogue={self.epilogue!r}")
@@ -284,7 +262,7 @@ class KernelConfig:
         fields = self.to_dict()
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        kind = self.mode if self.epilogue == "none" else f"{self.mode}-{self.epilogue}"
+        kind = self.algorithm if self.epilogue == "none" else f"{self.algorithm}-{self.epilogue}"
         kind += "-fused" if self.fuse_reduce else ""
         return f"{kind}-h{self.hidden}-k{self.top_k}-tp{self.tp}-{self.arch}-{digest}"
 
@@ -303,113 +281,3 @@ class KernelConfig:
         if "fuse_reduce" in changes:
             changes.setdefault("keep_own_partial", None)
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def default(
-        cls,
-        *,
-        hidden: int,
-        top_k: int,
-        tp: int,
-        mode: Mode | None = None,
-        routed_scaling_factor: float = 1.0,
-        include_shared_expert: bool = True,
-        fp32_weights: bool = False,
-        m: int | None = None,
-        epilogue: Epilogue = "none",
-        fuse_reduce: bool | None = None,
-        arch: str = "sm_90a",
-    ) -> "KernelConfig":
-        """The measured default launch shape for a problem of ``m`` tokens.
-
-        ``mode`` defaults to ``direct`` for tp = 1 and ``oneshot`` otherwise.
-        Up to ``SMALL_M`` tokens a call is latency-bound: 8-byte publish
-        fragments (twice the threads in flight), all rows of a group of 8
-        loaded before use and 256-thread reduce CTAs were fastest in the tuning
-        sweep on 2x H200 (hidden 7168, top-k 8, m = 8 and 64, tp = 1 and 2:
-        ``benchmarks/results/2026-11-30-h200x2-tuning.json``). Larger or unknown
-        ``m`` keeps 16-byte fragments, which the bandwidth-bound sizes need.
-
-        ``fuse_reduce=None`` picks by measurement on 2x H200 at hidden 7168,
-        top-k 8 (``benchmarks/results/2026-11-30-h200x2-persistent-fused-tuning.json``).
-        A oneshot call without an epilogue is one kernel at every ``m``: against
-        two kernels it took 0.70 to 0.81 of the time at m = 256 to 1024, 0.82
-        at 128, and was within run-to-run noise (under 0.4 us) at m = 8 and 64.
-        A fused CTA keeps its own partials in shared memory (``keep_own_partial``):
-        0.94 and 0.92 of the time of the own mailbox slot at m = 1024, without
-        and with the epilogue; below that the difference changed sign between
-        runs (``...-own-partial-tuning.json``, ``...-own-partial-tuning-small-m.json``).
-        With the epilogue (oneshot) it fuses at every ``m`` too, a cluster of
-        128-thread CTAs per row (``...-epilogue-cluster-tuning.json`` and
-        ``...-epilogue-cluster-tuning-small-m.json``): against two kernels
-        4.26 against 5.40 us at m = 1, 0.81 and 0.88 of the time at m = 256 and
-        1024, and within 0.4 us either way at m = 2 to 64. (One CTA per row,
-        without a cluster, was 1.3 to 1.5 us slower than two kernels at m = 1
-        and 8: one SM then loads all of the row's experts.) Up to ``SMALL_M // 2``
-        tokens its fragments are 8 bytes, in twice the CTAs (14 for hidden 7168,
-        beyond the portable cluster size): against 16 bytes in 7 CTAs, 3.93
-        against 4.31 us at m = 1, 5.19 against 5.56 at m = 16, and 5.79 against
-        6.53 and 6.09 against 6.44 at m = 32 in two runs; at m = 64 (two passes)
-        16 bytes stayed faster, 7.65 against 7.81 and 7.71 against 7.95 us
-        (``...-epilogue-norm-group-rows-m1-m16.json``,
-        ``...-epilogue-norm-group-rows-m32-m64.json``,
-        ``...-epilogue-fragments-waves-m32-m64.json``).
-
-        A fused call of 33 to 64 tokens covers its rows in two passes of the grid
-        (``waves=2``): at m = 64 that took 0.31 to 0.96 us less than one pass in
-        each of four runs, with and without the epilogue; at m = 32 it was 0.4 us
-        faster to 1.1 us slower, at m = 48 (one run) 1.55 us faster without the
-        epilogue and 1.32 us slower with it, and at m = 128 slower without the
-        epilogue (``...-waves-tuning*.json``, ``...-tiles-in-flight-tuning*.json``).
-
-        With an epilogue the reduce CTA holds a row: one fragment per thread up
-        to hidden 8192 (1024 threads). Wider rows get at most 512 threads, so
-        that each may use 128 registers for its several fragments (1024 threads
-        leave 64, and ptxas spilled at hidden 16384, tp = 8).
-        """
-        if mode is None:
-            mode = "direct" if tp == 1 else "oneshot"
-        transport = "direct" if mode == "direct" else "unicast"
-        small = m is not None and m <= SMALL_M
-        # A fused call of up to SMALL_M // 2 tokens covers its rows in one pass of the grid.
-        one_pass = m is not None and m <= SMALL_M // 2
-        requested = fuse_reduce
-        if fuse_reduce is None:
-            fuse_reduce = mode == "oneshot"
-        elements = 8 if hidden % 8 == 0 and not small else 4
-        threads = 128
-        reduce_threads = 256 if small else 128
-        if epilogue != "none":
-            fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
-            per_thread = 1 if fragments <= MAX_THREADS else -(-fragments // (MAX_THREADS // 2))
-            reduce_threads = -(-fragments // per_thread // 32) * 32
-            # Fused, a cluster of CTAs per row publishes and normalizes it: in one pass of
-            # the grid, 8-byte fragments over up to MAX_CLUSTER_CTAS CTAs; else 16-byte ones
-            # over up to PORTABLE_CLUSTER_CTAS.
-            fused_elements = protocol.REDUCE_ELEMENTS // 2 if one_pass else protocol.REDUCE_ELEMENTS
-            cluster_ctas = MAX_CLUSTER_CTAS if one_pass else PORTABLE_CLUSTER_CTAS
-            cluster_threads = max(128, -(-(hidden // fused_elements) // cluster_ctas // 32) * 32)
-            wanted = requested is not False
-            fuse_reduce = wanted and mode == "oneshot" and cluster_threads <= MAX_THREADS
-            if fuse_reduce:
-                elements, threads = fused_elements, cluster_threads
-                reduce_threads = cluster_threads
-        waves = 2 if fuse_reduce and small and not one_pass else 1
-        return cls(
-            hidden=hidden,
-            top_k=top_k,
-            tp=tp,
-            mode=mode,
-            transport=transport,
-            routed_scaling_factor=routed_scaling_factor,
-            include_shared_expert=include_shared_expert,
-            fp32_weights=fp32_weights,
-            elements_per_thread=elements,
-            threads=threads,
-            prefetch_group=min(8 if small else 4, top_k),
-            reduce_threads=reduce_threads,
-            fuse_reduce=fuse_reduce,
-            waves=waves,
-            epilogue=epilogue,
-            arch=arch,
-        )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 import warnings
 
@@ -20,18 +19,12 @@ from jax_moe_publish import protocol
 from jax_moe_publish.memory.cross_process import MailboxSpec, ProcessMailboxMemory, RankPlace
 from jax_moe_publish.memory.group import GroupMemory
 
-MODES = ("allreduce", "reduce_scatter")
-TRANSPORTS = ("auto", "unicast", "multicast")
+RESULTS = ("allreduce", "reduce_scatter")
 ON_TIMEOUT = {"abort": protocol.ON_TIMEOUT_ABORT, "flag": protocol.ON_TIMEOUT_FLAG}
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_PROCESS_TIMEOUT_S = 300.0
 
 _ids = itertools.count(1)
-
-
-def multicast_allowed() -> bool:
-    """NVLink multicast may be used: not where ``NCCL_NVLS_ENABLE=0`` forbids it."""
-    return os.environ.get("NCCL_NVLS_ENABLE", "1") != "0"
 
 
 def _is_cuda(device) -> bool:
@@ -66,12 +59,10 @@ class Mailbox:
         Row width of the op's inputs and output.
     capacity_m : int
         Largest number of tokens per call.
-    mode : {"allreduce", "reduce_scatter"}
-        ``allreduce``: every rank gets the sum of all m tokens.
-        ``reduce_scatter``: rank r gets the sums of tokens t with t % tp == r.
-    transport : {"auto", "unicast", "multicast"}
-        How publishes reach peers. ``auto`` is unicast. Multicast is refused
-        where ``NCCL_NVLS_ENABLE=0``.
+    result : {"allreduce", "reduce_scatter"}
+        The layout of the op's result: ``allreduce``, every rank gets the sum of
+        all m tokens; ``reduce_scatter``, rank r gets the sums of tokens t with
+        t % tp == r.
     timeout_s : float
         A reduce that waits longer than this for a peer records a diagnostic
         instead of hanging (0 waits forever).
@@ -105,8 +96,7 @@ class Mailbox:
         *,
         hidden: int,
         capacity_m: int,
-        mode: str = "allreduce",
-        transport: str = "auto",
+        result: str = "allreduce",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_timeout: str = "abort",
         process_timeout_s: float = DEFAULT_PROCESS_TIMEOUT_S,
@@ -117,10 +107,8 @@ class Mailbox:
             raise ValueError(f"hidden={hidden!r}: expected a positive multiple of {protocol.REDUCE_ELEMENTS}")
         if not isinstance(capacity_m, (int, np.integer)) or capacity_m <= 0:
             raise ValueError(f"capacity_m={capacity_m!r}: expected a positive int")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}: expected one of {MODES}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}: expected one of {TRANSPORTS}")
+        if result not in RESULTS:
+            raise ValueError(f"result={result!r}: expected one of {RESULTS}")
         if not (isinstance(timeout_s, (int, float)) and 0 <= timeout_s < 3600):
             raise ValueError(f"timeout_s={timeout_s!r}: expected seconds in [0, 3600)")
         if on_timeout not in ON_TIMEOUT:
@@ -131,7 +119,7 @@ class Mailbox:
         self.axis_name = axis_name
         self.hidden = int(hidden)
         self.capacity_m = int(capacity_m)
-        self.mode = mode
+        self.result = result
         self.tp = int(mesh.shape[axis_name])
         if self.tp > protocol.MAX_TP:
             raise ValueError(f"mesh axis {axis_name!r} has size {self.tp}: expected at most {protocol.MAX_TP}")
@@ -140,7 +128,6 @@ class Mailbox:
         self.id = next(_ids)
         self.groups = self._groups(mesh, axis_name)
         self.on_cuda = all(_is_cuda(d) for d in mesh.devices.flat)
-        self.transport = self._resolve_transport(transport)
         self.process_timeout_s = float(process_timeout_s)
         self.group_hosts: list[list[str]] | None = None
         self._memories = []
@@ -159,21 +146,6 @@ class Mailbox:
         axis = mesh.axis_names.index(axis_name)
         devices = np.moveaxis(mesh.devices, axis, -1)
         return [list(group) for group in devices.reshape(-1, devices.shape[-1])]
-
-    def _resolve_transport(self, transport: str) -> str:
-        if self.tp == 1:
-            return "direct"
-        if transport == "multicast":
-            if not multicast_allowed():
-                raise ValueError(
-                    "transport='multicast': NVLink multicast is disabled here (NCCL_NVLS_ENABLE=0); "
-                    "use transport='unicast' or 'auto'"
-                )
-            raise NotImplementedError(
-                "transport='multicast': the multicast kernels compile, but multicast mailbox "
-                "allocation is not implemented; use transport='unicast' or 'auto'"
-            )
-        return "unicast"
 
     @staticmethod
     def _local(devices) -> list:
@@ -212,7 +184,7 @@ class Mailbox:
             "axis_name": self.axis_name, "mesh_axes": list(self.mesh.axis_names),
             "mesh_devices": [int(d.id) for d in self.mesh.devices.flat],
             "mesh_shape": list(self.mesh.devices.shape), "hidden": self.hidden,
-            "capacity_m": self.capacity_m, "mode": self.mode, "transport": self.transport,
+            "capacity_m": self.capacity_m, "result": self.result,
             "timeout_ns": self.timeout_ns, "on_timeout": self.on_timeout,
         }
         groups = tuple(tuple(RankPlace(int(d.process_index), d.local_hardware_id) for d in group)
@@ -274,7 +246,7 @@ class Mailbox:
                 for device in self._local(group):
                     native.load_kernel_set(
                         kernel_set_id, device.local_hardware_id, artifact.cubin,
-                        artifact.metadata["kernels"], mode=config["mode"], tp=config["tp"],
+                        artifact.metadata["kernels"], mode=config["algorithm"], tp=config["tp"],
                         hidden=config["hidden"], top_k=config["top_k"],
                         fp32_weights=config["fp32_weights"],
                         include_shared_expert=config["include_shared_expert"],
@@ -415,5 +387,5 @@ class Mailbox:
             "spans hosts" if self.spans_hosts else "cuda" if self.on_cuda else "reference")
         return (
             f"Mailbox(id={self.id}, axis={self.axis_name!r}, tp={self.tp}, hidden={self.hidden}, "
-            f"capacity_m={self.capacity_m}, mode={self.mode!r}, {state})"
+            f"capacity_m={self.capacity_m}, result={self.result!r}, {state})"
         )

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_publish import protocol, reference
+from jax_moe_publish import protocol, reference, tuning
 from jax_moe_publish.config import MAX_TOP_K, KernelConfig
 from jax_moe_publish.mailbox import Mailbox
 
@@ -86,7 +86,7 @@ def _check_epilogue(residual, norm_weight, norm_eps, mailbox, m) -> bool:
         if value is None:
             raise ValueError(f"{name}=None: the epilogue needs both residual and norm_weight; "
                              f"{other} was given, so pass {name} too (or neither)")
-    if mailbox.mode == "reduce_scatter":
+    if mailbox.result == "reduce_scatter":
         rows, rule = protocol.owned_rows(m, mailbox.tp), f"ceil(m / tp) = ceil({m} / {mailbox.tp}) rows"
     else:
         rows, rule = m, f"m = {m} rows"
@@ -119,33 +119,28 @@ def _check_axis(mailbox: Mailbox) -> None:
                          f"on a mesh of shape {got}")
 
 
-def _kernel_config(config, mailbox, routed_output, expert_weights, shared_output, scale,
-                   fused_norm) -> KernelConfig:
-    hidden, top_k = mailbox.hidden, expert_weights.shape[1]
-    fp32_weights = jnp.dtype(expert_weights.dtype) == jnp.float32
-    include_shared = shared_output is not None
+def _kernel_config(config, mailbox, expert_weights, shared_output, scale, fused_norm) -> KernelConfig:
+    """The tuning table's config for this call, or ``config`` checked against it."""
+    problem = tuning.Problem(
+        hidden=mailbox.hidden, top_k=expert_weights.shape[1], routed_scaling_factor=float(scale),
+        include_shared_expert=shared_output is not None,
+        fp32_weights=jnp.dtype(expert_weights.dtype) == jnp.float32,
+    )
     # With tp = 1 the epilogue runs in jnp after the direct kernel.
     epilogue = "rmsnorm" if fused_norm and mailbox.tp > 1 else "none"
     if config is None:
-        mode = "direct" if mailbox.tp == 1 else ("oneshot" if mailbox.mode == "allreduce" else "reduce_scatter")
-        return KernelConfig.default(
-            hidden=hidden, top_k=top_k, tp=mailbox.tp, mode=mode, routed_scaling_factor=float(scale),
-            include_shared_expert=include_shared, fp32_weights=fp32_weights, m=expert_weights.shape[0],
-            epilogue=epilogue,
-        )
+        return tuning.kernel_config(problem, tp=mailbox.tp, m=expert_weights.shape[0], result=mailbox.result,
+                                    epilogue=epilogue)
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
-    allowed_modes = {"allreduce": ("oneshot", "twoshot"), "reduce_scatter": ("reduce_scatter",)}[mailbox.mode]
-    expected = {
-        "hidden": hidden, "top_k": top_k, "tp": mailbox.tp, "routed_scaling_factor": float(scale),
-        "include_shared_expert": include_shared, "fp32_weights": fp32_weights, "epilogue": epilogue,
-    }
+    expected = {**vars(problem), "tp": mailbox.tp, "epilogue": epilogue}
     for field, value in expected.items():
         if getattr(config, field) != value:
             raise ValueError(f"config.{field}={getattr(config, field)!r}: expected {value!r} for these inputs")
-    if mailbox.tp > 1 and config.mode not in allowed_modes:
-        raise ValueError(f"config.mode={config.mode!r}: expected one of {allowed_modes} for a "
-                         f"mode={mailbox.mode!r} mailbox")
+    allowed = {"allreduce": ("oneshot", "twoshot"), "reduce_scatter": ("reduce_scatter",)}[mailbox.result]
+    if mailbox.tp > 1 and config.algorithm not in allowed:
+        raise ValueError(f"config.algorithm={config.algorithm!r}: expected one of {allowed} for a "
+                         f"result={mailbox.result!r} mailbox")
     return config
 
 
@@ -204,10 +199,10 @@ def moe_finalize_publish(
         and where the mailbox's TP group spans hosts (it warns once per
         mailbox then; ``kernel`` raises).
     config : KernelConfig, optional
-        Launch shapes (and ``oneshot`` or ``twoshot`` for an all-reduce
-        mailbox); by default ``KernelConfig.default`` for the problem and its m.
-        With the epilogue and tp > 1 it must have ``epilogue="rmsnorm"``
-        (``oneshot`` or ``reduce_scatter``).
+        The algorithm (``oneshot`` or ``twoshot`` for an all-reduce mailbox) and
+        launch shapes; by default the tuning table's choice for the problem and
+        its m (`jax_moe_publish.tuning`). With the epilogue and tp > 1 it must have
+        ``epilogue="rmsnorm"`` (``oneshot`` or ``reduce_scatter``).
     residual : bf16, the shape of the result, or None
         The residual stream: [m, hidden], or for a ``reduce_scatter`` mailbox
         this rank's rows [ceil(m / tp), hidden] (row i: token ``i * tp + rank``;
@@ -230,15 +225,15 @@ def moe_finalize_publish(
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     _check_axis(mailbox)
-    kernel_config = _kernel_config(config, mailbox, routed_output, expert_weights, shared_output,
-                                   routed_scaling_factor, fused_norm)
+    kernel_config = _kernel_config(config, mailbox, expert_weights, shared_output, routed_scaling_factor,
+                                   fused_norm)
     epilogue = dict(residual=residual, norm_weight=norm_weight, norm_eps=float(norm_eps))
     impl = _resolve_impl(impl, mailbox)
     if impl == "reference":
         return reference.moe_finalize_publish(
             routed_output, expert_weights, permuted_indices, shared_output,
             axis_name=mailbox.axis_name, routed_scaling_factor=float(routed_scaling_factor),
-            mode=mailbox.mode, **epilogue,
+            result=mailbox.result, **epilogue,
         )
     kernel_set_id = _load(kernel_config, mailbox)
     if fused_norm and mailbox.tp == 1:
@@ -289,7 +284,7 @@ def _call_kernels(kernel_set_id, mailbox, routed_output, expert_weights, permute
     result_type = jax.eval_shape(
         lambda: reference.moe_finalize_publish(
             routed_output, expert_weights, permuted_indices, shared_output,
-            axis_name=mailbox.axis_name, routed_scaling_factor=scale, mode=mailbox.mode, **epilogue,
+            axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
         )
     )
     if shared_output is None:
@@ -344,7 +339,7 @@ def sharded_moe_finalize_publish(
         if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[0] != mailbox.tp:
             raise ValueError(f"{name}.shape={getattr(x, 'shape', None)}: expected [tp={mailbox.tp}, ...] "
                              "with the TP rank leading")
-    scatter = mailbox.mode == "reduce_scatter"
+    scatter = mailbox.result == "reduce_scatter"
     if scatter and residual is not None and (
         not hasattr(residual, "shape") or len(residual.shape) != 3 or residual.shape[0] != mailbox.tp
     ):

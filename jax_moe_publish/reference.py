@@ -119,7 +119,7 @@ def moe_finalize_publish(
     *,
     axis_name: str,
     routed_scaling_factor: float = 1.0,
-    mode: str = "allreduce",
+    result: str = "allreduce",
     residual: jax.Array | None = None,
     norm_weight: jax.Array | None = None,
     norm_eps: float = 1e-6,
@@ -127,7 +127,7 @@ def moe_finalize_publish(
     """The op's semantics on one shard, inside ``shard_map`` over ``axis_name``.
 
     Returns ``y = bf16(sum over ranks of float32(positive_zero(partial)))``:
-    bf16 [m, hidden] for ``mode="allreduce"``, or for ``mode="reduce_scatter"``
+    bf16 [m, hidden] for ``result="allreduce"``, or for ``result="reduce_scatter"``
     the rows of tokens ``t`` with ``t % tp == rank`` as bf16 [ceil(m/tp),
     hidden], unused rows zero.
 
@@ -140,17 +140,17 @@ def moe_finalize_publish(
         routed_scaling_factor=routed_scaling_factor,
     )
     total = lax.psum(positive_zero(partial).astype(jnp.float32), axis_name).astype(jnp.bfloat16)
-    if mode == "allreduce":
+    if result == "allreduce":
         y = total
-    elif mode == "reduce_scatter":
+    elif result == "reduce_scatter":
         tp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
         y = owned_rows(total, tp, rank)
     else:
-        raise ValueError(f"mode={mode!r}: expected 'allreduce' or 'reduce_scatter'")
+        raise ValueError(f"result={result!r}: expected 'allreduce' or 'reduce_scatter'")
     if residual is None:
         return y
     out, residual_out = add_rmsnorm(y, residual, norm_weight, eps=norm_eps)
-    if mode == "reduce_scatter":
+    if result == "reduce_scatter":
         has_token = (jnp.arange(y.shape[0]) * tp + rank < total.shape[0])[:, None]
         out = jnp.where(has_token, out, jnp.zeros_like(out))
         residual_out = jnp.where(has_token, residual_out, jnp.zeros_like(residual_out))

@@ -23,7 +23,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import pytest
 
-from jax_moe_publish.local_processes import local_gpu_count
+from jax_moe_publish.testing.local_processes import local_gpu_count
 
 MAX_HARNESS_GPUS = 2
 

@@ -42,8 +42,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
-from jax_moe_publish import reference
-from jax_moe_publish.aot import presets
+from jax_moe_publish import reference, tuning
+from jax_moe_publish.testing import gpu_matrix
 
 AXIS = "tp"
 TP = 2
@@ -54,12 +54,11 @@ def make_step(mailbox: jmp.Mailbox, m: int, problem: dict, num_rows: int, seed: 
     """jit(shard_map) of one checked call with m tokens: call number -> f32[3] summary
     (worst error / bound, non-finite outputs, elements whose bits differ between ranks).
     ``twoshot`` runs an all-reduce mailbox with the twoshot kernels."""
-    hidden, top_k = problem["hidden"], problem["top_k"]
-    scale = problem["routed_scaling_factor"]
-    fp32_weights = problem.get("fp32_weights", False)
-    shared_expert = problem.get("include_shared_expert", True)
-    scatter = mailbox.mode == "reduce_scatter"
-    config = jmp.KernelConfig.default(tp=TP, mode="twoshot", m=m, **problem) if twoshot else None
+    hidden, top_k = problem.hidden, problem.top_k
+    scale = problem.routed_scaling_factor
+    fp32_weights, shared_expert = problem.fp32_weights, problem.include_shared_expert
+    scatter = mailbox.result == "reduce_scatter"
+    config = tuning.kernel_config(problem, tp=TP, m=m, algorithm="twoshot") if twoshot else None
 
     def shard(call):
         rank = lax.axis_index(AXIS)
@@ -107,8 +106,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=20000, help="calls in all, both mailboxes")
     parser.add_argument("--capacity", type=int, default=64, help="capacity_m of both mailboxes")
     parser.add_argument("--problem", type=int, default=0,
-                        help=f"index into presets.TEST_DEFAULT_PROBLEMS (prebuilt): "
-                             f"{list(enumerate(presets.TEST_DEFAULT_PROBLEMS))}")
+                        help=f"index into gpu_matrix.DEFAULT_PROBLEMS (prebuilt): "
+                             f"{list(enumerate(gpu_matrix.DEFAULT_PROBLEMS))}")
     parser.add_argument("--second", choices=("twoshot", "reduce_scatter"), default="twoshot",
                         help="what mailbox B runs: all-reduce with the twoshot kernels, or reduce_scatter")
     parser.add_argument("--second-fraction", type=float, default=1 / 3, help="share of calls on mailbox B")
@@ -125,15 +124,16 @@ def main(argv=None) -> int:
     if len(devices) < TP or (args.impl == "kernel" and devices[0].platform != "gpu"):
         print(f"soak: needs {TP} GPUs for impl={args.impl!r}, JAX sees {jax.devices()}", file=sys.stderr)
         return 2
-    problem = presets.TEST_DEFAULT_PROBLEMS[args.problem]
+    problem = gpu_matrix.DEFAULT_PROBLEMS[args.problem]
     check_every = args.check_every or (256 if devices[0].platform == "gpu" else 1)
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     num_rows = 2 * args.capacity
     rng = np.random.default_rng(args.seed)
-    common = dict(hidden=problem["hidden"], capacity_m=args.capacity, timeout_s=args.timeout_s)
+    common = dict(hidden=problem.hidden, capacity_m=args.capacity, timeout_s=args.timeout_s)
     mailboxes = {
-        "A": jmp.Mailbox(mesh, AXIS, mode="allreduce", **common),
-        "B": jmp.Mailbox(mesh, AXIS, mode="allreduce" if args.second == "twoshot" else "reduce_scatter", **common),
+        "A": jmp.Mailbox(mesh, AXIS, result="allreduce", **common),
+        "B": jmp.Mailbox(mesh, AXIS, result="allreduce" if args.second == "twoshot" else "reduce_scatter",
+                         **common),
     }
     steps: dict = {}
     counts = {"A": 0, "B": 0}
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     calls = sum(counts.values())
     summary = {
         "passed": not failures, "calls": calls, "calls_per_mailbox": counts, "impl": args.impl,
-        "mailbox_b": args.second, "capacity": args.capacity, "problem": problem,
+        "mailbox_b": args.second, "capacity": args.capacity, "problem": vars(problem),
         "duration_s": round(duration, 3), "compile_s": round(compile_s, 3), "steps_compiled": len(steps),
         "worst_error_over_bound": worst, "failures": failures[:20],
     }

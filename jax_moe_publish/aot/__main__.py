@@ -15,8 +15,13 @@ import dataclasses
 import sys
 import time
 
-from jax_moe_publish.aot.presets import PRESETS
+from jax_moe_publish import tuning
+from jax_moe_publish.aot import compile as aot_compile
+from jax_moe_publish.aot import presets
 from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.testing import gpu_matrix
+
+PRESETS = {"tests": gpu_matrix.all_configs, "deepseek-v3": presets.deepseek_v3, "qwen3-moe": presets.qwen3_moe}
 
 
 def _bool(text: str) -> bool:
@@ -54,9 +59,11 @@ def _configs(args) -> list[KernelConfig]:
         missing = [name for name in ("hidden", "top_k", "tp") if name not in given]
         if missing:
             raise SystemExit(f"an explicit config needs --{' --'.join(missing).replace('_', '-')}")
-        base = KernelConfig.default(hidden=given["hidden"], top_k=given["top_k"], tp=given["tp"],
-                                    mode=given.get("mode"), epilogue=given.get("epilogue", "none"),
-                                    arch=arch)
+        algorithm = given.get("algorithm")
+        # The tuning table's shape for large m, then the flags given.
+        base = tuning.kernel_config(tuning.Problem(given["hidden"], given["top_k"]), tp=given["tp"], m=None,
+                                    result=presets.result_of(algorithm), epilogue=given.get("epilogue", "none"),
+                                    algorithm=algorithm, arch=arch)
         configs.append(base.replace(**given))
     if not configs:
         raise SystemExit("nothing to build: give --preset or an explicit config (--hidden --top-k --tp)")
@@ -69,11 +76,9 @@ def main(argv=None) -> int:
         configs = _configs(args)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    from jax_moe_publish.aot.compile import compile_config
-
     for index, config in enumerate(configs, 1):
         start = time.perf_counter()
-        compile_config(config).save(args.out)
+        aot_compile.compile_config(config).save(args.out)
         print(f"[{index}/{len(configs)}] {config.key}  {time.perf_counter() - start:.1f} s", flush=True)
     print(f"built {len(configs)} kernel sets into {args.out}")
     return 0

@@ -41,7 +41,7 @@ PERSISTENT_ROLES = ("publish_reduce", "publish_reduce_norm")
 # Roles whose CTAs of a row (``ctas_per_row``) form one thread block cluster: the launcher
 # sets the cluster dimension, and counts resident clusters for the persistent grid.
 CLUSTER_ROLES = ("publish_reduce_norm",)
-# The kernels of a call, in launch order, by mode (without an epilogue).
+# The kernels of a call, in launch order, by algorithm (without an epilogue).
 ROLES = {
     "direct": ["publish"],
     "oneshot": ["publish", "reduce"],
@@ -56,7 +56,7 @@ def expected_roles(config: dict) -> list[str]:
     publish_reduce (publish_reduce_norm) is the call."""
     if config.get("fuse_reduce", False):
         return ["publish_reduce" if config.get("epilogue", "none") == "none" else "publish_reduce_norm"]
-    roles = ROLES[config["mode"]]
+    roles = ROLES[config["algorithm"]]
     if config.get("epilogue", "none") == "none":
         return roles
     return ["reduce_norm" if role == "reduce" else role for role in roles]
@@ -114,7 +114,7 @@ class KernelArtifact:
         return self.metadata.get("source_fingerprint") == source_fingerprint()
 
     def check(self, key: str) -> None:
-        """The artifact is the one named ``key``, with the kernels its mode needs and the
+        """The artifact is the one named ``key``, with the kernels its algorithm needs and the
         parameter list each kernel role requires."""
         if self.metadata.get("key") != key:
             raise RuntimeError(f"kernel artifact {self.metadata.get('key')!r} was loaded for {key!r}")

@@ -59,8 +59,8 @@ class MoePublishProgram:
             return [KernelLaunch("publish_reduce_norm", cfg.threads, shared_bytes(cfg), cfg.ctas_per_token, "m",
                                  cfg.waves)]
         result = [KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_token, "m")]
-        if cfg.mode != "direct":
-            rows = "m" if cfg.mode == "oneshot" else "owned"
+        if cfg.algorithm != "direct":
+            rows = "m" if cfg.algorithm == "oneshot" else "owned"
             if cfg.epilogue == "none":
                 launch = KernelLaunch("reduce", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, rows)
             else:
@@ -68,7 +68,7 @@ class MoePublishProgram:
                     "reduce_norm", cfg.reduce_threads, shared_bytes(cfg), cfg.reduce_ctas_per_token, rows
                 )
             result.append(launch)
-        if cfg.mode == "twoshot":
+        if cfg.algorithm == "twoshot":
             result.append(KernelLaunch("gather", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, "m"))
         return result
 
@@ -129,7 +129,7 @@ class MoePublishProgram:
                 use_pdl=cfg.enable_pdl,
             )
             reduce_args = (mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank)
-            if cutlass.const_expr(cfg.mode != "direct"):
+            if cutlass.const_expr(cfg.algorithm != "direct"):
                 reduce = launches[1]
                 rows = m if cutlass.const_expr(reduce.rows == "m") else (m + cfg.tp - 1) // cfg.tp
                 if cutlass.const_expr(cfg.epilogue == "none"):
@@ -143,7 +143,7 @@ class MoePublishProgram:
                     stream=stream,
                     use_pdl=cfg.enable_pdl,
                 )
-            if cutlass.const_expr(cfg.mode == "twoshot"):
+            if cutlass.const_expr(cfg.algorithm == "twoshot"):
                 gather = launches[2]
                 self.reducer.gather(*reduce_args).launch(
                     grid=(m * gather.ctas_per_row, 1, 1),

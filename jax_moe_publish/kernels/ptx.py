@@ -123,19 +123,6 @@ def store_words(address: Int64, values: list, *, predicate=None, loc=None, ip=No
 
 
 @dsl_user_op
-def multimem_store_words(address: Int64, values: list, *, loc=None, ip=None) -> None:
-    """One ``multimem.st`` of 4 or 8 bf16 to a multicast address: every member gets it."""
-    words = len(values)
-    text = f"multimem.st.global.{_vector_suffix(words)}.bf16x2 [$0], {_braced(1, words)};"
-    _asm(
-        None,
-        [Int64(address).ir_value(loc=loc, ip=ip)]
-        + [Uint32(v).ir_value(loc=loc, ip=ip) for v in values],
-        text, ",".join(["l"] + ["r"] * words), side_effects=True, loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
 def store_async_cluster_f32(address, value, barrier, *, loc=None, ip=None) -> None:
     """Store one float at a 32-bit ``shared::cluster`` address (a CTA of the cluster) and
     count its 4 bytes as complete on that CTA's mbarrier at ``barrier`` (same addressing)."""

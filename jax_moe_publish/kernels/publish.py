@@ -6,13 +6,12 @@ Per token ``t`` and fragment of ``E`` (4 or 8) bf16 values::
 
 accumulated in float32 in the order k = 0..top_k-1. An index outside
 ``[0, num_rows)`` (-1 included) contributes nothing and its row is never read.
-``y`` then goes to one of three places (``KernelConfig.transport``):
+``y`` then goes to one of two places:
 
-* ``unicast``: slot ``[stage][rank][t]`` of every peer's mailbox, ``tp`` stores
+* for a group, slot ``[stage][rank][t]`` of every peer's mailbox, ``tp`` stores
   through the peer table (``tp - 1`` where a fused kernel keeps its own partial,
-  `KernelConfig.keep_own_partial`); owner modes store only to the owner
-  ``t % tp``, slot ``[stage][rank][t // tp]``.
-* ``multicast``: the same slot through one ``multimem.st`` to the multicast address.
+  `KernelConfig.keep_own_partial`); the owner algorithms store only to the owner
+  ``t % tp``, slot ``[stage][rank][t // tp]``;
 * ``direct`` (tp = 1): row ``t`` of the output.
 
 Published values never hold bf16 -0.0 (the empty sentinel): it becomes +0.0.
@@ -49,7 +48,7 @@ class FinalizePublishKernel:
         indices: Int64,  # (m, top_k) int32
         shared: Int64,  # (m, hidden) bf16, read only with include_shared_expert
         stage_state: Int64,  # (STAGE_STATE_WORDS,) int32, unused by direct
-        destination: Int64,  # peer table (tp,) u64 | multicast base | output (m, hidden) bf16
+        destination: Int64,  # peer table (tp,) u64 | output (m, hidden) bf16 (direct)
         num_rows: Int32,
         m: Int32,
         capacity_m: Int32,
@@ -62,7 +61,7 @@ class FinalizePublishKernel:
 
         stage = Int32(0)
         halt = Int32(protocol.HALT_RUNNING)
-        if cutlass.const_expr(cfg.transport != "direct"):
+        if cutlass.const_expr(cfg.algorithm != "direct"):
             stage, halt = self.read_stage(stage_state)
 
         if in_range != 0 and token < m:
@@ -167,16 +166,16 @@ class FinalizePublishKernel:
         return result
 
     def store(self, packed: list, token, row_offset, destination, capacity_m, rank, stage, store_own=True) -> list:
-        """Store fragment ``packed`` of ``y[token]`` (transport ``direct``: the output row) and
+        """Store fragment ``packed`` of ``y[token]`` (``direct``: the output row) and
         return the words published. A fused kernel that keeps its own partial passes
         ``store_own`` False, or an Int32 that is zero where it keeps it: oneshot unicast then
         skips the store into this rank's own mailbox."""
         cfg = self.config
-        if cutlass.const_expr(cfg.transport == "direct"):
+        if cutlass.const_expr(cfg.algorithm == "direct"):
             ptx.store_words(destination + Int64(token) * (cfg.hidden * BF16_BYTES) + row_offset, packed)
         else:
             packed = [ptx.positive_zero_bf16x2(word) for word in packed]
-            if cutlass.const_expr(cfg.mode == "oneshot"):
+            if cutlass.const_expr(cfg.algorithm == "oneshot"):
                 slot = Int64(token)
             else:
                 slot = Int64(token // cfg.tp)
@@ -185,9 +184,7 @@ class FinalizePublishKernel:
                 * (cfg.hidden * BF16_BYTES)
                 + row_offset
             )
-            if cutlass.const_expr(cfg.transport == "multicast"):
-                ptx.multimem_store_words(destination + slot_bytes, packed)
-            elif cutlass.const_expr(cfg.mode == "oneshot"):
+            if cutlass.const_expr(cfg.algorithm == "oneshot"):
                 # Start at the next rank so that the ranks' first stores go to different peers;
                 # the last store is this rank's own.
                 for step in range(cfg.tp - 1):

@@ -75,13 +75,13 @@ class LamportReduceKernel:
         stage, halt = self._start_call(stage_state)
         fragment_offset = Int64(fragment) * FRAGMENT_BYTES
         if fragment < cfg.reduce_fragments:
-            if cutlass.const_expr(cfg.mode == "oneshot"):
+            if cutlass.const_expr(cfg.algorithm == "oneshot"):
                 token = row
                 slot = row
             else:
                 token = row * cfg.tp + rank
                 slot = row
-            if cutlass.const_expr(cfg.mode == "reduce_scatter"):
+            if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
                 destination = out + Int64(row) * self.row_bytes + fragment_offset
             else:
                 destination = out + Int64(token) * self.row_bytes + fragment_offset
@@ -92,11 +92,11 @@ class LamportReduceKernel:
                     mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state, status, timeout_ns
                 )
                 total = self.sum_sources(sources)
-                if cutlass.const_expr(cfg.mode == "twoshot"):
+                if cutlass.const_expr(cfg.algorithm == "twoshot"):
                     # The owner's row and the peers' gathered copies must carry the same bits.
                     total = [ptx.positive_zero_bf16x2(word) for word in total]
                 self._emit(destination, total)
-                if cutlass.const_expr(cfg.mode == "twoshot"):
+                if cutlass.const_expr(cfg.algorithm == "twoshot"):
                     gather_slot = (
                         self._gather_offset(stage, token, capacity_m) + fragment_offset
                     )
@@ -106,11 +106,11 @@ class LamportReduceKernel:
                             ptx.load_u64(peer_table + Int64(peer) * 8) + gather_slot, total
                         )
                 self.rearm(slots, skipped)
-            if cutlass.const_expr(cfg.mode == "reduce_scatter"):
+            if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
                 if token >= m:
                     ptx.store_words(destination, [Uint32(0)] * WORDS)
         # In twoshot the gather ends the call and advances the stage.
-        self.finish_call(stage, stage_state, advance=cfg.mode != "twoshot", waited=False)
+        self.finish_call(stage, stage_state, advance=cfg.algorithm != "twoshot", waited=False)
 
     @cute.kernel
     def gather(

@@ -274,7 +274,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                eps, self.own.held(sOwn, j, rank))
             self.finish_call(stage, stage_state, advance=True, waited=True, arrived=arrived)
         else:
-            if cutlass.const_expr(cfg.mode == "oneshot"):
+            if cutlass.const_expr(cfg.algorithm == "oneshot"):
                 token = block
             else:
                 token = block * cfg.tp + rank
@@ -372,7 +372,7 @@ class LamportReduceNormKernel(LamportReduceKernel):
                                     [rResidualOut[j, w] for w in range(self.fragment_words)])
                     ptx.store_words(out + row_offset + offset, normed)
                 else:
-                    if cutlass.const_expr(cfg.mode == "reduce_scatter"):
+                    if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)

@@ -23,22 +23,19 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from jax_moe_publish import protocol  # noqa: E402
+from jax_moe_publish import protocol, tuning  # noqa: E402
 from jax_moe_publish.aot import artifact, compile, presets, store  # noqa: E402
+from jax_moe_publish.aot.__main__ import PRESETS  # noqa: E402
 from jax_moe_publish.aot.__main__ import main as cli_main  # noqa: E402
 from jax_moe_publish.aot.compile import compile_config  # noqa: E402  (bound before tests patch it)
-from jax_moe_publish.config import EPILOGUE_MODES, SMALL_M, KernelConfig  # noqa: E402
+from jax_moe_publish.config import KernelConfig  # noqa: E402
+from jax_moe_publish.testing import gpu_matrix  # noqa: E402
 
-PRESET_CONFIGS = list(dict.fromkeys(c for build in presets.PRESETS.values() for c in build()))
-MULTICAST_CONFIGS = [
-    KernelConfig(hidden=1024, top_k=4, tp=4, mode="oneshot", transport="multicast"),
-    KernelConfig(hidden=2880, top_k=6, tp=2, mode="oneshot", transport="multicast",
-                 elements_per_thread=4, enable_pdl=False),
-]
-SM100_CONFIG = KernelConfig.default(hidden=2048, top_k=8, tp=2, mode="twoshot", arch="sm_100a")
-ALL_CONFIGS = PRESET_CONFIGS + MULTICAST_CONFIGS + [SM100_CONFIG]
+PRESET_CONFIGS = list(dict.fromkeys(c for build in PRESETS.values() for c in build()))
+SM100_CONFIG = tuning.kernel_config(tuning.Problem(2048, 8), tp=2, m=None, algorithm="twoshot", arch="sm_100a")
+ALL_CONFIGS = PRESET_CONFIGS + [SM100_CONFIG]
 # Small problems for the store tests: each compile takes about 0.1 s.
-SMALL = KernelConfig.default(hidden=512, top_k=2, tp=2)
+SMALL = tuning.kernel_config(tuning.Problem(512, 2), tp=2, m=None)
 OTHER_SMALL = SMALL.replace(top_k=3)
 
 
@@ -48,7 +45,7 @@ def expected_roles(config: KernelConfig) -> list[str]:
     roles = ["publish"]
     if config.tp > 1:
         roles.append("reduce" if config.epilogue == "none" else "reduce_norm")
-    if config.mode == "twoshot":
+    if config.algorithm == "twoshot":
         roles.append("gather")
     return roles
 
@@ -144,7 +141,7 @@ def test_metadata(builds, config):
     entries = compile.ptx_entry_params(built.ptx)
     assert set(entries) == {k["symbol"] for k in kernels}  # no kernel missing, none extra
     assert set(kernel_bodies(built.ptx)) == set(entries)
-    rows = "m" if config.mode == "oneshot" else "owned"
+    rows = "m" if config.algorithm == "oneshot" else "owned"
     geometry = {  # role: (block, smem, ctas_per_row, rows)
         "publish": (config.threads, 0, config.ctas_per_token, "m"),
         "reduce": (config.reduce_threads, 0, config.reduce_ctas_per_token, rows),
@@ -223,21 +220,14 @@ UNFUSED_CONFIGS = [c for c in ALL_CONFIGS if not c.fuse_reduce]
 
 @pytest.mark.parametrize("config", UNFUSED_CONFIGS, ids=_ids(UNFUSED_CONFIGS))
 def test_publish_fan_out(builds, config):
-    """Unicast oneshot stores to all tp peers, owner modes to the owner, multicast through one
-    multimem.st, direct to the output."""
+    """Oneshot stores to all tp peers, the owner algorithms to the owner, direct to the output."""
     body = kernels_by_role(builds(config))["publish"]
-    multicast = config.transport == "multicast"
-    if multicast:
-        stores = 0
-    elif config.mode == "oneshot":
-        stores = config.tp
-    else:
-        stores = 1
+    stores = config.tp if config.algorithm == "oneshot" else 1
     vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
     assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * stores
-    assert opcodes(body, "multimem.st") == ([f"multimem.st.global.{vector}.bf16x2"] if multicast else [])
-    # Unicast reads one peer-table entry per store; multicast and direct read none.
-    assert len(opcodes(body, "ld.global.nc.u64")) == (stores if config.transport == "unicast" else 0)
+    assert "multimem" not in body
+    # A group's publish reads one peer-table entry per store; direct reads none.
+    assert len(opcodes(body, "ld.global.nc.u64")) == (0 if config.algorithm == "direct" else stores)
 
 
 @pytest.mark.parametrize("config, role", _kernel_params(ALL_CONFIGS, ("reduce", "reduce_norm", "gather")))
@@ -376,7 +366,7 @@ def test_reduce_norm_ptx(builds, config):
         assert last_input_load < first(body, "ld.volatile")
         # Stores per fragment: NaN into residual_out on a halted mailbox, tp re-arms, residual_out
         # and out (and zeros for rows of no token).
-        zero_rows = 2 if config.mode == "reduce_scatter" else 0
+        zero_rows = 2 if config.algorithm == "reduce_scatter" else 0
         stores = per_thread * (1 + config.tp + 2 + zero_rows)
     assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * stores
     # The row's sum of squares: a butterfly in each warp, then one barrier before the
@@ -422,7 +412,7 @@ def test_pdl_instructions(builds, config, role):
         # The stage and the inputs are read only after the predecessor has finished; the
         # reduce (or, fused, the next call) is released then, before the first store.
         assert wait < release < first(body, "st.global")
-        if config.mode != "direct":
+        if config.algorithm != "direct":
             assert first(body, "ld.volatile") > wait
         if role != "publish":
             assert wait < body.index("atom.global.add") < body.rfind("st.volatile.global.s32")
@@ -440,13 +430,6 @@ def test_no_local_memory(builds, config):
     ptx = builds(config).ptx
     assert not re.search(r"\.local\b", ptx)
     assert "__local_depot" not in ptx
-
-
-def test_multimem_only_in_multicast_builds(builds):
-    multicast = MULTICAST_CONFIGS[0]
-    unicast = multicast.replace(transport="unicast")
-    assert "multimem.st" in kernels_by_role(builds(multicast))["publish"]
-    assert "multimem" not in builds(unicast).ptx
 
 
 def test_sm100a(builds):
@@ -604,10 +587,10 @@ def test_concurrent_gets_compile_once(tmp_path, monkeypatch, shared_store):
 # Two stores (two cache folders) compile different configs in two threads.
 _RACE = """
 import concurrent.futures, sys, threading
+from jax_moe_publish import tuning
 from jax_moe_publish.aot.store import KernelStore
-from jax_moe_publish.config import KernelConfig
 
-configs = [KernelConfig.default(hidden=512, top_k=k, tp=2) for k in (2, 3)]
+configs = [tuning.kernel_config(tuning.Problem(512, k), tp=2, m=None) for k in (2, 3)]
 stores = [KernelStore(cache_dir=f"{sys.argv[1]}/{k}", prebuilt_dirs=[]) for k in (2, 3)]
 barrier = threading.Barrier(2)
 
@@ -645,10 +628,10 @@ def three_files(key: str) -> list[str]:
 def test_cli_builds_explicit_config(tmp_path):
     (tmp_path / "cwd").mkdir()
     out = tmp_path / "out"
-    result = run_cli(["build", "--hidden", "1024", "--top-k", "4", "--tp", "2", "--mode", "twoshot",
+    result = run_cli(["build", "--hidden", "1024", "--top-k", "4", "--tp", "2", "--algorithm", "twoshot",
                       "--out", str(out)], cwd=tmp_path / "cwd")
     assert result.returncode == 0, result.stderr
-    key = KernelConfig.default(hidden=1024, top_k=4, tp=2, mode="twoshot").key
+    key = tuning.kernel_config(tuning.Problem(1024, 4), tp=2, m=None, algorithm="twoshot").key
     assert built_files(out) == three_files(key)
     lines = result.stdout.splitlines()
     assert re.fullmatch(rf"\[1/1\] {re.escape(key)}\s+\d+\.\d s", lines[0])
@@ -659,7 +642,7 @@ def test_cli_builds_explicit_config(tmp_path):
 
 def test_build_command_rebuilds_the_config(tmp_path):
     config = KernelConfig(
-        hidden=2880, top_k=10, tp=2, mode="reduce_scatter", routed_scaling_factor=0.1,
+        hidden=2880, top_k=10, tp=2, algorithm="reduce_scatter", routed_scaling_factor=0.1,
         fp32_weights=True, elements_per_thread=4, threads=96, prefetch_group=3,
         load_shared_expert_before_pdl=True, reduce_threads=64, arch="sm_100a",
     )
@@ -683,7 +666,7 @@ def test_cli_bad_value_exits_nonzero(tmp_path):
 EXPLICIT = ["--hidden", "1024", "--top-k", "4", "--tp", "2"]
 CLI_ERRORS = [
     (EXPLICIT + ["--prefetch-group", "5"], "KernelConfig.prefetch_group=5"),
-    (EXPLICIT + ["--tp", "1", "--mode", "oneshot"], "KernelConfig.mode='oneshot'"),
+    (EXPLICIT + ["--tp", "1", "--algorithm", "oneshot"], "KernelConfig.algorithm='oneshot'"),
     (EXPLICIT + ["--routed-scaling-factor", "nan"], "KernelConfig.routed_scaling_factor=nan"),
     (EXPLICIT + ["--arch", "sm_80"], "KernelConfig.arch='sm_80'"),
     (EXPLICIT + ["--enable-pdl", "maybe"], "--enable-pdl: expected true or false"),
@@ -716,30 +699,9 @@ def test_cli_presets(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(compile, "compile_config", fake_compile)
     assert cli_main(["build", "--preset", "qwen3-moe", "--preset", "tests", "--preset", "qwen3-moe",
                      "--arch", "sm_100a", "--out", str(tmp_path)]) == 0
-    expected = list(dict.fromkeys(presets.qwen3_moe("sm_100a") + presets.tests("sm_100a")))
+    expected = list(dict.fromkeys(presets.qwen3_moe("sm_100a") + gpu_matrix.all_configs("sm_100a")))
     assert built == expected
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in lines[:-1]] == [
         [f"[{i}/{len(expected)}]", config.key] for i, config in enumerate(expected, 1)
     ]
-
-
-def test_presets_hold_the_default_of_every_m():
-    """A model preset, and the tests preset for the problems the op tests call, hold the
-    default config of every m: a prebuilt folder serves any call without CuTe DSL."""
-    tests = set(presets.tests())
-    calls = [(problem, 2, mode, "none") for problem in presets.TEST_DEFAULT_PROBLEMS
-             for mode in presets.MULTI_RANK_MODES]
-    calls += [(problem, 2, mode, "rmsnorm")
-              for problem in presets.TEST_EPILOGUE_PROBLEMS + presets.TEST_WIDE_EPILOGUE_PROBLEMS
-              for mode in EPILOGUE_MODES]
-    deepseek = set(presets.deepseek_v3())
-    model = dict(hidden=7168, top_k=8, routed_scaling_factor=2.5)
-    for m in range(1, 4 * SMALL_M):
-        for problem, tp, mode, epilogue in calls:
-            config = KernelConfig.default(tp=tp, mode=mode, m=m, epilogue=epilogue, **problem)
-            assert config in tests, (m, problem, mode, epilogue)
-        for tp in presets.TP_SIZES:
-            for fp32_weights in (False, True):
-                config = KernelConfig.default(tp=tp, m=m, fp32_weights=fp32_weights, **model)
-                assert config in deepseek, (m, tp, fp32_weights)

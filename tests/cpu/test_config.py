@@ -1,4 +1,4 @@
-"""`KernelConfig`: validation, the defaults, the key and the dict round trip (no DSL, no GPU)."""
+"""`KernelConfig`: validation, the key and the dict round trip (no DSL, no GPU)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_moe_publish.config import ARCHS, MAX_CLUSTER_CTAS, SMALL_M, KernelConfig
+from jax_moe_publish import tuning
+from jax_moe_publish._abi import MAX_CLUSTER_CTAS
+from jax_moe_publish.config import ARCHS, KernelConfig
 
 # A valid oneshot config; each invalid case below changes a few fields of it.
 BASE = dict(hidden=1024, top_k=4, tp=2)
-DIRECT = dict(tp=1, mode="direct", transport="direct")
+DIRECT = dict(tp=1, algorithm="direct")
 
 # (changes to BASE, the field the error must name, the bad value it must show)
 INVALID = [
@@ -29,14 +31,10 @@ INVALID = [
     ({"top_k": 65}, "top_k", 65),
     ({"tp": 0}, "tp", 0),
     ({"tp": 9}, "tp", 9),
-    ({"tp": 1}, "mode", "oneshot"),
-    ({"mode": "direct", "transport": "direct"}, "mode", "direct"),
-    ({"mode": "twoshot", "transport": "multicast"}, "mode", "twoshot"),
-    ({"mode": "reduce_scatter", "transport": "multicast"}, "mode", "reduce_scatter"),
-    ({"mode": "allreduce"}, "mode", "allreduce"),
-    ({"transport": "nvls"}, "transport", "nvls"),
-    ({"transport": "direct"}, "transport", "direct"),
-    ({**DIRECT, "transport": "unicast"}, "transport", "unicast"),
+    ({"tp": 1}, "algorithm", "oneshot"),
+    ({"algorithm": "direct"}, "algorithm", "direct"),
+    ({"algorithm": "allreduce"}, "algorithm", "allreduce"),
+    ({"algorithm": "multicast"}, "algorithm", "multicast"),
     ({"elements_per_thread": 2}, "elements_per_thread", 2),
     ({"elements_per_thread": 16}, "elements_per_thread", 16),
     ({"elements_per_thread": 8.0}, "elements_per_thread", 8.0),
@@ -59,18 +57,17 @@ INVALID = [
     ({"arch": "sm_90"}, "arch", "sm_90"),
     ({"epilogue": "layernorm"}, "epilogue", "layernorm"),
     ({"epilogue": None}, "epilogue", None),
-    ({"epilogue": "rmsnorm", "mode": "twoshot"}, "mode", "twoshot"),
-    ({"epilogue": "rmsnorm", **DIRECT}, "mode", "direct"),
+    ({"epilogue": "rmsnorm", "algorithm": "twoshot"}, "algorithm", "twoshot"),
+    ({"epilogue": "rmsnorm", **DIRECT}, "algorithm", "direct"),
     # 16384 / 8 = 2048 fragments of a row over 32 threads: 64 per thread, more than 8.
     ({"epilogue": "rmsnorm", "hidden": 16384, "reduce_threads": 32}, "reduce_threads", 32),
     ({"fuse_reduce": 1}, "fuse_reduce", 1),
     ({"waves": 0, "fuse_reduce": True}, "waves", 0),
     ({"waves": 2.0, "fuse_reduce": True}, "waves", 2.0),
     ({"waves": 2}, "waves", 2),  # several passes need the persistent (fused) grid
-    ({"fuse_reduce": True, "mode": "twoshot"}, "mode", "twoshot"),
-    ({"fuse_reduce": True, "mode": "reduce_scatter"}, "mode", "reduce_scatter"),
-    ({"fuse_reduce": True, **DIRECT}, "mode", "direct"),
-    ({"fuse_reduce": True, "transport": "multicast"}, "transport", "multicast"),
+    ({"fuse_reduce": True, "algorithm": "twoshot"}, "algorithm", "twoshot"),
+    ({"fuse_reduce": True, "algorithm": "reduce_scatter"}, "algorithm", "reduce_scatter"),
+    ({"fuse_reduce": True, **DIRECT}, "algorithm", "direct"),
     # With the epilogue a row's CTAs (one cluster) publish: one fragment per thread.
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "reduce_threads": 256}, "threads", 128),
     ({"fuse_reduce": True, "epilogue": "rmsnorm", "threads": 256}, "threads", 256),
@@ -101,131 +98,12 @@ def test_invalid_config_names_field_and_value(changes, field, value):
             pytest.fail(f"{name} accepted {changes}")
 
 
-# (problem, mode, transport, elements_per_thread, prefetch_group, ctas_per_token, reduce_ctas_per_token)
-DEFAULT_PROBLEMS = [
-    (dict(hidden=7168, top_k=8, tp=1), "direct", "direct", 8, 4, 7, 7),
-    (dict(hidden=7168, top_k=8, tp=2), "oneshot", "unicast", 8, 4, 7, 7),
-    (dict(hidden=5120, top_k=6, tp=8, mode="twoshot"), "twoshot", "unicast", 8, 4, 5, 5),
-    (dict(hidden=2880, top_k=10, tp=4, mode="reduce_scatter"), "reduce_scatter", "unicast", 8, 4, 3, 3),
-    (dict(hidden=2052, top_k=2, tp=1), "direct", "direct", 4, 2, 5, 2),  # 2052 % 8 = 4
-    (dict(hidden=4096, top_k=1, tp=2, arch="sm_100a", routed_scaling_factor=2.5,
-          include_shared_expert=False, fp32_weights=True), "oneshot", "unicast", 8, 1, 4, 4),
-]
-
-
-@pytest.mark.parametrize(
-    "problem, mode, transport, elements, prefetch, ctas, reduce_ctas", DEFAULT_PROBLEMS,
-    ids=[",".join(f"{k}={v}" for k, v in p[0].items()) for p in DEFAULT_PROBLEMS],
-)
-def test_default(problem, mode, transport, elements, prefetch, ctas, reduce_ctas):
-    config = KernelConfig.default(**problem)
-    for name, value in problem.items():
-        assert getattr(config, name) == value, name
-    assert (config.mode, config.transport) == (mode, transport)
-    assert (config.elements_per_thread, config.prefetch_group) == (elements, prefetch)
-    assert (config.threads, config.reduce_threads, config.enable_pdl) == (128, 128, True)
-    assert not config.load_shared_expert_before_pdl
-    assert (config.ctas_per_token, config.reduce_ctas_per_token) == (ctas, reduce_ctas)
-
-
-@pytest.mark.parametrize("problem, field", [
-    (dict(hidden=1028, top_k=8, tp=2), "hidden"),  # 8-byte fragments cannot fill 16-byte lanes
-    (dict(hidden=1024, top_k=8, tp=1, mode="oneshot"), "mode"),
-    (dict(hidden=1024, top_k=0, tp=2), "top_k"),
-    (dict(hidden=1024, top_k=8, tp=2, arch="sm_89"), "arch"),
-])
-def test_default_validates(problem, field):
-    with pytest.raises(ValueError, match=re.escape(f"KernelConfig.{field}=")):
-        KernelConfig.default(**problem)
-
-
-# (hidden, reduce threads, 16-byte fragments per thread) of the unfused epilogue's default
-# shape: one CTA per row, one fragment per thread up to 1024 threads, then at most 512 threads.
-EPILOGUE_SHAPES = [(2048, 256, 1), (2880, 384, 1), (5120, 640, 1), (7168, 896, 1), (8192, 1024, 1),
-                   (9216, 384, 3), (16384, 512, 4)]
-# (threads, CTAs of the row's cluster) by hidden, of the fused epilogue's default shape: 128
-# threads, or more where the cluster would not hold the row; 16-byte fragments in at most 8
-# CTAs, and up to SMALL_M // 2 tokens 8-byte ones in at most 16.
-FUSED_EPILOGUE_SHAPES = {2048: (128, 2), 2880: (128, 3), 5120: (128, 5), 7168: (128, 7), 8192: (128, 8),
-                         9216: (160, 8), 16384: (256, 8)}
-NARROW_FUSED_EPILOGUE_SHAPES = {2048: (128, 4), 2880: (128, 6), 5120: (128, 10), 7168: (128, 14),
-                                8192: (128, 16), 9216: (160, 15), 16384: (256, 16)}
-
-
-@pytest.mark.parametrize("hidden, threads, per_thread", EPILOGUE_SHAPES)
-@pytest.mark.parametrize("mode", ["oneshot", "reduce_scatter"])
-@pytest.mark.parametrize("m", [1, SMALL_M // 2, SMALL_M // 2 + 1, 1024, None])
-def test_default_epilogue_shape(hidden, threads, per_thread, mode, m):
-    problem = dict(hidden=hidden, top_k=8, tp=2, mode=mode, m=m)
-    config = KernelConfig.default(**problem, epilogue="rmsnorm")
-    unfused = KernelConfig.default(**problem, epilogue="rmsnorm", fuse_reduce=False)
-    assert (config.epilogue, config.mode) == ("rmsnorm", mode)
-    assert config.fuse_reduce == (mode == "oneshot")  # fused exactly for oneshot
-    if config.fuse_reduce:
-        narrow = m is not None and m <= SMALL_M // 2
-        shapes = NARROW_FUSED_EPILOGUE_SHAPES if narrow else FUSED_EPILOGUE_SHAPES
-        assert (config.threads, config.ctas_per_token) == shapes[hidden]
-        assert (config.reduce_threads, config.elements_per_thread) == (config.threads, 4 if narrow else 8)
-    else:
-        assert config == unfused
-    assert (unfused.reduce_threads, unfused.norm_fragments_per_thread) == (threads, per_thread)
-    assert unfused.reduce_ctas_per_token == 1
-    # Unfused, the publish is the one without the epilogue.
-    plain = KernelConfig.default(**problem, fuse_reduce=False)
-    assert unfused.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
-
-
-@pytest.mark.parametrize("m, mode, epilogue, fused", [
-    (1, "oneshot", "none", True),
-    (SMALL_M, "oneshot", "none", True),
-    (4096, "oneshot", "none", True),  # persistent: any m
-    (None, "oneshot", "none", True),
-    (1, "twoshot", "none", False),
-    (1, "reduce_scatter", "none", False),
-    (1, "oneshot", "rmsnorm", True),
-    (SMALL_M + 1, "oneshot", "rmsnorm", True),
-    (None, "oneshot", "rmsnorm", True),
-    (SMALL_M + 1, "reduce_scatter", "rmsnorm", False),
-])
-def test_default_fuses_oneshot_calls(m, mode, epilogue, fused):
-    config = KernelConfig.default(hidden=7168, top_k=8, tp=2, mode=mode, m=m, epilogue=epilogue)
-    assert config.fuse_reduce is fused
-    assert KernelConfig.default(hidden=7168, top_k=8, tp=2, mode=mode, m=m, epilogue=epilogue,
-                                fuse_reduce=False).fuse_reduce is False
-
-
-@pytest.mark.parametrize("epilogue, other_mode", [("none", "twoshot"), ("rmsnorm", "reduce_scatter")])
-def test_default_waves(epilogue, other_mode):
-    def waves(**changes):
-        return KernelConfig.default(hidden=7168, top_k=8, tp=2, epilogue=epilogue, **changes).waves
-
-    # Two passes of the fused grid for 33 to 64 tokens; one elsewhere, and for unfused calls.
-    assert {m: waves(m=m) for m in (1, 32, 33, 64, 65, 256, None)} == {
-        1: 1, 32: 1, 33: 2, 64: 2, 65: 1, 256: 1, None: 1}
-    assert waves(m=64, fuse_reduce=False) == 1
-    assert waves(m=64, mode=other_mode) == 1
-
-
-def test_default_fuses_the_epilogue_on_request_with_a_cluster_per_row():
-    fused = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=1, epilogue="rmsnorm", fuse_reduce=True)
-    assert fused.fuse_reduce and (fused.threads, fused.reduce_threads, fused.elements_per_thread) == (128, 128, 4)
-    assert fused.ctas_per_token == 14
-
-
-def test_default_refuses_epilogue_with_twoshot():
-    with pytest.raises(ValueError, match=re.escape("KernelConfig.mode='twoshot'")):
-        KernelConfig.default(hidden=7168, top_k=8, tp=2, mode="twoshot", epilogue="rmsnorm")
-    # Left to choose, the default picks oneshot.
-    assert KernelConfig.default(hidden=7168, top_k=8, tp=2, epilogue="rmsnorm").mode == "oneshot"
-
-
 # One valid new value per field of KernelConfig(**BASE).
 CHANGED = {
     "hidden": 2048,
     "top_k": 8,
     "tp": 4,
-    "mode": "twoshot",
-    "transport": "multicast",
+    "algorithm": "twoshot",
     "routed_scaling_factor": 2.5,
     "include_shared_expert": False,
     "fp32_weights": True,
@@ -308,7 +186,7 @@ def test_waves_need_fuse_reduce():
     assert fused.waves == 1
     two = fused.replace(waves=2)
     assert two.key != fused.key and KernelConfig.from_dict(two.to_dict()) == two
-    epilogue = KernelConfig.default(hidden=7168, top_k=8, tp=2, m=64, epilogue="rmsnorm")
+    epilogue = tuning.kernel_config(tuning.Problem(7168, 8), tp=2, m=64, epilogue="rmsnorm")
     assert epilogue.fuse_reduce and epilogue.replace(waves=4).waves == 4
     with pytest.raises(ValueError, match=re.escape("KernelConfig.waves=2: expected 1 unless fuse_reduce is True")):
         two.replace(fuse_reduce=False)
@@ -334,15 +212,11 @@ def test_replace_copies_and_config_is_frozen():
 def valid_configs(draw) -> KernelConfig:
     """Any valid config: the draws respect every cross-field rule of `KernelConfig`."""
     tp = draw(st.integers(1, 8))
-    if tp == 1:
-        mode, transport = "direct", "direct"
-    else:
-        mode = draw(st.sampled_from(["oneshot", "twoshot", "reduce_scatter"]))
-        transport = draw(st.sampled_from(["unicast", "multicast"])) if mode == "oneshot" else "unicast"
+    algorithm = "direct" if tp == 1 else draw(st.sampled_from(["oneshot", "twoshot", "reduce_scatter"]))
     elements = draw(st.sampled_from([4, 8]))
     top_k = draw(st.integers(1, 64))
     include_shared, enable_pdl = draw(st.booleans()), draw(st.booleans())
-    epilogue = draw(st.sampled_from(["none", "rmsnorm"])) if mode in ("oneshot", "reduce_scatter") else "none"
+    epilogue = draw(st.sampled_from(["none", "rmsnorm"])) if algorithm in ("oneshot", "reduce_scatter") else "none"
     hidden = (8 if tp > 1 else elements) * draw(st.integers(1, 4096))
     # The epilogue needs at most 8 fragments of 8 elements per thread.
     fewest_warps = -(-hidden // (8 * 8 * 32)) if epilogue == "rmsnorm" else 1
@@ -350,8 +224,7 @@ def valid_configs(draw) -> KernelConfig:
         hidden=hidden,
         top_k=top_k,
         tp=tp,
-        mode=mode,
-        transport=transport,
+        algorithm=algorithm,
         routed_scaling_factor=draw(st.floats(allow_nan=False, allow_infinity=False)),
         include_shared_expert=include_shared,
         fp32_weights=draw(st.booleans()),
@@ -377,7 +250,7 @@ def test_dict_round_trip(config):
 
 @given(valid_configs())
 def test_key_names_the_problem(config):
-    kind = config.mode if config.epilogue == "none" else f"{config.mode}-{config.epilogue}"
+    kind = config.algorithm if config.epilogue == "none" else f"{config.algorithm}-{config.epilogue}"
     prefix = f"{kind}-h{config.hidden}-k{config.top_k}-tp{config.tp}-{config.arch}-"
     assert config.key.startswith(prefix)
     assert re.fullmatch(r"[A-Za-z0-9_.-]+-[0-9a-f]{12}", config.key)  # a safe file name

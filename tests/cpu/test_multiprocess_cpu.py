@@ -30,7 +30,7 @@ def test_reference_across_processes_matches_float64(order):
             assert call["failure"] is None, f"process {process}, {call}: {call['failure']}"
         assert all(m["status"] == [] for m in result["mailboxes"]), "a CPU mailbox allocated memory"
     for a, b in zip(results[0]["calls"], results[1]["calls"]):
-        if a["mode"] == "allreduce":
+        if a["result"] == "allreduce":
             assert a["sha256"] == b["sha256"], f"{a}: the processes' outputs differ bitwise"
 
 
@@ -41,10 +41,10 @@ def test_one_host_is_detected_as_one_host():
         assert len(set(result["hosts"][0])) == 1, result["hosts"]
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "reduce_scatter"])
-def test_groups_across_hosts_run_the_reference_and_refuse_the_kernels(mode):
+@pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
+def test_groups_across_hosts_run_the_reference_and_refuse_the_kernels(result):
     env = [{HOST_ENV: f"host-{name}"} for name in "ab"]
-    results = processes.run("cross-host", "--mode", mode, "--seed", _seed(), env=env)
+    results = processes.run("cross-host", "--result", result, "--seed", _seed(), env=env)
     for result in results:
         assert result["spans_hosts"] and result["hosts"] == [["host-a", "host-b"]], result
         assert "spans hosts" in result["repr"], result["repr"]
@@ -91,7 +91,7 @@ def test_kernels_load_only_on_this_processes_devices(monkeypatch):
     mailbox._lock, mailbox._loaded, mailbox._closed = threading.Lock(), set(), False
     loaded = []
     monkeypatch.setattr(native, "load_kernel_set", lambda set_id, ordinal, *args, **kwargs: loaded.append(ordinal))
-    config = dict(mode="oneshot", tp=2, hidden=64, top_k=2, fp32_weights=False, include_shared_expert=True,
+    config = dict(algorithm="oneshot", tp=2, hidden=64, top_k=2, fp32_weights=False, include_shared_expert=True,
                   epilogue="none", fuse_reduce=False)
     artifact = types.SimpleNamespace(cubin=b"cubin", metadata={"key": "k", "config": config, "kernels": [], "pdl": True})
     mailbox.ensure_loaded(artifact, 7)

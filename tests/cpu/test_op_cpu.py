@@ -51,17 +51,17 @@ def test_reference_finalize_matches_float64(hidden, top_k, m, fp32_weights, shar
 
 
 @pytest.mark.parametrize("mesh_shape,axes", [((4,), ("tp",)), ((2, 2), ("dp", "tp"))])
-@pytest.mark.parametrize("mode", ["allreduce", "reduce_scatter"])
-def test_sharded_reference_matches_float64(mesh_shape, axes, mode):
+@pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
+def test_sharded_reference_matches_float64(mesh_shape, axes, result):
     mesh = jax.make_mesh(mesh_shape, axes)
     tp = mesh.shape["tp"]
     rng = np.random.default_rng()
     m, hidden = 7, 128  # m not a multiple of tp
     problems = [numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)]
-    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=16, mode=mode) as mailbox:
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=16, result=result) as mailbox:
         out = _run_sharded(mailbox, problems, 2.5)
     expected, bound = numerics.expected_sum(problems, 2.5)
-    numerics.assert_group_close(out, expected, bound, mode=mode, tp=tp)
+    numerics.assert_group_close(out, expected, bound, result=result, tp=tp)
 
 
 def test_reversed_mesh_ranks_follow_the_axis_not_the_device_id():
@@ -69,7 +69,7 @@ def test_reversed_mesh_ranks_follow_the_axis_not_the_device_id():
     mesh = jax.sharding.Mesh(np.array(devices), ("tp",))
     rng = np.random.default_rng()
     problems = [numerics.random_problem(rng, m=5, hidden=64, top_k=3) for _ in range(2)]
-    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, mode="reduce_scatter") as mailbox:
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, result="reduce_scatter") as mailbox:
         out = _run_sharded(mailbox, problems, 1.0)
     expected, bound = numerics.expected_sum(problems, 1.0)
     for rank in range(2):
@@ -81,7 +81,7 @@ def test_groups_of_size_one_reduce_nothing():
     rng = np.random.default_rng()
     problem = numerics.random_problem(rng, m=4, hidden=64, top_k=2)
     with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=4) as mailbox:
-        assert mailbox.tp == 1 and mailbox.transport == "direct"
+        assert mailbox.tp == 1
         out = _run_sharded(mailbox, [problem], 2.5)
     expected, bound = numerics.expected_sum([problem], 2.5)
     numerics.assert_close(out, expected, bound)
@@ -106,15 +106,15 @@ def test_negative_zero_partials_sum_to_positive_zero():
 SILENT_TOKEN = 5  # its partials are zero on every rank, and so is its residual row
 
 
-def _epilogue_call(mesh, mode, problems, residual, norm_weight, eps, scale=2.5):
+def _epilogue_call(mesh, result, problems, residual, norm_weight, eps, scale=2.5):
     """The sharded op with the epilogue; ``residual`` is [m, hidden], passed in the result's layout."""
     tp = mesh.shape["tp"]
-    if mode == "reduce_scatter":
+    if result == "reduce_scatter":
         residual = np.stack([numerics.owned(residual, tp, rank) for rank in range(tp)])
         # Rows of no token hold garbage: they must not be read.
         for rank in range(tp):
             residual[rank][numerics.tokenless_rows(residual.shape[1], tp, rank, len(problems[0].indices))] = 7.0
-    with jmp.Mailbox(mesh, "tp", hidden=norm_weight.shape[0], capacity_m=16, mode=mode) as mailbox:
+    with jmp.Mailbox(mesh, "tp", hidden=norm_weight.shape[0], capacity_m=16, result=result) as mailbox:
         out, residual_out = jmp.sharded_moe_finalize_publish(
             mailbox, _stack(problems, "routed"), _stack(problems, "weights"), _stack(problems, "indices"),
             _stack(problems, "shared"), routed_scaling_factor=scale, residual=jnp.asarray(residual),
@@ -123,11 +123,11 @@ def _epilogue_call(mesh, mode, problems, residual, norm_weight, eps, scale=2.5):
     return np.asarray(out), np.asarray(residual_out)
 
 
-@pytest.mark.parametrize("hidden, mode, eps", [
+@pytest.mark.parametrize("hidden, result, eps", [
     (2048, "allreduce", 1e-5), (2048, "reduce_scatter", 1e-6), (5120, "allreduce", 1e-6),
     (5120, "reduce_scatter", 1e-5), (7168, "allreduce", 1e-6), (7168, "reduce_scatter", 1e-5),
 ])
-def test_reference_epilogue_matches_float64(hidden, mode, eps):
+def test_reference_epilogue_matches_float64(hidden, result, eps):
     mesh = jax.make_mesh((2,), ("tp",))
     tp, m = 2, 7  # m not a multiple of tp
     rng = np.random.default_rng()
@@ -135,13 +135,13 @@ def test_reference_epilogue_matches_float64(hidden, mode, eps):
     numerics.silence_token(problems, SILENT_TOKEN)
     residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
     residual[SILENT_TOKEN] = 0
-    out, residual_out = _epilogue_call(mesh, mode, problems, residual, norm_weight, eps)
+    out, residual_out = _epilogue_call(mesh, result, problems, residual, norm_weight, eps)
 
     total, bound = numerics.expected_sum(problems, 2.5)
     exact_sum = total + residual.astype(np.float64)
     # The data makes the residual add's rounding point matter.
     assert np.mean(exact_sum.astype(numerics.BF16).astype(np.float64) != exact_sum) > 0.5
-    if mode == "allreduce":
+    if result == "allreduce":
         numerics.assert_epilogue_close(out, residual_out, total, bound, residual, norm_weight, eps)
         silent = [(out[SILENT_TOKEN], residual_out[SILENT_TOKEN])]
     else:
@@ -262,7 +262,7 @@ def _norm_args(m=3, hidden=64, rows=None):
 
 
 BAD_EPILOGUES = [
-    # (case, mailbox mode, change to valid epilogue arguments, exception, words the message must contain)
+    # (case, mailbox result layout, change to valid epilogue arguments, exception, words the message must contain)
     ("residual only", "allreduce", dict(norm_weight=None), ValueError, ["norm_weight=None", "residual was given"]),
     ("norm_weight only", "allreduce", dict(residual=None), ValueError, ["residual=None", "norm_weight was given"]),
     ("residual type", "allreduce", dict(residual=[[1.0]]), TypeError, ["residual: expected an array", "list"]),
@@ -295,11 +295,11 @@ BAD_EPILOGUES = [
 ]
 
 
-@pytest.mark.parametrize("case,mode,change,error,words", BAD_EPILOGUES, ids=[c[0] for c in BAD_EPILOGUES])
-def test_bad_epilogue_arguments_name_the_argument(mesh, case, mode, change, error, words):
-    rows = 2 if mode == "reduce_scatter" else 3
+@pytest.mark.parametrize("case,result,change,error,words", BAD_EPILOGUES, ids=[c[0] for c in BAD_EPILOGUES])
+def test_bad_epilogue_arguments_name_the_argument(mesh, case, result, change, error, words):
+    rows = 2 if result == "reduce_scatter" else 3
     kwargs = {"routed_scaling_factor": 2.5, **_norm_args(rows=rows), "norm_eps": 1e-6, **change}
-    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, mode=mode) as mailbox, pytest.raises(error) as raised:
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, result=result) as mailbox, pytest.raises(error) as raised:
         _call_in_shard_map(mesh, mailbox, _valid_args(), **kwargs)
     for word in words:
         assert word in str(raised.value)
@@ -314,7 +314,7 @@ def test_epilogue_config_without_residual_is_refused(mesh):
 
 def test_sharded_scatter_residual_wants_the_rank_axis_first(mesh):
     args = _valid_args()
-    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, mode="reduce_scatter") as mailbox:
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, result="reduce_scatter") as mailbox:
         with pytest.raises(ValueError, match=r"residual.shape=\(2, 64\): expected \[tp=2, ceil\(m/tp\), hidden\]"):
             jmp.sharded_moe_finalize_publish(
                 mailbox, args["routed_output"][None].repeat(2, 0), args["expert_weights"][None].repeat(2, 0),
@@ -323,9 +323,9 @@ def test_sharded_scatter_residual_wants_the_rank_axis_first(mesh):
 
 
 def test_twoshot_config_on_a_reduce_scatter_mailbox_is_refused(mesh):
-    config = jmp.KernelConfig(hidden=64, top_k=4, tp=2, mode="twoshot", routed_scaling_factor=2.5)
-    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, mode="reduce_scatter") as mailbox:
-        with pytest.raises(ValueError, match="config.mode='twoshot'"):
+    config = jmp.KernelConfig(hidden=64, top_k=4, tp=2, algorithm="twoshot", routed_scaling_factor=2.5)
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, result="reduce_scatter") as mailbox:
+        with pytest.raises(ValueError, match="config.algorithm='twoshot'"):
             _call_in_shard_map(mesh, mailbox, _valid_args(), routed_scaling_factor=2.5, config=config)
 
 
@@ -360,8 +360,7 @@ BAD_MAILBOXES = [
     (dict(axis_name="ep"), ValueError, "axis_name='ep'"),
     (dict(hidden=60), ValueError, "hidden=60"),
     (dict(capacity_m=0), ValueError, "capacity_m=0"),
-    (dict(mode="allgather"), ValueError, "mode='allgather'"),
-    (dict(transport="nvls"), ValueError, "transport='nvls'"),
+    (dict(result="allgather"), ValueError, "result='allgather'"),
     (dict(timeout_s=-1), ValueError, "timeout_s=-1"),
     (dict(on_timeout="hang"), ValueError, "on_timeout='hang'"),
     (dict(process_timeout_s=0), ValueError, "process_timeout_s=0"),
@@ -373,12 +372,6 @@ def test_bad_mailbox_arguments(mesh, change, error, words):
     kwargs = {"axis_name": "tp", "hidden": 64, "capacity_m": 8, **change}
     with pytest.raises(error, match=words.replace("(", r"\(")):
         jmp.Mailbox(mesh, **kwargs)
-
-
-def test_multicast_is_refused_where_nvls_is_disabled(mesh, monkeypatch):
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    with pytest.raises(ValueError, match="NCCL_NVLS_ENABLE=0"):
-        jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, transport="multicast")
 
 
 def test_sharded_wrapper_wants_the_rank_axis_first(mesh):

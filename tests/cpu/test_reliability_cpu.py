@@ -1,7 +1,7 @@
 """Reliability tests that run in CI without a GPU.
 
 * A property test draws valid problems (shapes, weight dtypes, shared expert,
-  scale, tp, mode) and index patterns (all -1, duplicates, out of range on
+  scale, tp, result) and index patterns (all -1, duplicates, out of range on
   either side, mixed), runs them through the public API on the virtual CPU
   devices (the reference path) and checks the result against the NumPy
   float64 model of `numerics`.
@@ -27,9 +27,9 @@ from jax_moe_publish import protocol
 
 @st.composite
 def problems(draw):
-    """A valid call of the public API: (tp, mode, scale, per-rank `numerics.Problem`s)."""
+    """A valid call of the public API: (tp, result, scale, per-rank `numerics.Problem`s)."""
     tp = draw(st.sampled_from((1, 2, 4)))
-    mode = draw(st.sampled_from(("allreduce", "reduce_scatter"))) if tp > 1 else "allreduce"
+    result = draw(st.sampled_from(("allreduce", "reduce_scatter"))) if tp > 1 else "allreduce"
     m = draw(st.integers(1, 40))
     hidden = 8 * draw(st.integers(1, 64))
     top_k = draw(st.integers(1, 10))
@@ -47,7 +47,7 @@ def problems(draw):
             indices=numerics.pattern_indices(rng, pattern, m, top_k, num_rows),
             shared=rng.standard_normal((m, hidden), dtype=np.float32).astype(numerics.BF16) if shared else None,
         ))
-    return tp, mode, scale, ranks
+    return tp, result, scale, ranks
 
 
 def _stack(ranks, field):
@@ -58,17 +58,17 @@ def _stack(ranks, field):
 @settings(max_examples=40, deadline=None)
 @given(problems())
 def test_public_api_matches_float64_model(drawn):
-    tp, mode, scale, ranks = drawn
+    tp, result, scale, ranks = drawn
     m, hidden = ranks[0].weights.shape[0], ranks[0].routed.shape[1]
     mesh = jax.make_mesh((tp,), ("tp",))
-    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=m, mode=mode) as mailbox:
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=m, result=result) as mailbox:
         # Under jit: an eager shard_map runs op by op, about 20 times slower here.
         call = jax.jit(lambda *args: jmp.sharded_moe_finalize_publish(
             mailbox, *args, routed_scaling_factor=scale))
         out = np.asarray(call(_stack(ranks, "routed"), _stack(ranks, "weights"),
                               _stack(ranks, "indices"), _stack(ranks, "shared")))
     expected, bound = numerics.expected_sum(ranks, scale)
-    numerics.assert_group_close(out, expected, bound, mode=mode, tp=tp)
+    numerics.assert_group_close(out, expected, bound, result=result, tp=tp)
 
 
 # --- the timeout diagnostic --------------------------------------------------------------------

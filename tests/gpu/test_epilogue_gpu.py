@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import protocol
-from jax_moe_publish.aot import presets
-from jax_moe_publish.config import PORTABLE_CLUSTER_CTAS
+from jax_moe_publish import tuning
+from jax_moe_publish.testing import gpu_matrix
+from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS
 from kernel_checks import (
     CAPACITY_M,
     check_protocol_state,
@@ -36,7 +37,7 @@ M_VALUES = (1, 37, CAPACITY_M)
 EPS_VALUES = (1e-5, 1e-6)
 SILENT_TOKEN = 5  # from m = 37 on: zero partials on every rank and a zero residual row
 GARBAGE = 7.0  # in residual rows of no token (reduce_scatter): they must not be read
-CONFIGS = presets.test_epilogues(2)
+CONFIGS = gpu_matrix.epilogues(2)
 
 
 def _m_id(m):
@@ -53,21 +54,21 @@ def _epilogue_problem(config, m, rng):
     return problems, residual, norm_weight
 
 
-def _rank_rows(mode, x, tp, rank):
+def _rank_rows(algorithm, x, tp, rank):
     """Rank's rows of an [m, ...] array in the layout of the op's result; rows of no token
     (reduce_scatter) are filled with `GARBAGE`."""
-    if mode != "reduce_scatter":
+    if algorithm != "reduce_scatter":
         return x
     rows = numerics.owned(x, tp, rank)
     rows[numerics.tokenless_rows(len(rows), tp, rank, len(x))] = GARBAGE
     return rows
 
 
-def _check_rank(mode, tp, rank, out, residual_out, problems, scale, residual, norm_weight, eps, what):
+def _check_rank(algorithm, tp, rank, out, residual_out, problems, scale, residual, norm_weight, eps, what):
     """One rank's two outputs (bf16 arrays in the result's layout) against the float64 model."""
     total, bound = numerics.expected_sum(problems, scale)
     m = len(total)
-    if mode == "reduce_scatter":
+    if algorithm == "reduce_scatter":
         total, bound = numerics.owned(total, tp, rank), numerics.owned(bound, tp, rank)
         unused = numerics.tokenless_rows(len(total), tp, rank, m)
         assert np.all(out.view(np.uint16)[unused] == 0), f"{what}: out rows of no token are not +0.0"
@@ -89,7 +90,7 @@ def _prepared_buffers(launcher, config, m, problems, residual, norm_weight, eps)
     buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
     for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
         rank_buffers.upload(problem)
-        rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, config.tp, rank), norm_weight, eps)
+        rank_buffers.upload_epilogue(_rank_rows(config.algorithm, residual, config.tp, rank), norm_weight, eps)
         rank_buffers.out.poison()
         rank_buffers.residual_out.poison()
     return buffers
@@ -122,7 +123,7 @@ def _check_epilogue_call(config, m, eps, devices, grid_limits=None) -> None:
     rng = seeded_rng(config.key, m, eps, grid_limits, "epilogue")
     problems, residual, norm_weight = _epilogue_problem(config, m, rng)
     tp = config.tp
-    rows = protocol.owned_rows(m, tp) if config.mode == "reduce_scatter" else m
+    rows = protocol.owned_rows(m, tp) if config.algorithm == "reduce_scatter" else m
     with open_test_group(config, devices, CAPACITY_M, grid_limits) as launcher:
         buffers = _prepared_buffers(launcher, config, m, problems, residual, norm_weight, eps)
         launcher.run(buffers, m)
@@ -131,10 +132,10 @@ def _check_epilogue_call(config, m, eps, devices, grid_limits=None) -> None:
             what = f"{config.key} m={m} eps={eps} rank {rank}"
             for name, bits in (("out", out), ("residual_out", residual_out)):
                 assert np.all(bits[rows:] == numerics.POISON_BF16), f"{what}: {name} rows past {rows} written"
-            _check_rank(config.mode, tp, rank, out[:rows].view(numerics.BF16),
+            _check_rank(config.algorithm, tp, rank, out[:rows].view(numerics.BF16),
                         residual_out[:rows].view(numerics.BF16), problems, config.routed_scaling_factor,
                         residual, norm_weight, eps, what)
-        if config.mode == "oneshot":
+        if config.algorithm == "oneshot":
             for rank in range(1, tp):
                 for index, name in enumerate(("out", "residual_out")):
                     assert np.array_equal(outputs[rank][index][:rows], outputs[0][index][:rows]), (
@@ -156,15 +157,15 @@ def test_epilogue_kernel_consecutive_calls(config, devices):  # noqa: F811
             buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
             for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
                 rank_buffers.upload(problem)
-                rank_buffers.upload_epilogue(_rank_rows(config.mode, residual, config.tp, rank), norm_weight, 1e-6)
+                rank_buffers.upload_epilogue(_rank_rows(config.algorithm, residual, config.tp, rank), norm_weight, 1e-6)
             calls.append((m, problems, residual, norm_weight, buffers))
         for m, _, _, _, buffers in calls:
             launcher.launch(buffers, m)
         launcher.synchronize()
         for index, (m, problems, residual, norm_weight, buffers) in enumerate(calls):
-            rows = protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
+            rows = protocol.owned_rows(m, config.tp) if config.algorithm == "reduce_scatter" else m
             for rank, rank_buffers in enumerate(buffers):
-                _check_rank(config.mode, config.tp, rank, rank_buffers.output()[:rows].view(numerics.BF16),
+                _check_rank(config.algorithm, config.tp, rank, rank_buffers.output()[:rows].view(numerics.BF16),
                             rank_buffers.residual_output()[:rows].view(numerics.BF16), problems,
                             config.routed_scaling_factor, residual, norm_weight, 1e-6,
                             f"call {index} m={m} rank {rank}")
@@ -181,7 +182,7 @@ def test_epilogue_on_a_halted_mailbox(config, halt, devices):  # noqa: F811
     m = 37
     rng = seeded_rng(config.key, halt, "halted epilogue")
     problems, residual, norm_weight = _epilogue_problem(config, m, rng)
-    scatter = config.mode == "reduce_scatter"
+    scatter = config.algorithm == "reduce_scatter"
     rows = protocol.owned_rows(m, config.tp) if scatter else m
     with open_test_group(config, devices, CAPACITY_M, on_timeout=protocol.ON_TIMEOUT_FLAG) as launcher:
         launcher.set_stage_words({protocol.HALT: halt})
@@ -217,7 +218,7 @@ def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale, config=Non
     mesh, tp = mailbox.mesh, mailbox.tp
     stacks = [np.stack([getattr(p, f) for p in problems]) for f in ("routed", "weights", "indices")]
     shared = None if problems[0].shared is None else np.stack([p.shared for p in problems])
-    rank_residual = np.stack([_rank_rows(mailbox.mode, residual, tp, r) for r in range(tp)])
+    rank_residual = np.stack([_rank_rows(mailbox.result, residual, tp, r) for r in range(tp)])
 
     def shard(routed, weights, indices, residual_rows, weight, *rest):
         result = jmp.moe_finalize_publish(
@@ -243,21 +244,20 @@ def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale, config=Non
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("mode", ["allreduce", "reduce_scatter"])
-@pytest.mark.parametrize("problem", presets.TEST_EPILOGUE_PROBLEMS, ids=lambda p: f"h{p['hidden']}-k{p['top_k']}")
-def test_epilogue_op_matches_model_on_two_gpus(problem, mode):
-    config = jmp.KernelConfig.default(tp=2, mode="oneshot", **problem)
+@pytest.mark.parametrize("result", tuning.RESULTS)
+@pytest.mark.parametrize("problem", gpu_matrix.EPILOGUE_PROBLEMS, ids=lambda p: f"h{p.hidden}-k{p.top_k}")
+def test_epilogue_op_matches_model_on_two_gpus(problem, result):
+    config = tuning.kernel_config(problem, tp=2, m=None, result=result, epilogue="rmsnorm")
     rng = np.random.default_rng()
-    with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, mode=mode) as mailbox:
+    with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, result=result) as mailbox:
         for m in M_VALUES:
             for eps in EPS_VALUES:
                 problems, residual, norm_weight = _epilogue_problem(config, m, rng)
                 outputs = _op_outputs(mailbox, problems, residual, norm_weight, eps, config.routed_scaling_factor)
                 for rank, (out, residual_out) in enumerate(outputs):
-                    _check_rank("reduce_scatter" if mode == "reduce_scatter" else "oneshot", 2, rank, out,
-                                residual_out, problems, config.routed_scaling_factor, residual, norm_weight, eps,
-                                f"{mode} m={m} rank {rank}")
-                if mode == "allreduce":
+                    _check_rank(config.algorithm, 2, rank, out, residual_out, problems,
+                                config.routed_scaling_factor, residual, norm_weight, eps, f"{result} m={m} rank {rank}")
+                if result == "allreduce":
                     for index in range(2):
                         assert np.array_equal(outputs[1][index].view(np.uint16), outputs[0][index].view(np.uint16))
         mailbox.check()
@@ -283,10 +283,10 @@ def test_epilogue_op_with_a_cluster_beyond_the_portable_size():
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("problem", presets.TEST_EPILOGUE_PROBLEMS, ids=lambda p: f"h{p['hidden']}-k{p['top_k']}")
+@pytest.mark.parametrize("problem", gpu_matrix.EPILOGUE_PROBLEMS, ids=lambda p: f"h{p.hidden}-k{p.top_k}")
 def test_epilogue_op_on_one_gpu(problem):
     """tp = 1: the direct kernel, then the epilogue in jnp with the same rounding points."""
-    config = jmp.KernelConfig.default(tp=1, **problem)
+    config = tuning.kernel_config(problem, tp=1, m=None)
     rng = np.random.default_rng()
     with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY_M) as mailbox:
         for m in M_VALUES:

@@ -95,9 +95,9 @@ def _assert_faulted_in_time(outcome: dict, timeout_s: float, what: str) -> None:
     print(f"{what}: time to error {outcome['elapsed_s']:.3f} s (timeout {timeout_s} s): {outcome['error']}")
 
 
-@pytest.mark.parametrize("mode,silent", [("oneshot", 1), ("twoshot", 1), ("reduce_scatter", 1), ("oneshot", 0)])
-def test_silent_peer_traps_within_the_timeout(mode, silent):
-    _check_silent_peer("--mode", mode, "--silent-rank", str(silent))
+@pytest.mark.parametrize("algorithm,silent", [("oneshot", 1), ("twoshot", 1), ("reduce_scatter", 1), ("oneshot", 0)])
+def test_silent_peer_traps_within_the_timeout(algorithm, silent):
+    _check_silent_peer("--algorithm", algorithm, "--silent-rank", str(silent))
 
 
 @pytest.mark.parametrize("config,first_call,warmup", [
@@ -121,9 +121,9 @@ def _check_silent_peer(*options: str) -> None:
     assert result["status"][silent]["words"] == [0] * protocol.STATUS_WORDS
 
 
-@pytest.mark.parametrize("mode", ["oneshot", "twoshot", "reduce_scatter"])
-def test_a_flagged_mailbox_returns_nan_and_halts_instead_of_trapping(mode):
-    result = run_program("flagged-silent-peer", "--mode", mode)
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "reduce_scatter"])
+def test_a_flagged_mailbox_returns_nan_and_halts_instead_of_trapping(algorithm):
+    result = run_program("flagged-silent-peer", "--algorithm", algorithm)
     timeout_s = result["timeout_s"]
     healthy, skipped, after = result["calls"]
     assert all(o["completed"] for o in healthy["outcomes"].values()), healthy
@@ -136,7 +136,7 @@ def test_a_flagged_mailbox_returns_nan_and_halts_instead_of_trapping(mode):
     assert skipped["all_nan"]["0"], "a timed-out call returned numbers"
     _assert_timed_out(skipped["status"][0], missing=[1], call=1, tokens=range(result["m"]))
     assert skipped["halt"] == [protocol.HALT_FAILED, protocol.HALT_RUNNING], skipped["halt"]
-    print(f"{mode}, flagged: time to NaN + flag {waited['elapsed_s']:.3f} s (timeout {timeout_s} s)")
+    print(f"{algorithm}, flagged: time to NaN + flag {waited['elapsed_s']:.3f} s (timeout {timeout_s} s)")
 
     # Then the halted rank returns NaN at once and publishes nothing. Its peer, which skipped
     # the previous call, reads what rank 0 published then: the documented mix of two calls
@@ -148,10 +148,10 @@ def test_a_flagged_mailbox_returns_nan_and_halts_instead_of_trapping(mode):
     assert after["halt"][0] == protocol.HALT_FAILED, after["halt"]
 
 
-@pytest.mark.parametrize("mode", ["oneshot", "twoshot", "reduce_scatter"])
-def test_double_publish_silently_returns_the_later_call(mode):
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "reduce_scatter"])
+def test_double_publish_silently_returns_the_later_call(algorithm):
     """Documents a weakness: see the module docstring."""
-    result = run_program("double-publish", "--mode", mode)
+    result = run_program("double-publish", "--algorithm", algorithm)
     assert result["publishes"]["completed"], result["publishes"]
     assert result["stage_after_publishes"]["next_stage"] == 0, "a publish moved the stage"
     for rank, outcome in result["outcomes"].items():
@@ -166,42 +166,42 @@ def test_double_publish_silently_returns_the_later_call(mode):
     assert result["next_call_failures"] == [None, None], "the next call is wrong"
 
 
-def _leftovers(mode: str, small_rank: int, large_rank: int, small_m: int, large_m: int) -> list[list]:
+def _leftovers(algorithm: str, small_rank: int, large_rank: int, small_m: int, large_m: int) -> list[list]:
     """Contribution slots of the smaller-m rank's mailbox that keep the larger-m rank's extra tokens."""
-    if mode == "oneshot":
+    if algorithm == "oneshot":
         slots = range(small_m, large_m)
-    else:  # owner modes: token t goes to rank t % tp, slot t // tp
+    else:  # owner algorithms: token t goes to rank t % tp, slot t // tp
         slots = [t // 2 for t in range(small_m, large_m) if t % 2 == small_rank]
     return [["contributions", 0, large_rank, slot] for slot in slots]
 
 
 @pytest.mark.parametrize("ms", [(3, 5), (5, 3)], ids=lambda ms: f"m{ms[0]}-m{ms[1]}")
-@pytest.mark.parametrize("mode", ["oneshot", "twoshot", "reduce_scatter"])
-def test_mismatched_m_traps_the_rank_with_more_tokens(mode, ms):
-    result = run_program("mismatched-m", "--mode", mode, "--m", *map(str, ms))
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "reduce_scatter"])
+def test_mismatched_m_traps_the_rank_with_more_tokens(algorithm, ms):
+    result = run_program("mismatched-m", "--algorithm", algorithm, "--m", *map(str, ms))
     small, large = (0, 1) if ms[0] < ms[1] else (1, 0)
     outcomes = result["outcomes"]
-    _assert_faulted_in_time(outcomes[str(large)], result["timeout_s"], f"{mode}, m={ms}, rank {large}")
+    _assert_faulted_in_time(outcomes[str(large)], result["timeout_s"], f"{algorithm}, m={ms}, rank {large}")
     _assert_timed_out(result["status"][large], missing=[small], call=0, tokens=range(min(ms), max(ms)))
     assert outcomes[str(small)]["completed"], f"rank {small}: {outcomes[str(small)]}"
     assert result["status"][small]["words"] == [0] * protocol.STATUS_WORDS
     assert result["output_failure"][str(small)] is None, result["output_failure"][str(small)]
     assert result["stage"][str(small)] == {"next_stage": 1, "arrivals": 0, "call_count": 1}
-    assert sorted(result["stale"][str(small)]) == _leftovers(mode, small, large, min(ms), max(ms))
+    assert sorted(result["stale"][str(small)]) == _leftovers(algorithm, small, large, min(ms), max(ms))
 
 
 def test_nan_and_inf_propagate_like_the_model():
     result = run_program("nonfinite")
-    for mode, report in result.items():
-        assert report["failures"] == [], f"{mode}: {report['failures']}"
+    for algorithm, report in result.items():
+        assert report["failures"] == [], f"{algorithm}: {report['failures']}"
 
 
 def test_negative_zero_partials_never_stall_a_wait():
     result = run_program("negative-zero")
-    for mode, report in result.items():
-        assert report["failures"] == [], f"{mode}: {report['failures']}"
+    for algorithm, report in result.items():
+        assert report["failures"] == [], f"{algorithm}: {report['failures']}"
         # Far below the 2 s timeout: no wait came near it.
-        assert report["elapsed_s"] < 1.0, f"{mode}: {report['calls']} calls took {report['elapsed_s']:.3f} s"
+        assert report["elapsed_s"] < 1.0, f"{algorithm}: {report['calls']} calls took {report['elapsed_s']:.3f} s"
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """GPU tests of the device kernels, run through `gpu_harness` on one or two GPUs.
 
-Every config comes from `presets.test_variants`, the set prebuilt for the GPU
+Every config comes from `gpu_matrix.variants`, the set prebuilt for the GPU
 machine. A call's outputs are compared with the float64 model of `numerics`;
-the allreduce modes must also agree bit for bit across ranks. After every
+the all-reduce algorithms must also agree bit for bit across ranks. After every
 call the protocol state is checked too: the status block is zero (healthy),
 the stage words have advanced once per call, and every mailbox lane is back
 to the empty sentinel (every consumed slot re-armed, nothing stale).
@@ -24,7 +24,8 @@ from kernel_checks import (
     seeded_rng,
 )
 from jax_moe_publish import protocol
-from jax_moe_publish.aot import presets
+from jax_moe_publish.aot.presets import GROUP_ALGORITHMS
+from jax_moe_publish.testing import gpu_matrix
 
 pytestmark = pytest.mark.gpu
 
@@ -37,13 +38,13 @@ ROUNDS_CAPACITY_M = 16
 ROUNDS_ROUTED_ROWS = 16
 CHAINED_CALLS = 12
 
-TP1_CONFIGS = presets.test_variants(1)
-TP2_CONFIGS = presets.test_variants(2)
-# One config of each multi-rank mode, for the tests of consecutive calls.
-TP2_MODE_CONFIGS = [
-    next(c for c in TP2_CONFIGS if c.mode == mode and not c.fuse_reduce) for mode in presets.MULTI_RANK_MODES
+TP1_CONFIGS = gpu_matrix.variants(1)
+TP2_CONFIGS = gpu_matrix.variants(2)
+# One config of each group algorithm, for the tests of consecutive calls.
+TP2_ALGORITHM_CONFIGS = [
+    next(c for c in TP2_CONFIGS if c.algorithm == algorithm and not c.fuse_reduce) for algorithm in GROUP_ALGORITHMS
 ] + [next(c for c in TP2_CONFIGS if c.fuse_reduce)]
-TP2_ONESHOT_CONFIGS = [c for c in TP2_CONFIGS if c.mode == "oneshot"]
+TP2_ONESHOT_CONFIGS = [c for c in TP2_CONFIGS if c.algorithm == "oneshot"]
 TP2_FUSED_CONFIGS = [c for c in TP2_CONFIGS if c.fuse_reduce]
 # Per-rank caps of a fused (persistent) grid: CTAs then take several tiles, different
 # numbers of them, and the ranks' grids may differ.
@@ -61,7 +62,7 @@ def _prepare(buffers, problems) -> None:
 
 
 def _output_rows(config, m: int) -> int:
-    return protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
+    return protocol.owned_rows(m, config.tp) if config.algorithm == "reduce_scatter" else m
 
 
 def _check_outputs(config, outputs: list[np.ndarray], problems, m: int) -> None:
@@ -72,14 +73,14 @@ def _check_outputs(config, outputs: list[np.ndarray], problems, m: int) -> None:
         what = f"{config.key} m={m} rank {rank}"
         assert np.all(bits[rows:] == numerics.POISON_BF16), f"{what}: rows past {rows} were written"
         out = bits[:rows].view(numerics.BF16)
-        if config.mode == "reduce_scatter":
+        if config.algorithm == "reduce_scatter":
             reference = numerics.owned(total, config.tp, rank)
             numerics.assert_close(out, reference, numerics.owned(bound, config.tp, rank), what=what)
             unused = numerics.tokenless_rows(rows, config.tp, rank, m)
             assert np.all(bits[:rows][unused] == 0), f"{what}: rows of no token are not +0.0"
         else:
             numerics.assert_close(out, total, bound, what=what)
-    if config.mode in ("oneshot", "twoshot"):
+    if config.algorithm in ("oneshot", "twoshot"):
         for rank, bits in enumerate(outputs[1:], 1):
             assert np.array_equal(bits[:rows], outputs[0][:rows]), (
                 f"{config.key} m={m}: rank {rank}'s output differs in bits from rank 0's"
@@ -164,7 +165,7 @@ def test_negative_zero_is_never_published(config, devices):
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("config", TP2_MODE_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
 def test_consecutive_rounds_cycle_the_stages(config, devices):
     rng = seeded_rng(config.key, "rounds")
     with open_test_group(config, devices, ROUNDS_CAPACITY_M) as launcher:
@@ -179,7 +180,7 @@ def test_consecutive_rounds_cycle_the_stages(config, devices):
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("config", TP2_MODE_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
 def test_calls_across_the_call_count_wrap(config, devices):
     """The count wraps to 0 after `protocol.CALL_COUNT_PERIOD` calls, and the stages go on
     cycling through the wrap: call c always has stage c % STAGES."""
@@ -198,7 +199,7 @@ def test_calls_across_the_call_count_wrap(config, devices):
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("config", TP2_MODE_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
 def test_chained_calls_without_host_waits(config, devices):
     """Calls enqueued back to back, as XLA issues them: ranks drift apart by up to a call
     and PDL overlaps each call with the previous one; each call has its own buffers."""

@@ -56,12 +56,12 @@ def _check_match(results: list[dict]) -> None:
             assert all(s["code"] == protocol.STATUS_OK for s in mailbox["status"]), mailbox
     assert [c["m"] for c in results[0]["calls"]] == [c["m"] for c in results[1]["calls"]]
     for a, b in zip(results[0]["calls"], results[1]["calls"]):
-        if a["mode"] == "allreduce":
+        if a["result"] == "allreduce":
             assert a["sha256"] == b["sha256"], f"{a}: the processes' outputs differ bitwise"
 
 
 def test_two_processes_match_float64_and_agree_bitwise():
-    """Three problems (bf16 and f32 weights, no shared expert, hidden 2048) x both modes: six
+    """Three problems (bf16 and f32 weights, no shared expert, hidden 2048) x both result layouts: six
     mailboxes created and closed collectively, one after the other."""
     results = _run("match", "straight", "--problems", "0", "1", "2")
     _ranks_follow_the_layout(results, "straight")
@@ -106,11 +106,11 @@ def test_a_process_that_exits_mid_run_fails_the_survivor_within_the_timeout(layo
           f"(timeout {EXIT_TIMEOUT_S} s)\n{outcome['message']}\nclose: {closing}")
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "reduce_scatter"])
-def test_groups_across_hosts_fall_back_to_xla_collectives(mode):
+@pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
+def test_groups_across_hosts_fall_back_to_xla_collectives(result):
     """Host identities differ (the test-only override): the op runs the reference over NCCL."""
     env = [{"JAX_MOE_PUBLISH_TEST_HOST_ID": f"host-{name}"} for name in "ab"]
-    results = _run("cross-host", "straight", "--mode", mode, env=env)
+    results = _run("cross-host", "straight", "--result", result, env=env)
     for result in results:
         assert result["spans_hosts"] and result["hosts"] == [["host-a", "host-b"]], result
         assert result["allocated_devices"] == 0, "a mailbox across hosts allocated memory"
@@ -119,5 +119,5 @@ def test_groups_across_hosts_fall_back_to_xla_collectives(mode):
         assert len(result["warnings"]) == 1, f"expected one warning, got {result['warnings']}"
         assert "rank 0: host-a, rank 1: host-b" in result["warnings"][0], result["warnings"][0]
         assert result["kernel_error"] and "host-a" in result["kernel_error"], result["kernel_error"]
-    if mode == "allreduce":
+    if result == "allreduce":
         assert [c["sha256"] for c in results[0]["calls"]] == [c["sha256"] for c in results[1]["calls"]]

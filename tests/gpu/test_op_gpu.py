@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec as P
 import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import native, protocol
-from jax_moe_publish.aot import presets
+from jax_moe_publish import tuning
+from jax_moe_publish.aot.presets import result_of
+from jax_moe_publish.testing import gpu_matrix
 
 CAPACITY = 64
 M_VALUES = (1, 3, 37, CAPACITY)
@@ -45,7 +47,7 @@ def _per_rank_outputs(mailbox, problems, scale, config=None):
     mesh = mailbox.mesh
     stacks = [np.stack([getattr(p, f) for p in problems]) for f in ("routed", "weights", "indices")]
     shared = None if problems[0].shared is None else np.stack([p.shared for p in problems])
-    scatter = mailbox.mode == "reduce_scatter"
+    scatter = mailbox.result == "reduce_scatter"
 
     def shard(routed, weights, indices, *rest):
         out = jmp.moe_finalize_publish(routed[0], weights[0], indices[0], rest[0][0] if rest else None,
@@ -61,61 +63,57 @@ def _per_rank_outputs(mailbox, problems, scale, config=None):
     return [by_device[d].reshape(by_device[d].shape[-2:]) for d in mesh.devices.flat]
 
 
-def _check(outputs, problems, scale, mode):
+def _check(outputs, problems, scale, result):
     expected, bound = numerics.expected_sum(problems, scale)
     tp = len(problems)
     for rank, out in enumerate(outputs):
-        if mode == "reduce_scatter":
+        if result == "reduce_scatter":
             numerics.assert_close(out, numerics.owned(expected, tp, rank),
                                   numerics.owned(bound, tp, rank), what=f"rank {rank}")
         else:
             numerics.assert_close(out, expected, bound, what=f"rank {rank}")
-    if mode != "reduce_scatter":
+    if result != "reduce_scatter":
         for rank, out in enumerate(outputs[1:], 1):
             assert np.array_equal(out.view(np.uint16), outputs[0].view(np.uint16)), f"rank {rank} differs"
 
 
-def _mailbox_mode(config):
-    return "reduce_scatter" if config.mode == "reduce_scatter" else "allreduce"
-
-
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("config", presets.test_variants(2), ids=lambda c: c.key)
+@pytest.mark.parametrize("config", gpu_matrix.variants(2), ids=lambda c: c.key)
 def test_variants_match_float64_on_two_gpus(config):
     rng = np.random.default_rng()
     mesh = _mesh(2)
-    with jmp.Mailbox(mesh, "tp", hidden=config.hidden, capacity_m=CAPACITY, mode=_mailbox_mode(config)) as mb:
+    with jmp.Mailbox(mesh, "tp", hidden=config.hidden, capacity_m=CAPACITY, result=result_of(config.algorithm)) as mb:
         for m in M_VALUES:
             problems = _problems(rng, 2, m, config)
             outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor, config=config)
-            _check(outputs, problems, config.routed_scaling_factor, config.mode)
+            _check(outputs, problems, config.routed_scaling_factor, mb.result)
         mb.check()
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("config", presets.test_variants(1), ids=lambda c: c.key)
+@pytest.mark.parametrize("config", gpu_matrix.variants(1), ids=lambda c: c.key)
 def test_direct_variants_match_float64_on_one_gpu(config):
     rng = np.random.default_rng()
     with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
         for m in M_VALUES:
             problems = _problems(rng, 1, m, config)
             outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor, config=config)
-            _check(outputs, problems, config.routed_scaling_factor, "direct")
+            _check(outputs, problems, config.routed_scaling_factor, mb.result)
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("mode", ["allreduce", "reduce_scatter"])
-@pytest.mark.parametrize("problem", presets.TEST_DEFAULT_PROBLEMS, ids=lambda p: f"h{p['hidden']}-k{p['top_k']}")
-def test_default_configs_both_modes_and_reversed_mesh(problem, mode):
+@pytest.mark.parametrize("result", tuning.RESULTS)
+@pytest.mark.parametrize("problem", gpu_matrix.DEFAULT_PROBLEMS, ids=lambda p: f"h{p.hidden}-k{p.top_k}")
+def test_table_configs_both_results_and_reversed_mesh(problem, result):
     rng = np.random.default_rng()
-    scale = problem["routed_scaling_factor"]
-    config = jmp.KernelConfig.default(tp=2, mode="oneshot", **problem)
+    scale = problem.routed_scaling_factor
+    config = tuning.kernel_config(problem, tp=2, m=None, result=result)
     for reverse in (False, True):
-        with jmp.Mailbox(_mesh(2, reverse), "tp", hidden=config.hidden, capacity_m=CAPACITY, mode=mode) as mb:
+        with jmp.Mailbox(_mesh(2, reverse), "tp", hidden=config.hidden, capacity_m=CAPACITY, result=result) as mb:
             for m in (1, 37):
                 problems = _problems(rng, 2, m, config)
                 outputs = _per_rank_outputs(mb, problems, scale)
-                _check(outputs, problems, scale, mode if mode == "reduce_scatter" else "oneshot")
+                _check(outputs, problems, scale, result)
 
 
 def _chain(mailbox, layers, scale, impl="auto"):
@@ -194,18 +192,18 @@ def test_command_buffer_chain_of_32_layers():
 @pytest.mark.gpus(1)
 def test_single_gpu_direct_path_has_no_mailbox_memory():
     rng = np.random.default_rng()
-    config = jmp.KernelConfig.default(tp=1, **presets.TEST_DEFAULT_PROBLEMS[0])
+    config = tuning.kernel_config(gpu_matrix.DEFAULT_PROBLEMS[0], tp=1, m=None)
     with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
-        assert mb.transport == "direct" and mb.status() == []
+        assert mb.status() == []
         problems = _problems(rng, 1, 37, config)
         outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor)
-        _check(outputs, problems, config.routed_scaling_factor, "direct")
+        _check(outputs, problems, config.routed_scaling_factor, mb.result)
 
 
 @pytest.mark.gpus(2)
 def test_call_after_close_is_an_error_not_a_crash():
     rng = np.random.default_rng()
-    config = jmp.KernelConfig.default(tp=2, **presets.TEST_DEFAULT_PROBLEMS[0])
+    config = tuning.kernel_config(gpu_matrix.DEFAULT_PROBLEMS[0], tp=2, m=None)
     mb = jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY)
     problems = _problems(rng, 2, 3, config)
     _per_rank_outputs(mb, problems, config.routed_scaling_factor)
@@ -215,7 +213,7 @@ def test_call_after_close_is_an_error_not_a_crash():
 
 
 def _fused_config():
-    return next(c for c in presets.test_variants(2) if c.fuse_reduce and c.hidden == 7168)
+    return next(c for c in gpu_matrix.variants(2) if c.fuse_reduce and c.hidden == 7168)
 
 
 @pytest.mark.gpus(2)
@@ -231,14 +229,14 @@ def test_fused_call_larger_than_the_resident_grid():
         for m in (capacity, 5):
             problems = _problems(rng, 2, m, config)
             outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor, config=config)
-            _check(outputs, problems, config.routed_scaling_factor, "oneshot")
+            _check(outputs, problems, config.routed_scaling_factor, mb.result)
         mb.check()
 
 
 @pytest.mark.gpus(2)
 def test_status_block_stays_healthy():
     rng = np.random.default_rng()
-    config = jmp.KernelConfig.default(tp=2, **presets.TEST_DEFAULT_PROBLEMS[0])
+    config = tuning.kernel_config(gpu_matrix.DEFAULT_PROBLEMS[0], tp=2, m=None)
     with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
         for _ in range(4):
             _per_rank_outputs(mb, _problems(rng, 2, 5, config), config.routed_scaling_factor)
@@ -250,7 +248,7 @@ def _drawn_calls(draw, tp):
     """A prebuilt ``tests``-preset config (its compile-time choices are fixed) and fresh data for
     it: m, routed rows and one index pattern per rank, as in the CPU property test. At least one
     routed row: with none, XLA's compiler crashed (segfault) on two H200s, jax 0.11.2."""
-    config = draw(st.sampled_from(presets.test_variants(tp)))
+    config = draw(st.sampled_from(gpu_matrix.variants(tp)))
     m = draw(st.integers(1, CAPACITY))
     num_rows = draw(st.integers(1, 64))
     patterns = [draw(st.sampled_from(numerics.INDEX_PATTERNS)) for _ in range(tp)]
@@ -280,17 +278,17 @@ def test_property_draws_through_the_kernels(tp):
         # Shown with -s: the last draw before a crash.
         print(f"draw: {config.key} m={problems[0].weights.shape[0]} rows={problems[0].routed.shape[0]}",
               flush=True)
-        mode = _mailbox_mode(config)
-        if mode not in mailboxes:
-            mailboxes[mode] = jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden, capacity_m=CAPACITY,
-                                          mode=mode)
-        mailbox = mailboxes[mode]
+        result = result_of(config.algorithm)
+        if result not in mailboxes:
+            mailboxes[result] = jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden, capacity_m=CAPACITY,
+                                            result=result)
+        mailbox = mailboxes[result]
         if mailbox.hidden != config.hidden:
             mailbox.close()
-            mailbox = mailboxes[mode] = jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden,
-                                                    capacity_m=CAPACITY, mode=mode)
+            mailbox = mailboxes[result] = jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden,
+                                                      capacity_m=CAPACITY, result=result)
         outputs = _per_rank_outputs(mailbox, problems, config.routed_scaling_factor, config=config)
-        _check(outputs, problems, config.routed_scaling_factor, config.mode)
+        _check(outputs, problems, config.routed_scaling_factor, result)
         mailbox.check()
 
     try:

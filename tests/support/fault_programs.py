@@ -11,7 +11,7 @@ After a fault no memory is freed (every free would fail): the program prints
 its result and leaves with ``os._exit``.
 
 Programs on the kernel harness (`gpu_harness`, one prebuilt ``tests``-preset
-config per mode, ranks launched one by one):
+config per algorithm, ranks launched one by one):
 
 * ``silent-peer``: one rank runs whole calls, the other never publishes. The
   running rank's wait must trap within the timeout and record the diagnostic.
@@ -20,9 +20,9 @@ config per mode, ranks launched one by one):
 * ``double-publish``: rank 1 publishes calls n and n+1 with no reduce between,
   then rank 0 runs call n. Shows what rank 0's reduce reads.
 * ``mismatched-m``: the ranks run the same call with different m.
-* ``nonfinite``: NaN and Inf inputs, every mode, against the float64 model.
+* ``nonfinite``: NaN and Inf inputs, every algorithm, against the float64 model.
 * ``negative-zero``: inputs whose partials round to -0.0 (the empty sentinel),
-  every mode, several calls: no wait may stall.
+  every algorithm, several calls: no wait may stall.
 * ``sanitize``: a few healthy calls of every kernel (oneshot, twoshot, both
   fused variants on grids smaller than their tiles, the RMSNorm epilogue
   unfused and fused), for ``compute-sanitizer``; it ends with a normal exit.
@@ -54,14 +54,15 @@ from cuda.bindings import driver
 
 import gpu_harness
 import numerics
-from jax_moe_publish import protocol
-from jax_moe_publish.aot import presets
+from jax_moe_publish import protocol, tuning
+from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS
+from jax_moe_publish.aot.presets import GROUP_ALGORITHMS
 from jax_moe_publish.aot.store import default_store
-from jax_moe_publish.config import PORTABLE_CLUSTER_CTAS
 from jax_moe_publish.memory.driver import CudaError, check
+from jax_moe_publish.testing import gpu_matrix
 
 RESULT_PREFIX = "RESULT "
-MODES = presets.MULTI_RANK_MODES
+ALGORITHMS = GROUP_ALGORITHMS
 CAPACITY_M = 16
 ROUTED_ROWS = 16
 FAULT_TIMEOUT_NS = 200 * 10**6
@@ -82,17 +83,17 @@ def finish(result: dict) -> None:
 # --- kernel harness ----------------------------------------------------------------------------
 
 
-def config_for(mode: str):
-    """The first ``tests``-preset variant of ``mode`` for two GPUs (prebuilt for the GPU machine)."""
-    return next(c for c in presets.test_variants(2) if c.mode == mode)
+def config_for(algorithm: str):
+    """The first ``tests``-preset variant of ``algorithm`` for two GPUs (prebuilt for the GPU machine)."""
+    return next(c for c in gpu_matrix.variants(2) if c.algorithm == algorithm)
 
 
 @contextlib.contextmanager
-def group(mode: str, timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT, *, config=None,
+def group(algorithm: str, timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT, *, config=None,
           grid_limits=None):
-    """A `gpu_harness.GroupLauncher` of ``mode`` (or of ``config``) on GPUs 0 and 1."""
+    """A `gpu_harness.GroupLauncher` of ``algorithm`` (or of ``config``) on GPUs 0 and 1."""
     devices = [gpu_harness.Device(ordinal) for ordinal in range(2)]
-    artifact = default_store().get(config or config_for(mode))
+    artifact = default_store().get(config or config_for(algorithm))
     with gpu_harness.open_group(artifact, devices, capacity_m=CAPACITY_M, timeout_ns=timeout_ns,
                                 on_timeout=on_timeout, grid_limits=grid_limits) as launcher:
         yield launcher
@@ -198,7 +199,7 @@ def truncated(problem: numerics.Problem, m: int) -> numerics.Problem:
 def output_failure(config, bits: np.ndarray, problems, m: int, rank: int) -> str | None:
     """Why rank's output (raw bf16 bits) is not the float64 model of ``problems``; None if it is."""
     total, bound = numerics.expected_sum(problems, config.routed_scaling_factor)
-    scatter = config.mode == "reduce_scatter"
+    scatter = config.algorithm == "reduce_scatter"
     rows = protocol.owned_rows(m, config.tp) if scatter else m
     if not np.all(bits[rows:] == numerics.POISON_BF16):
         return f"rank {rank}: rows past {rows} were written"
@@ -235,7 +236,7 @@ def silent_peer(args) -> None:
     m = 5
     rng = np.random.default_rng(args.seed)
     config = sanitize_configs()[args.config] if args.config else None
-    with group(args.mode, FAULT_TIMEOUT_NS, config=config) as launcher:
+    with group(args.algorithm, FAULT_TIMEOUT_NS, config=config) as launcher:
         config = launcher.config
         launcher.start_at_call(args.first_call)
         buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
@@ -257,7 +258,7 @@ def flagged_silent_peer(args) -> None:
     """Under ON_TIMEOUT_FLAG: a healthy call, a call that rank 1 skips, then a call on both."""
     m = 5
     rng = np.random.default_rng(args.seed)
-    with group(args.mode, FAULT_TIMEOUT_NS, protocol.ON_TIMEOUT_FLAG) as launcher:
+    with group(args.algorithm, FAULT_TIMEOUT_NS, protocol.ON_TIMEOUT_FLAG) as launcher:
         config = launcher.config
         buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
         calls, history = [], []
@@ -284,7 +285,7 @@ def flagged_silent_peer(args) -> None:
         # skipped: per written row, NaN or that mix; anything else is a protocol change.
         mixed = [history[1][0], history[2][1]]
         total, bound = numerics.expected_sum(mixed, config.routed_scaling_factor)
-        if config.mode == "reduce_scatter":
+        if config.algorithm == "reduce_scatter":
             total, bound = numerics.owned(total, config.tp, 1), numerics.owned(bound, config.tp, 1)
         rows = _written(config, buffers[1].output(), m, 1)
         kinds = []
@@ -296,14 +297,14 @@ def flagged_silent_peer(args) -> None:
             else:
                 kinds.append("other")
         calls[-1]["rank_1_rows"] = kinds
-        finish({"mode": config.mode, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "calls": calls})
+        finish({"algorithm": config.algorithm, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "calls": calls})
 
 
 def _written(config, bits: np.ndarray, m: int, rank: int) -> np.ndarray:
     """The rows of a rank's output that the call writes with data (as float32)."""
-    rows = protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
+    rows = protocol.owned_rows(m, config.tp) if config.algorithm == "reduce_scatter" else m
     values = bits[:rows].view(numerics.BF16).astype(np.float32)
-    if config.mode == "reduce_scatter":
+    if config.algorithm == "reduce_scatter":
         values = values[~numerics.tokenless_rows(rows, config.tp, rank, m)]
     return values
 
@@ -313,7 +314,7 @@ def double_publish(args) -> None:
     and rank 1 the rest of call n; then one healthy call on both."""
     m = 5
     rng = np.random.default_rng(args.seed)
-    with group(args.mode, FAULT_TIMEOUT_NS) as launcher:
+    with group(args.algorithm, FAULT_TIMEOUT_NS) as launcher:
         config = launcher.config
         call_n = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
         call_next = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
@@ -339,7 +340,7 @@ def double_publish(args) -> None:
         outputs = [call_n[rank].output() for rank in range(config.tp)]
         mixed = [problems_n[0], problem_next]
         result = {
-            "mode": config.mode, "publishes": publishes, "outcomes": outcomes,
+            "algorithm": config.algorithm, "publishes": publishes, "outcomes": outcomes,
             "stage_after_publishes": stage_after_publishes,
             # None where the output IS the model of those partials.
             "differs_from_call_n": [output_failure(config, bits, problems_n, m, rank)
@@ -364,7 +365,7 @@ def mismatched_m(args) -> None:
     """Rank r runs one whole call with ``args.m[r]`` tokens."""
     ms = args.m
     rng = np.random.default_rng(args.seed)
-    with group(args.mode, FAULT_TIMEOUT_NS) as launcher:
+    with group(args.algorithm, FAULT_TIMEOUT_NS) as launcher:
         config = launcher.config
         buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
         problems = [random_problem(config, rng, m) for m in ms]
@@ -378,7 +379,7 @@ def mismatched_m(args) -> None:
         small = int(np.argmin(ms))
         outcomes = wait_ranks(launcher, [small], start)
         result = {
-            "mode": config.mode, "m": ms, "timeout_s": FAULT_TIMEOUT_NS / 1e9,
+            "algorithm": config.algorithm, "m": ms, "timeout_s": FAULT_TIMEOUT_NS / 1e9,
             "output_failure": {}, "stale": {}, "stage": {},
         }
         if outcomes[str(small)]["completed"]:
@@ -440,7 +441,7 @@ def _nonfinite_failure(config, bits: np.ndarray, problems, m: int, rank: int) ->
     """Why rank's output does not carry NaN and Inf where the float64 model does; None if it does."""
     with np.errstate(invalid="ignore", over="ignore"):
         total, bound = numerics.expected_sum(problems, config.routed_scaling_factor)
-    scatter = config.mode == "reduce_scatter"
+    scatter = config.algorithm == "reduce_scatter"
     rows = protocol.owned_rows(m, config.tp) if scatter else m
     if scatter:
         total, bound = numerics.owned(total, config.tp, rank), numerics.owned(bound, config.tp, rank)
@@ -467,12 +468,12 @@ def _negative_zero_problems(config, rng, m: int) -> list[numerics.Problem]:
 
 
 def _special_values(args, make_problems, failure, calls: int) -> None:
-    """``calls`` healthy calls per mode on inputs from ``make_problems``, each output checked by ``failure``."""
+    """``calls`` healthy calls per algorithm on inputs from ``make_problems``, each output checked by ``failure``."""
     m = 7
     rng = np.random.default_rng(args.seed)
     report = {}
-    for mode in MODES:
-        with group(mode, HEALTHY_TIMEOUT_NS) as launcher:
+    for algorithm in ALGORITHMS:
+        with group(algorithm, HEALTHY_TIMEOUT_NS) as launcher:
             config = launcher.config
             buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
             failures = []
@@ -485,13 +486,13 @@ def _special_values(args, make_problems, failure, calls: int) -> None:
                 outputs = [b.output() for b in buffers]
                 failures += [f"call {call}: {text}" for rank, bits in enumerate(outputs)
                              if (text := failure(config, bits, problems, m, rank))]
-                if config.mode != "reduce_scatter" and not np.array_equal(outputs[0][:m], outputs[1][:m]):
+                if config.algorithm != "reduce_scatter" and not np.array_equal(outputs[0][:m], outputs[1][:m]):
                     failures.append(f"call {call}: the ranks' outputs differ in bits")
             elapsed = time.monotonic() - start
             stale = [stale_slots(launcher, rank) for rank in range(config.tp)]
             if any(stale):
                 failures.append(f"lanes not re-armed: {stale}")
-            report[mode] = {"calls": calls, "elapsed_s": elapsed, "failures": failures}
+            report[algorithm] = {"calls": calls, "elapsed_s": elapsed, "failures": failures}
     finish(report)
 
 
@@ -500,7 +501,7 @@ def nonfinite(args) -> None:
 
 
 def _zero_failure(config, bits: np.ndarray, problems, m: int, rank: int) -> str | None:
-    rows = protocol.owned_rows(m, config.tp) if config.mode == "reduce_scatter" else m
+    rows = protocol.owned_rows(m, config.tp) if config.algorithm == "reduce_scatter" else m
     if not np.all(bits[:rows] == 0):
         return f"rank {rank}: {np.sum(bits[:rows] != 0)} elements are not +0.0"
     return None
@@ -512,11 +513,11 @@ def negative_zero(args) -> None:
 
 
 def sanitize_configs() -> dict:
-    """The configs `sanitize` runs, by name: one per unfused mode, the fused variants (own
+    """The configs `sanitize` runs, by name: one per unfused algorithm, the fused variants (own
     partials in shared memory, in the mailbox, 8-byte fragments), and the RMSNorm epilogue
     unfused, fused in a portable cluster, and fused in a cluster beyond the portable 8 CTAs."""
-    fused = [c for c in presets.test_variants(2) if c.fuse_reduce]
-    epilogues = [c for c in presets.test_epilogues(2) if c.mode == "oneshot" and c.hidden == 7168]
+    fused = [c for c in gpu_matrix.variants(2) if c.fuse_reduce]
+    epilogues = [c for c in gpu_matrix.epilogues(2) if c.algorithm == "oneshot" and c.hidden == 7168]
     return {
         "oneshot": config_for("oneshot"),
         "twoshot": config_for("twoshot"),
@@ -540,7 +541,7 @@ def sanitize(args) -> dict:
     report = {}
     for name, config in sanitize_configs().items():
         grid_limits = SANITIZE_GRID_LIMITS if config.fuse_reduce else None
-        with group(config.mode, SANITIZE_TIMEOUT_NS, config=config, grid_limits=grid_limits) as launcher:
+        with group(config.algorithm, SANITIZE_TIMEOUT_NS, config=config, grid_limits=grid_limits) as launcher:
             buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
             failures = []
             for m in (1, 5, CAPACITY_M):
@@ -567,7 +568,7 @@ def sanitize(args) -> dict:
 
 # --- public API ---------------------------------------------------------------------------------
 
-API_PROBLEM = presets.TEST_DEFAULT_PROBLEMS[3]  # the example's problem: its default configs are prebuilt
+API_PROBLEM = gpu_matrix.DEFAULT_PROBLEMS[3]  # the example's problem: its default configs are prebuilt
 API_M = 5
 CHAIN_LAYERS = 8
 
@@ -585,11 +586,11 @@ def _api():
 
 
 def _api_mailbox(jmp, mesh, timeout_s: float = 5.0):
-    return jmp.Mailbox(mesh, "tp", hidden=API_PROBLEM["hidden"], capacity_m=CAPACITY_M, timeout_s=timeout_s)
+    return jmp.Mailbox(mesh, "tp", hidden=API_PROBLEM.hidden, capacity_m=CAPACITY_M, timeout_s=timeout_s)
 
 
 def _api_config(jmp):
-    return jmp.KernelConfig.default(tp=2, mode="oneshot", m=API_M, **API_PROBLEM)
+    return tuning.kernel_config(API_PROBLEM, tp=2, m=API_M)
 
 
 def _api_problems(jmp, rng, tp: int) -> list[numerics.Problem]:
@@ -613,7 +614,7 @@ def _api_step(jax, jmp, mailbox):
     def shard(routed, weights, indices, shared):
         out = jmp.moe_finalize_publish(
             routed[0], weights[0], indices[0], shared[0], mailbox=mailbox,
-            routed_scaling_factor=API_PROBLEM["routed_scaling_factor"], impl="kernel",
+            routed_scaling_factor=API_PROBLEM.routed_scaling_factor, impl="kernel",
         )
         return out[None]
 
@@ -622,7 +623,7 @@ def _api_step(jax, jmp, mailbox):
 
 def _api_failure(out: np.ndarray, problems) -> str | None:
     """Why the per-rank outputs ``out`` [tp, m, hidden] are not the group's sum; None if they are."""
-    total, bound = numerics.expected_sum(problems, API_PROBLEM["routed_scaling_factor"])
+    total, bound = numerics.expected_sum(problems, API_PROBLEM.routed_scaling_factor)
     failures = []
     for rank, rank_out in enumerate(out):
         try:
@@ -664,11 +665,11 @@ def api_timeout(args) -> None:
         def publish():
             return jmp.moe_finalize_publish(
                 routed[0], weights[0], indices[0], shared[0], mailbox=mailbox,
-                routed_scaling_factor=API_PROBLEM["routed_scaling_factor"], impl="kernel",
+                routed_scaling_factor=API_PROBLEM.routed_scaling_factor, impl="kernel",
             )
 
         def skip():
-            return jax.numpy.zeros((API_M, API_PROBLEM["hidden"]), jax.numpy.bfloat16)
+            return jax.numpy.zeros((API_M, API_PROBLEM.hidden), jax.numpy.bfloat16)
 
         return lax.cond(lax.axis_index("tp") == 0, publish, skip)[None]
 
@@ -741,7 +742,7 @@ def closed_chain(args) -> None:
 
     rng = np.random.default_rng(args.seed)
     mailbox = _api_mailbox(jmp, mesh)
-    scale = API_PROBLEM["routed_scaling_factor"]
+    scale = API_PROBLEM.routed_scaling_factor
 
     def shard(routed, weights, indices, shared):
         y = shared
@@ -816,12 +817,12 @@ PROGRAMS = {
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("program", choices=sorted(PROGRAMS))
-    parser.add_argument("--mode", choices=MODES, default="oneshot")
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="oneshot")
     parser.add_argument("--silent-rank", type=int, choices=(0, 1), default=1)
     parser.add_argument("--warmup", type=int, default=2, help="healthy calls before the fault")
     parser.add_argument("--first-call", type=int, default=0, help="number of the group's first call")
     parser.add_argument("--config", choices=sorted(sanitize_configs()),
-                        help="a config of `sanitize_configs` instead of --mode's first")
+                        help="a config of `sanitize_configs` instead of --algorithm's first")
     parser.add_argument("--m", type=int, nargs=2, default=(3, 5), help="m of rank 0 and rank 1")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

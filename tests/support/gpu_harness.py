@@ -10,7 +10,7 @@ It replays the launcher's contract from the artifact's metadata:
   (``PROGRAMMATIC_STREAM_SERIALIZATION = 1``) on every launch when ``metadata["pdl"]``;
 * publish parameters: ``(routed, weights, indices, shared, stage_state,
   destination, num_rows, m, capacity_m, rank)``; destination is the rank's peer
-  table, or the output in mode ``direct`` (then stage_state = 0,
+  table, or the output for ``direct`` (then stage_state = 0,
   capacity_m = m, rank = 0);
 * reduce and gather parameters: ``(mailbox, peer_table, stage_state, status,
   out, timeout_ns, m, capacity_m, rank)``; reduce_norm's add ``(residual,
@@ -33,8 +33,9 @@ from cuda.bindings import driver
 
 import numerics
 from jax_moe_publish import protocol
+from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS
 from jax_moe_publish.aot.artifact import CLUSTER_ROLES, PERSISTENT_ROLES, KernelArtifact
-from jax_moe_publish.config import PORTABLE_CLUSTER_CTAS, KernelConfig
+from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.memory.driver import CudaError, check, init, primary_context
 from jax_moe_publish.memory.group import GroupMemory
 
@@ -342,17 +343,15 @@ class RankBuffers:
 class GroupLauncher:
     """One artifact loaded on the devices of a group (rank r on ``devices[r]``), with its mailbox memory.
 
-    ``memory`` is None in mode ``direct`` (tp = 1), which has no mailbox.
+    ``memory`` is None for ``direct`` (tp = 1), which has no mailbox.
     """
 
     def __init__(self, artifact: KernelArtifact, devices: list[Device], memory: GroupMemory | None,
                  timeout_ns: int, grid_limits: list[int] | None = None) -> None:
         self.config = KernelConfig.from_dict(artifact.metadata["config"])
-        if self.config.transport == "multicast":
-            raise ValueError(f"{artifact.metadata['key']}: the harness has no multicast memory")
-        if (memory is None) != (self.config.mode == "direct"):
+        if (memory is None) != (self.config.algorithm == "direct"):
             raise ValueError(
-                f"mode {self.config.mode!r} with memory={memory!r}: a mailbox is needed exactly when tp > 1"
+                f"algorithm {self.config.algorithm!r} with memory={memory!r}: a mailbox is needed exactly when tp > 1"
             )
         self.devices = devices[: self.config.tp]
         self.memory = memory

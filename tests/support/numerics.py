@@ -180,10 +180,10 @@ def assert_epilogue_close(out, residual_out, total, bound, residual, norm_weight
     assert_close(out, normed, normed_bound, what=f"{what} out")
 
 
-def assert_group_close(out, expected, bound, *, mode: str, tp: int) -> None:
+def assert_group_close(out, expected, bound, *, result: str, tp: int) -> None:
     """A group's result against the float64 sum: the whole [m, hidden] for an all-reduce,
     or each rank's owned rows of a [tp, ceil(m/tp), hidden] reduce-scatter."""
-    if mode != "reduce_scatter":
+    if result != "reduce_scatter":
         assert_close(out, expected, bound)
         return
     assert out.shape == (tp, -(-expected.shape[0] // tp), expected.shape[1])

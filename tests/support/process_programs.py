@@ -11,7 +11,7 @@ prints ``RESULT {json}`` and leaves through `local_processes.leave`: a last
 barrier (so that the coordinator, process 0, outlives the others), then
 ``os._exit``. A program that raises leaves the same way, with exit code 1.
 
-* ``match``: for each of ``--modes`` and ``--problems``, a mailbox and calls
+* ``match``: for each of ``--results`` and ``--problems``, a mailbox and calls
   with m in `M_VALUES`, fresh inputs each.
 * ``chain``: ``--calls`` calls in jitted chains of `CHAIN_LAYERS`, each
   layer's output the next one's shared input, a random m per chain.
@@ -35,15 +35,15 @@ import warnings
 import numpy as np
 
 import numerics
-from jax_moe_publish import local_processes
+from jax_moe_publish.testing import local_processes
 
 CAPACITY = 64
 M_VALUES = (1, 3, 37, CAPACITY)
 CHAIN_MS = (1, 5, 17, CAPACITY)
 CHAIN_LAYERS = 10
-MODES = ("allreduce", "reduce_scatter")
+RESULTS = ("allreduce", "reduce_scatter")
 HEALTHY_CALLS = 3
-# Problems with prebuilt kernels in the `tests` preset (jax_moe_publish.aot.presets.TEST_DEFAULT_PROBLEMS).
+# Problems with prebuilt kernels in the `tests` preset (jax_moe_publish.testing.gpu_matrix.DEFAULT_PROBLEMS).
 PROBLEMS = (
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, fp32_weights=False, shared=True),
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, fp32_weights=True, shared=True),
@@ -96,7 +96,7 @@ class Process:
         from jax.sharding import PartitionSpec as P
 
         jmp, scale = self.jmp, self.problem["routed_scaling_factor"]
-        scatter = mailbox.mode == "reduce_scatter"
+        scatter = mailbox.result == "reduce_scatter"
 
         def shard(routed, weights, indices, *shared):
             out = jmp.moe_finalize_publish(routed[0], weights[0], indices[0], shared[0][0] if shared else None,
@@ -106,15 +106,15 @@ class Process:
         return self.jax.jit(self.jax.shard_map(shard, mesh=self.mesh, in_specs=P("tp"),
                                                out_specs=P("tp") if scatter else P()))
 
-    def local(self, out, mode: str = "allreduce") -> np.ndarray:
+    def local(self, out, result: str = "allreduce") -> np.ndarray:
         """This process's copy of the output (of a reduce-scatter, its own rows)."""
         data = np.asarray(out.addressable_data(0))
-        return data[0] if mode == "reduce_scatter" else data
+        return data[0] if result == "reduce_scatter" else data
 
-    def failure(self, out: np.ndarray, problems, mode: str) -> str | None:
+    def failure(self, out: np.ndarray, problems, result: str) -> str | None:
         """Why this rank's output is not the float64 model; None if it is."""
         expected, bound = numerics.expected_sum(problems, self.problem["routed_scaling_factor"])
-        if mode == "reduce_scatter":
+        if result == "reduce_scatter":
             expected = numerics.owned(expected, self.tp, self.rank)
             bound = numerics.owned(bound, self.tp, self.rank)
         try:
@@ -156,16 +156,16 @@ def match(args) -> None:
     executes = proc.execute_counts()
     for problem in args.problems:
         proc.problem = PROBLEMS[problem]
-        for mode in args.modes:
-            with proc.mailbox(mode=mode, process_timeout_s=60) as mailbox:
+        for result in args.results:
+            with proc.mailbox(result=result, process_timeout_s=60) as mailbox:
                 step = proc.step(mailbox)
                 for m in M_VALUES:
                     problems = proc.random_problems(rng, m)
                     with mailbox.diagnose():
-                        out = proc.local(step(*proc.inputs(problems)), mode)
-                    calls.append({"problem": problem, "mode": mode, "m": m, "sha256": digest(out),
-                                  "failure": proc.failure(out, problems, mode)})
-                mailboxes.append({"id": mailbox.id, "mode": mode, "status": mailbox.status()})
+                        out = proc.local(step(*proc.inputs(problems)), result)
+                    calls.append({"problem": problem, "result": result, "m": m, "sha256": digest(out),
+                                  "failure": proc.failure(out, problems, result)})
+                mailboxes.append({"id": mailbox.id, "result": result, "status": mailbox.status()})
     finish({**proc.describe(), "calls": calls, "mailboxes": mailboxes,
             "kernel_executes": proc.execute_counts() - executes})
 
@@ -252,11 +252,11 @@ def cross_host(args) -> None:
     calls = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with proc.mailbox(mode=args.mode, process_timeout_s=60) as mailbox:
+        with proc.mailbox(result=args.result, process_timeout_s=60) as mailbox:
             for m in (3, 37):  # two traces: the warning must still come once
                 problems = proc.random_problems(rng, m)
-                out = proc.local(proc.step(mailbox, impl="auto")(*proc.inputs(problems)), args.mode)
-                calls.append({"m": m, "sha256": digest(out), "failure": proc.failure(out, problems, args.mode)})
+                out = proc.local(proc.step(mailbox, impl="auto")(*proc.inputs(problems)), args.result)
+                calls.append({"m": m, "sha256": digest(out), "failure": proc.failure(out, problems, args.result)})
             try:
                 proc.step(mailbox, impl="kernel")(*proc.inputs(proc.random_problems(rng, 3)))
                 kernel_error = None
@@ -307,8 +307,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu", type=int, help="this process's GPU; none: one CPU device")
     parser.add_argument("--order", choices=("straight", "mesh-reversed"), default="straight",
                         help="mesh-reversed: rank 0 is the last process's device")
-    parser.add_argument("--mode", choices=MODES, default="allreduce")
-    parser.add_argument("--modes", choices=MODES, nargs="+", default=list(MODES), help="match only")
+    parser.add_argument("--result", choices=RESULTS, default="allreduce")
+    parser.add_argument("--results", choices=RESULTS, nargs="+", default=list(RESULTS), help="match only")
     parser.add_argument("--problems", type=int, nargs="+", default=[0], choices=range(len(PROBLEMS)),
                         help="indices into PROBLEMS (match: each; others: the first)")
     parser.add_argument("--calls", type=int, default=500)

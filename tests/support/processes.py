@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jax_moe_publish import local_processes
+from jax_moe_publish.testing import local_processes
 
 PROGRAMS = pathlib.Path(__file__).with_name("process_programs.py")
 DEADLINE_S = 300

@@ -1,0 +1,130 @@
+"""The kernel configs the GPU tests run: the ``tests`` preset.
+
+A prebuilt ``tests`` folder (``python -m jax_moe_publish.aot build --preset tests``) lets
+the GPU tests run on a machine without CuTe DSL.
+"""
+
+from __future__ import annotations
+
+from jax_moe_publish import tuning
+from jax_moe_publish.aot.presets import GROUP_ALGORITHMS, result_of
+from jax_moe_publish.config import EPILOGUE_ALGORITHMS, KernelConfig
+
+# Kernel variants the GPU tests cover: (hidden, top_k, launch and feature choices).
+# Together they span both element widths, both weight dtypes, with and without
+# the shared expert, several scales, every publish option and hidden sizes that
+# are not powers of two.
+VARIANTS = (
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, elements_per_thread=8, prefetch_group=4),
+    dict(hidden=7168, top_k=8, routed_scaling_factor=1.0, fp32_weights=True, elements_per_thread=4,
+         prefetch_group=1, threads=256, reduce_threads=256),
+    dict(hidden=5120, top_k=6, routed_scaling_factor=1.5, fp32_weights=True,
+         include_shared_expert=False, prefetch_group=3),
+    dict(hidden=2048, top_k=1, routed_scaling_factor=0.5, elements_per_thread=4, prefetch_group=1,
+         load_shared_expert_before_pdl=True, threads=64, reduce_threads=64),
+    dict(hidden=2880, top_k=10, routed_scaling_factor=2.5, prefetch_group=5, enable_pdl=False,
+         threads=96),
+    # One kernel per call (oneshot only): 16-byte fragments, own partials in shared memory or
+    # in the mailbox; 8-byte ones with a partial last CTA and without PDL.
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True),
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True,
+         keep_own_partial=False),
+    dict(hidden=2880, top_k=10, routed_scaling_factor=1.0, fp32_weights=True, include_shared_expert=False,
+         elements_per_thread=4, prefetch_group=5, enable_pdl=False, threads=96, fuse_reduce=True),
+    # A grid of a third of the rows' CTAs: three tiles per CTA even where the GPU holds them all.
+    dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, elements_per_thread=4, prefetch_group=8,
+         fuse_reduce=True, waves=3),
+)
+
+DEFAULT_PROBLEMS = (
+    tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5),
+    tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5, fp32_weights=True),
+    tuning.Problem(hidden=2048, top_k=6, routed_scaling_factor=1.0, include_shared_expert=False),
+    tuning.Problem(hidden=512, top_k=4, routed_scaling_factor=2.5, fp32_weights=True),  # the example's
+)
+"""The problems the op tests and the example call with the tuning table's configs."""
+
+EPILOGUE_PROBLEMS = (
+    tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5),
+    tuning.Problem(hidden=5120, top_k=6, routed_scaling_factor=1.5, fp32_weights=True, include_shared_expert=False),
+    tuning.Problem(hidden=2048, top_k=4, routed_scaling_factor=1.0),
+)
+"""The problems of the epilogue tests, with varied finalize options. Each runs with both
+epilogue algorithms, and as tp = 1 (direct, the epilogue in jnp)."""
+
+WIDE_EPILOGUE_PROBLEMS = (
+    tuning.Problem(hidden=9216, top_k=4, routed_scaling_factor=1.5, fp32_weights=True),
+    tuning.Problem(hidden=16384, top_k=8, routed_scaling_factor=2.5),
+)
+"""Rows wider than a model's: a fused row over a cluster of 15 CTAs of 160 threads (9216,
+its last CTA part-filled) or 16 CTAs of 256 threads (16384), and, unfused, several 16-byte
+fragments per reduce thread (3 and 4). Kernel tests only, for a group."""
+
+
+def variants(tp: int) -> list[KernelConfig]:
+    """The kernel-level GPU test configs for a group of ``tp``: every algorithm for the first
+    two `VARIANTS`, oneshot for the rest (fused ones only for a group)."""
+    configs = []
+    for index, variant in enumerate(VARIANTS):
+        if tp == 1 and variant.get("fuse_reduce"):
+            continue  # a group's option
+        if tp == 1:
+            algorithms = ("direct",)
+        elif index < 2:
+            algorithms = GROUP_ALGORITHMS
+        else:
+            algorithms = ("oneshot",)
+        configs += [KernelConfig(tp=tp, algorithm=algorithm, **variant) for algorithm in algorithms]
+    return configs
+
+
+def defaults(tp: int) -> list[KernelConfig]:
+    """The tuning table's configs that the op tests reach through the public API."""
+    algorithms = ("direct",) if tp == 1 else GROUP_ALGORITHMS
+    return [
+        tuning.kernel_config(problem, tp=tp, m=m, result=result_of(algorithm), algorithm=algorithm)
+        for problem in DEFAULT_PROBLEMS
+        for algorithm in algorithms
+        for m in tuning.range_ms()
+    ]
+
+
+def epilogues(tp: int) -> list[KernelConfig]:
+    """The configs of `EPILOGUE_PROBLEMS`: the table's fused epilogue for a group, the plain
+    direct kernel for tp = 1; for a group also variants of the fused epilogue's launch
+    shape, and those of `WIDE_EPILOGUE_PROBLEMS`, fused and not."""
+    def epilogue_config(problem, m, algorithm, **changes):
+        return tuning.kernel_config(problem, tp=tp, m=m, result=result_of(algorithm), epilogue="rmsnorm",
+                                    algorithm=algorithm, **changes)
+
+    if tp == 1:
+        return list(dict.fromkeys(tuning.kernel_config(problem, tp=1, m=m)
+                                  for problem in EPILOGUE_PROBLEMS for m in tuning.range_ms()))
+    configs = [epilogue_config(problem, m, algorithm)
+               for problem in EPILOGUE_PROBLEMS for algorithm in EPILOGUE_ALGORITHMS for m in tuning.range_ms()]
+    # Oneshot unfused (publish, then reduce_norm), which the table does not choose, stays
+    # tested; and fused with one CTA (no cluster) per row, with the own partials in the
+    # mailbox, with 8-byte fragments (twice the threads, in as many CTAs), and with 8-byte
+    # fragments in twice the CTAs (14 for hidden 7168: a cluster beyond the portable 8), and
+    # with a grid of a third of the rows' clusters.
+    configs += [epilogue_config(problem, m, "oneshot", fuse_reduce=False)
+                for problem in EPILOGUE_PROBLEMS for m in tuning.range_ms()]
+    fused = epilogue_config(EPILOGUE_PROBLEMS[0], tuning.SMALL_M, "oneshot")
+    configs.append(fused.replace(threads=fused.reduce_fragments, reduce_threads=fused.reduce_fragments))
+    configs.append(fused.replace(keep_own_partial=False))
+    configs.append(fused.replace(elements_per_thread=4, threads=2 * fused.threads, reduce_threads=2 * fused.threads))
+    configs.append(fused.replace(elements_per_thread=4))
+    configs.append(fused.replace(waves=3))
+    configs += [epilogue_config(problem, m, algorithm, **changes)
+                for problem in WIDE_EPILOGUE_PROBLEMS for m in tuning.range_ms()
+                for algorithm, changes in (("oneshot", {}), ("oneshot", {"fuse_reduce": False}),
+                                           ("reduce_scatter", {}))]
+    return list(dict.fromkeys(configs))
+
+
+def all_configs(arch: str = "sm_90a") -> list[KernelConfig]:
+    """Everything the GPU tests need, for groups of 1 and 2."""
+    configs = []
+    for tp in (1, 2):
+        configs += variants(tp) + defaults(tp) + epilogues(tp)
+    return [c.replace(arch=arch) for c in dict.fromkeys(configs)]

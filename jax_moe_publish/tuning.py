@@ -1,0 +1,198 @@
+"""The one tuning table: the algorithm and launch shape of a call, as data.
+
+A call is a `Problem` on a group of ``tp`` ranks, with ``m`` tokens, the mailbox's
+result layout and, or not, the residual + RMSNorm epilogue. `kernel_config` maps it to
+the `KernelConfig` that the op compiles and launches, in two steps:
+
+1. the algorithm, by result layout and tp (`ALGORITHMS`);
+2. the launch shape of that algorithm's kernels for ``m`` (`SHAPES`), by ranges of m.
+
+Every entry gives a one-line reason; the measurements those reasons cite, with their
+result files, are in ``docs/tuning.md``. The op, the benchmarks and the presets all ask
+this module, so a choice is made in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_moe_publish import _abi, protocol
+from jax_moe_publish.config import ALGORITHMS as KERNEL_ALGORITHMS
+from jax_moe_publish.config import KernelConfig
+
+RESULTS = ("allreduce", "reduce_scatter")
+"""The result layouts of a mailbox: the group's sum on every rank, or each owner's tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What the kernels are specialized on, apart from tp and the launch shape."""
+
+    hidden: int
+    top_k: int
+    routed_scaling_factor: float = 1.0
+    include_shared_expert: bool = True
+    fp32_weights: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmChoice:
+    """``algorithm`` for calls of up to ``m_max`` tokens (None: any m)."""
+
+    m_max: int | None
+    algorithm: str
+    reason: str
+
+
+# By result layout, then tp (1 is always "direct"): the first entry whose m_max covers m.
+ALGORITHMS: dict[str, tuple[AlgorithmChoice, ...]] = {
+    "allreduce": (
+        AlgorithmChoice(None, "oneshot", "fused oneshot was faster than twoshot at every m measured at tp = 2, "
+                                         "where both move the same NVLink bytes"),
+    ),
+    "reduce_scatter": (
+        AlgorithmChoice(None, "reduce_scatter", "the owners keep their tokens: the only reduce-scatter algorithm"),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The launch shape of calls of up to ``m_max`` tokens (None: any larger m).
+
+    ``elements_per_thread``, ``prefetch_group`` (capped at top-k) and, unfused without
+    the epilogue, ``reduce_threads`` are `KernelConfig`'s (a fused kernel's threads publish
+    and reduce). ``waves`` is the fused grid's passes.
+    ``cluster_ctas`` (fused epilogue only) is the most CTAs over which a row spreads:
+    its thread count follows from hidden (`_fused_norm_threads`).
+    """
+
+    m_max: int | None
+    elements_per_thread: int
+    prefetch_group: int
+    reason: str
+    reduce_threads: int = 128
+    waves: int = 1
+    cluster_ctas: int = 0
+
+
+SMALL_M = 64
+"""Up to this many tokens a call is latency-bound."""
+ONE_PASS_M = SMALL_M // 2
+"""Up to this many tokens a fused call covers its rows in one pass of the grid."""
+
+_LATENCY_BOUND = ("latency-bound: 8-byte fragments (twice the threads in flight) and a group of 8 routed rows "
+                  "loaded before use were fastest in the sweep at m = 8 and 64")
+_BANDWIDTH_BOUND = "bandwidth-bound: 16-byte fragments"
+
+# By kernel kind and epilogue: the first shape whose m_max covers m. The unfused kinds
+# (the finalize alone, or publish then reduce) also give the direct finalize's shape.
+SHAPES: dict[tuple[str, str], tuple[Shape, ...]] = {
+    ("unfused", "none"): (
+        Shape(SMALL_M, 4, 8, _LATENCY_BOUND + ", 256-thread reduce CTAs", reduce_threads=256),
+        Shape(None, 8, 4, _BANDWIDTH_BOUND),
+    ),
+    # The reduce CTA holds a row: its threads follow from hidden (`_row_reduce_threads`).
+    ("unfused", "rmsnorm"): (
+        Shape(SMALL_M, 4, 8, _LATENCY_BOUND),
+        Shape(None, 8, 4, _BANDWIDTH_BOUND),
+    ),
+    ("fused", "none"): (
+        Shape(ONE_PASS_M, 4, 8, _LATENCY_BOUND + ", in one pass of the grid"),
+        Shape(SMALL_M, 4, 8, "two passes: the first tiles' NVLink stores overlap the next tiles' loads "
+                             "(0.31-0.96 us faster than one pass at m = 64 in four runs)", waves=2),
+        Shape(None, 8, 4, _BANDWIDTH_BOUND + ", one pass (two were slower at m = 128)"),
+    ),
+    ("fused", "rmsnorm"): (
+        Shape(ONE_PASS_M, 4, 8, "8-byte fragments over up to 16 CTAs per row (a cluster beyond the portable "
+                                "8): 3.93 against 4.31 us at m = 1 for 16-byte ones in 8",
+              cluster_ctas=_abi.MAX_CLUSTER_CTAS),
+        Shape(SMALL_M, 8, 8, "16-byte fragments over up to 8 CTAs, two passes: 7.65 against 7.81 and 7.71 "
+                             "against 7.95 us for 8-byte ones at m = 64", waves=2,
+              cluster_ctas=_abi.PORTABLE_CLUSTER_CTAS),
+        Shape(None, 8, 4, _BANDWIDTH_BOUND + " over up to 8 CTAs per row, one pass",
+              cluster_ctas=_abi.PORTABLE_CLUSTER_CTAS),
+    ),
+}
+
+FUSE_REDUCE = "a oneshot call is one persistent kernel at every m: 0.70-0.81 of two kernels' time at m = 256 " \
+              "to 1024, within the noise at m = 8 and 64; with the epilogue 4.26 against 5.40 us at m = 1"
+"""Why `kernel_config` fuses every oneshot call whose row fits a cluster."""
+
+
+def algorithm_for(tp: int, m: int | None, result: str) -> AlgorithmChoice:
+    """The algorithm of a call (`ALGORITHMS`); ``m`` None means larger than every range."""
+    if result not in RESULTS:
+        raise ValueError(f"result={result!r}: expected one of {RESULTS}")
+    if tp == 1:
+        return AlgorithmChoice(None, "direct", "tp = 1: no peers")
+    return _covering(ALGORITHMS[result], m)
+
+
+def shape_for(fused: bool, epilogue: str, m: int | None) -> Shape:
+    """The launch shape of a call (`SHAPES`); ``m`` None means larger than every range."""
+    return _covering(SHAPES["fused" if fused else "unfused", epilogue], m)
+
+
+def _covering(entries, m: int | None):
+    """The first of ``entries`` (ordered by m_max, the last open) whose range holds ``m``."""
+    for entry in entries:
+        if entry.m_max is None or (m is not None and m <= entry.m_max):
+            return entry
+    raise AssertionError(f"no entry covers m={m}: the last entry of a table must have m_max=None")
+
+
+def _row_reduce_threads(hidden: int) -> int:
+    """Threads of an unfused epilogue's reduce CTA, which holds a whole row: one 16-byte
+    fragment per thread up to 1024 threads; wider rows get at most 512 threads, so that each
+    may use 128 registers for its several fragments (1024 threads leave 64, and ptxas spilled
+    at hidden 16384, tp = 8)."""
+    fragments = -(-hidden // protocol.REDUCE_ELEMENTS)
+    per_thread = 1 if fragments <= _abi.MAX_THREADS else -(-fragments // (_abi.MAX_THREADS // 2))
+    return -(-fragments // per_thread // 32) * 32
+
+
+def _fused_norm_threads(hidden: int, shape: Shape) -> int:
+    """Threads per CTA of a fused epilogue row over at most ``shape.cluster_ctas`` CTAs, one
+    fragment each: 128, or more where that many CTAs would not hold the row."""
+    fragments = hidden // shape.elements_per_thread
+    return max(128, -(-fragments // shape.cluster_ctas // 32) * 32)
+
+
+def kernel_config(problem: Problem, *, tp: int, m: int | None, result: str = "allreduce",
+                  epilogue: str = "none", algorithm: str | None = None, fuse_reduce: bool | None = None,
+                  arch: str = "sm_90a") -> KernelConfig:
+    """The `KernelConfig` of a call, as the op picks it.
+
+    ``m`` None means larger than every range. ``algorithm`` and ``fuse_reduce``, when
+    given, override the table's choice (benchmarks and tests compare the others).
+    """
+    if algorithm is None:
+        algorithm = algorithm_for(tp, m, result).algorithm
+    elif algorithm not in KERNEL_ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}: expected one of {KERNEL_ALGORITHMS}")
+    fused = algorithm == "oneshot" if fuse_reduce is None else fuse_reduce
+    shape = shape_for(fused, epilogue, m)
+    threads = _fused_norm_threads(problem.hidden, shape) if fused and epilogue != "none" else 128
+    if fused:
+        reduce_threads = threads
+    elif epilogue != "none":
+        reduce_threads = _row_reduce_threads(problem.hidden)
+    else:
+        reduce_threads = shape.reduce_threads
+    elements = shape.elements_per_thread if problem.hidden % 8 == 0 else 4
+    return KernelConfig(
+        hidden=problem.hidden, top_k=problem.top_k, tp=tp, algorithm=algorithm,
+        routed_scaling_factor=problem.routed_scaling_factor,
+        include_shared_expert=problem.include_shared_expert, fp32_weights=problem.fp32_weights,
+        elements_per_thread=elements, threads=threads, prefetch_group=min(shape.prefetch_group, problem.top_k),
+        reduce_threads=reduce_threads, fuse_reduce=fused, waves=shape.waves if fused else 1, epilogue=epilogue,
+        arch=arch,
+    )
+
+
+def range_ms() -> tuple[int, ...]:
+    """One m in every range of the table: each bound, and one past the largest. Calls of these
+    m get every config the table can choose for a problem (the presets build them)."""
+    bounds = {entry.m_max for table in (*ALGORITHMS.values(), *SHAPES.values()) for entry in table if entry.m_max}
+    return (*sorted(bounds), max(bounds) + 1)

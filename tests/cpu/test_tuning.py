@@ -1,0 +1,177 @@
+"""The tuning table (`jax_moe_publish.tuning`): its ranges, the configs it chooses, its overrides."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from jax_moe_publish import _abi, tuning
+from jax_moe_publish.config import KernelConfig
+
+DEEPSEEK = tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5)
+TABLES = {**{f"algorithms[{r}]": t for r, t in tuning.ALGORITHMS.items()},
+          **{f"shapes[{k}]": t for k, t in tuning.SHAPES.items()}}
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_every_table_covers_every_m_once_and_says_why(name):
+    entries = TABLES[name]
+    bounds = [entry.m_max for entry in entries]
+    assert bounds[-1] is None, f"{name}: the last entry must take every larger m"
+    assert all(b is not None for b in bounds[:-1]) and bounds[:-1] == sorted(set(bounds[:-1])), bounds
+    for entry in entries:
+        assert len(entry.reason) > 20, f"{name}: {entry} has no reason"
+    for m in range(1, 2049):
+        covering = [e for e in entries if e.m_max is None or m <= e.m_max]
+        assert tuning._covering(entries, m) is covering[0]
+
+
+def test_range_ms_hold_one_m_of_every_range():
+    ms = tuning.range_ms()
+    for entries in TABLES.values():
+        assert {tuning._covering(entries, m) for m in ms} == set(entries)
+
+
+@pytest.mark.parametrize("result", tuning.RESULTS)
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("epilogue", ["none", "rmsnorm"])
+def test_every_call_gets_a_valid_config_of_its_range(result, tp, epilogue):
+    if tp == 1 and epilogue != "none":
+        pytest.skip("tp = 1 runs the epilogue in jnp: the op asks for epilogue='none'")
+    for hidden in (2048, 2880, 4096, 7168, 9216, 16384):
+        problem = tuning.Problem(hidden=hidden, top_k=8)
+        for m in (1, 2, 31, 32, 33, 64, 65, 256, 4096, None):
+            config = tuning.kernel_config(problem, tp=tp, m=m, result=result, epilogue=epilogue)
+            assert isinstance(config, KernelConfig)
+            assert config.algorithm == tuning.algorithm_for(tp, m, result).algorithm
+            shape = tuning.shape_for(config.fuse_reduce, epilogue, m)
+            assert config.prefetch_group == min(shape.prefetch_group, 8)
+            assert config.waves == (shape.waves if config.fuse_reduce else 1)
+            if config.fuse_reduce and epilogue != "none":
+                assert config.ctas_per_token <= shape.cluster_ctas <= _abi.MAX_CLUSTER_CTAS
+
+
+def test_the_algorithm_follows_the_result_layout():
+    assert tuning.algorithm_for(1, 4, "reduce_scatter").algorithm == "direct"
+    assert tuning.algorithm_for(2, 4, "allreduce").algorithm == "oneshot"
+    assert tuning.algorithm_for(8, None, "reduce_scatter").algorithm == "reduce_scatter"
+    with pytest.raises(ValueError, match=re.escape("result='allgather': expected one of")):
+        tuning.algorithm_for(2, 4, "allgather")
+
+
+# (problem, tp, kwargs, algorithm, elements_per_thread, prefetch_group, ctas_per_token, reduce_ctas_per_token)
+LARGE_M_CALLS = [
+    (dict(hidden=7168, top_k=8), 1, {}, "direct", 8, 4, 7, 7),
+    (dict(hidden=7168, top_k=8), 2, {}, "oneshot", 8, 4, 7, 7),
+    (dict(hidden=5120, top_k=6), 8, dict(algorithm="twoshot"), "twoshot", 8, 4, 5, 5),
+    (dict(hidden=2880, top_k=10), 4, dict(result="reduce_scatter"), "reduce_scatter", 8, 4, 3, 3),
+    (dict(hidden=2052, top_k=2), 1, {}, "direct", 4, 2, 5, 2),  # 2052 % 8 = 4
+    (dict(hidden=4096, top_k=1, routed_scaling_factor=2.5, include_shared_expert=False, fp32_weights=True),
+     2, dict(arch="sm_100a"), "oneshot", 8, 1, 4, 4),
+]
+
+
+@pytest.mark.parametrize("problem, tp, kwargs, algorithm, elements, prefetch, ctas, reduce_ctas", LARGE_M_CALLS,
+                         ids=[f"{p}-tp{tp}-{k}" for p, tp, k, *_ in LARGE_M_CALLS])
+def test_large_m_shape(problem, tp, kwargs, algorithm, elements, prefetch, ctas, reduce_ctas):
+    config = tuning.kernel_config(tuning.Problem(**problem), tp=tp, m=None, **kwargs)
+    for name, value in problem.items():
+        assert getattr(config, name) == value, name
+    assert config.algorithm == algorithm and config.arch == kwargs.get("arch", "sm_90a")
+    assert (config.elements_per_thread, config.prefetch_group) == (elements, prefetch)
+    assert (config.threads, config.reduce_threads, config.enable_pdl) == (128, 128, True)
+    assert not config.load_shared_expert_before_pdl
+    assert (config.ctas_per_token, config.reduce_ctas_per_token) == (ctas, reduce_ctas)
+
+
+@pytest.mark.parametrize("problem, tp, kwargs, field", [
+    (dict(hidden=1028, top_k=8), 2, {}, "hidden"),  # 8-byte fragments cannot fill 16-byte lanes
+    (dict(hidden=1024, top_k=8), 1, dict(algorithm="oneshot"), "algorithm"),
+    (dict(hidden=1024, top_k=0), 2, {}, "top_k"),
+    (dict(hidden=1024, top_k=8), 2, dict(arch="sm_89"), "arch"),
+    (dict(hidden=7168, top_k=8), 2, dict(algorithm="twoshot", epilogue="rmsnorm"), "algorithm"),
+    (dict(hidden=7168, top_k=8), 2, dict(algorithm="twoshot", fuse_reduce=True), "algorithm"),
+])
+def test_invalid_calls_name_the_config_field(problem, tp, kwargs, field):
+    with pytest.raises(ValueError, match=re.escape(f"KernelConfig.{field}=")):
+        tuning.kernel_config(tuning.Problem(**problem), tp=tp, m=None, **kwargs)
+
+
+def test_an_unknown_algorithm_is_named():
+    with pytest.raises(ValueError, match=re.escape("algorithm='threeshot': expected one of")):
+        tuning.kernel_config(DEEPSEEK, tp=2, m=1, algorithm="threeshot")
+
+
+# (hidden, reduce threads, 16-byte fragments per thread) of the unfused epilogue: one CTA per
+# row, one fragment per thread up to 1024 threads, then at most 512 threads.
+EPILOGUE_SHAPES = [(2048, 256, 1), (2880, 384, 1), (5120, 640, 1), (7168, 896, 1), (8192, 1024, 1),
+                   (9216, 384, 3), (16384, 512, 4)]
+# (threads, CTAs of the row's cluster) by hidden, of the fused epilogue: 128 threads, or more
+# where the cluster would not hold the row; 16-byte fragments in at most 8 CTAs, and up to
+# ONE_PASS_M tokens 8-byte ones in at most 16.
+FUSED_EPILOGUE_SHAPES = {2048: (128, 2), 2880: (128, 3), 5120: (128, 5), 7168: (128, 7), 8192: (128, 8),
+                         9216: (160, 8), 16384: (256, 8)}
+NARROW_FUSED_EPILOGUE_SHAPES = {2048: (128, 4), 2880: (128, 6), 5120: (128, 10), 7168: (128, 14),
+                                8192: (128, 16), 9216: (160, 15), 16384: (256, 16)}
+
+
+@pytest.mark.parametrize("hidden, threads, per_thread", EPILOGUE_SHAPES)
+@pytest.mark.parametrize("result", tuning.RESULTS)
+@pytest.mark.parametrize("m", [1, tuning.ONE_PASS_M, tuning.ONE_PASS_M + 1, 1024, None])
+def test_epilogue_shape(hidden, threads, per_thread, result, m):
+    problem = tuning.Problem(hidden=hidden, top_k=8)
+    config = tuning.kernel_config(problem, tp=2, m=m, result=result, epilogue="rmsnorm")
+    unfused = tuning.kernel_config(problem, tp=2, m=m, result=result, epilogue="rmsnorm", fuse_reduce=False)
+    assert config.epilogue == "rmsnorm"
+    assert config.fuse_reduce == (result == "allreduce")  # fused exactly for oneshot
+    if config.fuse_reduce:
+        narrow = m is not None and m <= tuning.ONE_PASS_M
+        shapes = NARROW_FUSED_EPILOGUE_SHAPES if narrow else FUSED_EPILOGUE_SHAPES
+        assert (config.threads, config.ctas_per_token) == shapes[hidden]
+        assert (config.reduce_threads, config.elements_per_thread) == (config.threads, 4 if narrow else 8)
+    else:
+        assert config == unfused
+    assert (unfused.reduce_threads, unfused.norm_fragments_per_thread) == (threads, per_thread)
+    assert unfused.reduce_ctas_per_token == 1
+    # Unfused, the publish is the one without the epilogue.
+    plain = tuning.kernel_config(problem, tp=2, m=m, result=result, fuse_reduce=False)
+    assert unfused.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
+
+
+@pytest.mark.parametrize("m, result, epilogue, fused", [
+    (1, "allreduce", "none", True),
+    (tuning.SMALL_M, "allreduce", "none", True),
+    (4096, "allreduce", "none", True),  # persistent: any m
+    (None, "allreduce", "none", True),
+    (1, "reduce_scatter", "none", False),
+    (1, "allreduce", "rmsnorm", True),
+    (tuning.SMALL_M + 1, "allreduce", "rmsnorm", True),
+    (None, "allreduce", "rmsnorm", True),
+    (tuning.SMALL_M + 1, "reduce_scatter", "rmsnorm", False),
+])
+def test_oneshot_calls_are_fused(m, result, epilogue, fused):
+    config = tuning.kernel_config(DEEPSEEK, tp=2, m=m, result=result, epilogue=epilogue)
+    assert config.fuse_reduce is fused
+    assert tuning.kernel_config(DEEPSEEK, tp=2, m=m, result=result, epilogue=epilogue,
+                                fuse_reduce=False).fuse_reduce is False
+    assert tuning.kernel_config(DEEPSEEK, tp=2, m=m, algorithm="twoshot").fuse_reduce is False
+
+
+@pytest.mark.parametrize("epilogue, other", [("none", dict(algorithm="twoshot")),
+                                             ("rmsnorm", dict(result="reduce_scatter"))])
+def test_waves(epilogue, other):
+    def waves(**changes):
+        return tuning.kernel_config(DEEPSEEK, tp=2, epilogue=epilogue, **changes).waves
+
+    # Two passes of the fused grid for 33 to 64 tokens; one elsewhere, and for unfused calls.
+    assert {m: waves(m=m) for m in (1, 32, 33, 64, 65, 256, None)} == {
+        1: 1, 32: 1, 33: 2, 64: 2, 65: 1, 256: 1, None: 1}
+    assert waves(m=64, fuse_reduce=False) == 1
+    assert waves(m=64, **other) == 1
+
+
+def test_a_fused_epilogue_on_request_has_a_cluster_per_row():
+    fused = tuning.kernel_config(DEEPSEEK, tp=2, m=1, epilogue="rmsnorm", fuse_reduce=True)
+    assert fused.fuse_reduce and (fused.threads, fused.reduce_threads, fused.elements_per_thread) == (128, 128, 4)
+    assert fused.ctas_per_token == 14
