@@ -13,7 +13,7 @@ start-up), the pairs differ and show which counts to time.
 
 It also records how often XLA ran our FFI handler per run (never on XLA's
 path), inside a CUDA graph capture and directly
-(`jax_moe_publish.native.execute_counts`): a replayed command buffer runs it
+(`jax_moe_publish._extension.execute_counts`): a replayed command buffer runs it
 not at all, a recapture once per layer, and a call outside the command buffer
 once per call. That tells whether a run's fixed cost comes from capturing the
 custom calls again.
@@ -46,7 +46,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
-from jax_moe_publish import native  # noqa: E402
+from jax_moe_publish import _extension  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe_publish as bench  # noqa: E402
@@ -60,11 +60,11 @@ def time_counts(impl, mailbox, problem, config, inputs, counts, reps):
     programs = {n: bench.make_chain(impl, mailbox, problem, config, n) for n in counts}
     ms, executes = {}, {}
     for n in counts:
-        before = native.execute_counts()
+        before = _extension.execute_counts()
         ms[n] = float(np.median(bench.time_runs(programs[n], inputs, reps))) * 1e3
         runs = reps + 1  # time_runs' warm-up run, then the timed ones
         executes[str(n)] = {kind: (after - start) / runs for kind, after, start
-                            in zip(("captured", "direct"), native.execute_counts(), before)}
+                            in zip(("captured", "direct"), _extension.execute_counts(), before)}
     calls = np.array(counts) * bench.LAYERS
     slope, intercept = np.polyfit(calls, np.array([ms[n] for n in counts]), 1)
     pairs = {f"{a}-{b}": (ms[b] - ms[a]) / ((b - a) * bench.LAYERS) * 1e3

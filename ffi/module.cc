@@ -1,5 +1,5 @@
 // Python module jax_moe_publish._ffi: the FFI handler as a capsule, and the
-// setup calls that fill the registry before the first call. jax_moe_publish/native.py
+// setup calls that fill the registry before the first call. jax_moe_publish/_extension.py
 // wraps it; see there for the documentation of each function.
 
 #include <nanobind/nanobind.h>
@@ -10,8 +10,10 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
+#include "launch_values.h"
 #include "moe_publish_handler.h"
 #include "registry.h"
 
@@ -26,7 +28,10 @@ T Field(const nb::dict& record, const std::string& name, const char* key, const 
     throw std::invalid_argument(name + ": missing key '" + key + "'");
   }
   T value;
-  if (!nb::try_cast(record[key], value)) {
+  // A bool is not a count: nanobind would cast True to 1.
+  const bool bool_for_int = std::is_integral_v<T> && !std::is_same_v<T, bool> &&
+                            nb::isinstance<nb::bool_>(record[key]);
+  if (bool_for_int || !nb::try_cast(record[key], value)) {
     throw nb::type_error((name + "['" + key + "']=" + nb::repr(record[key]).c_str() +
                           ": expected " + expected)
                              .c_str());
@@ -45,15 +50,31 @@ std::vector<KernelSpec> ParseKernels(const nb::list& kernels) {
     specs.push_back(KernelSpec{
         Field<std::string>(record, name, "role", "a str"),
         Field<std::string>(record, name, "symbol", "a str"),
+        Field<std::vector<std::string>>(record, name, "params", "a list of str"),
+        Field<std::vector<std::string>>(record, name, "param_types", "a list of str"),
         Field<int64_t>(record, name, "block", "an int"),
         Field<int64_t>(record, name, "smem", "an int"),
         Field<int64_t>(record, name, "ctas_per_row", "an int"),
         Field<std::string>(record, name, "rows", "a str"),
         Field<int64_t>(record, name, "waves", "an int"),
-        Field<std::vector<std::string>>(record, name, "params", "a list of str"),
+        Field<bool>(record, name, "persistent", "a bool"),
+        Field<int64_t>(record, name, "cluster", "an int"),
     });
   }
   return specs;
+}
+
+CallSpec ParseCall(const nb::dict& call) {
+  const std::string name = "call";
+  return CallSpec{
+      Field<int64_t>(call, name, "tp", "an int"),
+      Field<int64_t>(call, name, "hidden", "an int"),
+      Field<int64_t>(call, name, "top_k", "an int"),
+      Field<std::string>(call, name, "weights", "a str"),
+      Field<bool>(call, name, "shared_expert", "a bool"),
+      Field<std::string>(call, name, "out_rows", "a str"),
+      Field<bool>(call, name, "pdl", "a bool"),
+  };
 }
 
 }  // namespace
@@ -68,21 +89,24 @@ NB_MODULE(_ffi, m) {
 
   m.def(
       "load_kernel_set",
-      [](int64_t kernel_set_id, int device_ordinal, nb::bytes cubin, nb::list kernels,
-         std::string mode, int64_t tp, int64_t hidden, int64_t top_k, bool fp32_weights,
-         bool include_shared_expert, bool pdl, std::string epilogue, bool fuse_reduce) {
+      [](int64_t kernel_set_id, int device_ordinal, nb::bytes cubin, nb::list kernels, nb::dict call) {
         std::vector<jax_moe_publish::KernelSpec> specs = jax_moe_publish::ParseKernels(kernels);
-        jax_moe_publish::KernelSetSpec spec{std::move(mode), tp,  hidden, top_k, fp32_weights,
-                                            include_shared_expert, pdl, std::move(epilogue),
-                                            fuse_reduce};
+        jax_moe_publish::CallSpec spec = jax_moe_publish::ParseCall(call);
         std::string_view image(cubin.c_str(), cubin.size());
         nb::gil_scoped_release release;  // A cubin load can take milliseconds.
         Registry::Get().LoadKernelSet(kernel_set_id, device_ordinal, image, specs, spec);
       },
       nb::arg("kernel_set_id"), nb::arg("device_ordinal"), nb::arg("cubin"), nb::arg("kernels"),
-      nb::arg("mode"), nb::arg("tp"), nb::arg("hidden"), nb::arg("top_k"),
-      nb::arg("fp32_weights"), nb::arg("include_shared_expert"), nb::arg("pdl"),
-      nb::arg("epilogue"), nb::arg("fuse_reduce"));
+      nb::arg("call"));
+
+  // The C++ list of the launch contract's values, for the test that keeps it equal to Python's.
+  m.def("launch_values", []() {
+    nb::list values;
+    for (const jax_moe_publish::ValueInfo& value : jax_moe_publish::kValues) {
+      values.append(nb::make_tuple(std::string(value.name), std::string(value.ptx_type)));
+    }
+    return values;
+  });
 
   m.def(
       "register_mailbox_device",

@@ -1,9 +1,8 @@
 // XLA FFI handlers "jax_moe_publish" (one call of the MoE finalize and its TP
 // reduction) and "jax_moe_publish_rmsnorm" (the same, with the residual add +
 // RMSNorm epilogue fused into the reduce). They check the call against its
-// kernel set and this device's mailbox, then launch the set's kernels
-// (publish, reduce or reduce_norm, gather; or the one publish_reduce or
-// publish_reduce_norm) on XLA's stream.
+// kernel set and this device's mailbox, then launch the set's kernels in order
+// on XLA's stream, each with the values its sidecar names (launch_values.h).
 //
 // It is command-buffer compatible: execute reads only host state registered
 // before the first call and launches, with no allocation, synchronisation or
@@ -23,6 +22,7 @@
 #include <string>
 
 #include "cuda_driver.h"
+#include "launch_values.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -84,7 +84,11 @@ struct NormOperands {
 };
 
 ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel, bool pdl,
-                  int64_t rows, void** params) {
+                  int64_t rows, ValueSlot* values) {
+  void* params[kValueCount];
+  for (size_t i = 0; i < kernel.params.size(); ++i) {
+    params[i] = &values[static_cast<size_t>(kernel.params[i])];
+  }
   CUlaunchAttribute attributes[2] = {};
   unsigned count = 0;
   if (pdl) {
@@ -95,17 +99,17 @@ ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel,
     ++count;
   }
   if (kernel.cluster > 1) attributes[count++] = ClusterDimension(kernel.cluster);
-  // A persistent (fused) grid covers its rows in `waves` passes, and its CTAs wait on each
-  // other's peers, so all must run at once. (Both limits are whole numbers of clusters.)
+  // A persistent grid covers its rows in `waves` passes, and its CTAs wait on each other's
+  // peers, so all must run at once. (Both limits are whole numbers of clusters.)
   int64_t ctas = (rows + kernel.waves - 1) / kernel.waves * kernel.ctas_per_row;
-  if (kernel.max_resident_ctas > 0) ctas = std::min(ctas, kernel.max_resident_ctas);
+  if (kernel.persistent) ctas = std::min(ctas, kernel.max_resident_ctas);
   CUlaunchConfig config = LaunchConfig(kernel, static_cast<unsigned>(ctas));
   config.hStream = stream;  // The launch runs in the stream's context.
   config.attrs = count > 0 ? attributes : nullptr;
   config.numAttrs = count;
   CUresult result = cuda.LaunchKernelEx(&config, kernel.function, params, nullptr);
   if (result != CUDA_SUCCESS) {
-    const std::string call = std::string("cuLaunchKernelEx(") + RoleName(kernel.role) + ")";
+    const std::string call = "cuLaunchKernelEx(" + kernel.role + ")";
     return ffi::Error::Internal(CudaErrorMessage(cuda, call.c_str(), result));
   }
   return ffi::Error::Success();
@@ -128,21 +132,19 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
                               ": load_kernel_set must be called for this device before the "
                               "first call");
   }
-  const bool rmsnorm = set->epilogue == Epilogue::kRmsNorm;
-  if (rmsnorm != (norm != nullptr)) {
+  if (set->epilogue != (norm != nullptr)) {
     return ffi::Error::InvalidArgument(
-        "kernel set " + std::to_string(kernel_set_id) + " has epilogue " +
-        (rmsnorm ? "'rmsnorm'" : "'none'") + ": call it through target " +
-        (rmsnorm ? "jax_moe_publish_rmsnorm" : "jax_moe_publish"));
+        "kernel set " + std::to_string(kernel_set_id) +
+        (set->epilogue ? " has the epilogue" : " has no epilogue") + ": call it through target " +
+        (set->epilogue ? "jax_moe_publish_rmsnorm" : "jax_moe_publish"));
   }
 
-  MailboxDevice mailbox;  // Stays zero in mode direct, which has no mailbox.
-  if (set->mode == Mode::kDirect) {
+  MailboxDevice mailbox;  // Stays zero for a set without a mailbox (tp = 1).
+  if (!set->uses_mailbox) {
     if (mailbox_id != 0) {
       return ffi::Error::InvalidArgument("mailbox_id=" + std::to_string(mailbox_id) +
                                          ": expected 0, kernel set " +
-                                         std::to_string(kernel_set_id) +
-                                         " has mode 'direct', which uses no mailbox");
+                                         std::to_string(kernel_set_id) + " uses no mailbox");
     }
   } else {
     switch (registry.FindMailbox(mailbox_id, device, &mailbox)) {
@@ -163,7 +165,7 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
   // weights fixes m; every other argument is checked against it.
   const ffi::DataType weights_dtype = set->fp32_weights ? ffi::DataType::F32 : ffi::DataType::BF16;
   if (ffi::Error error = CheckMatrix("weights", weights, weights_dtype, -1, set->top_k,
-                                     "dtype from fp32_weights, top_k", kernel_set_id);
+                                     "dtype from the set's weights, top_k", kernel_set_id);
       error.failure()) {
     return error;
   }
@@ -173,21 +175,20 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
                                        " rows, expected m >= 1");
   }
   const int64_t owned = (m + set->tp - 1) / set->tp;
-  const bool scatter = set->mode == Mode::kReduceScatter;
+  const bool scatter = set->out_owned;
   const ffi::Error errors[] = {
       CheckMatrix("routed", routed, ffi::DataType::BF16, -1, set->hidden, "hidden",
                   kernel_set_id),
       CheckMatrix("indices", indices, ffi::DataType::S32, m, set->top_k,
                   "m from weights, top_k", kernel_set_id),
-      CheckMatrix("shared", shared, ffi::DataType::BF16, set->include_shared_expert ? m : 0,
+      CheckMatrix("shared", shared, ffi::DataType::BF16, set->shared_expert ? m : 0,
                   set->hidden,
-                  set->include_shared_expert
+                  set->shared_expert
                       ? "m from weights, hidden"
-                      : "a [0, hidden] placeholder, since include_shared_expert is false,",
+                      : "a [0, hidden] placeholder, since the set has no shared expert,",
                   kernel_set_id),
       CheckMatrix("out", out, ffi::DataType::BF16, scatter ? owned : m, set->hidden,
-                  scatter ? "ceil(m / tp) rows in mode reduce_scatter, hidden"
-                          : "m from weights, hidden",
+                  scatter ? "ceil(m / tp) rows of a reduce-scatter, hidden" : "m from weights, hidden",
                   kernel_set_id),
   };
   for (const ffi::Error& error : errors) {
@@ -195,7 +196,7 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
   }
   if (norm != nullptr) {
     const char* rows_rule =
-        scatter ? "ceil(m / tp) rows in mode reduce_scatter, hidden" : "m from weights, hidden";
+        scatter ? "ceil(m / tp) rows of a reduce-scatter, hidden" : "m from weights, hidden";
     const ffi::Error norm_errors[] = {
         CheckMatrix("residual", norm->residual, ffi::DataType::BF16, scatter ? owned : m,
                     set->hidden, rows_rule, kernel_set_id),
@@ -211,7 +212,7 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
                                          ": expected a finite float32 > 0");
     }
   }
-  if (set->mode != Mode::kDirect) {
+  if (set->uses_mailbox) {
     const std::string name = "mailbox " + std::to_string(mailbox_id);
     const std::string of_set = " of kernel set " + std::to_string(kernel_set_id);
     if (m > mailbox.capacity_m) {
@@ -229,47 +230,31 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
     }
   }
 
-  // Kernel parameters, in the ABI order that load_kernel_set checked.
-  uint64_t routed_address = Address(routed);
-  uint64_t weights_address = Address(weights);
-  uint64_t indices_address = Address(indices);
-  uint64_t shared_address = Address(shared);
-  uint64_t out_address = Address(out);
-  uint64_t destination = set->mode == Mode::kDirect ? out_address : mailbox.peer_table;
-  uint32_t num_rows = static_cast<uint32_t>(routed.dimensions()[0]);
-  uint32_t m32 = static_cast<uint32_t>(m);
-  uint32_t capacity_m = set->mode == Mode::kDirect ? m32 : static_cast<uint32_t>(mailbox.capacity_m);
-  uint32_t rank = static_cast<uint32_t>(mailbox.rank);
-  void* publish_params[] = {&routed_address, &weights_address, &indices_address,
-                            &shared_address, &mailbox.stage_state, &destination,
-                            &num_rows,       &m32,             &capacity_m,
-                            &rank};
-  void* publish_reduce_params[] = {&routed_address,      &weights_address,     &indices_address,
-                                   &shared_address,      &mailbox.mailbox,     &mailbox.peer_table,
-                                   &mailbox.stage_state, &mailbox.status,      &out_address,
-                                   &mailbox.timeout_ns,  &num_rows,            &m32,
-                                   &capacity_m,          &rank};
-  void* wait_params[] = {&mailbox.mailbox, &mailbox.peer_table, &mailbox.stage_state,
-                         &mailbox.status,  &out_address,        &mailbox.timeout_ns,
-                         &m32,             &capacity_m,         &rank};
-  // Unused (zero) without the epilogue.
-  uint64_t residual_address = norm != nullptr ? Address(norm->residual) : 0;
-  uint64_t norm_weight_address = norm != nullptr ? Address(norm->norm_weight) : 0;
-  uint64_t residual_out_address = norm != nullptr ? Address(norm->residual_out) : 0;
-  float eps = norm != nullptr ? norm->eps : 0.0f;
-  void* publish_reduce_norm_params[] = {
-      &routed_address,       &weights_address,     &indices_address,      &shared_address,
-      &mailbox.mailbox,      &mailbox.peer_table,  &mailbox.stage_state,  &mailbox.status,
-      &out_address,          &mailbox.timeout_ns,  &num_rows,             &m32,
-      &capacity_m,           &rank,                &residual_address,     &norm_weight_address,
-      &residual_out_address, &eps};
-  void* wait_norm_params[] = {&mailbox.mailbox,     &mailbox.peer_table,
-                              &mailbox.stage_state, &mailbox.status,
-                              &out_address,         &mailbox.timeout_ns,
-                              &m32,                 &capacity_m,
-                              &rank,                &residual_address,
-                              &norm_weight_address, &residual_out_address,
-                              &eps};
+  // Every value of the launch contract; each kernel takes the ones its sidecar names. Without
+  // a mailbox its values are 0.
+  ValueSlot values[kValueCount] = {};
+  auto set_u64 = [&values](Value value, uint64_t x) { values[static_cast<size_t>(value)].u64 = x; };
+  auto set_u32 = [&values](Value value, uint32_t x) { values[static_cast<size_t>(value)].u32 = x; };
+  set_u64(Value::kRouted, Address(routed));
+  set_u64(Value::kWeights, Address(weights));
+  set_u64(Value::kIndices, Address(indices));
+  set_u64(Value::kShared, Address(shared));
+  set_u64(Value::kMailbox, mailbox.mailbox);
+  set_u64(Value::kPeerTable, mailbox.peer_table);
+  set_u64(Value::kStageState, mailbox.stage_state);
+  set_u64(Value::kStatus, mailbox.status);
+  set_u64(Value::kOut, Address(out));
+  set_u64(Value::kTimeoutNs, mailbox.timeout_ns);
+  set_u32(Value::kNumRows, static_cast<uint32_t>(routed.dimensions()[0]));
+  set_u32(Value::kM, static_cast<uint32_t>(m));
+  set_u32(Value::kCapacityM, static_cast<uint32_t>(mailbox.capacity_m));
+  set_u32(Value::kRank, static_cast<uint32_t>(mailbox.rank));
+  if (norm != nullptr) {
+    set_u64(Value::kResidual, Address(norm->residual));
+    set_u64(Value::kNormWeight, Address(norm->norm_weight));
+    set_u64(Value::kResidualOut, Address(norm->residual_out));
+    values[static_cast<size_t>(Value::kEps)].f32 = norm->eps;
+  }
 
   // A kernel set exists on this device, so the driver is loaded.
   const CudaDriver& cuda = GetCudaDriver();
@@ -281,13 +266,8 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
   (capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? captured_executes : direct_executes)
       .fetch_add(1, std::memory_order_relaxed);
   for (const Kernel& kernel : set->kernels) {
-    void** params = kernel.role == Role::kPublish             ? publish_params
-                    : kernel.role == Role::kPublishReduce     ? publish_reduce_params
-                    : kernel.role == Role::kPublishReduceNorm ? publish_reduce_norm_params
-                    : kernel.role == Role::kReduceNorm        ? wait_norm_params
-                                                              : wait_params;
     const int64_t rows = kernel.rows == Rows::kM ? m : owned;
-    if (ffi::Error error = Launch(cuda, stream, kernel, set->pdl, rows, params); error.failure()) {
+    if (ffi::Error error = Launch(cuda, stream, kernel, set->pdl, rows, values); error.failure()) {
       return error;
     }
   }

@@ -16,62 +16,7 @@ namespace {
 constexpr int64_t kDefaultSmemLimit = 48 * 1024;
 constexpr int64_t kPortableClusterCtas = 8;
 constexpr int64_t kMaxClusterCtas = 16;  // Hopper's largest, beyond the portable size by opt-in
-
-// The kernel parameter ABI of each role, in PTX .param types.
-const std::vector<std::string>& ExpectedParams(Role role) {
-  // routed, weights, indices, shared, stage_state, destination, num_rows, m, capacity_m, rank
-  static const std::vector<std::string> publish = {"u64", "u64", "u64", "u64", "u64",
-                                                   "u64", "u32", "u32", "u32", "u32"};
-  // mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank
-  static const std::vector<std::string> wait = {"u64", "u64", "u64", "u64", "u64",
-                                                "u64", "u32", "u32", "u32"};
-  // The wait parameters, then residual, norm_weight, residual_out, eps
-  static const std::vector<std::string> wait_norm = {"u64", "u64", "u64", "u64", "u64",
-                                                     "u64", "u32", "u32", "u32", "u64",
-                                                     "u64", "u64", "f32"};
-  // routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out,
-  // timeout_ns, num_rows, m, capacity_m, rank
-  static const std::vector<std::string> publish_reduce = {"u64", "u64", "u64", "u64", "u64",
-                                                          "u64", "u64", "u64", "u64", "u64",
-                                                          "u32", "u32", "u32", "u32"};
-  // The publish_reduce parameters, then residual, norm_weight, residual_out, eps
-  static const std::vector<std::string> publish_reduce_norm = {
-      "u64", "u64", "u64", "u64", "u64", "u64", "u64", "u64", "u64",
-      "u64", "u32", "u32", "u32", "u32", "u64", "u64", "u64", "f32"};
-  switch (role) {
-    case Role::kPublish:
-      return publish;
-    case Role::kPublishReduce:
-      return publish_reduce;
-    case Role::kPublishReduceNorm:
-      return publish_reduce_norm;
-    case Role::kReduceNorm:
-      return wait_norm;
-    case Role::kReduce:
-    case Role::kGather:
-      break;
-  }
-  return wait;
-}
-
-// The kernels each mode launches, in order; the epilogue replaces reduce by reduce_norm,
-// and fuse_reduce makes the call one publish_reduce (publish_reduce_norm).
-std::vector<Role> ExpectedRoles(Mode mode, Epilogue epilogue, bool fuse_reduce) {
-  if (fuse_reduce) {
-    return {epilogue == Epilogue::kNone ? Role::kPublishReduce : Role::kPublishReduceNorm};
-  }
-  const Role reduce = epilogue == Epilogue::kNone ? Role::kReduce : Role::kReduceNorm;
-  switch (mode) {
-    case Mode::kDirect:
-      return {Role::kPublish};
-    case Mode::kOneshot:
-    case Mode::kReduceScatter:
-      return {Role::kPublish, reduce};
-    case Mode::kTwoshot:
-      return {Role::kPublish, reduce, Role::kGather};
-  }
-  return {};
-}
+constexpr int64_t kMaxThreads = 1024;
 
 std::string Quote(const std::string& text) { return "'" + text + "'"; }
 
@@ -81,108 +26,107 @@ std::string ListRepr(const std::vector<std::string>& items) {
   return text + "]";
 }
 
-std::string RolesRepr(const std::vector<Role>& roles) {
-  std::vector<std::string> names;
-  for (Role role : roles) names.push_back(RoleName(role));
-  return ListRepr(names);
-}
-
 void Require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument(message);
 }
 
-Mode ParseMode(const std::string& where, const std::string& mode) {
-  if (mode == "oneshot") return Mode::kOneshot;
-  if (mode == "twoshot") return Mode::kTwoshot;
-  if (mode == "reduce_scatter") return Mode::kReduceScatter;
-  if (mode == "direct") return Mode::kDirect;
-  throw std::invalid_argument(where + ": mode=" + Quote(mode) +
-                              ": expected one of 'oneshot', 'twoshot', 'reduce_scatter', 'direct'");
+// The value named `name` of the launch contract (launch_values.h).
+Value ParseValue(const std::string& where, const std::string& name) {
+  for (size_t i = 0; i < kValueCount; ++i) {
+    if (kValues[i].name == name) return static_cast<Value>(i);
+  }
+  std::vector<std::string> known;
+  for (const ValueInfo& value : kValues) known.emplace_back(value.name);
+  throw std::invalid_argument(where + ": parameter " + Quote(name) +
+                              " is not a value of the launch contract " + ListRepr(known));
 }
 
-Epilogue ParseEpilogue(const std::string& where, const std::string& epilogue) {
-  if (epilogue == "none") return Epilogue::kNone;
-  if (epilogue == "rmsnorm") return Epilogue::kRmsNorm;
-  throw std::invalid_argument(where + ": epilogue=" + Quote(epilogue) +
-                              ": expected one of 'none', 'rmsnorm'");
+bool Takes(const std::vector<Value>& params, Value value) {
+  return std::find(params.begin(), params.end(), value) != params.end();
 }
 
-// Checks the set against the contract before any CUDA call, so that a bad
-// record is refused the same way on machines without a GPU.
+// Checks one kernel record against the launch contract before any CUDA call, so that a
+// bad record is refused the same way on machines without a GPU.
+Kernel ValidateKernel(const std::string& name, const KernelSpec& spec) {
+  Require(!spec.symbol.empty(), name + ": symbol is empty");
+  Require(spec.params.size() == spec.param_types.size(),
+          name + ": " + std::to_string(spec.params.size()) + " params but " +
+              std::to_string(spec.param_types.size()) + " param_types");
+  Kernel kernel{spec.role, nullptr, {}, 0, 0, 0, 1, Rows::kM, 1, spec.persistent, 0};
+  for (size_t i = 0; i < spec.params.size(); ++i) {
+    const Value value = ParseValue(name, spec.params[i]);
+    Require(!Takes(kernel.params, value), name + ": parameter " + Quote(spec.params[i]) + " twice");
+    const std::string expected(kValues[static_cast<size_t>(value)].ptx_type);
+    Require(spec.param_types[i] == expected,
+            name + ": parameter " + std::to_string(i) + " (" + spec.params[i] + ") of " +
+                Quote(spec.symbol) + " has type " + Quote(spec.param_types[i]) +
+                ", but the launch contract's " + spec.params[i] + " is " + Quote(expected));
+    kernel.params.push_back(value);
+  }
+  Require(spec.block >= 1 && spec.block <= kMaxThreads,
+          name + ": block=" + std::to_string(spec.block) + ": expected 1 to 1024 threads");
+  Require(spec.smem >= 0 && spec.smem <= std::numeric_limits<int>::max(),
+          name + ": smem=" + std::to_string(spec.smem) + ": expected a byte count >= 0");
+  Require(spec.ctas_per_row >= 1 && spec.ctas_per_row <= std::numeric_limits<int>::max(),
+          name + ": ctas_per_row=" + std::to_string(spec.ctas_per_row) + ": expected >= 1");
+  Require(spec.rows == "m" || spec.rows == "owned",
+          name + ": rows=" + Quote(spec.rows) + ": expected 'm' or 'owned'");
+  Require(spec.waves >= 1 && spec.waves <= std::numeric_limits<int>::max(),
+          name + ": waves=" + std::to_string(spec.waves) + ": expected >= 1");
+  Require(spec.persistent || spec.waves == 1,
+          name + ": waves=" + std::to_string(spec.waves) +
+              ": expected 1 for a kernel that is not persistent (only a persistent grid makes "
+              "several passes)");
+  Require(spec.cluster >= 1 && spec.cluster <= kMaxClusterCtas,
+          name + ": cluster=" + std::to_string(spec.cluster) + ": expected 1 to " +
+              std::to_string(kMaxClusterCtas) + " CTAs");
+  Require(spec.ctas_per_row % spec.cluster == 0,
+          name + ": cluster=" + std::to_string(spec.cluster) + " does not divide ctas_per_row=" +
+              std::to_string(spec.ctas_per_row));
+  kernel.block = static_cast<unsigned>(spec.block);
+  kernel.smem = static_cast<unsigned>(spec.smem);
+  kernel.ctas_per_row = static_cast<unsigned>(spec.ctas_per_row);
+  kernel.cluster = static_cast<unsigned>(spec.cluster);
+  kernel.rows = spec.rows == "m" ? Rows::kM : Rows::kOwned;
+  kernel.waves = static_cast<unsigned>(spec.waves);
+  return kernel;
+}
+
+// Checks the set against the contract before any CUDA call.
 KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSpec>& specs,
-                            const KernelSetSpec& spec) {
-  KernelSet set{ParseMode(where, spec.mode),
-                spec.tp,
-                spec.hidden,
-                spec.top_k,
-                spec.fp32_weights,
-                spec.include_shared_expert,
-                spec.pdl,
-                ParseEpilogue(where, spec.epilogue),
-                spec.fuse_reduce,
-                {}};
-  Require(set.epilogue == Epilogue::kNone || set.mode == Mode::kOneshot ||
-              set.mode == Mode::kReduceScatter,
-          where + ": epilogue=" + Quote(spec.epilogue) + " with mode=" + Quote(spec.mode) +
-              ": expected mode 'oneshot' or 'reduce_scatter'");
-  Require(!set.fuse_reduce || set.mode == Mode::kOneshot,
-          where + ": fuse_reduce=true with mode=" + Quote(spec.mode) + ": expected mode 'oneshot'");
-  Require(spec.tp >= 1, where + ": tp=" + std::to_string(spec.tp) + ": expected >= 1");
-  Require((set.mode == Mode::kDirect) == (spec.tp == 1),
-          where + ": tp=" + std::to_string(spec.tp) + " with mode=" + Quote(spec.mode) +
-              ": expected mode 'direct' exactly when tp == 1");
-  Require(spec.hidden >= 1, where + ": hidden=" + std::to_string(spec.hidden) + ": expected >= 1");
-  Require(spec.top_k >= 1, where + ": top_k=" + std::to_string(spec.top_k) + ": expected >= 1");
-
-  std::vector<Role> roles = ExpectedRoles(set.mode, set.epilogue, set.fuse_reduce);
-  const std::string kind = "mode " + Quote(spec.mode) +
-                           (set.epilogue == Epilogue::kNone
-                                ? std::string()
-                                : " with epilogue " + Quote(spec.epilogue)) +
-                           (set.fuse_reduce ? " with fuse_reduce" : "");
-  std::vector<std::string> given_roles;
-  for (const KernelSpec& kernel : specs) given_roles.push_back(kernel.role);
-  Require(given_roles.size() == roles.size(),
-          where + ": kernels have roles " + ListRepr(given_roles) + ": " + kind + " expects " +
-              RolesRepr(roles));
+                            const CallSpec& call) {
+  Require(call.tp >= 1, where + ": tp=" + std::to_string(call.tp) + ": expected >= 1");
+  Require(call.hidden >= 1, where + ": hidden=" + std::to_string(call.hidden) + ": expected >= 1");
+  Require(call.top_k >= 1, where + ": top_k=" + std::to_string(call.top_k) + ": expected >= 1");
+  Require(call.weights == "bf16" || call.weights == "f32",
+          where + ": weights=" + Quote(call.weights) + ": expected 'bf16' or 'f32'");
+  Require(call.out_rows == "m" || call.out_rows == "owned",
+          where + ": out_rows=" + Quote(call.out_rows) + ": expected 'm' or 'owned'");
+  Require(!specs.empty(), where + ": kernels is empty");
+  KernelSet set{call.tp, call.hidden, call.top_k, call.weights == "f32", call.shared_expert,
+                call.out_rows == "owned", call.pdl, false, false, {}};
+  const Value epilogue[] = {Value::kResidual, Value::kNormWeight, Value::kResidualOut, Value::kEps};
   for (size_t i = 0; i < specs.size(); ++i) {
-    const KernelSpec& kernel = specs[i];
-    const Role role = roles[i];
-    const std::string name = where + ": kernels[" + std::to_string(i) + "]";
-    Require(kernel.role == RoleName(role), name + ": role=" + Quote(kernel.role) + ": " + kind +
-                                               " expects roles " + RolesRepr(roles) +
-                                               " in this order");
-    Require(!kernel.symbol.empty(), name + ": symbol is empty");
-    Require(kernel.block >= 1 && kernel.block <= 1024,
-            name + ": block=" + std::to_string(kernel.block) + ": expected 1 to 1024 threads");
-    Require(kernel.smem >= 0 && kernel.smem <= std::numeric_limits<int>::max(),
-            name + ": smem=" + std::to_string(kernel.smem) + ": expected a byte count >= 0");
-    Require(kernel.ctas_per_row >= 1 && kernel.ctas_per_row <= std::numeric_limits<int>::max(),
-            name + ": ctas_per_row=" + std::to_string(kernel.ctas_per_row) + ": expected >= 1");
-    Require(kernel.rows == "m" || kernel.rows == "owned",
-            name + ": rows=" + Quote(kernel.rows) + ": expected 'm' or 'owned'");
-    const std::vector<std::string>& expected = ExpectedParams(role);
-    Require(kernel.params == expected, name + ": the " + kernel.role + " kernel " +
-                                           Quote(kernel.symbol) + " has params " +
-                                           ListRepr(kernel.params) + ", but the " + kernel.role +
-                                           " ABI is " + ListRepr(expected));
-    const bool persistent = role == Role::kPublishReduce || role == Role::kPublishReduceNorm;
-    Require(kernel.waves >= 1 && kernel.waves <= std::numeric_limits<int>::max(),
-            name + ": waves=" + std::to_string(kernel.waves) + ": expected >= 1");
-    Require(persistent || kernel.waves == 1,
-            name + ": waves=" + std::to_string(kernel.waves) + ": expected 1 for the " + kernel.role +
-                " kernel (only a persistent kernel makes several passes)");
-    const int64_t cluster = role == Role::kPublishReduceNorm ? kernel.ctas_per_row : 1;
-    Require(cluster <= kMaxClusterCtas,
-            name + ": ctas_per_row=" + std::to_string(kernel.ctas_per_row) + ": the " + kernel.role +
-                " kernel's CTAs of a row form one cluster, expected at most " +
-                std::to_string(kMaxClusterCtas));
-    set.kernels.push_back(Kernel{role, nullptr, static_cast<unsigned>(kernel.block),
-                                 static_cast<unsigned>(kernel.smem),
-                                 static_cast<unsigned>(kernel.ctas_per_row),
-                                 static_cast<unsigned>(cluster),
-                                 kernel.rows == "m" ? Rows::kM : Rows::kOwned,
-                                 static_cast<unsigned>(kernel.waves), 0});
+    Kernel kernel = ValidateKernel(where + ": kernels[" + std::to_string(i) + "] (" + specs[i].role + ")",
+                                   specs[i]);
+    set.uses_mailbox = set.uses_mailbox || Takes(kernel.params, Value::kMailbox) ||
+                       Takes(kernel.params, Value::kPeerTable);
+    for (Value value : epilogue) set.epilogue = set.epilogue || Takes(kernel.params, value);
+    set.kernels.push_back(std::move(kernel));
+  }
+  Require(set.uses_mailbox == (call.tp > 1),
+          where + ": tp=" + std::to_string(call.tp) + (set.uses_mailbox ? " with" : " without") +
+              " a kernel that takes the mailbox: expected one exactly when tp > 1");
+  if (set.epilogue) {
+    // The epilogue's operands come together: a kernel takes all four or none of them.
+    for (const Kernel& kernel : set.kernels) {
+      size_t taken = 0;
+      for (Value value : epilogue) taken += Takes(kernel.params, value);
+      Require(taken == 0 || taken == 4,
+              where + ": the " + kernel.role +
+                  " kernel takes some of residual, norm_weight, residual_out and eps: expected "
+                  "all four or none");
+    }
   }
   return set;
 }
@@ -262,24 +206,6 @@ CUlaunchAttribute ClusterDimension(unsigned ctas) {
   return attribute;
 }
 
-const char* RoleName(Role role) {
-  switch (role) {
-    case Role::kPublish:
-      return "publish";
-    case Role::kReduce:
-      return "reduce";
-    case Role::kReduceNorm:
-      return "reduce_norm";
-    case Role::kGather:
-      return "gather";
-    case Role::kPublishReduce:
-      return "publish_reduce";
-    case Role::kPublishReduceNorm:
-      return "publish_reduce_norm";
-  }
-  return "unknown";
-}
-
 Registry& Registry::Get() {
   static Registry* registry = new Registry();  // Never destroyed: XLA may call in at exit.
   return *registry;
@@ -298,12 +224,12 @@ CUcontext Registry::RetainPrimaryContext(const std::string& where, int device) {
 }
 
 void Registry::LoadKernelSet(int64_t kernel_set_id, int device, std::string_view cubin,
-                             const std::vector<KernelSpec>& kernels, const KernelSetSpec& spec) {
+                             const std::vector<KernelSpec>& kernels, const CallSpec& call) {
   const std::string where = "load_kernel_set(kernel_set_id=" + std::to_string(kernel_set_id) +
                             ", device_ordinal=" + std::to_string(device) + ")";
   Require(device >= 0, where + ": device_ordinal must be >= 0");
   Require(!cubin.empty(), where + ": cubin is empty");
-  KernelSet set = ValidateKernelSet(where, kernels, spec);
+  KernelSet set = ValidateKernelSet(where, kernels, call);
 
   std::lock_guard<std::mutex> load_lock(load_mutex_);
   if (FindKernelSet(kernel_set_id, device) != nullptr) return;
@@ -330,10 +256,10 @@ void Registry::LoadKernelSet(int64_t kernel_set_id, int device, std::string_view
                   cuda.FuncSetAttribute(kernel.function,
                                         CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1));
       }
-      if (kernel.role == Role::kPublishReduce || kernel.role == Role::kPublishReduceNorm) {
+      if (kernel.persistent) {
         kernel.max_resident_ctas = ResidentCtas(cuda, where, device, kernel);
         Require(kernel.max_resident_ctas > 0,
-                where + ": the " + RoleName(kernel.role) + " kernel (block=" +
+                where + ": the " + kernel.role + " kernel (block=" +
                     std::to_string(kernel.block) + ", cluster=" + std::to_string(kernel.cluster) +
                     ", smem=" + std::to_string(kernel.smem) + ") cannot be resident on this device");
       }

@@ -20,58 +20,56 @@
 #include <utility>
 #include <vector>
 
+#include "launch_values.h"
+
 namespace jax_moe_publish {
 
-enum class Mode { kOneshot, kTwoshot, kReduceScatter, kDirect };
-// kPublishReduce(Norm): the whole call in one kernel (fuse_reduce, oneshot; with the epilogue).
-enum class Role { kPublish, kReduce, kReduceNorm, kGather, kPublishReduce, kPublishReduceNorm };
-// What the reduce does after the sum: nothing, or residual add + RMSNorm (reduce_norm).
-enum class Epilogue { kNone, kRmsNorm };
 // Grid rows of a kernel: m, or the ceil(m / tp) rows this rank owns.
 enum class Rows { kM, kOwned };
 
-const char* RoleName(Role role);
-
-// One kernel record of a cubin's metadata, as Python gives it.
+// One kernel record of a sidecar ("kernels"), as Python gives it: the role names it in
+// messages; params and param_types are the values it takes, in .entry order.
 struct KernelSpec {
   std::string role;
   std::string symbol;
+  std::vector<std::string> params;
+  std::vector<std::string> param_types;
   int64_t block = 0;
   int64_t smem = 0;
   int64_t ctas_per_row = 0;
   std::string rows;
   int64_t waves = 1;
-  std::vector<std::string> params;
+  bool persistent = false;
+  int64_t cluster = 1;
 };
 
-// The problem a kernel set was specialized for, as Python gives it.
-struct KernelSetSpec {
-  std::string mode;
+// The shape of a call of a kernel set (a sidecar's "call"), as Python gives it.
+struct CallSpec {
   int64_t tp = 0;
   int64_t hidden = 0;
   int64_t top_k = 0;
-  bool fp32_weights = false;
-  bool include_shared_expert = false;
+  std::string weights;  // "bf16" or "f32"
+  bool shared_expert = false;
+  std::string out_rows;  // "m" or "owned"
   bool pdl = false;
-  std::string epilogue = "none";
-  bool fuse_reduce = false;
 };
 
 struct Kernel {
-  Role role;
+  std::string role;
   CUfunction function;
+  std::vector<Value> params;  // In .entry order.
   unsigned block;
   unsigned smem;
   unsigned ctas_per_row;
-  // CTAs of one thread block cluster: the row's ctas_per_row for the fused epilogue,
-  // whose CTAs of a row sum its squares through distributed shared memory; else 1.
+  // CTAs of one thread block cluster (consecutive CTAs); 1 for none.
   unsigned cluster;
   Rows rows;
   // Passes of a persistent kernel's grid over the rows: its grid is the CTAs of
-  // ceil(rows / waves) rows. 1 for the other roles.
+  // ceil(rows / waves) rows. 1 for the other kernels.
   unsigned waves;
-  // CTAs the device holds at once: the grid of a persistent (fused) kernel, whose
-  // CTAs wait on each other's peers, is capped at it. 0 for the other roles.
+  bool persistent;
+  // CTAs the device holds at once: the grid of a persistent kernel, whose CTAs wait on
+  // each other's peers, is capped at it. 0 for the other kernels.
   int64_t max_resident_ctas;
 };
 
@@ -83,15 +81,15 @@ CUlaunchConfig LaunchConfig(const Kernel& kernel, unsigned ctas);
 CUlaunchAttribute ClusterDimension(unsigned ctas);
 
 struct KernelSet {
-  Mode mode;
   int64_t tp;
   int64_t hidden;
   int64_t top_k;
   bool fp32_weights;
-  bool include_shared_expert;
+  bool shared_expert;
+  bool out_owned;  // The output has the ceil(m / tp) rows this rank owns.
   bool pdl;
-  Epilogue epilogue;
-  bool fuse_reduce;
+  bool uses_mailbox;  // Some kernel takes the mailbox or the peer table (tp > 1).
+  bool epilogue;      // The kernels take residual, norm_weight, residual_out and eps.
   std::vector<Kernel> kernels;  // In launch order.
 };
 
@@ -116,9 +114,9 @@ class Registry {
 
   // Loads `cubin` in the device's primary context. A set already loaded on
   // that device is left as it is. Throws std::invalid_argument for records
-  // that do not match the kernel ABI, std::runtime_error for CUDA failures.
+  // that do not match the launch contract, std::runtime_error for CUDA failures.
   void LoadKernelSet(int64_t kernel_set_id, int device, std::string_view cubin,
-                     const std::vector<KernelSpec>& kernels, const KernelSetSpec& spec);
+                     const std::vector<KernelSpec>& kernels, const CallSpec& call);
 
   // Replaces any earlier registration of (mailbox_id, device). Throws
   // std::invalid_argument for bad values or a closed mailbox.

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax._src import distributed
 
-from jax_moe_publish import protocol
+from jax_moe_publish import _launch, protocol
 from jax_moe_publish.memory.cross_process import MailboxSpec, ProcessMailboxMemory, RankPlace
 from jax_moe_publish.memory.group import GroupMemory
 
@@ -132,7 +132,7 @@ class Mailbox:
         self.group_hosts: list[list[str]] | None = None
         self._memories = []
         self._processes = None  # cross_process.ProcessMailboxMemory when the mesh spans processes
-        self._loaded: set[str] = set()
+        self._host_fallback_warned = False
         self._lock = threading.Lock()
         self._closed = False
         if self.tp > 1 and self._spans_processes():
@@ -169,14 +169,7 @@ class Mailbox:
 
     def _register(self, memory) -> None:
         """Tell the FFI handler where the local ranks of ``memory`` find their mailbox."""
-        from jax_moe_publish import native
-
-        for rank_memory in memory.ranks:
-            native.register_mailbox_device(
-                self.id, rank_memory.ordinal, rank_memory.rank, self.tp, self.hidden,
-                self.capacity_m, rank_memory.mailbox, rank_memory.peer_table,
-                rank_memory.stage_state, rank_memory.status, self.timeout_ns,
-            )
+        _launch.register_group(self.id, memory, self.tp, self.hidden, self.capacity_m, self.timeout_ns)
 
     def _spec(self) -> MailboxSpec:
         """This mailbox as every process of its mesh describes it (`memory.cross_process`)."""
@@ -208,9 +201,7 @@ class Mailbox:
                 client=_distributed_client(), process_count=jax.process_count())
         except BaseException:
             if registered:
-                from jax_moe_publish import native
-
-                native.close_mailbox(self.id)
+                _launch.forget_mailbox(self.id)
             self._closed = True
             raise
         self.group_hosts = self._processes.group_hosts
@@ -230,30 +221,17 @@ class Mailbox:
                 lines.append(f"TP group {g} spans hosts ({by_rank})")
         return "; ".join(lines)
 
-    # Kernel sets: loaded on every device of the mailbox before the first call.
+    @property
+    def local_ordinals(self) -> list[int]:
+        """The CUDA ordinals of this process's devices in the mailbox's mesh, where the op's
+        kernels must be loaded."""
+        return [device.local_hardware_id for group in self.groups for device in self._local(group)]
 
-    def ensure_loaded(self, artifact, kernel_set_id: int) -> None:
-        """Load ``artifact``'s cubin on every device of this mailbox in this process (idempotent)."""
-        from jax_moe_publish import native
-
-        key = artifact.metadata["key"]
-        with self._lock:
-            self.check_open()
-            if key in self._loaded:
-                return
-            config = artifact.metadata["config"]
-            for group in self.groups:
-                for device in self._local(group):
-                    native.load_kernel_set(
-                        kernel_set_id, device.local_hardware_id, artifact.cubin,
-                        artifact.metadata["kernels"], mode=config["algorithm"], tp=config["tp"],
-                        hidden=config["hidden"], top_k=config["top_k"],
-                        fp32_weights=config["fp32_weights"],
-                        include_shared_expert=config["include_shared_expert"],
-                        pdl=artifact.metadata["pdl"], epilogue=config["epilogue"],
-                        fuse_reduce=config["fuse_reduce"],
-                    )
-            self._loaded.add(key)
+    def first_host_fallback(self) -> bool:
+        """True the first time it is asked: the op warns once per mailbox that it runs the
+        reference because a group spans hosts."""
+        first, self._host_fallback_warned = not self._host_fallback_warned, True
+        return first
 
     # Lifetime and health.
 
@@ -355,9 +333,7 @@ class Mailbox:
                 return
             self._closed = True
             if self._memories:
-                from jax_moe_publish import native
-
-                native.close_mailbox(self.id)
+                _launch.forget_mailbox(self.id)
             lost = []
             if self._processes is not None:
                 lost = self._processes.close()  # collective: closes the groups too

@@ -7,9 +7,7 @@ with the residual add + RMSNorm that follows it in a transformer layer.
 
 from __future__ import annotations
 
-import itertools
 import math
-import threading
 import warnings
 
 import jax
@@ -18,24 +16,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_publish import protocol, reference, tuning
+from jax_moe_publish import _launch, protocol, reference, tuning
+from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.config import MAX_TOP_K, KernelConfig
 from jax_moe_publish.mailbox import Mailbox
 
 IMPLS = ("auto", "kernel", "reference")
-
-_kernel_set_ids: dict[str, int] = {}
-_kernel_set_counter = itertools.count(1)
-_kernel_set_lock = threading.Lock()
-_warned_host_fallback: set[int] = set()
-
-
-def _kernel_set_id(key: str) -> int:
-    """A process-wide id per kernel set, shared by every mailbox that loads it."""
-    with _kernel_set_lock:
-        if key not in _kernel_set_ids:
-            _kernel_set_ids[key] = next(_kernel_set_counter)
-        return _kernel_set_ids[key]
 
 
 def _check_array(name, x, ndim, dtypes, shape=None):
@@ -235,13 +221,13 @@ def moe_finalize_publish(
             axis_name=mailbox.axis_name, routed_scaling_factor=float(routed_scaling_factor),
             result=mailbox.result, **epilogue,
         )
-    kernel_set_id = _load(kernel_config, mailbox)
+    set_id = _launch.load(default_store().get(kernel_config), mailbox.local_ordinals)
     if fused_norm and mailbox.tp == 1:
-        y = _call_kernels(kernel_set_id, mailbox, routed_output, expert_weights, permuted_indices,
-                          shared_output, float(routed_scaling_factor), {})
+        y = _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
+                          float(routed_scaling_factor), {})
         return reference.add_rmsnorm(y, residual, norm_weight, eps=float(norm_eps))
-    return _call_kernels(kernel_set_id, mailbox, routed_output, expert_weights, permuted_indices,
-                         shared_output, float(routed_scaling_factor), epilogue if fused_norm else {})
+    return _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
+                         float(routed_scaling_factor), epilogue if fused_norm else {})
 
 
 def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
@@ -251,8 +237,7 @@ def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
             raise ValueError(f"impl='kernel': mailbox={mailbox!r} cannot run the kernels, as NVLink "
                              f"does not join its hosts: {mailbox.hosts_message()}. Use impl='auto' "
                              "(XLA's collectives) or keep each TP group on one host")
-        if impl == "auto" and mailbox.on_cuda and mailbox.id not in _warned_host_fallback:
-            _warned_host_fallback.add(mailbox.id)
+        if impl == "auto" and mailbox.on_cuda and mailbox.first_host_fallback():
             warnings.warn(f"mailbox={mailbox!r}: {mailbox.hosts_message()}; NVLink does not join hosts, "
                           "so moe_finalize_publish runs the reference (XLA's psum over NCCL) instead of "
                           "the kernels", RuntimeWarning, stacklevel=3)
@@ -265,20 +250,10 @@ def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
     return impl
 
 
-def _load(config, mailbox) -> int:
-    """The kernel set id of ``config``, loaded on the mailbox's devices."""
-    from jax_moe_publish.aot.store import default_store
-
-    kernel_set_id = _kernel_set_id(config.key)
-    mailbox.ensure_loaded(default_store().get(config), kernel_set_id)
-    return kernel_set_id
-
-
-def _call_kernels(kernel_set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
-                  scale, epilogue):
+def _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output, scale,
+                  epilogue):
     """The FFI call of a loaded kernel set; ``epilogue`` holds residual, norm_weight and
     norm_eps for the fused epilogue, or is empty."""
-    from jax_moe_publish import native
     # The results have the reference's types, varying-axes marking included: the
     # all-reduce is identical on every rank, like a psum.
     result_type = jax.eval_shape(
@@ -287,16 +262,8 @@ def _call_kernels(kernel_set_id, mailbox, routed_output, expert_weights, permute
             axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
         )
     )
-    if shared_output is None:
-        # Not read by kernels built without the shared expert; the handler checks its shape.
-        shared_output = jnp.zeros((0, mailbox.hidden), jnp.bfloat16)
-    ids = dict(kernel_set_id=np.int64(kernel_set_id), mailbox_id=np.int64(mailbox.id if mailbox.tp > 1 else 0))
-    if not epilogue:
-        call = jax.ffi.ffi_call(native.TARGET_NAME, result_type, has_side_effect=True)
-        return call(routed_output, expert_weights, permuted_indices, shared_output, **ids)
-    call = jax.ffi.ffi_call(native.RMSNORM_TARGET_NAME, result_type, has_side_effect=True)
-    return call(routed_output, expert_weights, permuted_indices, shared_output, epilogue["residual"],
-                epilogue["norm_weight"], **ids, norm_eps=np.float32(epilogue["norm_eps"]))
+    return _launch.call(set_id, mailbox.id if mailbox.tp > 1 else 0, result_type, routed_output, expert_weights,
+                        permuted_indices, shared_output, mailbox.hidden, epilogue)
 
 
 def sharded_moe_finalize_publish(

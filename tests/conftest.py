@@ -25,7 +25,6 @@ import pytest
 
 from jax_moe_publish.testing.local_processes import local_gpu_count
 
-MAX_HARNESS_GPUS = 2
 
 
 def pytest_configure(config):
@@ -49,10 +48,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def devices():
-    """The kernel harness's GPUs (`gpu_harness.Device`), opened once for every test that launches cubins."""
+    """The kernel harness's GPUs (`gpu_harness.DevicePool`), shared by every test that launches
+    cubins: a group of tp ranks runs on real GPUs where there are tp, else with virtual ranks."""
     import gpu_harness
 
-    opened = [gpu_harness.Device(i) for i in range(min(MAX_HARNESS_GPUS, gpu_harness.device_count()))]
-    yield opened
-    for device in opened:
-        device.close()
+    pool = gpu_harness.DevicePool()
+    yield pool
+    pool.close()

@@ -30,10 +30,9 @@ SASS_MEMORY = re.compile(r"\b(LDG|STG|LD|ST|LDL|STL)\.E?[\w.]*")
 
 
 def role(symbol: str) -> str:
-    for name in ("publish_reduce_norm", "publish_reduce", "publish", "reduce_norm", "reduce", "gather"):
-        if f"_{name}_" in symbol:
-            return name
-    return symbol
+    """The role in a CuTe DSL entry name, ``kernel_cutlass_<role>_jax_moe_publish...``."""
+    match = re.match(r"kernel_cutlass_(\w+?)_jax_moe_publish", symbol)
+    return match.group(1) if match else symbol
 
 
 def ptxas_report(ptx: pathlib.Path, arch: str) -> dict:

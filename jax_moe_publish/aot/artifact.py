@@ -9,57 +9,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
 
+from jax_moe_publish import _abi
+from jax_moe_publish.config import KernelConfig
+
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 # The files whose text decides what a cubin contains.
-_FINGERPRINTED = ("config.py", "protocol.py", "kernels")
-
-# The parameter list each kernel role must have; the C++ launcher fills exactly these.
-PUBLISH_PARAMS = ["u64"] * 6 + ["u32"] * 4
-REDUCE_PARAMS = ["u64"] * 6 + ["u32"] * 3
-# The reduce's parameters, then residual, norm_weight, residual_out and eps.
-REDUCE_NORM_PARAMS = REDUCE_PARAMS + ["u64"] * 3 + ["f32"]
-# routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out, timeout_ns,
-# num_rows, m, capacity_m, rank.
-PUBLISH_REDUCE_PARAMS = ["u64"] * 10 + ["u32"] * 4
-# Those, then residual, norm_weight, residual_out and eps.
-PUBLISH_REDUCE_NORM_PARAMS = PUBLISH_REDUCE_PARAMS + ["u64"] * 3 + ["f32"]
-EXPECTED_PARAMS = {
-    "publish": PUBLISH_PARAMS,
-    "reduce": REDUCE_PARAMS,
-    "reduce_norm": REDUCE_NORM_PARAMS,
-    "gather": REDUCE_PARAMS,
-    "publish_reduce": PUBLISH_REDUCE_PARAMS,
-    "publish_reduce_norm": PUBLISH_REDUCE_NORM_PARAMS,
-}
-# The fused roles: their CTAs loop over the rows and wait on each other's peers, so the
-# launcher caps their grid at the CTAs the GPU holds at once.
-PERSISTENT_ROLES = ("publish_reduce", "publish_reduce_norm")
-# Roles whose CTAs of a row (``ctas_per_row``) form one thread block cluster: the launcher
-# sets the cluster dimension, and counts resident clusters for the persistent grid.
-CLUSTER_ROLES = ("publish_reduce_norm",)
-# The kernels of a call, in launch order, by algorithm (without an epilogue).
-ROLES = {
-    "direct": ["publish"],
-    "oneshot": ["publish", "reduce"],
-    "reduce_scatter": ["publish", "reduce"],
-    "twoshot": ["publish", "reduce", "gather"],
-}
+_FINGERPRINTED = ("config.py", "protocol.py", "_abi.py", "kernels")
+SIDECAR_VERSION = 2
+"""Version 2: each kernel's parameter names and launch plan (persistent, cluster) are recorded,
+and the call's shape checks in ``call``."""
 
 
-def expected_roles(config: dict) -> list[str]:
-    """The kernels of a call of ``config`` (a `KernelConfig.to_dict`), in launch order:
-    with an epilogue, reduce_norm takes the reduce's place; with fuse_reduce, one
-    publish_reduce (publish_reduce_norm) is the call."""
-    if config.get("fuse_reduce", False):
-        return ["publish_reduce" if config.get("epilogue", "none") == "none" else "publish_reduce_norm"]
-    roles = ROLES[config["algorithm"]]
-    if config.get("epilogue", "none") == "none":
-        return roles
-    return ["reduce_norm" if role == "reduce" else role for role in roles]
+def dsl_version() -> str | None:
+    """The installed CuTe DSL (``nvidia-cutlass-dsl``) version, or None without it."""
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,6 +44,13 @@ def source_fingerprint() -> str:
             digest.update(file.relative_to(PACKAGE_DIR).as_posix().encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def build_fingerprint() -> str:
+    """What a cached build depends on: the kernel sources, the sidecar version and the CuTe DSL
+    version (names the cache folder, so that an upgrade never reuses stale cubins)."""
+    text = f"{source_fingerprint()}/sidecar{SIDECAR_VERSION}/dsl{dsl_version()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,22 +88,35 @@ class KernelArtifact:
 
     @property
     def is_current(self) -> bool:
-        """Built from the kernel sources of this installation."""
-        return self.metadata.get("source_fingerprint") == source_fingerprint()
+        """Built by this sidecar version from the kernel sources of this installation, and, where
+        CuTe DSL is installed, by that DSL version (without it, nothing could rebuild it)."""
+        installed = dsl_version()
+        return (self.metadata.get("sidecar_version") == SIDECAR_VERSION
+                and self.metadata.get("source_fingerprint") == source_fingerprint()
+                and (installed is None or self.metadata.get("dsl_version") == installed))
 
     def check(self, key: str) -> None:
-        """The artifact is the one named ``key``, with the kernels its algorithm needs and the
-        parameter list each kernel role requires."""
+        """The artifact is the one named ``key``, with the kernels its config's call launches, each
+        taking the values its role takes (`_abi.ROLES`) with their contract types."""
+        if self.metadata.get("sidecar_version") != SIDECAR_VERSION:
+            raise RuntimeError(f"kernel artifact {key} has sidecar version {self.metadata.get('sidecar_version')}, "
+                               f"expected {SIDECAR_VERSION}: rebuild it")
         if self.metadata.get("key") != key:
             raise RuntimeError(f"kernel artifact {self.metadata.get('key')!r} was loaded for {key!r}")
         roles = [kernel["role"] for kernel in self.metadata["kernels"]]
-        expected = expected_roles(self.metadata["config"])
+        expected = list(_abi.call_roles(KernelConfig.from_dict(self.metadata["config"])))
         if roles != expected:
             raise RuntimeError(f"kernel artifact {key} has kernels {roles}, expected {expected}")
         for kernel in self.metadata["kernels"]:
-            expected = EXPECTED_PARAMS[kernel["role"]]
-            if kernel["params"] != expected:
+            role = _abi.ROLES[kernel["role"]]
+            params = list(role.params)
+            types = [_abi.VALUES[name] for name in params]
+            if kernel["params"] != params or kernel["param_types"] != types:
                 raise RuntimeError(
-                    f"kernel {kernel['symbol']} ({kernel['role']}) of {key} has "
-                    f"parameters {kernel['params']}, expected {expected}"
+                    f"kernel {kernel['symbol']} ({kernel['role']}) of {key} takes {kernel['params']} of types "
+                    f"{kernel['param_types']}, expected {params} of types {types}"
                 )
+            if kernel["persistent"] != role.persistent or (kernel["cluster"] > 1 and not role.cluster):
+                raise RuntimeError(f"kernel {kernel['symbol']} ({kernel['role']}) of {key} has persistent="
+                                   f"{kernel['persistent']} cluster={kernel['cluster']}, against its role's "
+                                   f"{role}")

@@ -6,7 +6,8 @@ import re
 import tempfile
 import threading
 
-from jax_moe_publish.aot.artifact import KernelArtifact, source_fingerprint
+from jax_moe_publish import _abi
+from jax_moe_publish.aot.artifact import SIDECAR_VERSION, KernelArtifact, dsl_version, source_fingerprint
 from jax_moe_publish.config import KernelConfig
 
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
@@ -15,22 +16,29 @@ _PARAM = re.compile(r"\.param\s+\.(\w+)\s+\w+")
 _COMPILE_LOCK = threading.Lock()
 
 
-def dsl_version() -> str:
-    from importlib.metadata import version
-
-    return version("nvidia-cutlass-dsl")
-
-
 def ptx_entry_params(ptx: str) -> dict[str, list[str]]:
     """Parameter types of every ``.entry`` in ``ptx``, in order (e.g. ``["u64", "u32"]``)."""
     return {name: _PARAM.findall(params) for name, params in _ENTRY.findall(ptx)}
 
 
+def _symbol(role: str, symbols: list[str]) -> str:
+    """The entry of ``role``: CuTe DSL names it ``kernel_cutlass_<method>_<module and class>...``,
+    and each role's kernel method is named after the role."""
+    matches = [s for s in symbols if s.startswith(f"kernel_cutlass_{role}_jax_moe_publish")]
+    if len(matches) != 1:
+        raise RuntimeError(f"expected one {role!r} kernel in {symbols}, found {matches}")
+    return matches[0]
+
+
 def compile_config(config: KernelConfig) -> KernelArtifact:
     """Trace and compile every kernel of ``config`` for ``config.arch``.
 
-    The fake scalars passed to ``cute.compile`` fix the compiled ABI: every
-    buffer is one ``u64`` address, every extent one ``u32`` and ``eps`` one ``f32``.
+    The fake arguments passed to ``cute.compile`` fix the compiled ABI: one scalar of its
+    contract type per value of `_abi.VALUES` (``u64`` addresses and ``timeout_ns``,
+    ``u32`` extents, ``f32`` eps), in that order, which is
+    `MoePublishProgram.__call__`'s. The sidecar records, for each kernel, the names of
+    the values it takes (`_abi.ROLES`), their PTX types as compiled (which must be the
+    contract's) and its launch plan.
     """
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
@@ -38,45 +46,42 @@ def compile_config(config: KernelConfig) -> KernelArtifact:
 
     from jax_moe_publish.kernels.program import MoePublishProgram
 
+    scalars = {"u64": lambda: Int64(0), "u32": lambda: Int32(0), "f32": lambda: Float32(0.0)}
     program = MoePublishProgram(config)
-    address, extent, eps = Int64(0), Int32(0), Float32(0.0)
+    fake_values = [scalars[ptx_type]() for ptx_type in _abi.VALUES.values()]
     # The DSL writes the kept cubin and PTX to files too; keep them out of the caller's folder.
     with _COMPILE_LOCK, tempfile.TemporaryDirectory(prefix="jax_moe_publish-") as dump_dir:
         compiled = cute.compile(
-            program,
-            *([address] * 14),
-            *([extent] * 4),
-            eps,
-            cuda.CUstream(0),
+            program, *fake_values, cuda.CUstream(0),
             options=f"--gpu-arch {config.arch} --keep-cubin --keep-ptx --dump-dir {dump_dir}",
         )
     entries = ptx_entry_params(compiled.__ptx__)
     symbols = list(compiled.kernel_info)
     kernels = []
-    for launch in program.launches():
-        matches = [s for s in symbols if s.startswith(f"kernel_cutlass_{launch.role}_")]
-        if len(matches) != 1:
-            raise RuntimeError(f"expected one {launch.role!r} kernel in {symbols}, found {matches}")
-        symbol = matches[0]
-        kernels.append(
-            {
-                "role": launch.role,
-                "symbol": symbol,
-                "block": launch.block,
-                "smem": launch.smem,
-                "ctas_per_row": launch.ctas_per_row,
-                "rows": launch.rows,
-                "waves": launch.waves,
-                "params": entries[symbol],
-            }
-        )
+    for launch in program.plan:
+        symbol = _symbol(launch.role, symbols)
+        params = list(_abi.ROLES[launch.role].params)
+        contract_types = [_abi.VALUES[name] for name in params]
+        if entries[symbol] != contract_types:
+            raise RuntimeError(f"kernel {symbol} ({launch.role}) compiled with parameters {entries[symbol]}, "
+                               f"but the launch contract says {params} of types {contract_types}")
+        kernels.append({
+            "role": launch.role, "symbol": symbol, "params": params, "param_types": entries[symbol],
+            "block": launch.block, "smem": launch.smem, "ctas_per_row": launch.ctas_per_row, "rows": launch.rows,
+            "waves": launch.waves, "persistent": launch.persistent, "cluster": launch.cluster,
+        })
     metadata = {
+        "sidecar_version": SIDECAR_VERSION,
         "key": config.key,
         "config": config.to_dict(),
         "arch": config.arch,
         "dsl_version": dsl_version(),
         "source_fingerprint": source_fingerprint(),
-        "pdl": config.enable_pdl,
+        "call": {
+            "tp": config.tp, "hidden": config.hidden, "top_k": config.top_k,
+            "weights": "f32" if config.fp32_weights else "bf16", "shared_expert": config.include_shared_expert,
+            "out_rows": "owned" if config.algorithm == "reduce_scatter" else "m", "pdl": config.enable_pdl,
+        },
         "kernels": kernels,
     }
     return KernelArtifact(cubin=compiled.__cubin__, ptx=compiled.__ptx__, metadata=metadata)

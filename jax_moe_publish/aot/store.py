@@ -6,7 +6,8 @@ Lookup order for a `KernelConfig`:
 2. every folder in ``$JAX_MOE_PUBLISH_KERNEL_DIR`` (``os.pathsep``-separated), as
    written by ``python -m jax_moe_publish.aot build``;
 3. the disk cache (``$JAX_MOE_PUBLISH_CACHE_DIR``, default
-   ``~/.cache/jax_moe_publish``), keyed by the config and the kernel-source fingerprint;
+   ``~/.cache/jax_moe_publish``), keyed by the config and `artifact.build_fingerprint`
+   (the kernel sources, the sidecar version and the CuTe DSL version);
 4. a fresh compile with CuTe DSL, under a file lock so that concurrent processes
    compile a kernel once, saved into the cache.
 
@@ -24,7 +25,8 @@ import threading
 
 import filelock
 
-from jax_moe_publish.aot.artifact import KernelArtifact, source_fingerprint
+from jax_moe_publish.aot import compile as aot_compile
+from jax_moe_publish.aot.artifact import SIDECAR_VERSION, KernelArtifact, build_fingerprint, source_fingerprint
 from jax_moe_publish.config import KernelConfig
 
 KERNEL_DIR_ENV = "JAX_MOE_PUBLISH_KERNEL_DIR"
@@ -64,7 +66,7 @@ class KernelStore:
             cache_dir = os.environ.get(CACHE_DIR_ENV) or pathlib.Path.home() / ".cache" / "jax_moe_publish"
         if prebuilt_dirs is None:
             prebuilt_dirs = [d for d in os.environ.get(KERNEL_DIR_ENV, "").split(os.pathsep) if d]
-        self.cache_dir = pathlib.Path(cache_dir) / source_fingerprint()
+        self.cache_dir = pathlib.Path(cache_dir) / build_fingerprint()
         self.prebuilt_dirs = [pathlib.Path(d) for d in prebuilt_dirs]
         self.stats = StoreStats()
         self._memory: dict[str, KernelArtifact] = {}
@@ -104,9 +106,7 @@ class KernelStore:
             if artifact is not None:
                 self.stats.disk_hits += 1
                 return artifact
-            from jax_moe_publish.aot.compile import compile_config
-
-            artifact = compile_config(config)
+            artifact = aot_compile.compile_config(config)
             artifact.save(self.cache_dir)
             self.stats.compiles += 1
             return artifact
@@ -115,9 +115,10 @@ class KernelStore:
         key = config.key
         if stale:
             return (
-                f"prebuilt kernel {key} in {stale[0]} was built from other kernel sources (this "
-                f"installation's fingerprint is {source_fingerprint()}), and CuTe DSL is not installed "
-                f"to build it; rebuild it where CuTe DSL is: {build_command(config, str(stale[0]))}"
+                f"prebuilt kernel {key} in {stale[0]} was built from other kernel sources or by another "
+                f"sidecar version (this installation's are {source_fingerprint()} and {SIDECAR_VERSION}), "
+                f"and CuTe DSL is not installed to build it; rebuild it where CuTe DSL is: "
+                f"{build_command(config, str(stale[0]))}"
             )
         where = os.pathsep.join(map(str, self.prebuilt_dirs)) or "(unset)"
         return (

@@ -1,62 +1,35 @@
-"""Lamport reduce kernels: wait for the peers' contributions, sum them, re-arm the slots.
+"""The reduce kernel of the unfused algorithms (role ``reduce``), after a `PublishKernel`.
 
-Each thread owns one 16-byte fragment (8 bf16) of one token. It polls the
-mailbox slots of that fragment with volatile loads until no bf16 lane holds
-the empty sentinel, sums the sources in float32 in rank order 0..tp-1 (so every
-rank computes the same bits), rounds once to bf16, emits the result and stores
-the sentinel back into exactly the slots it consumed.
+Each thread owns one 16-byte fragment of one row (`Lamport`):
 
-Two kernels cover the three modes:
-
-* ``reduce``: oneshot, every token ``t < m`` from slots ``[stage][src][t]``;
-  owner modes (twoshot, reduce_scatter), owned row ``i`` (token
-  ``t = i * tp + rank``) from slots ``[stage][src][i]``. Twoshot fans the sum
-  out to every peer's gather slot ``[stage][t]``; reduce_scatter writes row
-  ``i`` of its output and zeros for rows past ``m``.
-* ``gather`` (twoshot): every token not owned here, from gather slot ``[stage][t]``.
-
-Every kernel reads the call's stage from ``NEXT_STAGE``; the last CTA of the
-kernel that ends the call to arrive advances it and ``CALL_COUNT``.
-
-A wait that outlasts ``timeout_ns`` (a kernel parameter; 0 waits forever)
-records the stage, token, missing ranks and call number in the status block.
-Then, by the mailbox's ``ON_TIMEOUT`` word, it traps (the host gets an error
-instead of a hang) or halts the mailbox and returns NaN. A kernel that finds
-the mailbox halted (``HALT``: closed, or failed under the flag option) never
-touches the mailbox: on a closed one it records that and traps (or, flagged,
-writes NaN); on a failed one it writes NaN.
+* ``oneshot``: token ``t < m`` from slots ``[stage][src][t]``;
+* the owner algorithms (``twoshot``, ``reduce_scatter``): owned row ``i`` (token
+  ``t = i * tp + rank``) from slots ``[stage][src][i]``. Twoshot fans the sum out to every
+  peer's gather slot ``[stage][t]`` (a `GatherKernel` ends the call); reduce_scatter writes
+  row ``i`` of its output and zeros for rows past ``m``.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Int32, Int64, Uint32
 
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
-
-BF16_BYTES = 2
-FRAGMENT_BYTES = protocol.REDUCE_ELEMENTS * BF16_BYTES
-WORDS = protocol.REDUCE_ELEMENTS // 2
-EMPTY = [Uint32(protocol.EMPTY_U32)] * WORDS
-NAN_BF16X2 = 0x7FC07FC0
-DIAGNOSTIC_WAIT_NS = 100 * 10**6
+from jax_moe_publish.kernels.lamport import FRAGMENT_BYTES, WORDS, Lamport
 
 
-class LamportReduceKernel:
-    """Device code of the consumer side; every compile-time choice comes from ``config``."""
+class ReduceKernel:
+    """``reduce_ctas_per_token`` CTAs per row of ``reduce_threads`` threads."""
 
-    def __init__(self, config: KernelConfig, fragment_words: int = WORDS) -> None:
+    def __init__(self, config: KernelConfig) -> None:
         self.config = config
-        self.row_bytes = config.hidden * BF16_BYTES
-        # u32 words per mailbox poll in `_wait` and the fused kernel: 4, or 2 when the
-        # fused kernel publishes 4 elements per thread.
-        self.fragment_words = fragment_words
+        self.lamport = Lamport(config)
 
-    # Kernels. Both take the same parameters, in this order.
-
+    # The method name is the role: CuTe DSL names the entry kernel_cutlass_reduce_..., and
+    # the compile step finds the kernel by it. The parameters are `_abi.ROLES["reduce"]`'s.
     @cute.kernel
     def reduce(
         self,
@@ -71,8 +44,8 @@ class LamportReduceKernel:
         rank: Int32,
     ) -> None:
         cfg = self.config
-        row, fragment = self._position()
-        stage, halt = self._start_call(stage_state)
+        row, fragment = self.lamport.reduce_position()
+        stage, halt = self.lamport.start_call(stage_state)
         fragment_offset = Int64(fragment) * FRAGMENT_BYTES
         if fragment < cfg.reduce_fragments:
             if cutlass.const_expr(cfg.algorithm == "oneshot"):
@@ -82,276 +55,30 @@ class LamportReduceKernel:
                 token = row * cfg.tp + rank
                 slot = row
             if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
-                destination = out + Int64(row) * self.row_bytes + fragment_offset
+                destination = out + Int64(row) * self.lamport.row_bytes + fragment_offset
             else:
-                destination = out + Int64(token) * self.row_bytes + fragment_offset
+                destination = out + Int64(token) * self.lamport.row_bytes + fragment_offset
             if token < m and halt != protocol.HALT_RUNNING:
-                self.halted(destination, halt, stage, token, stage_state, status)
+                self.lamport.halted(destination, halt, stage, token, stage_state, status)
             if token < m and halt == protocol.HALT_RUNNING:
-                slots, sources, skipped = self.wait_contributions(
+                slots, sources, skipped = self.lamport.wait_contributions(
                     mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state, status, timeout_ns
                 )
-                total = self.sum_sources(sources)
+                total = self.lamport.sum_sources(sources)
                 if cutlass.const_expr(cfg.algorithm == "twoshot"):
                     # The owner's row and the peers' gathered copies must carry the same bits.
                     total = [ptx.positive_zero_bf16x2(word) for word in total]
-                self._emit(destination, total)
+                ptx.store_words(destination, total)
                 if cutlass.const_expr(cfg.algorithm == "twoshot"):
-                    gather_slot = (
-                        self._gather_offset(stage, token, capacity_m) + fragment_offset
-                    )
+                    gather_slot = self.lamport.gather_offset(stage, token, capacity_m) + fragment_offset
                     for step in cutlass.range_constexpr(cfg.tp - 1):
                         peer = (rank + (step + 1)) % cfg.tp
                         ptx.store_words(
                             ptx.load_u64(peer_table + Int64(peer) * 8) + gather_slot, total
                         )
-                self.rearm(slots, skipped)
+                self.lamport.rearm(slots, skipped)
             if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
                 if token >= m:
                     ptx.store_words(destination, [Uint32(0)] * WORDS)
         # In twoshot the gather ends the call and advances the stage.
-        self.finish_call(stage, stage_state, advance=cfg.algorithm != "twoshot", waited=False)
-
-    @cute.kernel
-    def gather(
-        self,
-        mailbox: Int64,
-        peer_table: Int64,
-        stage_state: Int64,
-        status: Int64,
-        out: Int64,  # (m, hidden) bf16
-        timeout_ns: Int64,
-        m: Int32,
-        capacity_m: Int32,
-        rank: Int32,
-    ) -> None:
-        cfg = self.config
-        token, fragment = self._position()
-        stage, halt = self._start_call(stage_state)
-        fragment_offset = Int64(fragment) * FRAGMENT_BYTES
-        destination = out + Int64(token) * self.row_bytes + fragment_offset
-        owner = token % cfg.tp
-        if fragment < cfg.reduce_fragments and owner != rank and token < m:
-            if halt != protocol.HALT_RUNNING:
-                self.halted(destination, halt, stage, token, stage_state, status)
-            else:
-                slot = mailbox + self._gather_offset(stage, token, capacity_m) + fragment_offset
-                sources = self._wait(
-                    [slot], [owner], stage, token, stage_state, status, timeout_ns
-                )
-                ptx.store_words(destination, sources[0])
-                ptx.store_words(slot, EMPTY)
-        self.finish_call(stage, stage_state, advance=True, waited=False)
-
-    # Pieces of the wait side, traced inline here, in reduce_norm and in the fused kernel.
-
-    def _position(self):
-        """(row, 16-byte fragment) of this thread."""
-        cfg = self.config
-        block, _, _ = cute.arch.block_idx()
-        tidx, _, _ = cute.arch.thread_idx()
-        row = block // cfg.reduce_ctas_per_token
-        fragment = (block % cfg.reduce_ctas_per_token) * cfg.reduce_threads + tidx
-        return row, fragment
-
-    def _contribution_offset(self, stage, src, slot, capacity_m) -> Int64:
-        """Byte offset of contribution slot ``[stage][src][slot]``."""
-        return (
-            (Int64(stage) * self.config.tp + src) * Int64(capacity_m) + Int64(slot)
-        ) * self.row_bytes
-
-    def _gather_offset(self, stage, token, capacity_m) -> Int64:
-        """Byte offset of gather slot ``[stage][token]``, after all contribution stages."""
-        contributions = Int64(protocol.STAGES * self.config.tp) * Int64(capacity_m)
-        return (contributions + Int64(stage) * Int64(capacity_m) + Int64(token)) * self.row_bytes
-
-    def wait_contributions(self, mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state,
-                            status, timeout_ns, own=None) -> tuple[list, list, Int32 | None]:
-        """(addresses, words, skipped) of every rank's contribution to one fragment of slot
-        ``[stage][*][slot]``, once all of them have arrived.
-
-        ``own`` is None, or (rank, kept, read) from a fused kernel: where ``kept``
-        (an Int32) is nonzero, this rank's contribution is ``read()`` (called once
-        the others have arrived, so that its words are not live while polling) and
-        its own slot, never written, is neither polled nor (`rearm`) re-armed.
-        ``skipped`` is then the Int32 bit mask of the slots not polled (one
-        register, not one per rank), else None.
-        """
-        slots = [
-            mailbox + self._contribution_offset(stage, src, slot, capacity_m) + fragment_offset
-            for src in range(self.config.tp)
-        ]
-        if own is None:
-            sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns)
-            return slots, sources, None
-        rank, kept, read = own
-        skipped = kept << rank  # kept is 0 or 1
-        sources = self._wait(slots, list(range(self.config.tp)), stage, token, stage_state, status, timeout_ns,
-                             skipped)
-        held = read()
-        sources = [[cutlass.select_(_polled(skipped, src) != 0, word, held[w]) for w, word in enumerate(words)]
-                   for src, words in enumerate(sources)]
-        return slots, sources, skipped
-
-    def rearm(self, slots: list, skipped) -> None:
-        """Store the empty sentinel back into the slots that `wait_contributions` polled."""
-        for i, address in enumerate(slots):
-            ptx.store_words(address, [Uint32(protocol.EMPTY_U32)] * self.fragment_words,
-                            predicate=None if skipped is None else _polled(skipped, i))
-
-    @cute.jit
-    def _wait(self, slots, ranks, stage, token, stage_state, status, timeout_ns, skipped=None) -> list:
-        """Poll ``slots`` until every bf16 lane is filled; return their words.
-
-        ``ranks[i]`` is the rank that fills ``slots[i]`` (for diagnostics). Slot
-        ``i`` with bit ``i`` of ``skipped`` (an Int32) set is not read: its words
-        are zeros, which count as filled.
-        """
-        words_per_slot = self.fragment_words
-        rValues = cute.make_rmem_tensor(cute.make_layout((len(slots), words_per_slot)), Uint32)
-        missing = Int32(0)
-        for i in cutlass.range_constexpr(len(slots)):
-            words = self._poll(slots, i, skipped)
-            for w in cutlass.range_constexpr(words_per_slot):
-                rValues[i, w] = words[w]
-            if ptx.has_empty_lane(words) != Uint32(0):
-                missing = missing | (Int32(1) << ranks[i])
-        if missing != 0:
-            start = ptx.global_timer_ns()
-            timed_out = Int32(0)
-            while missing != 0:
-                missing = Int32(0)
-                for i in cutlass.range_constexpr(len(slots)):
-                    words = self._poll(slots, i, skipped)
-                    for w in cutlass.range_constexpr(words_per_slot):
-                        rValues[i, w] = words[w]
-                    if ptx.has_empty_lane(words) != Uint32(0):
-                        missing = missing | (Int32(1) << ranks[i])
-                if missing != 0 and timeout_ns > 0:
-                    if ptx.global_timer_ns() - start > timeout_ns:
-                        # Returns only under ON_TIMEOUT_FLAG, with the mailbox halted.
-                        self._record(protocol.STATUS_TIMEOUT, stage, token, missing, stage_state, status)
-                        ptx.store_volatile_s32(stage_state + protocol.HALT * 4, protocol.HALT_FAILED)
-                        timed_out = Int32(1)
-                        missing = Int32(0)
-            if timed_out != 0:
-                for i in cutlass.range_constexpr(len(slots)):
-                    for w in cutlass.range_constexpr(words_per_slot):
-                        rValues[i, w] = Uint32(NAN_BF16X2)
-        return [[rValues[i, w] for w in range(words_per_slot)] for i in range(len(slots))]
-
-    def _poll(self, slots, i, skipped) -> list:
-        return ptx.load_volatile_words(slots[i], self.fragment_words,
-                                       predicate=None if skipped is None else _polled(skipped, i))
-
-    @cute.jit
-    def halted(self, destination, halt, stage, token, stage_state, status) -> None:
-        """A call on a halted mailbox: never touch the mailbox (a closed one is freed).
-        On a closed one record that and trap (unless flagged); otherwise return NaN."""
-        if halt == protocol.HALT_CLOSED:
-            self._record(protocol.STATUS_CLOSED, stage, token, 0, stage_state, status)
-        ptx.store_words(destination, [Uint32(NAN_BF16X2)] * self.fragment_words)
-
-    @cute.jit
-    def _record(self, code, stage, token, missing, stage_state, status) -> None:
-        """The first thread to fail writes the diagnostic (code last, after a fence).
-        Then every failing thread traps, unless the mailbox asks for a flag instead."""
-        if ptx.claim_s32(stage_state + protocol.DIAGNOSTIC_CLAIM * 4) == 0:
-            count = ptx.load_volatile_s32(stage_state + protocol.CALL_COUNT * 4)
-            # The calls before this one, unless this call's last CTA to arrive has counted it
-            # already (a fused CTA arrives before its waits): call c has stage c % STAGES,
-            # also across the count's wrap.
-            call = count - Int32(count % protocol.STAGES != stage)
-            call = cutlass.select_(call < 0, call + protocol.CALL_COUNT_PERIOD, call)
-            ptx.store_volatile_s32(status + protocol.STATUS_STAGE * 4, stage)
-            ptx.store_volatile_s32(status + protocol.STATUS_TOKEN * 4, token)
-            ptx.store_volatile_s32(status + protocol.STATUS_MISSING_RANKS * 4, missing)
-            ptx.store_volatile_s32(status + protocol.STATUS_CALL * 4, call)
-            ptx.fence_system()
-            ptx.store_volatile_s32(status + protocol.STATUS_CODE * 4, code)
-            ptx.fence_system()
-        if ptx.load_volatile_s32(stage_state + protocol.ON_TIMEOUT * 4) == protocol.ON_TIMEOUT_ABORT:
-            # A trap aborts the whole grid, the claimer's stores in flight included: trap
-            # only once the code is visible in host memory (bounded, should the claimer
-            # itself have been stopped).
-            start = ptx.global_timer_ns()
-            waiting = Int32(1)
-            while waiting != 0:
-                if ptx.load_volatile_s32(status + protocol.STATUS_CODE * 4) != protocol.STATUS_OK:
-                    waiting = Int32(0)
-                if ptx.global_timer_ns() - start > DIAGNOSTIC_WAIT_NS:
-                    waiting = Int32(0)
-            ptx.trap()
-
-    def sum_sources(self, sources: list) -> list:
-        """bf16 words of the float32 sum of ``sources``, in source order."""
-        count = len(sources[0])
-        low = [Float32(0.0)] * count
-        high = [Float32(0.0)] * count
-        for words in sources:
-            for w in range(count):
-                a, b = ptx.bf16x2_to_f32(words[w])
-                low[w] = low[w] + a
-                high[w] = high[w] + b
-        return [ptx.f32x2_to_bf16x2(low[w], high[w]) for w in range(count)]
-
-    def _emit(self, address: Int64, words: list) -> None:
-        """Write one reduced fragment: the place for a fused epilogue."""
-        ptx.store_words(address, words)
-
-    def _start_call(self, stage_state) -> tuple:
-        """Read the call's stage and the mailbox's HALT word, then let the next kernel launch.
-
-        No ``griddepcontrol.wait`` first: this kernel reads only the mailbox
-        (guarded by the sentinel) and the stage word, which only the last kernel
-        of the previous call wrote, and that call finished before the publish of
-        this one passed its own wait. So the wait loops start while the publish
-        is still running.
-        """
-        stage = ptx.load_volatile_s32(stage_state + protocol.NEXT_STAGE * 4)
-        halt = ptx.load_volatile_s32(stage_state + protocol.HALT * 4)
-        if cutlass.const_expr(self.config.enable_pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-        return stage, halt
-
-    @cute.jit
-    def arrive(self, stage_state, tidx) -> Int32:
-        """Count this CTA in ``ARRIVALS`` once all of its threads have read the stage; returns,
-        in thread 0, how many CTAs arrived before it (0 elsewhere), for `finish_call`. A fused
-        kernel arrives once it has published, so that the atomic's round trip overlaps its
-        waits instead of ending the CTA."""
-        cute.arch.barrier()
-        arrived = Int32(0)
-        if tidx == 0:
-            arrived = ptx.fetch_add_s32(stage_state + protocol.ARRIVALS * 4, 1)
-        return arrived
-
-    @cute.jit
-    def finish_call(self, stage, stage_state, advance: cutlass.Constexpr[bool],
-                    waited: cutlass.Constexpr[bool], arrived=None) -> None:
-        """Wait for the predecessor grid (so that the call ends after its publish) unless this
-        kernel ``waited`` already, and with ``advance`` let the last CTA to arrive move the
-        stage and count the call. ``arrived`` is `arrive`'s count where the CTA has arrived
-        already, else None: it arrives now."""
-        if cutlass.const_expr(self.config.enable_pdl and not waited):
-            cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(advance):
-            tidx, _, _ = cute.arch.thread_idx()
-            grid, _, _ = cute.arch.grid_dim()
-            if cutlass.const_expr(arrived is None):
-                arrived = self.arrive(stage_state, tidx)
-            if tidx == 0:
-                if arrived == grid - 1:
-                    self._advance_stage(stage, stage_state)
-
-    def _advance_stage(self, stage, stage_state) -> None:
-        """The last CTA to arrive: reset the arrivals, move the stage and count the call."""
-        ptx.store_volatile_s32(stage_state + protocol.ARRIVALS * 4, 0)
-        ptx.store_volatile_s32(stage_state + protocol.NEXT_STAGE * 4, (stage + 1) % protocol.STAGES)
-        # No round trip: this may be the call's last CTA to finish.
-        ptx.increment_wrapping_u32(stage_state + protocol.CALL_COUNT * 4, protocol.CALL_COUNT_PERIOD - 1)
-
-
-def _polled(skipped, i: int) -> Int32:
-    """Int32 1 if slot ``i`` is polled: bit ``i`` of ``skipped`` is clear."""
-    return Int32(((skipped >> i) & 1) == 0)
+        self.lamport.finish_call(stage, stage_state, advance=cfg.algorithm != "twoshot", waited=False)

@@ -30,7 +30,7 @@ class VmmMapping:
         check(cuda.cuMemMap(self.address, self.size, 0, handle, 0), f"cuMemMap({self.what})")
         self.mapped = True
         access = []
-        for ordinal in ordinals:
+        for ordinal in dict.fromkeys(ordinals):  # virtual ranks of the tests share a device
             desc = cuda.CUmemAccessDesc()
             desc.location.type = cuda.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             desc.location.id = ordinal

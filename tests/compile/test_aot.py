@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from jax_moe_publish import protocol, tuning  # noqa: E402
+from jax_moe_publish import _abi, protocol, tuning  # noqa: E402
 from jax_moe_publish.aot import artifact, compile, presets, store  # noqa: E402
 from jax_moe_publish.aot.__main__ import PRESETS  # noqa: E402
 from jax_moe_publish.aot.__main__ import main as cli_main  # noqa: E402
@@ -40,22 +40,14 @@ OTHER_SMALL = SMALL.replace(top_k=3)
 
 
 def expected_roles(config: KernelConfig) -> list[str]:
-    if config.fuse_reduce:
-        return ["publish_reduce" if config.epilogue == "none" else "publish_reduce_norm"]
-    roles = ["publish"]
-    if config.tp > 1:
-        roles.append("reduce" if config.epilogue == "none" else "reduce_norm")
-    if config.algorithm == "twoshot":
-        roles.append("gather")
-    return roles
+    return list(_abi.call_roles(config))
 
 
 def _ids(configs) -> list[str]:
     return [c.key for c in configs]
 
 
-def _kernel_params(configs, roles=("publish", "reduce", "reduce_norm", "gather", "publish_reduce",
-                                   "publish_reduce_norm")):
+def _kernel_params(configs, roles=tuple(_abi.ROLES)):
     """(config, role) of every kernel of ``configs`` whose role is in ``roles``."""
     return [
         pytest.param(c, role, id=f"{c.key}-{role}")
@@ -133,7 +125,12 @@ def test_metadata(builds, config):
     assert meta["arch"] == config.arch
     assert meta["dsl_version"] == importlib.metadata.version("nvidia-cutlass-dsl")
     assert meta["source_fingerprint"] == artifact.source_fingerprint()
-    assert meta["pdl"] is config.enable_pdl
+    assert meta["sidecar_version"] == artifact.SIDECAR_VERSION
+    assert meta["call"] == {
+        "tp": config.tp, "hidden": config.hidden, "top_k": config.top_k,
+        "weights": "f32" if config.fp32_weights else "bf16", "shared_expert": config.include_shared_expert,
+        "out_rows": "owned" if config.algorithm == "reduce_scatter" else "m", "pdl": config.enable_pdl,
+    }
     assert f".target {config.arch}" in built.ptx
 
     kernels = meta["kernels"]
@@ -143,6 +140,7 @@ def test_metadata(builds, config):
     assert set(kernel_bodies(built.ptx)) == set(entries)
     rows = "m" if config.algorithm == "oneshot" else "owned"
     geometry = {  # role: (block, smem, ctas_per_row, rows)
+        "finalize": (config.threads, 0, config.ctas_per_token, "m"),
         "publish": (config.threads, 0, config.ctas_per_token, "m"),
         "reduce": (config.reduce_threads, 0, config.reduce_ctas_per_token, rows),
         # One CTA per row, and two floats per warp of dynamic shared memory (`RowSums`).
@@ -158,12 +156,15 @@ def test_metadata(builds, config):
     }
     for kernel in kernels:
         role = kernel["role"]
-        assert kernel["symbol"].startswith(f"kernel_cutlass_{role}_")
-        assert kernel["params"] == artifact.EXPECTED_PARAMS[role]
-        assert kernel["params"] == entries[kernel["symbol"]]
+        contract = _abi.ROLES[role]
+        assert kernel["symbol"].startswith(f"kernel_cutlass_{role}_jax_moe_publish")
+        assert kernel["params"] == list(contract.params)
+        assert kernel["param_types"] == entries[kernel["symbol"]] == [_abi.VALUES[p] for p in contract.params]
         launch = (kernel["block"], kernel["smem"], kernel["ctas_per_row"], kernel["rows"])
         assert launch == geometry[role]
-        assert kernel["waves"] == (config.waves if role in artifact.PERSISTENT_ROLES else 1)
+        assert kernel["persistent"] is contract.persistent
+        assert kernel["waves"] == (config.waves if contract.persistent else 1)
+        assert kernel["cluster"] == (config.ctas_per_token if contract.cluster else 1)
         assert kernel["symbol"].encode() in built.cubin
 
     assert built.cubin.startswith(b"\x7fELF")
@@ -221,7 +222,7 @@ UNFUSED_CONFIGS = [c for c in ALL_CONFIGS if not c.fuse_reduce]
 @pytest.mark.parametrize("config", UNFUSED_CONFIGS, ids=_ids(UNFUSED_CONFIGS))
 def test_publish_fan_out(builds, config):
     """Oneshot stores to all tp peers, the owner algorithms to the owner, direct to the output."""
-    body = kernels_by_role(builds(config))["publish"]
+    body = kernels_by_role(builds(config))[publish_role(config)]
     stores = config.tp if config.algorithm == "oneshot" else 1
     vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
     assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * stores
@@ -408,13 +409,13 @@ def test_pdl_instructions(builds, config, role):
         return
     wait = body.index("griddepcontrol.wait")
     release = body.index("griddepcontrol.launch_dependents")
-    if role in ("publish", "publish_reduce", "publish_reduce_norm"):
+    if role in ("finalize", "publish", "publish_reduce", "publish_reduce_norm"):
         # The stage and the inputs are read only after the predecessor has finished; the
         # reduce (or, fused, the next call) is released then, before the first store.
         assert wait < release < first(body, "st.global")
-        if config.algorithm != "direct":
+        if role != "finalize":
             assert first(body, "ld.volatile") > wait
-        if role != "publish":
+        if role not in ("finalize", "publish"):
             assert wait < body.index("atom.global.add") < body.rfind("st.volatile.global.s32")
     else:
         # A reduce reads the stage before it releases the next kernel (which may advance
@@ -475,9 +476,9 @@ def test_store_memory_disk_and_compile(tmp_path, compile_calls):
     assert first_store.stats == store.StoreStats(compiles=1)
     assert first_store.get(SMALL) is built
     assert first_store.stats == store.StoreStats(compiles=1, memory_hits=1)
-    # The cache is keyed by the kernel-source fingerprint, then the config key.
+    # The cache is keyed by the build fingerprint, then the config key.
     assert (first_store.cache_dir / f"{SMALL.key}.cubin").read_bytes() == built.cubin
-    assert first_store.cache_dir == tmp_path / "cache" / artifact.source_fingerprint()
+    assert first_store.cache_dir == tmp_path / "cache" / artifact.build_fingerprint()
 
     second_store = new_store(tmp_path)  # a new process, in effect
     assert second_store.get(SMALL).metadata == built.metadata
@@ -518,6 +519,27 @@ def test_store_with_dsl_recompiles_over_stale_prebuilt(tmp_path, builds, compile
     assert kernels.stats == store.StoreStats(compiles=1)
 
 
+def test_a_dsl_upgrade_reuses_no_cached_or_prebuilt_kernel(tmp_path, builds, compile_calls, monkeypatch):
+    builds(SMALL).save(tmp_path / "prebuilt")
+    old_cache = new_store(tmp_path).cache_dir
+    new_store(tmp_path).get(OTHER_SMALL)  # into the cache of this DSL version
+    monkeypatch.setattr(artifact, "dsl_version", lambda: "99.0")
+    assert not artifact.KernelArtifact.load(tmp_path / "prebuilt", SMALL.key).is_current
+    upgraded = new_store(tmp_path, [tmp_path / "prebuilt"])
+    assert upgraded.cache_dir != old_cache
+    upgraded.get(SMALL)
+    upgraded.get(OTHER_SMALL)
+    assert upgraded.stats == store.StoreStats(compiles=2)
+    assert compile_calls == [OTHER_SMALL, SMALL, OTHER_SMALL]
+
+
+def test_a_sidecar_of_another_version_is_stale_and_refused(tmp_path, builds):
+    old = dataclasses.replace(builds(SMALL), metadata={**builds(SMALL).metadata, "sidecar_version": 1})
+    assert not old.is_current
+    with pytest.raises(RuntimeError, match="sidecar version 1, expected 2: rebuild it"):
+        old.check(SMALL.key)
+
+
 def test_store_without_dsl_names_the_build_command(tmp_path, monkeypatch, compile_calls):
     monkeypatch.setattr(store, "dsl_available", lambda: False)
     with pytest.raises(store.MissingKernelError) as error:
@@ -551,7 +573,7 @@ def test_store_reads_environment(tmp_path, monkeypatch):
     folders = [str(tmp_path / "a"), "", str(tmp_path / "b")]  # empty entries are skipped
     monkeypatch.setenv(store.KERNEL_DIR_ENV, os.pathsep.join(folders))
     kernels = store.KernelStore()
-    assert kernels.cache_dir == tmp_path / "cache" / artifact.source_fingerprint()
+    assert kernels.cache_dir == tmp_path / "cache" / artifact.build_fingerprint()
     assert kernels.prebuilt_dirs == [tmp_path / "a", tmp_path / "b"]
 
 

@@ -76,23 +76,23 @@ def test_a_process_that_never_creates_the_mailbox_times_out_the_others():
 def test_kernels_load_only_on_this_processes_devices(monkeypatch):
     """A group's devices in other processes have ordinals of their own process: loading there
     would claim a GPU of this machine that is not ours."""
-    import threading
     import types
+    import uuid
 
     import jax
 
-    from jax_moe_publish import native
+    from jax_moe_publish import _extension, _launch
     from jax_moe_publish.mailbox import Mailbox
 
     here, there = jax.process_index(), jax.process_index() + 1
     mailbox = object.__new__(Mailbox)
     device = lambda process, ordinal: types.SimpleNamespace(process_index=process, local_hardware_id=ordinal)
     mailbox.groups = [[device(here, 0), device(there, 0)], [device(there, 1), device(here, 1)]]
-    mailbox._lock, mailbox._loaded, mailbox._closed = threading.Lock(), set(), False
+    assert mailbox.local_ordinals == [0, 1]
     loaded = []
-    monkeypatch.setattr(native, "load_kernel_set", lambda set_id, ordinal, *args, **kwargs: loaded.append(ordinal))
-    config = dict(algorithm="oneshot", tp=2, hidden=64, top_k=2, fp32_weights=False, include_shared_expert=True,
-                  epilogue="none", fuse_reduce=False)
-    artifact = types.SimpleNamespace(cubin=b"cubin", metadata={"key": "k", "config": config, "kernels": [], "pdl": True})
-    mailbox.ensure_loaded(artifact, 7)
+    monkeypatch.setattr(_extension, "load_kernel_set", lambda set_id, ordinal, *args: loaded.append(ordinal))
+    artifact = types.SimpleNamespace(cubin=b"cubin", metadata={"key": f"k-{uuid.uuid4()}", "kernels": [], "call": {}})
+    set_id = _launch.load(artifact, mailbox.local_ordinals)
+    # Once per device, under one id.
+    assert _launch.load(artifact, [1, 0]) == set_id
     assert loaded == [0, 1]

@@ -1,5 +1,6 @@
-"""GPU tests of the fused residual add + RMSNorm epilogue: the reduce_norm kernel through
-`gpu_harness`, and the op through jit + shard_map (tp = 2, and tp = 1 where jnp runs it).
+"""GPU tests of the fused residual add + RMSNorm epilogue: its kernels through `gpu_harness` (with
+virtual ranks on one GPU), and the op through jit + shard_map (tp = 2 on two GPUs, and tp = 1
+where jnp runs it).
 
 Every check draws fresh data with residuals far larger than the reduced sum (so
 that the bf16 rounding of ``y + residual`` matters) and, from m = 37 on, a
@@ -99,7 +100,7 @@ def _prepared_buffers(launcher, config, m, problems, residual, norm_weight, eps)
 # Through the harness: the kernels alone, with poisoned outputs.
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("eps", EPS_VALUES)
 @pytest.mark.parametrize("m", M_VALUES, ids=_m_id)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.key)
@@ -107,7 +108,7 @@ def test_epilogue_kernel_matches_model(config, m, eps, devices):  # noqa: F811
     _check_epilogue_call(config, m, eps, devices)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 # CTAs, rounded down to whole clusters (at least one): one cluster against several.
 @pytest.mark.parametrize("grid_limits", ((1, 1), (8, 24)), ids=lambda g: "grid" + "-".join(map(str, g)))
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.fuse_reduce], ids=lambda c: c.key)
@@ -144,7 +145,7 @@ def _check_epilogue_call(config, m, eps, devices, grid_limits=None) -> None:
         check_protocol_state(launcher, calls=1)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.hidden == 7168], ids=lambda c: c.key)
 def test_epilogue_kernel_consecutive_calls(config, devices):  # noqa: F811
     """Calls of random m enqueued back to back: stages cycle and every slot is re-armed."""
@@ -172,7 +173,7 @@ def test_epilogue_kernel_consecutive_calls(config, devices):  # noqa: F811
         check_protocol_state(launcher, calls=len(calls))
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("halt", (protocol.HALT_FAILED, protocol.HALT_CLOSED), ids=("failed", "closed"))
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.hidden == 7168], ids=lambda c: c.key)
 def test_epilogue_on_a_halted_mailbox(config, halt, devices):  # noqa: F811

@@ -1,4 +1,5 @@
-"""GPU tests of the device kernels, run through `gpu_harness` on one or two GPUs.
+"""GPU tests of the device kernels, run through `gpu_harness`: a group's ranks on as many GPUs as
+there are, with virtual ranks sharing them where there are fewer (one GPU suffices).
 
 Every config comes from `gpu_matrix.variants`, the set prebuilt for the GPU
 machine. A call's outputs are compared with the float64 model of `numerics`;
@@ -112,14 +113,14 @@ def test_direct_finalize_matches_model(config, m, devices):
     _check_one_call(config, m, devices)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("m", M_VALUES, ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("config", TP2_CONFIGS, ids=_key)
 def test_group_call_matches_model(config, m, devices):
     _check_one_call(config, m, devices)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("grid_limits", GRID_LIMITS, ids=lambda g: "grid" + "-".join(map(str, g)))
 @pytest.mark.parametrize("m", (3, CAPACITY_M), ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("config", TP2_FUSED_CONFIGS, ids=_key)
@@ -129,7 +130,7 @@ def test_persistent_grid_matches_model(config, m, grid_limits, devices):
     _check_one_call(config, m, devices, list(grid_limits))
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("config", TP2_ONESHOT_CONFIGS, ids=_key)
 def test_negative_zero_is_never_published(config, devices):
     m = 37
@@ -164,7 +165,7 @@ def test_negative_zero_is_never_published(config, devices):
         check_protocol_state(launcher, calls=1)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
 def test_consecutive_rounds_cycle_the_stages(config, devices):
     rng = seeded_rng(config.key, "rounds")
@@ -179,7 +180,7 @@ def test_consecutive_rounds_cycle_the_stages(config, devices):
             check_protocol_state(launcher, calls=round_ + 1)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
 def test_calls_across_the_call_count_wrap(config, devices):
     """The count wraps to 0 after `protocol.CALL_COUNT_PERIOD` calls, and the stages go on
@@ -198,7 +199,7 @@ def test_calls_across_the_call_count_wrap(config, devices):
             check_protocol_state(launcher, calls=call + 1, first_call=first_call)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
 def test_chained_calls_without_host_waits(config, devices):
     """Calls enqueued back to back, as XLA issues them: ranks drift apart by up to a call

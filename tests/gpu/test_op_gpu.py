@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 import numerics
-from jax_moe_publish import native, protocol
+from jax_moe_publish import _extension, protocol
 from jax_moe_publish import tuning
 from jax_moe_publish.aot.presets import result_of
 from jax_moe_publish.testing import gpu_matrix
@@ -177,7 +177,7 @@ def test_command_buffer_chain_of_32_layers():
     """Under XLA's default command-buffer settings the custom call is captured and stays right."""
     rng = np.random.default_rng()
     hidden, top_k, scale, layers, m = 7168, 8, 2.5, 32, 8
-    captured_before, _ = native.execute_counts()
+    captured_before, _ = _extension.execute_counts()
     with jmp.Mailbox(_mesh(2), "tp", hidden=hidden, capacity_m=CAPACITY) as mb:
         chain = _chain(mb, layers, scale)
         for _ in range(4):  # the first runs record the graph, later ones replay it
@@ -185,7 +185,7 @@ def test_command_buffer_chain_of_32_layers():
             out = np.asarray(chain(*map(jnp.asarray, inputs)))
             _check_replicated_chain(out, inputs, scale, tp=2)
         mb.check()
-    captured, _ = native.execute_counts()
+    captured, _ = _extension.execute_counts()
     assert captured > captured_before, "XLA never launched the op inside a CUDA graph capture"
 
 

@@ -91,14 +91,14 @@ def config_for(algorithm: str):
 @contextlib.contextmanager
 def group(algorithm: str, timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT, *, config=None,
           grid_limits=None):
-    """A `gpu_harness.GroupLauncher` of ``algorithm`` (or of ``config``) on GPUs 0 and 1."""
-    devices = [gpu_harness.Device(ordinal) for ordinal in range(2)]
+    """A `gpu_harness.GroupLauncher` of ``algorithm`` (or of ``config``) on GPUs 0 and 1 (one GPU:
+    virtual ranks)."""
+    pool = gpu_harness.DevicePool()
     artifact = default_store().get(config or config_for(algorithm))
-    with gpu_harness.open_group(artifact, devices, capacity_m=CAPACITY_M, timeout_ns=timeout_ns,
+    with gpu_harness.open_group(artifact, pool, capacity_m=CAPACITY_M, timeout_ns=timeout_ns,
                                 on_timeout=on_timeout, grid_limits=grid_limits) as launcher:
         yield launcher
-    for device in devices:
-        device.close()
+    pool.close()
 
 
 def random_problem(config, rng, m: int) -> numerics.Problem:
@@ -133,9 +133,8 @@ def launch_rank(launcher, rank: int, rank_buffers, m: int, roles=None) -> None:
         if roles is not None and kernel["role"] not in roles:
             continue
         rows = m if kernel["rows"] == "m" else protocol.owned_rows(m, launcher.config.tp)
-        params, types = launcher._params(kernel["role"], rank, rank_buffers, m)
         launcher.devices[rank].launch(
-            launcher.functions[rank][index], kernel, rows, params, types, launcher.pdl
+            launcher.functions[rank][index], kernel, rows, launcher.values(rank, rank_buffers, m), launcher.pdl
         )
 
 
@@ -700,19 +699,19 @@ def two_mailboxes(args) -> None:
     """Calls alternate between two mailboxes' jitted functions; then mailbox a is closed and its
     compiled function called again; then mailbox b must still work."""
     jax, jmp, mesh = _api()
-    from jax_moe_publish import native
+    from jax_moe_publish import _extension
 
     rng = np.random.default_rng(args.seed)
     mailboxes = {"a": _api_mailbox(jmp, mesh), "b": _api_mailbox(jmp, mesh)}
     steps = {name: _api_step(jax, jmp, mailbox) for name, mailbox in mailboxes.items()}
-    captured_before, _ = native.execute_counts()
+    captured_before, _ = _extension.execute_counts()
     failures = []
     for call in range(12):
         name = "ab"[call % 2]
         problems = _api_problems(jmp, rng, 2)
         if text := _api_failure(np.asarray(steps[name](*_api_args(jax, mesh, problems))), problems):
             failures.append(f"call {call} on {name}: {text}")
-    captured_after, _ = native.execute_counts()
+    captured_after, _ = _extension.execute_counts()
 
     mailboxes["a"].close()
 
@@ -738,7 +737,7 @@ def closed_chain(args) -> None:
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from jax_moe_publish import native
+    from jax_moe_publish import _extension
 
     rng = np.random.default_rng(args.seed)
     mailbox = _api_mailbox(jmp, mesh)
@@ -776,14 +775,14 @@ def closed_chain(args) -> None:
             previous = out[layer]
         return None
 
-    captured_before, direct_before = native.execute_counts()
+    captured_before, direct_before = _extension.execute_counts()
     failures = []
     for run in range(3):
         out = chain(*inputs)
         if text := check(np.asarray(out)):
             failures.append(f"run {run}: {text}")
         del out  # lets XLA hand the next run the same output buffers
-    captured, direct = native.execute_counts()
+    captured, direct = _extension.execute_counts()
     mailbox.close()
 
     def call_closed():
@@ -796,7 +795,7 @@ def closed_chain(args) -> None:
         "status_after": mailbox.status(),
         "handler_executes_before_close": {"captured": captured - captured_before, "direct": direct - direct_before},
         "handler_executes_after_close": dict(zip(("captured", "direct"), (
-            n - m for n, m in zip(native.execute_counts(), (captured, direct))))),
+            n - m for n, m in zip(_extension.execute_counts(), (captured, direct))))),
     })
 
 

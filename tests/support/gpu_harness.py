@@ -1,25 +1,26 @@
-"""Runs a `KernelArtifact` on real GPUs through the CUDA driver API, the way the C++ launcher does.
+"""Runs a `KernelArtifact` on GPUs through the CUDA driver API, the way the C++ launcher does.
 
-The kernel tests use it to exercise the cubins without JAX or the FFI library.
-It replays the launcher's contract from the artifact's metadata:
+The kernel tests use it to exercise the cubins without JAX or the FFI library. It replays
+the launcher's contract from the artifact's sidecar:
 
-* each kernel of ``metadata["kernels"]`` is launched in the listed order with
-  grid = rows * ctas_per_row (rows: ``m``, or ``ceil(m / tp)`` for ``owned``;
-  a persistent kernel's ``ceil(rows / waves) * ctas_per_row``, capped), its
-  block and dynamic shared memory, and the PDL attribute
-  (``PROGRAMMATIC_STREAM_SERIALIZATION = 1``) on every launch when ``metadata["pdl"]``;
-* publish parameters: ``(routed, weights, indices, shared, stage_state,
-  destination, num_rows, m, capacity_m, rank)``; destination is the rank's peer
-  table, or the output for ``direct`` (then stage_state = 0,
-  capacity_m = m, rank = 0);
-* reduce and gather parameters: ``(mailbox, peer_table, stage_state, status,
-  out, timeout_ns, m, capacity_m, rank)``; reduce_norm's add ``(residual,
-  norm_weight, residual_out, eps)``.
+* each kernel of ``metadata["kernels"]`` is launched in the listed order with grid =
+  rows * ctas_per_row (rows: ``m``, or ``ceil(m / tp)`` for ``owned``; a persistent
+  kernel's ``ceil(rows / waves) * ctas_per_row``, capped at the CTAs the GPU holds at
+  once), its block, dynamic shared memory and cluster, and the PDL attribute
+  (``PROGRAMMATIC_STREAM_SERIALIZATION = 1``) on every launch when ``call["pdl"]``;
+* its parameters are the values its ``params`` name (`_abi.VALUES`), of its
+  ``param_types``; without a mailbox (tp = 1) the mailbox values are 0.
 
-A group call launches every rank's publish, then every rank's reduce, then
-every rank's gather, all asynchronously on per-device streams: a reduce spins
-until its peers' publishes land, so the host never waits between ranks'
-launches. Only then does it wait for all devices, with a host-side deadline.
+A group call launches every rank's first kernel, then every rank's second, ..., all
+asynchronously on per-rank streams: a reduce spins until its peers' publishes land, so
+the host never waits between ranks' launches. Only then does it wait for all devices,
+with a host-side deadline.
+
+*Virtual ranks*: a group of ``tp`` ranks runs on fewer GPUs (`DevicePool`): rank ``r`` on
+GPU ``r % count``, each rank with its own stream. A persistent kernel's grid is then capped
+at the GPU's resident CTAs divided by the ranks on that GPU, in whole clusters, so that
+every rank's CTAs run at once. This tests the protocol's logic and state, not cross-GPU
+memory ordering or NVLink.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ import numpy as np
 from cuda.bindings import driver
 
 import numerics
-from jax_moe_publish import protocol
-from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS
-from jax_moe_publish.aot.artifact import CLUSTER_ROLES, PERSISTENT_ROLES, KernelArtifact
+from jax_moe_publish import _abi, protocol
+from jax_moe_publish.aot.artifact import KernelArtifact
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.memory.driver import CudaError, check, init, primary_context
 from jax_moe_publish.memory.group import GroupMemory
@@ -42,22 +42,10 @@ from jax_moe_publish.memory.group import GroupMemory
 PROGRAMMATIC_STREAM_SERIALIZATION = (
     driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 )
-PUBLISH_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 4
-WAIT_TYPES = (ctypes.c_uint64,) * 6 + (ctypes.c_uint32,) * 3
-WAIT_NORM_TYPES = WAIT_TYPES + (ctypes.c_uint64,) * 3 + (ctypes.c_float,)
-PUBLISH_REDUCE_TYPES = (ctypes.c_uint64,) * 10 + (ctypes.c_uint32,) * 4
-PUBLISH_REDUCE_NORM_TYPES = PUBLISH_REDUCE_TYPES + (ctypes.c_uint64,) * 3 + (ctypes.c_float,)
-# Dynamic shared memory above this needs an explicit opt-in per function (as in ffi/registry.cc).
-DEFAULT_SMEM_LIMIT = 48 * 1024
+CTYPES = {"u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float}
 MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-# Clusters above PORTABLE_CLUSTER_CTAS need an explicit opt-in per function (as in ffi/registry.cc).
 NON_PORTABLE_CLUSTER = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 POLL_S = 50e-6
-
-
-def cluster_ctas(kernel: dict) -> int:
-    """CTAs of one thread block cluster of a kernel (`artifact.CLUSTER_ROLES`), else 1."""
-    return kernel["ctas_per_row"] if kernel["role"] in CLUSTER_ROLES else 1
 
 
 def _launch_config(kernel: dict, ctas: int):
@@ -129,12 +117,12 @@ class Device:
                         driver.cuModuleGetFunction(module, symbol.encode()),
                         f"cuModuleGetFunction({symbol})",
                     )
-                    if kernel["smem"] > DEFAULT_SMEM_LIMIT:
+                    if kernel["smem"] > _abi.DEFAULT_SMEM_BYTES:
                         check(
                             driver.cuFuncSetAttribute(function, MAX_DYNAMIC_SMEM, kernel["smem"]),
                             f"cuFuncSetAttribute({symbol})",
                         )
-                    if cluster_ctas(kernel) > PORTABLE_CLUSTER_CTAS:
+                    if kernel["cluster"] > _abi.PORTABLE_CLUSTER_CTAS:
                         check(
                             driver.cuFuncSetAttribute(function, NON_PORTABLE_CLUSTER, 1),
                             f"cuFuncSetAttribute({symbol}, NON_PORTABLE_CLUSTER_SIZE_ALLOWED)",
@@ -145,8 +133,8 @@ class Device:
 
     def resident_ctas(self, function, kernel: dict) -> int:
         """CTAs of ``function`` the GPU holds at once, as the C++ launcher computes it: for a
-        cluster role its resident clusters times the cluster size."""
-        cluster = cluster_ctas(kernel)
+        cluster kernel its resident clusters times the cluster size."""
+        cluster = kernel["cluster"]
         with self.current():
             if cluster > 1:
                 config = _launch_config(kernel, cluster)
@@ -167,10 +155,11 @@ class Device:
             )
         return per_sm * sms
 
-    def launch(self, function, kernel: dict, rows: int, params: tuple, types: tuple, pdl: bool,
-               max_ctas: int | None = None) -> None:
-        """Enqueue one kernel of the artifact: grid = ceil(rows / waves) * ctas_per_row, at most
-        ``max_ctas``."""
+    def launch(self, function, kernel: dict, rows: int, values: dict, pdl: bool, max_ctas: int | None = None) -> None:
+        """Enqueue one kernel of the artifact with the ``values`` its ``params`` name: grid =
+        ceil(rows / waves) * ctas_per_row, at most ``max_ctas``."""
+        types = tuple(CTYPES[t] for t in kernel["param_types"])
+        params = tuple(t(values[name]).value for name, t in zip(kernel["params"], types))
         ctas = -(-rows // kernel["waves"]) * kernel["ctas_per_row"]
         config = _launch_config(kernel, ctas if max_ctas is None else min(ctas, max_ctas))
         config.hStream = self.stream
@@ -180,16 +169,14 @@ class Device:
             attribute.id = PROGRAMMATIC_STREAM_SERIALIZATION
             attribute.value.programmaticStreamSerializationAllowed = 1
             attributes.append(attribute)
-        if cluster_ctas(kernel) > 1:
-            attributes.append(_cluster_attribute(cluster_ctas(kernel)))
+        if kernel["cluster"] > 1:
+            attributes.append(_cluster_attribute(kernel["cluster"]))
         if attributes:
             config.attrs = attributes
         config.numAttrs = len(attributes)
         with self.current():
             check(
-                driver.cuLaunchKernelEx(
-                    config, function, (tuple(t(v).value for v, t in zip(params, types)), types), 0
-                ),
+                driver.cuLaunchKernelEx(config, function, (params, types), 0),
                 f"cuLaunchKernelEx({kernel['role']}, device {self.ordinal})",
             )
 
@@ -245,6 +232,33 @@ class Device:
                 check(driver.cuModuleUnload(module), "cuModuleUnload")
         self._modules = {}
         check(driver.cuDevicePrimaryCtxRelease(self._handle), f"cuDevicePrimaryCtxRelease({self.ordinal})")
+
+
+class DevicePool:
+    """The GPUs of this process for groups of any size: rank ``r`` of a group runs on GPU
+    ``r % count``, with a `Device` (a stream) of its own; ranks that share a GPU are virtual
+    ranks. Devices are opened on first use and kept until `close`."""
+
+    def __init__(self) -> None:
+        self.count = device_count()
+        if self.count == 0:
+            raise RuntimeError("no CUDA device")
+        self._opened: dict[tuple[int, int], Device] = {}
+
+    def group(self, tp: int) -> list[Device]:
+        """One `Device` per rank of a group of ``tp``: real GPUs where there are enough."""
+        devices = []
+        for rank in range(tp):
+            slot = (rank % self.count, rank // self.count)
+            if slot not in self._opened:
+                self._opened[slot] = Device(slot[0])
+            devices.append(self._opened[slot])
+        return devices
+
+    def close(self) -> None:
+        for device in self._opened.values():
+            device.close()
+        self._opened = {}
 
 
 class Buffer:
@@ -341,7 +355,8 @@ class RankBuffers:
 
 
 class GroupLauncher:
-    """One artifact loaded on the devices of a group (rank r on ``devices[r]``), with its mailbox memory.
+    """One artifact loaded on the devices of a group (rank r on ``devices[r]``, which several
+    ranks may share: virtual ranks), with its mailbox memory.
 
     ``memory`` is None for ``direct`` (tp = 1), which has no mailbox.
     """
@@ -353,26 +368,30 @@ class GroupLauncher:
             raise ValueError(
                 f"algorithm {self.config.algorithm!r} with memory={memory!r}: a mailbox is needed exactly when tp > 1"
             )
-        self.devices = devices[: self.config.tp]
+        if len(devices) != self.config.tp:
+            raise ValueError(f"{artifact.metadata['key']} needs {self.config.tp} devices, got {len(devices)}")
+        self.devices = devices
         self.memory = memory
         self.timeout_ns = timeout_ns
         self.kernels = artifact.metadata["kernels"]
         self.roles = tuple(kernel["role"] for kernel in self.kernels)
-        self.pdl = bool(artifact.metadata["pdl"])
+        self.pdl = bool(artifact.metadata["call"]["pdl"])
         self.functions = [device.functions(artifact) for device in self.devices]
-        # Persistent kernels' grids: capped like the C++ launcher's, and at rank r's
-        # ``grid_limits[r]`` CTAs (tests: several rows per CTA at small m, grids that differ by rank).
+        # Persistent kernels' grids: capped like the C++ launcher's, shared among the ranks on
+        # one GPU, and at rank r's ``grid_limits[r]`` CTAs (tests: several rows per CTA at small
+        # m, grids that differ by rank); always whole clusters, at least one.
         self.max_ctas = []
         for rank, (device, functions) in enumerate(zip(self.devices, self.functions)):
+            sharing = sum(other.ordinal == device.ordinal for other in self.devices)
             limits = []
             for function, kernel in zip(functions, self.kernels):
                 limit = None
-                if kernel["role"] in PERSISTENT_ROLES:
-                    limit = device.resident_ctas(function, kernel)
+                if kernel["persistent"]:
+                    cluster = kernel["cluster"]
+                    limit = device.resident_ctas(function, kernel) // sharing
                     if grid_limits is not None:
-                        # Whole clusters, at least one.
-                        cluster = cluster_ctas(kernel)
-                        limit = max(cluster, min(limit, grid_limits[rank]) // cluster * cluster)
+                        limit = min(limit, grid_limits[rank])
+                    limit = max(cluster, limit // cluster * cluster)
                 limits.append(limit)
             self.max_ctas.append(limits)
         self._buffers: list[RankBuffers] = []
@@ -392,36 +411,27 @@ class GroupLauncher:
                 continue
             rows = m if kernel["rows"] == "m" else protocol.owned_rows(m, self.config.tp)
             for rank, device in enumerate(self.devices):
-                params, types = self._params(kernel["role"], rank, buffers[rank], m)
-                device.launch(self.functions[rank][index], kernel, rows, params, types, self.pdl,
-                              self.max_ctas[rank][index])
+                device.launch(self.functions[rank][index], kernel, rows, self.values(rank, buffers[rank], m),
+                              self.pdl, self.max_ctas[rank][index])
 
-    def _params(self, role: str, rank: int, buffers: RankBuffers, m: int) -> tuple[tuple, tuple]:
-        if role == "publish":
-            if self.memory is None:
-                stage_state, destination, capacity_m, publish_rank = 0, buffers.out.address, m, 0
-            else:
-                memory = self.memory.ranks[rank]
-                stage_state, destination = memory.stage_state, memory.peer_table
-                capacity_m, publish_rank = self.memory.capacity_m, rank
-            shared = 0 if buffers.shared is None else buffers.shared.address
-            values = (buffers.routed.address, buffers.weights.address, buffers.indices.address, shared,
-                      stage_state, destination, buffers.num_rows, m, capacity_m, publish_rank)
-            return values, PUBLISH_TYPES
-        memory = self.memory.ranks[rank]
-        epilogue = ()
-        if role in ("reduce_norm", "publish_reduce_norm"):
-            epilogue = (buffers.residual.address, buffers.norm_weight.address,
-                        buffers.residual_out.address, buffers.eps)
-        if role in ("publish_reduce", "publish_reduce_norm"):
-            values = (buffers.routed.address, buffers.weights.address, buffers.indices.address,
-                      0 if buffers.shared is None else buffers.shared.address, memory.mailbox,
-                      memory.peer_table, memory.stage_state, memory.status, buffers.out.address,
-                      self.timeout_ns, buffers.num_rows, m, self.memory.capacity_m, rank)
-            return values + epilogue, PUBLISH_REDUCE_NORM_TYPES if epilogue else PUBLISH_REDUCE_TYPES
-        values = (memory.mailbox, memory.peer_table, memory.stage_state, memory.status,
-                  buffers.out.address, self.timeout_ns, m, self.memory.capacity_m, rank)
-        return values + epilogue, WAIT_NORM_TYPES if epilogue else WAIT_TYPES
+    def values(self, rank: int, buffers: RankBuffers, m: int) -> dict:
+        """Every value of the launch contract (`_abi.VALUES`) for ``rank``'s call of ``m`` tokens;
+        the kernels take the ones they name."""
+        def address(buffer):
+            return 0 if buffer is None else buffer.address
+
+        values = dict(routed=buffers.routed.address, weights=buffers.weights.address,
+                      indices=buffers.indices.address, shared=address(buffers.shared), out=buffers.out.address,
+                      residual=address(buffers.residual), norm_weight=address(buffers.norm_weight),
+                      residual_out=address(buffers.residual_out), num_rows=buffers.num_rows, m=m, eps=buffers.eps,
+                      mailbox=0, peer_table=0, stage_state=0, status=0, timeout_ns=0, capacity_m=0, rank=0)
+        if self.memory is not None:
+            memory = self.memory.ranks[rank]
+            values.update(mailbox=memory.mailbox, peer_table=memory.peer_table, stage_state=memory.stage_state,
+                          status=memory.status, timeout_ns=self.timeout_ns, capacity_m=self.memory.capacity_m,
+                          rank=rank)
+        assert values.keys() == _abi.VALUES.keys()
+        return values
 
     def synchronize(self) -> None:
         """Wait for every rank's device. The host deadline comes after any kernel wait would
@@ -483,15 +493,13 @@ class GroupLauncher:
 
 
 @contextlib.contextmanager
-def open_group(artifact: KernelArtifact, devices: list[Device], *, capacity_m: int,
-               timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT,
-               grid_limits: list[int] | None = None):
-    """A `GroupLauncher` on ``devices[:tp]`` with fresh mailbox memory (none for tp = 1), freed at exit;
-    ``grid_limits`` caps each rank's persistent grids (`GroupLauncher`)."""
+def open_group(artifact: KernelArtifact, pool: DevicePool, *, capacity_m: int, timeout_ns: int,
+               on_timeout: int = protocol.ON_TIMEOUT_ABORT, grid_limits: list[int] | None = None):
+    """A `GroupLauncher` on the pool's devices for the config's tp (`DevicePool.group`) with fresh
+    mailbox memory (none for tp = 1), freed at exit; ``grid_limits`` caps each rank's
+    persistent grids (`GroupLauncher`)."""
     config = KernelConfig.from_dict(artifact.metadata["config"])
-    if len(devices) < config.tp:
-        raise ValueError(f"{artifact.metadata['key']} needs {config.tp} devices, got {len(devices)}")
-    group = devices[: config.tp]
+    group = pool.group(config.tp)
     memory = None
     if config.tp > 1:
         memory = GroupMemory([d.ordinal for d in group], hidden=config.hidden, capacity_m=capacity_m,

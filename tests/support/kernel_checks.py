@@ -21,7 +21,7 @@ def seeded_rng(*labels) -> np.random.Generator:
 
 
 def open_test_group(config, devices, capacity_m, grid_limits=None, on_timeout=protocol.ON_TIMEOUT_ABORT):
-    """The config's kernels on ``devices``, with a mailbox of ``capacity_m`` and the tests' timeout;
+    """The config's kernels on a group of ``devices`` (the `gpu_harness.DevicePool`), with a mailbox of ``capacity_m`` and the tests' timeout;
     ``grid_limits`` caps each rank's persistent (fused) grid; ``on_timeout`` is the mailbox's
     `protocol.ON_TIMEOUT_ABORT` or `ON_TIMEOUT_FLAG`."""
     return gpu_harness.open_group(

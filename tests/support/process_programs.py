@@ -134,9 +134,9 @@ class Process:
     def execute_counts(self) -> int:
         if not self.on_gpu:
             return 0
-        from jax_moe_publish import native
+        from jax_moe_publish import _extension
 
-        return sum(native.execute_counts())
+        return sum(_extension.execute_counts())
 
 
 def digest(array: np.ndarray) -> str:

@@ -1,10 +1,11 @@
-"""Python glue over the C++ extension ``jax_moe_publish._ffi``.
+"""The C++ extension ``jax_moe_publish._ffi``: its FFI targets, registered with JAX at import, and
+checked wrappers of its setup calls.
 
 The extension holds the XLA FFI handlers of targets :data:`TARGET_NAME` and
 :data:`RMSNORM_TARGET_NAME` and the per-device state that they read:
 
-* *kernel sets*: one cubin (publish, reduce or reduce_norm and, in mode
-  ``twoshot``, gather kernels) loaded into a device's primary CUDA context;
+* *kernel sets*: one cubin's kernels, loaded into a device's primary CUDA context
+  with the launch plan and parameter names of its sidecar (`aot.artifact`);
 * *mailbox registrations*: the device addresses of one device's part of a
   mailbox (see :mod:`jax_moe_publish.protocol`).
 
@@ -31,9 +32,9 @@ TARGET_NAME = "jax_moe_publish"
 Its call takes ``routed`` (bf16 ``[num_rows, hidden]``), ``weights`` (bf16 or
 f32 ``[m, top_k]``), ``indices`` (int32 ``[m, top_k]``) and ``shared`` (bf16
 ``[m, hidden]``, or ``[0, hidden]`` without a shared expert), returns ``out``
-(bf16 ``[m, hidden]``, or ``[ceil(m / tp), hidden]`` in mode
-``reduce_scatter``), and has the attributes ``kernel_set_id`` and
-``mailbox_id``, both ``np.int64`` (``mailbox_id`` is 0 in mode ``direct``).
+(bf16 ``[m, hidden]``, or ``[ceil(m / tp), hidden]`` for a set whose
+``out_rows`` is ``"owned"``: a reduce-scatter), and has the attributes ``kernel_set_id`` and
+``mailbox_id``, both ``np.int64`` (``mailbox_id`` is 0 for tp = 1, which has none).
 """
 
 RMSNORM_TARGET_NAME = "jax_moe_publish_rmsnorm"
@@ -90,46 +91,27 @@ def _int(name: str, value, low: int, high: int, expected: str | None = None) -> 
     return value
 
 
-def _bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}")
-    return value
-
-
 def _address(name: str, value) -> int:
     return _int(name, value, 1, _UINT64_MAX, "a non-null device address in [1, 2**64)")
 
 
-def load_kernel_set(
-    kernel_set_id: int,
-    device_ordinal: int,
-    cubin: bytes,
-    kernels: Sequence[Mapping],
-    mode: str,
-    tp: int,
-    hidden: int,
-    top_k: int,
-    fp32_weights: bool,
-    include_shared_expert: bool,
-    pdl: bool,
-    epilogue: str = "none",
-    fuse_reduce: bool = False,
-) -> None:
+def load_kernel_set(kernel_set_id: int, device_ordinal: int, cubin: bytes, kernels: Sequence[Mapping],
+                    call: Mapping) -> None:
     """Load a kernel set's cubin on one device, for the FFI targets to launch.
 
     The cubin is loaded with ``cuModuleLoadData`` in the device's primary
     context, which stays retained; kernels that use more than 48 KiB of
-    dynamic shared memory are opted in to it. Loading an id that is already
-    loaded on the device does nothing. Thread-safe. Call it before the first
-    call of the op on the device, outside any CUDA graph capture.
+    dynamic shared memory, or clusters of more than 8 CTAs, are opted in to
+    them. Loading an id that is already loaded on the device does nothing.
+    Thread-safe. Call it before the first call of the op on the device,
+    outside any CUDA graph capture.
 
-    A call launches the kernels in the order given, each on a 1-D grid of
-    ``rows(m) * ctas_per_row`` CTAs, where ``rows`` is ``m`` or
-    ``ceil(m / tp)``, with programmatic dependent launch when ``pdl``. A
-    persistent kernel (``publish_reduce``, ``publish_reduce_norm``) gets
-    ``ceil(rows(m) / waves) * ctas_per_row`` CTAs, at most as many as the
-    device holds at once (from the kernel's occupancy), and loops over the
-    rest.
+    A call launches the kernels in the order given, each with the values its
+    ``params`` name (`_abi.VALUES`), on a 1-D grid of ``rows(m) * ctas_per_row``
+    CTAs, where ``rows`` is ``m`` or ``ceil(m / tp)``, with programmatic
+    dependent launch when ``call["pdl"]``. A persistent kernel gets
+    ``ceil(rows(m) / waves) * ctas_per_row`` CTAs, at most as many as the device
+    holds at once (from the kernel's occupancy), and loops over the rest.
 
     Parameters
     ----------
@@ -140,35 +122,23 @@ def load_kernel_set(
     cubin : bytes
         The compiled module (sm_90a), not PTX.
     kernels : sequence of mappings
-        One record per ``.entry`` kernel, in launch order: ``role``
-        (``"publish"``, ``"reduce"``, ``"reduce_norm"``, ``"gather"``, ``"publish_reduce"``,
-        ``"publish_reduce_norm"``), ``symbol`` (entry name),
-        ``block`` (threads), ``smem`` (dynamic shared memory bytes),
-        ``ctas_per_row``, ``rows`` (``"m"`` or ``"owned"``), ``waves`` (1
-        unless persistent) and ``params``
-        (the PTX parameter types, which must match the role's ABI). Mode
-        ``direct`` has a publish kernel, ``oneshot`` and ``reduce_scatter``
-        publish then reduce, ``twoshot`` publish, reduce, then gather. With
-        an epilogue, reduce_norm takes the place of reduce. With
-        ``fuse_reduce`` the set is one publish_reduce kernel.
-    mode : {"oneshot", "twoshot", "reduce_scatter", "direct"}
-    tp, hidden, top_k : int
-        The problem the kernels were compiled for; calls are checked against it.
-    fp32_weights, include_shared_expert, pdl : bool
-        Likewise.
-    epilogue : {"none", "rmsnorm"}
-        ``rmsnorm``: the set is called through :data:`RMSNORM_TARGET_NAME`
-        (modes ``oneshot`` and ``reduce_scatter`` only).
-    fuse_reduce : bool
-        The set's one kernel publishes and reduces (mode ``oneshot``):
-        publish_reduce, or publish_reduce_norm with the epilogue. Its CTAs
-        wait on each other's peers, hence the persistent grid.
+        The sidecar's kernel records, in launch order: ``role`` (for messages),
+        ``symbol`` (entry name), ``params`` and ``param_types`` (the values it
+        takes and their PTX types, which must be the contract's), ``block``,
+        ``smem`` (dynamic shared memory bytes), ``ctas_per_row``, ``rows``
+        (``"m"`` or ``"owned"``), ``waves``, ``persistent`` and ``cluster`` (CTAs
+        per thread block cluster, 1 for none).
+    call : mapping
+        The sidecar's ``call``: ``tp``, ``hidden``, ``top_k``, ``weights``
+        (``"bf16"`` or ``"f32"``), ``shared_expert``, ``out_rows`` (``"m"`` or
+        ``"owned"``) and ``pdl``; calls are checked against it. A set whose kernels
+        take ``residual``, ``norm_weight``, ``residual_out`` and ``eps`` is called
+        through :data:`RMSNORM_TARGET_NAME`.
 
     Raises
     ------
     TypeError, ValueError
-        For arguments that do not fit the contract, including ``params`` that
-        differ from the role's ABI.
+        For arguments that do not fit the contract.
     RuntimeError
         When the CUDA driver is missing or a CUDA call fails (the message
         names the call).
@@ -185,23 +155,14 @@ def load_kernel_set(
         if not isinstance(record, Mapping):
             raise TypeError(f"kernels[{i}]={record!r}: expected a mapping")
         records.append(dict(record))
-    for name, value in (("mode", mode), ("epilogue", epilogue)):
-        if not isinstance(value, str):
-            raise TypeError(f"{name}={value!r}: expected a str, got {type(value).__name__}")
+    if not isinstance(call, Mapping):
+        raise TypeError(f"call={call!r}: expected a mapping")
     ffi.load_kernel_set(
         _int("kernel_set_id", kernel_set_id, -_INT64_MAX - 1, _INT64_MAX),
         _int("device_ordinal", device_ordinal, 0, _DEVICE_ORDINAL_MAX),
         cubin,
         records,
-        mode,
-        _int("tp", tp, 1, _INT64_MAX),
-        _int("hidden", hidden, 1, _INT64_MAX),
-        _int("top_k", top_k, 1, _INT64_MAX),
-        _bool("fp32_weights", fp32_weights),
-        _bool("include_shared_expert", include_shared_expert),
-        _bool("pdl", pdl),
-        epilogue,
-        _bool("fuse_reduce", fuse_reduce),
+        dict(call),
     )
 
 
@@ -228,7 +189,7 @@ def register_mailbox_device(
     ----------
     mailbox_id : int
         Id that calls pass as their ``mailbox_id`` attribute; >= 1, as 0 means
-        "no mailbox" (mode ``direct``). Ids of closed mailboxes are refused.
+        "no mailbox" (tp = 1). Ids of closed mailboxes are refused.
     device_ordinal : int
         CUDA device ordinal in this process (``jax.Device.local_hardware_id``).
     rank : int
@@ -276,3 +237,8 @@ def execute_counts() -> tuple[int, int]:
     """(captured, direct): calls of the op that launched inside a CUDA graph capture
     (an XLA command buffer) and on a live stream, since the process started."""
     return tuple(_extension().execute_counts())
+
+
+def launch_values() -> list[tuple[str, str]]:
+    """The launch contract's values as the C++ launcher lists them: (name, PTX type), in order."""
+    return [tuple(value) for value in _extension().launch_values()]

@@ -1,0 +1,70 @@
+"""The FFI glue of the op: kernel-set ids, loading kernel sets and mailboxes onto devices, the call.
+
+Everything here happens at trace time, outside any CUDA graph capture, so that the
+handler itself only checks and launches (`_extension`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe_publish import _extension
+from jax_moe_publish.aot.artifact import KernelArtifact
+
+_set_ids: dict[str, int] = {}
+_next_set_id = itertools.count(1)
+_loaded: set[tuple[str, int]] = set()  # (kernel set key, device ordinal)
+_lock = threading.Lock()
+
+
+def load(artifact: KernelArtifact, ordinals: list[int]) -> int:
+    """Load ``artifact``'s cubin on the devices ``ordinals`` of this process (once each); returns
+    the process-wide id of its kernel set, shared by every mailbox that uses it."""
+    key = artifact.metadata["key"]
+    with _lock:
+        if key not in _set_ids:
+            _set_ids[key] = next(_next_set_id)
+        set_id = _set_ids[key]
+        for ordinal in ordinals:
+            if (key, ordinal) not in _loaded:
+                _extension.load_kernel_set(set_id, ordinal, artifact.cubin, artifact.metadata["kernels"],
+                                           artifact.metadata["call"])
+                _loaded.add((key, ordinal))
+    return set_id
+
+
+def register_group(mailbox_id: int, memory, tp: int, hidden: int, capacity_m: int, timeout_ns: int) -> None:
+    """Tell the FFI handler where the local ranks of ``memory`` (a `memory.group.GroupMemory`)
+    find their part of mailbox ``mailbox_id``."""
+    for rank_memory in memory.ranks:
+        _extension.register_mailbox_device(
+            mailbox_id, rank_memory.ordinal, rank_memory.rank, tp, hidden, capacity_m, rank_memory.mailbox,
+            rank_memory.peer_table, rank_memory.stage_state, rank_memory.status, timeout_ns,
+        )
+
+
+def forget_mailbox(mailbox_id: int) -> None:
+    """Refuse later calls on ``mailbox_id`` (before its memory is freed)."""
+    _extension.close_mailbox(mailbox_id)
+
+
+def call(set_id: int, mailbox_id: int, result_type, routed, weights, indices, shared, hidden: int,
+         epilogue: dict):
+    """The FFI call of a loaded kernel set on one shard. ``result_type`` is the reference's
+    (varying-axes marking included); ``epilogue`` holds residual, norm_weight and norm_eps,
+    or is empty."""
+    if shared is None:
+        # Not read by kernels built without the shared expert; the handler checks its shape.
+        shared = jnp.zeros((0, hidden), jnp.bfloat16)
+    ids = dict(kernel_set_id=np.int64(set_id), mailbox_id=np.int64(mailbox_id))
+    if not epilogue:
+        target = jax.ffi.ffi_call(_extension.TARGET_NAME, result_type, has_side_effect=True)
+        return target(routed, weights, indices, shared, **ids)
+    target = jax.ffi.ffi_call(_extension.RMSNORM_TARGET_NAME, result_type, has_side_effect=True)
+    return target(routed, weights, indices, shared, epilogue["residual"], epilogue["norm_weight"], **ids,
+                  norm_eps=np.float32(epilogue["norm_eps"]))
