@@ -1,12 +1,14 @@
 """CUDA driver calls through cuda-python: error checks and the devices' primary contexts.
 
-The bindings are imported on first use (`api`), so that modules of this package import on
-machines without them; tests replace `api` with a recording driver.
+The bindings import without a driver (``libcuda`` is loaded at the first call). Every call
+goes through `api`, which tests replace with a recording driver.
 """
 
 from __future__ import annotations
 
 import contextlib
+
+from cuda.bindings import driver as _driver
 
 
 class CudaError(RuntimeError):
@@ -15,9 +17,7 @@ class CudaError(RuntimeError):
 
 def api():
     """The ``cuda.bindings.driver`` module."""
-    from cuda.bindings import driver
-
-    return driver
+    return _driver
 
 
 def check(result, call: str):

@@ -29,6 +29,10 @@ import time
 import traceback
 from typing import NoReturn
 
+import jax
+from cuda.bindings import driver
+from jax._src import distributed
+
 RESULT_PREFIX = "RESULT "
 _FINAL_BARRIER = "jax_moe_publish/local_processes/leave"
 # The barrier shows that every process reached it, not that each has its answer yet.
@@ -38,10 +42,6 @@ _COORDINATOR_LINGER_S = 0.5
 def local_gpu_count() -> int:
     """NVIDIA GPUs visible through the driver, counted without starting JAX (which would claim
     them); 0 where there is no driver."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return 0
     try:
         (error,) = driver.cuInit(0)
         if error != driver.CUresult.CUDA_SUCCESS:
@@ -160,8 +160,6 @@ def join(port: int, num_processes: int, process_id: int, gpu: int | None = None,
     """Join the others through the coordinator on ``127.0.0.1:port`` (before any other JAX
     call): with ``gpu``, this process owns that GPU; without, one CPU device and gloo
     collectives."""
-    import jax
-
     if gpu is None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -191,8 +189,6 @@ def leave(code: int = 0, *, wait_for_peers: bool = True, timeout_s: float = 60.0
     sys.stdout.flush()
     sys.stderr.flush()
     if wait_for_peers:
-        from jax._src import distributed
-
         state = distributed.global_state
         if state.client is not None:
             try:
