@@ -5,10 +5,12 @@ result layout and, or not, the residual + RMSNorm epilogue. `kernel_config` maps
 the `KernelConfig` that the op compiles and launches, in two steps:
 
 1. the algorithm, by result layout and tp (`ALGORITHMS`);
-2. the launch shape of that algorithm's kernels for ``m`` (`SHAPES`), by ranges of m.
+2. whether the call is one persistent kernel (`FUSED`), and the launch shape of its
+   kernels for ``m`` (`SHAPES`), by ranges of m.
 
-Every entry gives a one-line reason; the measurements those reasons cite, with their
-result files, are in ``docs/tuning.md``. The op, the benchmarks and the presets all ask
+Every entry gives a one-line reason, measured at hidden 7168, top-k 8, tp = 2 on 2x H200
+unless it says otherwise; the measurements, with their result files, are in
+``docs/tuning.md``. The op, the benchmarks and the presets all ask
 this module, so a choice is made in one place.
 """
 
@@ -105,19 +107,21 @@ SHAPES: dict[tuple[str, str], tuple[Shape, ...]] = {
     ),
     ("fused", "rmsnorm"): (
         Shape(ONE_PASS_M, 4, 8, "8-byte fragments over up to 16 CTAs per row (a cluster beyond the portable "
-                                "8): 3.93 against 4.31 us at m = 1 for 16-byte ones in 8",
+                                "8): 3.93 against 4.31 us at m = 1 for 16-byte ones over 7 (hidden 7168)",
               cluster_ctas=_abi.MAX_CLUSTER_CTAS),
         Shape(SMALL_M, 8, 8, "16-byte fragments over up to 8 CTAs, two passes: 7.65 against 7.81 and 7.71 "
                              "against 7.95 us for 8-byte ones at m = 64", waves=2,
               cluster_ctas=_abi.PORTABLE_CLUSTER_CTAS),
-        Shape(None, 8, 4, _BANDWIDTH_BOUND + " over up to 8 CTAs per row, one pass",
-              cluster_ctas=_abi.PORTABLE_CLUSTER_CTAS),
+        Shape(None, 8, 4, _BANDWIDTH_BOUND + " over up to 8 CTAs per row, one pass (two were within 1 us "
+                                             "either way at m = 128 and 256)", cluster_ctas=_abi.PORTABLE_CLUSTER_CTAS),
     ),
 }
 
-FUSE_REDUCE = "a oneshot call is one persistent kernel at every m: 0.70-0.81 of two kernels' time at m = 256 " \
-              "to 1024, within the noise at m = 8 and 64; with the epilogue 4.26 against 5.40 us at m = 1"
-"""Why `kernel_config` fuses every oneshot call whose row fits a cluster."""
+FUSED: dict[str, str] = {
+    "oneshot": "one persistent kernel at every m: 0.70-0.81 of two kernels' time at m = 256 to 1024, within "
+               "the noise at m = 8 and 64; with the epilogue 4.26 against 5.40 us at m = 1",
+}
+"""The algorithms whose calls are one persistent kernel (``fuse_reduce``), and why."""
 
 
 def algorithm_for(tp: int, m: int | None, result: str) -> AlgorithmChoice:
@@ -171,7 +175,7 @@ def kernel_config(problem: Problem, *, tp: int, m: int | None, result: str = "al
         algorithm = algorithm_for(tp, m, result).algorithm
     elif algorithm not in KERNEL_ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: expected one of {KERNEL_ALGORITHMS}")
-    fused = algorithm == "oneshot" if fuse_reduce is None else fuse_reduce
+    fused = algorithm in FUSED if fuse_reduce is None else fuse_reduce
     shape = shape_for(fused, epilogue, m)
     threads = _fused_norm_threads(problem.hidden, shape) if fused and epilogue != "none" else 128
     if fused:

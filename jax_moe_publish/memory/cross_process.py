@@ -1,33 +1,12 @@
-"""A Mailbox whose mesh spans processes: its collective setup and close.
+"""A Mailbox whose mesh spans processes: its collective setup and close (``docs/multiprocess.md``).
 
-Creation is collective. Every process of the mesh creates its Mailboxes in the
-same order, so a per-process counter gives the same mailbox id everywhere,
-and the id names the keys of this mailbox in JAX's distributed key-value
-store: ``jax_moe_publish/mailbox/<id>/...``. Setup, in every process:
-
-1. Publish ``{host, signature}`` under ``process/<p>`` and read every other
-   process's record. The signatures (the mailbox's parameters and mesh) must
-   agree: a mismatch means the processes created different mailboxes.
-2. If a TP group spans hosts, stop: nothing is allocated (NVLink does not
-   join hosts here) and the op runs XLA's collectives. Likewise on non-CUDA
-   devices.
-3. Allocate the mailbox memory of this process's devices, and export the
-   mailbox of each rank whose group reaches into other processes under
-   ``group/<g>/rank/<r>`` (`sharing`).
-4. Import and map those of the other processes' ranks, write the peer tables
-   (addresses as this process sees them) and register the local devices with
-   the FFI handler.
-5. Barrier. Every import is done, so the exported descriptors are closed and
-   this process's keys deleted.
-
-A process whose setup fails publishes its error under every key the others
-wait for, then joins the barrier, so that every process raises it at once.
-
-Close: unmap what this process imported, barrier (so that importers let go
-before exporters free), close the local groups (`GroupMemory.close`: halt,
-then free). With VMM the physical memory lives until its last mapping goes,
-so a barrier that times out (a dead peer) cannot make a surviving process
-touch freed memory; it is raised after the local groups are closed.
+Every process of the mesh creates its Mailboxes in the same order, so the mailbox id is the
+same everywhere and names its keys in JAX's distributed key-value store,
+``jax_moe_publish/mailbox/<id>/...``. Setup: publish this process's host and signature and
+check the others'; stop where a group spans hosts; allocate this process's ranks and export
+those whose group reaches into other processes (`sharing`); import the others', write the
+peer tables, register; barrier. A process whose setup fails publishes its error under every
+key the others wait for. Close: unmap the imports, barrier, then close the local groups.
 """
 
 from __future__ import annotations

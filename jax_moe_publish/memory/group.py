@@ -1,28 +1,12 @@
-"""Device memory of one TP group's mailboxes, through the CUDA driver API (cuda-python).
+"""Device memory of one TP group's mailboxes, through the CUDA driver API (``docs/design.md``).
 
-For each rank of a group this allocates, in its device's primary context:
-
-* the mailbox: bf16 ``[STAGES][tp][capacity_m][hidden]`` contribution slots,
-  then ``[STAGES][capacity_m][hidden]`` two-shot gather slots, every lane set to
-  the empty sentinel. It is a VMM allocation (``cuMemCreate`` + ``cuMemMap``)
-  mapped read-write for every device of the group, so peers store into it
-  directly over NVLink;
-* the stage state: ``STAGE_STATE_WORDS`` int32, zero (stage 0, no calls yet,
-  running) but for ``ON_TIMEOUT``;
-* the peer table: ``tp`` u64, the mailbox address of each rank, by rank;
-* the status block: ``STATUS_WORDS`` int32 of pinned host memory mapped into
-  the device, so the host can read a diagnostic even after the context is lost.
-
-When the group spans processes, each process allocates its own ranks only
-(``shareable`` requests an exportable handle, see `sharing`) and writes the
-peer tables once it has mapped the other processes' mailboxes.
-
-`GroupMemory.close` halts the kernels before it frees the mailbox, and keeps
-the stage state and status block (a few hundred bytes) for the life of the
-process: an XLA command buffer recorded before the close can still launch the
-kernels, which then find ``HALT_CLOSED`` there instead of freed memory.
-
-Nothing here imports JAX.
+For each rank: the mailbox (a VMM allocation of `protocol.mailbox_elements`, every lane the
+empty sentinel, mapped read-write for every device of the group), the stage state, the peer
+table and the status block (pinned host memory mapped into the device, readable after a
+fault). When the group spans processes each process allocates its own ranks only, and writes
+the peer tables once it has mapped the others' mailboxes. `GroupMemory.close` halts the
+kernels before it frees, and keeps the stage state and status block for the life of the
+process, so that a replayed command buffer finds ``HALT_CLOSED`` instead of freed memory.
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ def test_every_table_covers_every_m_once_and_says_why(name):
         assert tuning._covering(entries, m) is covering[0]
 
 
+def test_fused_algorithms_say_why():
+    assert set(tuning.FUSED) <= {"oneshot"}  # the only algorithm with a fused kernel
+    assert all(len(reason) > 20 for reason in tuning.FUSED.values())
+
+
 def test_range_ms_hold_one_m_of_every_range():
     ms = tuning.range_ms()
     for entries in TABLES.values():
