@@ -1,5 +1,5 @@
-// The values a kernel of the op can receive, with their PTX parameter types: the C++ side
-// of the launch contract in jax_moe_publish/_abi.py (VALUES). The sidecar names each
+// The values a kernel of the op can receive, with their PTX parameter types, and the launch
+// limits: the C++ side of the launch contract in jax_moe_publish/_abi.py. The sidecar names each
 // kernel's parameters from this list, and the handler fills them by name. A CPU test
 // keeps the two lists equal (the module's launch_values()).
 
@@ -48,6 +48,12 @@ inline constexpr ValueInfo kValues[] = {
 };
 inline constexpr size_t kValueCount = sizeof(kValues) / sizeof(kValues[0]);
 static_assert(kValueCount == static_cast<size_t>(Value::kEps) + 1, "kValues must list every Value");
+
+// The launch limits (_abi.py's); the module's launch_limits() lets a CPU test compare them.
+inline constexpr int64_t kMaxThreads = 1024;
+inline constexpr int64_t kPortableClusterCtas = 8;  // beyond it, opt in per function
+inline constexpr int64_t kMaxClusterCtas = 16;      // Hopper's largest
+inline constexpr int64_t kDefaultSmemBytes = 48 * 1024;  // beyond it, opt in per function
 
 // One value as a kernel parameter: the launch passes a pointer to it, and the kernel reads
 // the parameter's size from its start (little-endian).

@@ -107,6 +107,14 @@ NB_MODULE(_ffi, m) {
     }
     return values;
   });
+  m.def("launch_limits", []() {
+    nb::dict limits;
+    limits["MAX_THREADS"] = jax_moe_publish::kMaxThreads;
+    limits["PORTABLE_CLUSTER_CTAS"] = jax_moe_publish::kPortableClusterCtas;
+    limits["MAX_CLUSTER_CTAS"] = jax_moe_publish::kMaxClusterCtas;
+    limits["DEFAULT_SMEM_BYTES"] = jax_moe_publish::kDefaultSmemBytes;
+    return limits;
+  });
 
   m.def(
       "register_mailbox_device",

@@ -12,12 +12,6 @@
 namespace jax_moe_publish {
 namespace {
 
-// Dynamic shared memory above this needs an explicit opt-in per function.
-constexpr int64_t kDefaultSmemLimit = 48 * 1024;
-constexpr int64_t kPortableClusterCtas = 8;
-constexpr int64_t kMaxClusterCtas = 16;  // Hopper's largest, beyond the portable size by opt-in
-constexpr int64_t kMaxThreads = 1024;
-
 std::string Quote(const std::string& text) { return "'" + text + "'"; }
 
 std::string ListRepr(const std::vector<std::string>& items) {
@@ -245,7 +239,7 @@ void Registry::LoadKernelSet(int64_t kernel_set_id, int device, std::string_view
       const std::string call = "cuModuleGetFunction(" + Quote(kernels[i].symbol) + ")";
       CheckCuda(cuda, where, call.c_str(),
                 cuda.ModuleGetFunction(&kernel.function, module, kernels[i].symbol.c_str()));
-      if (kernel.smem > kDefaultSmemLimit) {
+      if (kernel.smem > kDefaultSmemBytes) {
         CheckCuda(cuda, where, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
                   cuda.FuncSetAttribute(kernel.function,
                                         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -242,3 +242,8 @@ def execute_counts() -> tuple[int, int]:
 def launch_values() -> list[tuple[str, str]]:
     """The launch contract's values as the C++ launcher lists them: (name, PTX type), in order."""
     return [tuple(value) for value in _extension().launch_values()]
+
+
+def launch_limits() -> dict[str, int]:
+    """The launch limits as the C++ launcher holds them (`_abi`'s names)."""
+    return dict(_extension().launch_limits())

@@ -94,6 +94,11 @@ def test_the_cpp_launch_values_are_the_contract():
     assert _extension.launch_values() == list(_abi.VALUES.items())
 
 
+def test_the_cpp_launch_limits_are_the_contract():
+    names = ("MAX_THREADS", "PORTABLE_CLUSTER_CTAS", "MAX_CLUSTER_CTAS", "DEFAULT_SMEM_BYTES")
+    assert _extension.launch_limits() == {name: getattr(_abi, name) for name in names}
+
+
 @pytest.mark.parametrize("target", [_extension.TARGET_NAME, _extension.RMSNORM_TARGET_NAME])
 def test_target_registered(target):
     # On a jaxlib without a CUDA backend, registrations for CUDA wait in a
