@@ -17,7 +17,8 @@ import struct
 
 from jax_moe_publish import protocol
 from jax_moe_publish.memory import driver, sharing
-from jax_moe_publish.memory.driver import check, primary_context, release_primary_context, retain_primary_context
+from jax_moe_publish.memory.driver import (CudaError, check, primary_context, release_primary_context,
+                                           retain_primary_context)
 from jax_moe_publish.memory.vmm import VmmMapping
 
 
