@@ -65,7 +65,9 @@ ROLES: dict[str, Role] = {
     "reduce": Role(_WAIT),
     "reduce_norm": Role(_WAIT + _EPILOGUE),
     "gather": Role(_WAIT),
+    "gather_norm": Role(_WAIT + _EPILOGUE),
     "publish_reduce": Role(_FUSED, persistent=True),
+    "publish_reduce_gather": Role(_FUSED, persistent=True),
     "publish_reduce_norm": Role(_FUSED + _EPILOGUE, persistent=True, cluster=True),
 }
 
@@ -82,13 +84,16 @@ DEFAULT_SMEM_BYTES = 48 * 1024
 
 def call_roles(config) -> tuple[str, ...]:
     """The kernels of one call of ``config`` (a `KernelConfig`), in launch order: with an
-    epilogue reduce_norm takes the reduce's place; fused, one kernel is the call."""
+    epilogue reduce_norm and gather_norm take the reduce's and the gather's places; fused, one
+    kernel is the call."""
+    if config.fuse_reduce and config.algorithm == "twoshot":
+        return ("publish_reduce_gather",)
     if config.fuse_reduce:
         return ("publish_reduce" if config.epilogue == "none" else "publish_reduce_norm",)
-    reduce = "reduce" if config.epilogue == "none" else "reduce_norm"
+    reduce, gather = ("reduce", "gather") if config.epilogue == "none" else ("reduce_norm", "gather_norm")
     return {
         "direct": ("finalize",),
         "oneshot": ("publish", reduce),
         "reduce_scatter": ("publish", reduce),
-        "twoshot": ("publish", reduce, "gather"),
+        "twoshot": ("publish", reduce, gather),
     }[config.algorithm]

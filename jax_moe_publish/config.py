@@ -21,9 +21,10 @@ Epilogue = Literal["none", "rmsnorm"]
 
 ALGORITHMS = ("direct", "oneshot", "twoshot", "reduce_scatter")
 EPILOGUES = ("none", "rmsnorm")
-EPILOGUE_ALGORITHMS = ("oneshot", "reduce_scatter")
-"""Algorithms that can fuse an epilogue: their reduce writes the final rows (twoshot's gather
-would have to fan out both outputs of the epilogue)."""
+EPILOGUE_ALGORITHMS = ("oneshot", "twoshot", "reduce_scatter")
+"""Algorithms with the residual + RMSNorm epilogue (twoshot's owner fans both outputs out)."""
+FUSED_ALGORITHMS = ("oneshot", "twoshot")
+"""Algorithms with a one-kernel form (``fuse_reduce``)."""
 MAX_NORM_FRAGMENTS_PER_THREAD = 8
 """Register budget of the fused epilogue: 16-byte fragments of a row per reduce thread."""
 OWN_PARTIAL_BYTES = 16 * 1024
@@ -83,10 +84,12 @@ class KernelConfig:
         Reduce threads per CTA; each moves 8 bf16 values per source (per
         fragment it holds, with the epilogue).
     fuse_reduce : bool
-        One kernel per call (``oneshot``): each publish thread then waits
-        for its own fragment from every peer, sums and re-arms, saving the
-        reduce launch. The grid is persistent, capped at the CTAs the GPU holds
-        at once: each CTA publishes all of its tiles, then reduces them.
+        One kernel per call (``oneshot`` or ``twoshot``). Oneshot: each publish
+        thread then waits for its own fragment from every peer, sums and
+        re-arms, saving the reduce launch. Twoshot: each CTA publishes its
+        tiles to their owners, reduces and fans out the rows this rank owns,
+        then gathers the others. The grid is persistent, capped at the CTAs the
+        GPU holds at once: each CTA publishes all of its tiles before it waits.
         With the epilogue a row's ``ctas_per_token`` CTAs (at most 16) form a
         thread block cluster: each thread publishes and then reduces one
         fragment (``threads == reduce_threads``), and the cluster sums the
@@ -96,8 +99,8 @@ class KernelConfig:
         ``own_partial_tiles`` tiles (rows, with the epilogue) in shared memory
         instead of its own mailbox slot, which saves writing, polling and
         re-arming that slot: ``3 * row`` of the ``3 * tp * row`` bytes that the
-        mailbox moves per rank. Later tiles of a CTA use the slot. None (the
-        default) means ``fuse_reduce``.
+        mailbox moves per rank. Later tiles of a CTA use the slot. Oneshot only;
+        None (the default) means ``fuse_reduce`` for oneshot.
     waves : int
         Fused only: passes of the persistent grid over a call's rows. The grid
         takes the CTAs of ``ceil(m / waves)`` rows (at most what the GPU holds
@@ -105,8 +108,8 @@ class KernelConfig:
         NVLink stores of one overlap the HBM loads of the next. With 1, a call
         that fits on the GPU loads all of its rows before it stores any.
     epilogue : {"none", "rmsnorm"}
-        ``rmsnorm``: the reduce also adds the residual and applies RMSNorm
-        (``oneshot`` and ``reduce_scatter``). Its CTA holds a whole row,
+        ``rmsnorm``: the reduce also adds the residual and applies RMSNorm (every
+        group algorithm; a twoshot one unfused). Its CTA holds a whole row,
         ``norm_fragments_per_thread`` 16-byte fragments per thread.
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin.
@@ -134,7 +137,7 @@ class KernelConfig:
     def __post_init__(self) -> None:
         # Normalize types first, so that equal configs have equal keys.
         if self.keep_own_partial is None:
-            object.__setattr__(self, "keep_own_partial", self.fuse_reduce is True)
+            object.__setattr__(self, "keep_own_partial", self.fuse_reduce is True and self.algorithm == "oneshot")
         for field in _INT_FIELDS:
             value = getattr(self, field)
             _require(
@@ -193,7 +196,10 @@ class KernelConfig:
                 f"the {self.reduce_fragments} of a row per thread)",
             )
         if self.fuse_reduce:
-            _require(self.algorithm == "oneshot", "algorithm", self.algorithm, "'oneshot' with fuse_reduce=True")
+            _require(self.algorithm in FUSED_ALGORITHMS, "algorithm", self.algorithm,
+                     f"one of {FUSED_ALGORITHMS} with fuse_reduce=True")
+            if self.algorithm == "twoshot":
+                _require(self.epilogue == "none", "epilogue", self.epilogue, "'none' with a fused twoshot")
             if self.epilogue != "none":
                 # Each thread publishes the one fragment of the row that it then normalizes,
                 # and a row's CTAs form one cluster. The reduce thread's limit of
@@ -203,7 +209,8 @@ class KernelConfig:
                          f"reduce_threads={self.reduce_threads} with fuse_reduce and "
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
-            _require(self.fuse_reduce, "keep_own_partial", True, "False unless fuse_reduce is True")
+            _require(self.fuse_reduce and self.algorithm == "oneshot", "keep_own_partial", True,
+                     "False unless fuse_reduce is True and the algorithm 'oneshot'")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")

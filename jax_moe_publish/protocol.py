@@ -73,13 +73,18 @@ def contribution_elements(tp: int, capacity_m: int, hidden: int) -> int:
     return STAGES * tp * capacity_m * hidden
 
 
+GATHER_AREAS = 2
+"""Two-shot gather areas: the owner's sum (``out``), then, with the epilogue, its
+``residual_out``."""
+
+
 def gather_elements(capacity_m: int, hidden: int) -> int:
-    """bf16 elements of the two-shot gather area: ``[STAGES][capacity_m][hidden]``."""
-    return STAGES * capacity_m * hidden
+    """bf16 elements of the two-shot gather areas: ``[GATHER_AREAS][STAGES][capacity_m][hidden]``."""
+    return GATHER_AREAS * STAGES * capacity_m * hidden
 
 
 def mailbox_elements(tp: int, capacity_m: int, hidden: int) -> int:
-    """bf16 elements of one device's mailbox: contributions, then the gather area."""
+    """bf16 elements of one device's mailbox: contributions, then the gather areas."""
     return contribution_elements(tp, capacity_m, hidden) + gather_elements(capacity_m, hidden)
 
 

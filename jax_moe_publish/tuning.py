@@ -117,11 +117,15 @@ SHAPES: dict[tuple[str, str], tuple[Shape, ...]] = {
     ),
 }
 
-FUSED: dict[str, str] = {
-    "oneshot": "one persistent kernel at every m: 0.70-0.81 of two kernels' time at m = 256 to 1024, within "
-               "the noise at m = 8 and 64; with the epilogue 4.26 against 5.40 us at m = 1",
+FUSED: dict[tuple[str, str], str] = {
+    ("oneshot", "none"): "one persistent kernel at every m: 0.70-0.81 of two kernels' time at m = 256 to 1024, "
+                         "within the noise at m = 8 and 64",
+    ("oneshot", "rmsnorm"): "one persistent kernel with a cluster per row: 4.26 against 5.40 us for two kernels "
+                            "at m = 1, 0.81 and 0.88 of their time at m = 256 and 1024",
+    ("twoshot", "none"): "one persistent kernel instead of three launches, by the oneshot figures; not yet "
+                         "measured against the three (it takes the fused oneshot's shapes)",
 }
-"""The algorithms whose calls are one persistent kernel (``fuse_reduce``), and why."""
+"""The (algorithm, epilogue) whose calls are one persistent kernel (``fuse_reduce``), and why."""
 
 
 def algorithm_for(tp: int, m: int | None, result: str) -> AlgorithmChoice:
@@ -175,7 +179,7 @@ def kernel_config(problem: Problem, *, tp: int, m: int | None, result: str = "al
         algorithm = algorithm_for(tp, m, result).algorithm
     elif algorithm not in KERNEL_ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: expected one of {KERNEL_ALGORITHMS}")
-    fused = algorithm in FUSED if fuse_reduce is None else fuse_reduce
+    fused = (algorithm, epilogue) in FUSED if fuse_reduce is None else fuse_reduce
     shape = shape_for(fused, epilogue, m)
     threads = _fused_norm_threads(problem.hidden, shape) if fused and epilogue != "none" else 128
     if fused:

@@ -42,11 +42,12 @@ def model(problem: tuning.Problem, arch: str = "sm_90a", epilogue_tp: tuple[int,
 
 
 def deepseek_v3(arch: str = "sm_90a") -> list[KernelConfig]:
-    """DeepSeek-V3: hidden 7168, top-k 8, routed scale 2.5, a shared expert; the
-    residual + RMSNorm epilogue for tp = 2."""
-    return model(DEEPSEEK_V3, arch, epilogue_tp=(2,))
+    """DeepSeek-V3: hidden 7168, top-k 8, routed scale 2.5, a shared expert; with and without
+    the residual + RMSNorm epilogue."""
+    return model(DEEPSEEK_V3, arch, epilogue_tp=TP_SIZES[1:])
 
 
 def qwen3_moe(arch: str = "sm_90a") -> list[KernelConfig]:
-    """Qwen3-MoE: hidden 4096, top-k 8, no shared expert, scale 1.0."""
-    return model(QWEN3_MOE, arch)
+    """Qwen3-MoE: hidden 4096, top-k 8, no shared expert, scale 1.0; with and without the
+    residual + RMSNorm epilogue."""
+    return model(QWEN3_MOE, arch, epilogue_tp=TP_SIZES[1:])

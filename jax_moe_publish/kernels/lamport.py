@@ -56,10 +56,13 @@ class Lamport:
             (Int64(stage) * self.config.tp + src) * Int64(capacity_m) + Int64(slot)
         ) * self.row_bytes
 
-    def gather_offset(self, stage, token, capacity_m) -> Int64:
-        """Byte offset of gather slot ``[stage][token]``, after all contribution stages."""
-        contributions = Int64(protocol.STAGES * self.config.tp) * Int64(capacity_m)
-        return (contributions + Int64(stage) * Int64(capacity_m) + Int64(token)) * self.row_bytes
+    def gather_offset(self, stage, token, capacity_m, area: int = 0) -> Int64:
+        """Byte offset of slot ``[stage][token]`` of gather area ``area`` (`protocol.GATHER_AREAS`),
+        after all contribution stages."""
+        first = protocol.STAGES * self.config.tp
+        if area:
+            first += area * protocol.STAGES
+        return (Int64(first) * Int64(capacity_m) + Int64(stage) * Int64(capacity_m) + Int64(token)) * self.row_bytes
 
     def wait_contributions(self, mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state,
                             status, timeout_ns, own=None) -> tuple[list, list, Int32 | None]:

@@ -20,9 +20,11 @@ from jax_moe_publish import _abi
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels.direct import FinalizeKernel
 from jax_moe_publish.kernels.gather import GatherKernel
+from jax_moe_publish.kernels.gather_norm import GatherNormKernel
 from jax_moe_publish.kernels.own_partials import OwnPartials
 from jax_moe_publish.kernels.publish import PublishKernel
 from jax_moe_publish.kernels.publish_reduce import PublishReduceKernel
+from jax_moe_publish.kernels.publish_reduce_gather import PublishReduceGatherKernel
 from jax_moe_publish.kernels.publish_reduce_norm import PublishReduceNormKernel
 from jax_moe_publish.kernels.reduce import ReduceKernel
 from jax_moe_publish.kernels.reduce_norm import ReduceNormKernel
@@ -33,8 +35,10 @@ KERNELS = {
     "publish": PublishKernel,
     "reduce": ReduceKernel,
     "gather": GatherKernel,
+    "gather_norm": GatherNormKernel,
     "reduce_norm": ReduceNormKernel,
     "publish_reduce": PublishReduceKernel,
+    "publish_reduce_gather": PublishReduceGatherKernel,
     "publish_reduce_norm": PublishReduceNormKernel,
 }
 """The class of each role; its method named after the role is the kernel."""
@@ -72,8 +76,11 @@ def launch_plan(config: KernelConfig) -> list[KernelLaunch]:
         "reduce_norm": lambda: KernelLaunch("reduce_norm", cfg.reduce_threads, RowSums.shared_bytes(cfg) + own_bytes,
                                             cfg.reduce_ctas_per_token, owner_rows),
         "gather": lambda: KernelLaunch("gather", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, "m"),
+        "gather_norm": lambda: KernelLaunch("gather_norm", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, "m"),
         "publish_reduce": lambda: KernelLaunch("publish_reduce", cfg.threads, own_bytes, cfg.ctas_per_token, "m",
                                                cfg.waves),
+        "publish_reduce_gather": lambda: KernelLaunch("publish_reduce_gather", cfg.threads, 0, cfg.ctas_per_token,
+                                                      "m", cfg.waves),
         # A row's CTAs form one thread block cluster.
         "publish_reduce_norm": lambda: KernelLaunch("publish_reduce_norm", cfg.threads,
                                                     RowSums.shared_bytes(cfg) + own_bytes, cfg.ctas_per_token, "m",

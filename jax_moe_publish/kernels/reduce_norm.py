@@ -1,5 +1,8 @@
 """The reduce kernel with the epilogue (role ``reduce_norm``), after a `PublishKernel`.
 
+In twoshot the owner's rows then go to every peer's gather areas, and a `GatherNormKernel`
+ends the call.
+
 One CTA per row, each thread holding ``KernelConfig.norm_fragments_per_thread`` 16-byte
 fragments (one for hidden <= 8192: 896 threads for 7168): the mean then needs only a block
 reduction (`RowSums`). The wait, the stage protocol, the timeout and the halt word are the
@@ -49,6 +52,8 @@ class ReduceNormKernel:
             token = block
         else:
             token = block * cfg.tp + rank
+        # The residual has the result's layout: every token's row, or reduce_scatter's own rows.
+        residual_row = block if cutlass.const_expr(cfg.algorithm == "reduce_scatter") else token
         # The residual and the weight are read before the mailbox wait, although this
         # kernel never waits for its predecessor: it starts only once every publish CTA
         # has passed its griddepcontrol.wait (the publish releases it after that wait),
@@ -56,9 +61,10 @@ class ReduceNormKernel:
         # has completed.
         live = Int32(token < m)
         rWeight = self.norm.load_norm_weight(norm_weight, tidx)
-        rResidual = self.norm.load_residual(residual, block, live, tidx)
+        rResidual = self.norm.load_residual(residual, residual_row, live, tidx)
         stage, halt = self.norm.lamport.start_call(stage_state)
         self.norm.norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, tidx,
                            self.norm.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
-                           capacity_m, residual_out, eps, None)
-        self.norm.lamport.finish_call(stage, stage_state, advance=True, waited=False)
+                           capacity_m, residual_out, eps, None, (peer_table, rank))
+        # In twoshot the gather ends the call and advances the stage.
+        self.norm.lamport.finish_call(stage, stage_state, advance=cfg.algorithm != "twoshot", waited=False)

@@ -166,15 +166,22 @@ class RowNorm:
     @cute.jit
     def norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
                  row_index, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
-                 own) -> None:
-        """Wait for, sum, add the residual to and normalize output row ``row`` (the one of
+                 own, fan_out=None) -> None:
+        """Wait for, sum, add the residual to and normalize mailbox row ``row`` (the one of
         ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
         ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
         same rows; ``sums`` is `RowSums.allocate`'s, ``row_index`` the row's index in this
         CTA's sequence (`RowSums.sum`). ``own``: the fused kernel's own partial
-        (`Lamport.wait_contributions`), else None."""
+        (`Lamport.wait_contributions`), else None.
+
+        The outputs go to row ``row`` (reduce_scatter) or ``token``. Twoshot's owner also
+        stores both into every peer's gather areas, ``fan_out`` = (peer_table, rank), with
+        -0.0 turned into +0.0 in its own rows and the copies alike (-0.0 is the mailbox's
+        empty marker)."""
         cfg = self.config
         row_offset = Int64(row) * self.lamport.row_bytes
+        if cutlass.const_expr(cfg.algorithm == "twoshot"):
+            row_offset = Int64(token) * self.lamport.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
         rResidualOut = self._fragment_registers()
         squares = Float32(0.0)
@@ -214,9 +221,20 @@ class RowNorm:
                         normed.append(
                             ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high)
                         )
-                    ptx.store_words(residual_out + row_offset + offset,
-                                    [rResidualOut[j, w] for w in range(self.fragment_words)])
+                    sums_out = [rResidualOut[j, w] for w in range(self.fragment_words)]
+                    if cutlass.const_expr(cfg.algorithm == "twoshot"):
+                        normed = [ptx.positive_zero_bf16x2(word) for word in normed]
+                        sums_out = [ptx.positive_zero_bf16x2(word) for word in sums_out]
+                    ptx.store_words(residual_out + row_offset + offset, sums_out)
                     ptx.store_words(out + row_offset + offset, normed)
+                    if cutlass.const_expr(cfg.algorithm == "twoshot"):
+                        peer_table, rank = fan_out
+                        gathered = self.lamport.gather_offset(stage, token, capacity_m) + offset
+                        gathered_residual = self.lamport.gather_offset(stage, token, capacity_m, area=1) + offset
+                        for step in cutlass.range_constexpr(cfg.tp - 1):
+                            peer = ptx.load_u64(peer_table + Int64((rank + (step + 1)) % cfg.tp) * 8)
+                            ptx.store_words(peer + gathered, normed)
+                            ptx.store_words(peer + gathered_residual, sums_out)
                 else:
                     if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.

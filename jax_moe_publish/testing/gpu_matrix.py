@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from jax_moe_publish import tuning
 from jax_moe_publish.aot.presets import GROUP_ALGORITHMS, result_of
-from jax_moe_publish.config import EPILOGUE_ALGORITHMS, KernelConfig
+from jax_moe_publish.config import EPILOGUE_ALGORITHMS, FUSED_ALGORITHMS, KernelConfig
+
+GROUP_TPS = (2, 4, 8)
+"""The group sizes the GPU tests run (on one GPU with virtual ranks)."""
 
 # Kernel variants the GPU tests cover: (hidden, top_k, launch and feature choices).
 # Together they span both element widths, both weight dtypes, with and without
@@ -24,8 +27,8 @@ VARIANTS = (
          load_shared_expert_before_pdl=True, threads=64, reduce_threads=64),
     dict(hidden=2880, top_k=10, routed_scaling_factor=2.5, prefetch_group=5, enable_pdl=False,
          threads=96),
-    # One kernel per call (oneshot only): 16-byte fragments, own partials in shared memory or
-    # in the mailbox; 8-byte ones with a partial last CTA and without PDL.
+    # One kernel per call (oneshot and twoshot): 16-byte fragments, own partials (oneshot) in
+    # shared memory or in the mailbox; 8-byte ones with a partial last CTA and without PDL.
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True),
     dict(hidden=7168, top_k=8, routed_scaling_factor=2.5, prefetch_group=8, fuse_reduce=True,
          keep_own_partial=False),
@@ -63,19 +66,22 @@ fragments per reduce thread (3 and 4). Kernel tests only, for a group."""
 
 def variants(tp: int) -> list[KernelConfig]:
     """The kernel-level GPU test configs for a group of ``tp``: every algorithm for the first
-    two `VARIANTS`, oneshot for the rest (fused ones only for a group)."""
+    two `VARIANTS`, both fused algorithms for the fused ones (a group's option), oneshot for
+    the rest."""
     configs = []
     for index, variant in enumerate(VARIANTS):
         if tp == 1 and variant.get("fuse_reduce"):
-            continue  # a group's option
+            continue
         if tp == 1:
             algorithms = ("direct",)
         elif index < 2:
             algorithms = GROUP_ALGORITHMS
+        elif variant.get("fuse_reduce"):
+            algorithms = FUSED_ALGORITHMS
         else:
             algorithms = ("oneshot",)
         configs += [KernelConfig(tp=tp, algorithm=algorithm, **variant) for algorithm in algorithms]
-    return configs
+    return list(dict.fromkeys(configs))  # a twoshot keeps no own partial: two variants coincide
 
 
 def defaults(tp: int) -> list[KernelConfig]:
@@ -118,13 +124,13 @@ def epilogues(tp: int) -> list[KernelConfig]:
     configs += [epilogue_config(problem, m, algorithm, **changes)
                 for problem in WIDE_EPILOGUE_PROBLEMS for m in tuning.range_ms()
                 for algorithm, changes in (("oneshot", {}), ("oneshot", {"fuse_reduce": False}),
-                                           ("reduce_scatter", {}))]
+                                           ("twoshot", {}), ("reduce_scatter", {}))]
     return list(dict.fromkeys(configs))
 
 
 def all_configs(arch: str = "sm_90a") -> list[KernelConfig]:
-    """Everything the GPU tests need, for groups of 1 and 2."""
+    """Everything the GPU tests need, for tp = 1 and the `GROUP_TPS`."""
     configs = []
-    for tp in (1, 2):
+    for tp in (1, *GROUP_TPS):
         configs += variants(tp) + defaults(tp) + epilogues(tp)
     return [c.replace(arch=arch) for c in dict.fromkeys(configs)]

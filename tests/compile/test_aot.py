@@ -146,9 +146,12 @@ def test_metadata(builds, config):
         # One CTA per row, and two floats per warp of dynamic shared memory (`RowSums`).
         "reduce_norm": (config.reduce_threads, aligned(2 * config.reduce_threads // 32 * 4), 1, rows),
         "gather": (config.reduce_threads, 0, config.reduce_ctas_per_token, "m"),
+        "gather_norm": (config.reduce_threads, 0, 1, "m"),
         # The publish's shape: each thread reduces the fragment it published, its own partials
         # in shared memory.
         "publish_reduce": (config.threads, own_partial_smem(config), config.ctas_per_token, "m"),
+        # The publish's shape, with no shared memory: a twoshot keeps no own partial.
+        "publish_reduce_gather": (config.threads, 0, config.ctas_per_token, "m"),
         # The publish's shape, a cluster of CTAs per row: two floats per warp, then (with more
         # than one CTA) two per CTA and two mbarriers, each area 16-byte aligned, and the own
         # partials.
@@ -247,7 +250,45 @@ def test_reduce_ptx(builds, config, role):
     assert "multimem" not in body
 
 
-FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce and c.epilogue == "none"]
+FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce and c.epilogue == "none" and c.algorithm == "oneshot"]
+TWOSHOT_EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.algorithm == "twoshot" and c.epilogue != "none"]
+
+
+@pytest.mark.parametrize("config", TWOSHOT_EPILOGUE_CONFIGS, ids=_ids(TWOSHOT_EPILOGUE_CONFIGS))
+def test_gather_norm_ptx(builds, config):
+    """Per fragment: both gather slots polled together (once, then in the loop), both outputs
+    written and both slots re-armed, NaN in both on a halted mailbox; no reduction."""
+    body = kernels_by_role(builds(config))["gather_norm"]
+    per_thread = config.norm_fragments_per_thread
+    assert opcodes(body, "ld.volatile.global.v4.u32") == ["ld.volatile.global.v4.u32"] * (4 * per_thread)
+    assert opcodes(body, "st.global") == ["st.global.v4.u32"] * (6 * per_thread)
+    assert not opcodes(body, "ld.global.nc") and not opcodes(body, "shfl.sync.bfly.b32")
+    assert opcodes(body, "trap") == ["trap", "trap"] * per_thread
+FUSED_TWOSHOT_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce and c.algorithm == "twoshot"]
+
+
+@pytest.mark.parametrize("config", FUSED_TWOSHOT_CONFIGS, ids=_ids(FUSED_TWOSHOT_CONFIGS))
+def test_fused_twoshot_ptx(builds, config):
+    """Publish to the owner, then the owner's reduce and fan-out, then the gather, in one
+    persistent kernel; every poll after every publish."""
+    body = kernels_by_role(builds(config))["publish_reduce_gather"]
+    vector = {8: "v4", 4: "v2"}[config.elements_per_thread]
+    # The owner's mailbox, where the first tile and the loop publish; every peer's, for the fan-out.
+    assert len(opcodes(body, "ld.global.nc.u64")) == 2 + config.tp - 1
+    # Two publishes, the owned row and tp - 1 fan-out stores, tp re-arms, the gathered row and
+    # its re-arm, and NaN on a halted mailbox.
+    stores = 2 + 1 + (config.tp - 1) + config.tp + 2 + 1
+    assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * stores
+    polls = [op for op in opcodes(body, "ld.volatile") if re.search(r"\.v\d", op)]
+    # The owner polls every rank's slot, the gather the owner's gather slot: once, then in a loop.
+    assert polls == [f"ld.volatile.global.{vector}.u32"] * (2 * config.tp + 2)
+    publishes_end = [m.start() for m in re.finditer(r"ld\.global\.nc\.u64", body)][1]
+    assert publishes_end < body.index("ld.volatile.global.v")
+    arrivals = [match.start() for match in re.finditer(r"atom\.global\.add", body)]
+    assert len(arrivals) == 2 and publishes_end < arrivals[1] < body.index("ld.volatile.global.v")
+    # A call on a closed mailbox, and a timed-out wait of the reduce and of the gather, trap.
+    assert opcodes(body, "trap") == ["trap"] * 3 and "%globaltimer" in body
+    assert not opcodes(body, "st.shared") and not opcodes(body, "ld.shared")
 
 
 @pytest.mark.parametrize("config", FUSED_CONFIGS, ids=_ids(FUSED_CONFIGS))
@@ -319,7 +360,7 @@ def fused_norm_smem(config) -> int:
 @pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=_ids(EPILOGUE_CONFIGS))
 def test_reduce_norm_ptx(builds, config):
     built = builds(config)
-    role = expected_roles(config)[-1]
+    role = next(role for role in expected_roles(config) if role in ("reduce_norm", "publish_reduce_norm"))
     body = kernels_by_role(built)[role]
     per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
     # Fused, each thread's one fragment has the publish's width; unfused, 16 bytes.
@@ -361,14 +402,18 @@ def test_reduce_norm_ptx(builds, config):
     else:
         # residual and norm_weight: one 16-byte load each per fragment, all issued before the
         # stage read and the mailbox polls (they do not depend on the publish).
-        input_loads = opcodes(body, "ld.global.nc")
+        input_loads = opcodes(body, "ld.global.nc.L1")
         assert input_loads == ["ld.global.nc.L1::no_allocate.v4.u32"] * (2 * per_thread)
+        # Twoshot's owner reads each peer's mailbox base for its fan-out, once for all fragments.
+        peers = config.tp - 1 if config.algorithm == "twoshot" else 0
+        assert len(opcodes(body, "ld.global.nc.u64")) == peers
         last_input_load = body.rfind("ld.global.nc.L1::no_allocate.v4.u32")
         assert last_input_load < first(body, "ld.volatile")
         # Stores per fragment: NaN into residual_out on a halted mailbox, tp re-arms, residual_out
-        # and out (and zeros for rows of no token).
+        # and out (and zeros for rows of no token; twoshot's both outputs to every peer).
         zero_rows = 2 if config.algorithm == "reduce_scatter" else 0
-        stores = per_thread * (1 + config.tp + 2 + zero_rows)
+        fan_out = 2 * (config.tp - 1) if config.algorithm == "twoshot" else 0
+        stores = per_thread * (1 + config.tp + 2 + zero_rows + fan_out)
     assert opcodes(body, "st.global") == [f"st.global.{vector}.u32"] * stores
     # The row's sum of squares: a butterfly in each warp, then one barrier before the
     # warp sums are read back; then one rsqrt.
@@ -388,7 +433,8 @@ def test_reduce_norm_ptx(builds, config):
     # That barrier and the arrival's (fused, above; else finish_call's): the warp sums
     # alternate between two buffers by row, so that a CTA's next row needs no barrier before
     # it writes them.
-    assert len(barriers) == 2
+    # (A twoshot reduce_norm does not end the call: no arrival.)
+    assert len(barriers) == (1 if config.algorithm == "twoshot" else 2)
     assert opcodes(body, "rsqrt.approx.f32") == ["rsqrt.approx.f32"]
     # Shared memory is the dynamic kind, and what the kernel touches fits the launch's.
     assert "__dynamic_shmem__" in body and not re.search(r"^\s*\.shared\b", built.ptx, re.M)
@@ -409,7 +455,7 @@ def test_pdl_instructions(builds, config, role):
         return
     wait = body.index("griddepcontrol.wait")
     release = body.index("griddepcontrol.launch_dependents")
-    if role in ("finalize", "publish", "publish_reduce", "publish_reduce_norm"):
+    if role in ("finalize", "publish", "publish_reduce", "publish_reduce_gather", "publish_reduce_norm"):
         # The stage and the inputs are read only after the predecessor has finished; the
         # reduce (or, fused, the next call) is released then, before the first store.
         assert wait < release < first(body, "st.global")

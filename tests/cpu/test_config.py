@@ -57,7 +57,6 @@ INVALID = [
     ({"arch": "sm_90"}, "arch", "sm_90"),
     ({"epilogue": "layernorm"}, "epilogue", "layernorm"),
     ({"epilogue": None}, "epilogue", None),
-    ({"epilogue": "rmsnorm", "algorithm": "twoshot"}, "algorithm", "twoshot"),
     ({"epilogue": "rmsnorm", **DIRECT}, "algorithm", "direct"),
     # 16384 / 8 = 2048 fragments of a row over 32 threads: 64 per thread, more than 8.
     ({"epilogue": "rmsnorm", "hidden": 16384, "reduce_threads": 32}, "reduce_threads", 32),
@@ -65,7 +64,8 @@ INVALID = [
     ({"waves": 0, "fuse_reduce": True}, "waves", 0),
     ({"waves": 2.0, "fuse_reduce": True}, "waves", 2.0),
     ({"waves": 2}, "waves", 2),  # several passes need the persistent (fused) grid
-    ({"fuse_reduce": True, "algorithm": "twoshot"}, "algorithm", "twoshot"),
+    ({"fuse_reduce": True, "algorithm": "twoshot", "epilogue": "rmsnorm"}, "epilogue", "rmsnorm"),
+    ({"fuse_reduce": True, "algorithm": "twoshot", "keep_own_partial": True}, "keep_own_partial", True),
     ({"fuse_reduce": True, "algorithm": "reduce_scatter"}, "algorithm", "reduce_scatter"),
     ({"fuse_reduce": True, **DIRECT}, "algorithm", "direct"),
     # With the epilogue a row's CTAs (one cluster) publish: one fragment per thread.

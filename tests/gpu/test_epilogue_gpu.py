@@ -13,6 +13,8 @@ and re-armed.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +40,7 @@ M_VALUES = (1, 37, CAPACITY_M)
 EPS_VALUES = (1e-5, 1e-6)
 SILENT_TOKEN = 5  # from m = 37 on: zero partials on every rank and a zero residual row
 GARBAGE = 7.0  # in residual rows of no token (reduce_scatter): they must not be read
-CONFIGS = gpu_matrix.epilogues(2)
+CONFIGS = [c for tp in gpu_matrix.GROUP_TPS for c in gpu_matrix.epilogues(tp)]
 
 
 def _m_id(m):
@@ -110,12 +112,13 @@ def test_epilogue_kernel_matches_model(config, m, eps, devices):  # noqa: F811
 
 @pytest.mark.gpus(1)
 # CTAs, rounded down to whole clusters (at least one): one cluster against several.
-@pytest.mark.parametrize("grid_limits", ((1, 1), (8, 24)), ids=lambda g: "grid" + "-".join(map(str, g)))
+@pytest.mark.parametrize("grid_limits", ((1,), (8, 24)), ids=lambda g: "grid" + "-".join(map(str, g)))
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.fuse_reduce], ids=lambda c: c.key)
 def test_fused_epilogue_persistent_grid(config, grid_limits, devices):  # noqa: F811
     """A fused grid of fewer clusters than rows: each cluster publishes its rows, then reduces
     and normalizes them one after another (its shared memory reused), with ranks' grids unequal."""
-    _check_epilogue_call(config, CAPACITY_M, 1e-6, devices, list(grid_limits))
+    _check_epilogue_call(config, CAPACITY_M, 1e-6, devices,
+                         [grid_limits[rank % len(grid_limits)] for rank in range(config.tp)])
 
 
 def _check_epilogue_call(config, m, eps, devices, grid_limits=None) -> None:
@@ -136,7 +139,7 @@ def _check_epilogue_call(config, m, eps, devices, grid_limits=None) -> None:
             _check_rank(config.algorithm, tp, rank, out[:rows].view(numerics.BF16),
                         residual_out[:rows].view(numerics.BF16), problems, config.routed_scaling_factor,
                         residual, norm_weight, eps, what)
-        if config.algorithm == "oneshot":
+        if config.algorithm != "reduce_scatter":
             for rank in range(1, tp):
                 for index, name in enumerate(("out", "residual_out")):
                     assert np.array_equal(outputs[rank][index][:rows], outputs[0][index][:rows]), (
@@ -244,23 +247,23 @@ def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale, config=Non
     return list(zip(*per_rank))
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.parametrize("tp", [pytest.param(tp, marks=pytest.mark.gpus(tp)) for tp in gpu_matrix.GROUP_TPS])
 @pytest.mark.parametrize("result", tuning.RESULTS)
 @pytest.mark.parametrize("problem", gpu_matrix.EPILOGUE_PROBLEMS, ids=lambda p: f"h{p.hidden}-k{p.top_k}")
-def test_epilogue_op_matches_model_on_two_gpus(problem, result):
-    config = tuning.kernel_config(problem, tp=2, m=None, result=result, epilogue="rmsnorm")
+def test_epilogue_op_matches_model(problem, result, tp):
+    config = tuning.kernel_config(problem, tp=tp, m=None, result=result, epilogue="rmsnorm")
     rng = np.random.default_rng()
-    with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, result=result) as mailbox:
+    with jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, result=result) as mailbox:
         for m in M_VALUES:
             for eps in EPS_VALUES:
                 problems, residual, norm_weight = _epilogue_problem(config, m, rng)
                 outputs = _op_outputs(mailbox, problems, residual, norm_weight, eps, config.routed_scaling_factor)
                 for rank, (out, residual_out) in enumerate(outputs):
-                    _check_rank(config.algorithm, 2, rank, out, residual_out, problems,
+                    _check_rank(config.algorithm, tp, rank, out, residual_out, problems,
                                 config.routed_scaling_factor, residual, norm_weight, eps, f"{result} m={m} rank {rank}")
                 if result == "allreduce":
-                    for index in range(2):
-                        assert np.array_equal(outputs[1][index].view(np.uint16), outputs[0][index].view(np.uint16))
+                    for rank, index in itertools.product(range(1, tp), range(2)):
+                        assert np.array_equal(outputs[rank][index].view(np.uint16), outputs[0][index].view(np.uint16))
         mailbox.check()
 
 

@@ -26,6 +26,7 @@ from kernel_checks import (
 )
 from jax_moe_publish import protocol
 from jax_moe_publish.aot.presets import GROUP_ALGORITHMS
+from jax_moe_publish.config import FUSED_ALGORITHMS
 from jax_moe_publish.testing import gpu_matrix
 
 pytestmark = pytest.mark.gpu
@@ -40,16 +41,23 @@ ROUNDS_ROUTED_ROWS = 16
 CHAINED_CALLS = 12
 
 TP1_CONFIGS = gpu_matrix.variants(1)
-TP2_CONFIGS = gpu_matrix.variants(2)
-# One config of each group algorithm, for the tests of consecutive calls.
-TP2_ALGORITHM_CONFIGS = [
-    next(c for c in TP2_CONFIGS if c.algorithm == algorithm and not c.fuse_reduce) for algorithm in GROUP_ALGORITHMS
-] + [next(c for c in TP2_CONFIGS if c.fuse_reduce)]
-TP2_ONESHOT_CONFIGS = [c for c in TP2_CONFIGS if c.algorithm == "oneshot"]
-TP2_FUSED_CONFIGS = [c for c in TP2_CONFIGS if c.fuse_reduce]
-# Per-rank caps of a fused (persistent) grid: CTAs then take several tiles, different
-# numbers of them, and the ranks' grids may differ.
-GRID_LIMITS = ((1, 1), (3, 7), (64, 5))
+GROUP_CONFIGS = [c for tp in gpu_matrix.GROUP_TPS for c in gpu_matrix.variants(tp)]
+# One config of each group algorithm, unfused and fused, per group size: for the tests of
+# consecutive calls.
+ALGORITHM_CONFIGS = [
+    next(c for c in GROUP_CONFIGS if c.tp == tp and c.algorithm == algorithm and c.fuse_reduce == fused)
+    for tp in gpu_matrix.GROUP_TPS for algorithm in GROUP_ALGORITHMS for fused in (False, True)
+    if not fused or algorithm in FUSED_ALGORITHMS
+]
+ONESHOT_CONFIGS = [c for c in GROUP_CONFIGS if c.algorithm == "oneshot"]
+FUSED_CONFIGS = [c for c in GROUP_CONFIGS if c.fuse_reduce]
+# Per-rank caps of a fused (persistent) grid, repeated over the ranks: CTAs then take several
+# tiles, different numbers of them, and the ranks' grids may differ.
+GRID_LIMITS = ((1,), (3, 7), (64, 5, 2))
+
+
+def _grid_limits(pattern, tp: int) -> list[int]:
+    return [pattern[rank % len(pattern)] for rank in range(tp)]
 
 
 def _key(config) -> str:
@@ -115,7 +123,7 @@ def test_direct_finalize_matches_model(config, m, devices):
 
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("m", M_VALUES, ids=lambda m: f"m{m}")
-@pytest.mark.parametrize("config", TP2_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", GROUP_CONFIGS, ids=_key)
 def test_group_call_matches_model(config, m, devices):
     _check_one_call(config, m, devices)
 
@@ -123,15 +131,15 @@ def test_group_call_matches_model(config, m, devices):
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("grid_limits", GRID_LIMITS, ids=lambda g: "grid" + "-".join(map(str, g)))
 @pytest.mark.parametrize("m", (3, CAPACITY_M), ids=lambda m: f"m{m}")
-@pytest.mark.parametrize("config", TP2_FUSED_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", FUSED_CONFIGS, ids=_key)
 def test_persistent_grid_matches_model(config, m, grid_limits, devices):
     """A fused grid smaller than the tiles of m: each CTA publishes all of its tiles, then
     reduces them; the result and the protocol state are those of a full grid."""
-    _check_one_call(config, m, devices, list(grid_limits))
+    _check_one_call(config, m, devices, _grid_limits(grid_limits, config.tp))
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("config", TP2_ONESHOT_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", ONESHOT_CONFIGS, ids=_key)
 def test_negative_zero_is_never_published(config, devices):
     m = 37
     problems = _negative_zero_problems(config, m, seeded_rng(config.key, "negative zero"))
@@ -166,7 +174,7 @@ def test_negative_zero_is_never_published(config, devices):
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", ALGORITHM_CONFIGS, ids=_key)
 def test_consecutive_rounds_cycle_the_stages(config, devices):
     rng = seeded_rng(config.key, "rounds")
     with open_test_group(config, devices, ROUNDS_CAPACITY_M) as launcher:
@@ -181,7 +189,7 @@ def test_consecutive_rounds_cycle_the_stages(config, devices):
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", ALGORITHM_CONFIGS, ids=_key)
 def test_calls_across_the_call_count_wrap(config, devices):
     """The count wraps to 0 after `protocol.CALL_COUNT_PERIOD` calls, and the stages go on
     cycling through the wrap: call c always has stage c % STAGES."""
@@ -200,7 +208,7 @@ def test_calls_across_the_call_count_wrap(config, devices):
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("config", TP2_ALGORITHM_CONFIGS, ids=_key)
+@pytest.mark.parametrize("config", ALGORITHM_CONFIGS, ids=_key)
 def test_chained_calls_without_host_waits(config, devices):
     """Calls enqueued back to back, as XLA issues them: ranks drift apart by up to a call
     and PDL overlaps each call with the previous one; each call has its own buffers."""

@@ -77,14 +77,18 @@ def _check(outputs, problems, scale, result):
             assert np.array_equal(out.view(np.uint16), outputs[0].view(np.uint16)), f"rank {rank} differs"
 
 
-@pytest.mark.gpus(2)
-@pytest.mark.parametrize("config", gpu_matrix.variants(2), ids=lambda c: c.key)
-def test_variants_match_float64_on_two_gpus(config):
+def _on_gpus(configs):
+    """Each config as a parameter that needs its tp GPUs."""
+    return [pytest.param(c, marks=pytest.mark.gpus(c.tp), id=c.key) for c in configs]
+
+
+@pytest.mark.parametrize("config", _on_gpus(c for tp in gpu_matrix.GROUP_TPS for c in gpu_matrix.variants(tp)))
+def test_group_variants_match_float64(config):
     rng = np.random.default_rng()
-    mesh = _mesh(2)
+    mesh = _mesh(config.tp)
     with jmp.Mailbox(mesh, "tp", hidden=config.hidden, capacity_m=CAPACITY, result=result_of(config.algorithm)) as mb:
         for m in M_VALUES:
-            problems = _problems(rng, 2, m, config)
+            problems = _problems(rng, config.tp, m, config)
             outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor, config=config)
             _check(outputs, problems, config.routed_scaling_factor, mb.result)
         mb.check()
@@ -101,17 +105,17 @@ def test_direct_variants_match_float64_on_one_gpu(config):
             _check(outputs, problems, config.routed_scaling_factor, mb.result)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.parametrize("tp", [pytest.param(tp, marks=pytest.mark.gpus(tp)) for tp in gpu_matrix.GROUP_TPS])
 @pytest.mark.parametrize("result", tuning.RESULTS)
 @pytest.mark.parametrize("problem", gpu_matrix.DEFAULT_PROBLEMS, ids=lambda p: f"h{p.hidden}-k{p.top_k}")
-def test_table_configs_both_results_and_reversed_mesh(problem, result):
+def test_table_configs_both_results_and_reversed_mesh(problem, result, tp):
     rng = np.random.default_rng()
     scale = problem.routed_scaling_factor
-    config = tuning.kernel_config(problem, tp=2, m=None, result=result)
+    config = tuning.kernel_config(problem, tp=tp, m=None, result=result)
     for reverse in (False, True):
-        with jmp.Mailbox(_mesh(2, reverse), "tp", hidden=config.hidden, capacity_m=CAPACITY, result=result) as mb:
+        with jmp.Mailbox(_mesh(tp, reverse), "tp", hidden=config.hidden, capacity_m=CAPACITY, result=result) as mb:
             for m in (1, 37):
-                problems = _problems(rng, 2, m, config)
+                problems = _problems(rng, tp, m, config)
                 outputs = _per_rank_outputs(mb, problems, scale)
                 _check(outputs, problems, scale, result)
 
@@ -265,8 +269,7 @@ def _drawn_calls(draw, tp):
     return config, problems
 
 
-@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.gpus(1)),
-                                pytest.param(2, marks=pytest.mark.gpus(2))])
+@pytest.mark.parametrize("tp", [pytest.param(tp, marks=pytest.mark.gpus(tp)) for tp in (1, *gpu_matrix.GROUP_TPS)])
 def test_property_draws_through_the_kernels(tp):
     """A sample of the CPU property test's draws, through the kernel path."""
     mailboxes = {}

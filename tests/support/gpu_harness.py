@@ -453,14 +453,14 @@ class GroupLauncher:
 
     def mailbox(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Rank's mailbox as raw bf16 bits: (contributions ``[STAGES][tp][capacity_m][hidden]``,
-        gather area ``[STAGES][capacity_m][hidden]``)."""
+        gather areas ``[GATHER_AREAS][STAGES][capacity_m][hidden]``)."""
         memory = self.memory
         words = self.devices[rank].download(memory.ranks[rank].mailbox, np.uint16, memory.elements)
         split = protocol.contribution_elements(memory.tp, memory.capacity_m, memory.hidden)
         contributions = words[:split].reshape(
             protocol.STAGES, memory.tp, memory.capacity_m, memory.hidden
         )
-        gather = words[split:].reshape(protocol.STAGES, memory.capacity_m, memory.hidden)
+        gather = words[split:].reshape(protocol.GATHER_AREAS, protocol.STAGES, memory.capacity_m, memory.hidden)
         return contributions, gather
 
     def stage_state(self, rank: int) -> np.ndarray:
