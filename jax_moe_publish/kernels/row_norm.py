@@ -229,12 +229,14 @@ class RowNorm:
                     ptx.store_words(out + row_offset + offset, normed)
                     if cutlass.const_expr(cfg.algorithm == "twoshot"):
                         peer_table, rank = fan_out
-                        gathered = self.lamport.gather_offset(stage, token, capacity_m) + offset
-                        gathered_residual = self.lamport.gather_offset(stage, token, capacity_m, area=1) + offset
-                        for step in cutlass.range_constexpr(cfg.tp - 1):
-                            peer = ptx.load_u64(peer_table + Int64((rank + (step + 1)) % cfg.tp) * 8)
-                            ptx.store_words(peer + gathered, normed)
-                            ptx.store_words(peer + gathered_residual, sums_out)
+                        # A halted mailbox may be freed: its rows (NaN) stay here.
+                        if halt == protocol.HALT_RUNNING:
+                            gathered = self.lamport.gather_offset(stage, token, capacity_m) + offset
+                            gathered_residual = self.lamport.gather_offset(stage, token, capacity_m, area=1) + offset
+                            for step in cutlass.range_constexpr(cfg.tp - 1):
+                                peer = ptx.load_u64(peer_table + Int64((rank + (step + 1)) % cfg.tp) * 8)
+                                ptx.store_words(peer + gathered, normed)
+                                ptx.store_words(peer + gathered_residual, sums_out)
                 else:
                     if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.

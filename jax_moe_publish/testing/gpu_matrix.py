@@ -96,9 +96,9 @@ def defaults(tp: int) -> list[KernelConfig]:
 
 
 def epilogues(tp: int) -> list[KernelConfig]:
-    """The configs of `EPILOGUE_PROBLEMS`: the table's fused epilogue for a group, the plain
-    direct kernel for tp = 1; for a group also variants of the fused epilogue's launch
-    shape, and those of `WIDE_EPILOGUE_PROBLEMS`, fused and not."""
+    """The configs of `EPILOGUE_PROBLEMS`: the table's epilogue of every algorithm for a group,
+    the plain direct kernel for tp = 1; for a group also oneshot unfused, those of
+    `WIDE_EPILOGUE_PROBLEMS`, and at tp = 2 variants of the fused epilogue's launch shape."""
     def epilogue_config(problem, m, algorithm, **changes):
         return tuning.kernel_config(problem, tp=tp, m=m, result=result_of(algorithm), epilogue="rmsnorm",
                                     algorithm=algorithm, **changes)
@@ -115,12 +115,14 @@ def epilogues(tp: int) -> list[KernelConfig]:
     # with a grid of a third of the rows' clusters.
     configs += [epilogue_config(problem, m, "oneshot", fuse_reduce=False)
                 for problem in EPILOGUE_PROBLEMS for m in tuning.range_ms()]
-    fused = epilogue_config(EPILOGUE_PROBLEMS[0], tuning.SMALL_M, "oneshot")
-    configs.append(fused.replace(threads=fused.reduce_fragments, reduce_threads=fused.reduce_fragments))
-    configs.append(fused.replace(keep_own_partial=False))
-    configs.append(fused.replace(elements_per_thread=4, threads=2 * fused.threads, reduce_threads=2 * fused.threads))
-    configs.append(fused.replace(elements_per_thread=4))
-    configs.append(fused.replace(waves=3))
+    if tp == 2:  # the launch shapes do not depend on tp
+        fused = epilogue_config(EPILOGUE_PROBLEMS[0], tuning.SMALL_M, "oneshot")
+        configs.append(fused.replace(threads=fused.reduce_fragments, reduce_threads=fused.reduce_fragments))
+        configs.append(fused.replace(keep_own_partial=False))
+        configs.append(fused.replace(elements_per_thread=4, threads=2 * fused.threads,
+                                     reduce_threads=2 * fused.threads))
+        configs.append(fused.replace(elements_per_thread=4))
+        configs.append(fused.replace(waves=3))
     configs += [epilogue_config(problem, m, algorithm, **changes)
                 for problem in WIDE_EPILOGUE_PROBLEMS for m in tuning.range_ms()
                 for algorithm, changes in (("oneshot", {}), ("oneshot", {"fuse_reduce": False}),

@@ -36,6 +36,7 @@ M_VALUES = (1, 3, 37, CAPACITY_M)
 # Consecutive calls on one mailbox: a small capacity and few routed rows keep
 # fresh data for every call cheap.
 ROUNDS = 200
+"""Calls at tp = 2; larger groups make fewer (each call runs tp ranks), over as many stages."""
 ROUNDS_CAPACITY_M = 16
 ROUNDS_ROUTED_ROWS = 16
 CHAINED_CALLS = 12
@@ -179,7 +180,7 @@ def test_consecutive_rounds_cycle_the_stages(config, devices):
     rng = seeded_rng(config.key, "rounds")
     with open_test_group(config, devices, ROUNDS_CAPACITY_M) as launcher:
         buffers = launcher.allocate(ROUNDS_CAPACITY_M, ROUNDS_ROUTED_ROWS)
-        for round_ in range(ROUNDS):
+        for round_ in range(ROUNDS * 2 // config.tp):
             m = int(rng.integers(1, ROUNDS_CAPACITY_M, endpoint=True))
             problems = random_problems(config, m, rng, ROUNDS_ROUTED_ROWS)
             _prepare(buffers, problems)
