@@ -105,15 +105,23 @@ def _check_axis(mailbox: Mailbox) -> None:
                          f"on a mesh of shape {got}")
 
 
-def _kernel_config(config, mailbox, expert_weights, shared_output, scale, fused_norm) -> KernelConfig:
-    """The tuning table's config for this call, or ``config`` checked against it."""
-    problem = tuning.Problem(
+def _problem(mailbox, expert_weights, shared_output, scale) -> tuning.Problem:
+    return tuning.Problem(
         hidden=mailbox.hidden, top_k=expert_weights.shape[1], routed_scaling_factor=float(scale),
         include_shared_expert=shared_output is not None,
         fp32_weights=jnp.dtype(expert_weights.dtype) == jnp.float32,
     )
-    # With tp = 1 the epilogue runs in jnp after the direct kernel.
-    epilogue = "rmsnorm" if fused_norm and mailbox.tp > 1 else "none"
+
+
+def _table_epilogue(mailbox, fused_norm) -> str:
+    """The epilogue the kernels fuse: with tp = 1 it runs in jnp after the direct kernel."""
+    return "rmsnorm" if fused_norm and mailbox.tp > 1 else "none"
+
+
+def _kernel_config(config, mailbox, expert_weights, shared_output, scale, fused_norm) -> KernelConfig:
+    """The tuning table's config for this call, or ``config`` checked against it."""
+    problem = _problem(mailbox, expert_weights, shared_output, scale)
+    epilogue = _table_epilogue(mailbox, fused_norm)
     if config is None:
         return tuning.kernel_config(problem, tp=mailbox.tp, m=expert_weights.shape[0], result=mailbox.result,
                                     epilogue=epilogue)
@@ -181,9 +189,10 @@ def moe_finalize_publish(
         Made for this mesh axis, ``hidden`` and ``capacity_m >= m``.
     routed_scaling_factor : float
     impl : {"auto", "kernel", "reference"}
-        ``auto``: the kernels on CUDA devices, the pure-JAX reference elsewhere
-        and where the mailbox's TP group spans hosts (it warns once per
-        mailbox then; ``kernel`` raises).
+        ``auto``: the kernels on CUDA devices, the pure-JAX reference elsewhere,
+        where the tuning table finds XLA's path faster (``xla``, for example
+        tp = 1 at m = 1 with a shared expert) and where the mailbox's TP group
+        spans hosts (it warns once per mailbox then; ``kernel`` raises).
     config : KernelConfig, optional
         The algorithm (``oneshot`` or ``twoshot`` for an all-reduce mailbox) and
         launch shapes; by default the tuning table's choice for the problem and
@@ -214,6 +223,12 @@ def moe_finalize_publish(
     kernel_config = _kernel_config(config, mailbox, expert_weights, shared_output, routed_scaling_factor,
                                    fused_norm)
     epilogue = dict(residual=residual, norm_weight=norm_weight, norm_eps=float(norm_eps))
+    if impl == "auto" and config is None:
+        # Where XLA's own path is faster (the table's "xla"), auto takes it, on every device.
+        choice = tuning.algorithm_for(_problem(mailbox, expert_weights, shared_output, routed_scaling_factor),
+                                      mailbox.tp, expert_weights.shape[0], mailbox.result,
+                                      _table_epilogue(mailbox, fused_norm))
+        impl = "reference" if choice.algorithm == "xla" else impl
     impl = _resolve_impl(impl, mailbox)
     if impl == "reference":
         return reference.moe_finalize_publish(

@@ -4,7 +4,8 @@ A call is a `Problem` on a group of ``tp`` ranks, with ``m`` tokens, the mailbox
 result layout and, or not, the residual + RMSNorm epilogue. `kernel_config` maps it to
 the `KernelConfig` that the op compiles and launches, in two steps:
 
-1. the algorithm, by result layout and tp (`ALGORITHMS`);
+1. the algorithm, by result layout, epilogue, tp and the partial's size (`ALGORITHMS`,
+   data in ``algorithms.json``), which may be ``xla``: the op then runs the ``jnp`` path;
 2. whether the call is one persistent kernel (`FUSED`), and the launch shape of its
    kernels for ``m`` (`SHAPES`), by ranges of m.
 
@@ -17,6 +18,8 @@ this module, so a choice is made in one place.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 
 from jax_moe_publish import _abi, protocol
 from jax_moe_publish.config import ALGORITHMS as KERNEL_ALGORITHMS
@@ -39,23 +42,62 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmChoice:
-    """``algorithm`` for calls of up to ``m_max`` tokens (None: any m)."""
+    """``algorithm`` for calls whose partial, ``m * hidden * 2`` bytes, is at most ``max_bytes``
+    (None: any size), for problems with (True) or without (False) a shared expert, or any
+    (None). ``xla``: the op runs the ``jnp`` path, which XLA fuses with its neighbours."""
 
-    m_max: int | None
+    max_bytes: int | None
     algorithm: str
     reason: str
+    shared_expert: bool | None = None
+    source: str = "measured"  # or "model": written by `LinkModel`, until a sweep measures it
 
 
-# By result layout, then tp (1 is always "direct"): the first entry whose m_max covers m.
-ALGORITHMS: dict[str, tuple[AlgorithmChoice, ...]] = {
-    "allreduce": (
-        AlgorithmChoice(None, "oneshot", "fused oneshot was faster than twoshot at every m measured at tp = 2, "
-                                         "where both move the same NVLink bytes"),
-    ),
-    "reduce_scatter": (
-        AlgorithmChoice(None, "reduce_scatter", "the owners keep their tokens: the only reduce-scatter algorithm"),
-    ),
-}
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """The byte and latency model behind the algorithm entries marked ``model``.
+
+    One-shot sends every peer its partial, ``(tp - 1) * bytes``, after one exchange; two-shot
+    sends ``2 * (tp - 1) / tp * bytes``, after two. A kernel more in the call costs a launch.
+    """
+
+    p2p_bytes_per_s: float
+    exchange_s: float
+    launch_s: float
+
+    def oneshot_s(self, tp: int, nbytes: int, kernels: int = 1) -> float:
+        return self.exchange_s + (tp - 1) * nbytes / self.p2p_bytes_per_s + (kernels - 1) * self.launch_s
+
+    def twoshot_s(self, tp: int, nbytes: int, kernels: int = 1) -> float:
+        return 2 * self.exchange_s + 2 * (tp - 1) / tp * nbytes / self.p2p_bytes_per_s + (kernels - 1) * self.launch_s
+
+    def crossover_bytes(self, tp: int, oneshot_kernels: int, twoshot_kernels: int) -> int | None:
+        """The largest partial for which one-shot is no slower than two-shot (None: at any size)."""
+        saved_per_byte = ((tp - 1) - 2 * (tp - 1) / tp) / self.p2p_bytes_per_s
+        if saved_per_byte <= 0:
+            return None
+        extra_s = self.exchange_s + (twoshot_kernels - oneshot_kernels) * self.launch_s
+        return int(extra_s / saved_per_byte)
+
+
+TABLE_FILE = pathlib.Path(__file__).with_name("algorithms.json")
+"""The algorithm entries as data, which ``benchmarks/tune_algorithms.py`` writes."""
+
+
+def _load_table(path: pathlib.Path):
+    data = json.loads(path.read_text())
+    model = LinkModel(**{k: data["model"][k] for k in ("p2p_bytes_per_s", "exchange_s", "launch_s")})
+    tables = {
+        tuple(case.split("/")): {int(tp): tuple(AlgorithmChoice(**entry) for entry in entries)
+                                 for tp, entries in by_tp.items()}
+        for case, by_tp in data["tables"].items()
+    }
+    return model, tables
+
+
+MODEL, ALGORITHMS = _load_table(TABLE_FILE)
+"""`ALGORITHMS[(result, epilogue)][tp]`: the entries of a call, the first that covers it applies.
+A tp without entries takes those of the largest listed tp below it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,13 +170,23 @@ FUSED: dict[tuple[str, str], str] = {
 """The (algorithm, epilogue) whose calls are one persistent kernel (``fuse_reduce``), and why."""
 
 
-def algorithm_for(tp: int, m: int | None, result: str) -> AlgorithmChoice:
-    """The algorithm of a call (`ALGORITHMS`); ``m`` None means larger than every range."""
+def algorithm_for(problem: Problem, tp: int, m: int | None, result: str, epilogue: str = "none", *,
+                  kernels_only: bool = False) -> AlgorithmChoice:
+    """The algorithm entry of a call (`ALGORITHMS`); ``m`` None means larger than every range.
+    ``kernels_only`` skips ``xla`` entries: the kernel path's own choice."""
     if result not in RESULTS:
         raise ValueError(f"result={result!r}: expected one of {RESULTS}")
-    if tp == 1:
-        return AlgorithmChoice(None, "direct", "tp = 1: no peers")
-    return _covering(ALGORITHMS[result], m)
+    by_tp = ALGORITHMS[result, epilogue]
+    entries = by_tp[max(t for t in by_tp if t <= tp)]
+    nbytes = None if m is None else m * problem.hidden * 2
+    for entry in entries:
+        if kernels_only and entry.algorithm == "xla":
+            continue
+        if entry.shared_expert not in (None, problem.include_shared_expert):
+            continue
+        if entry.max_bytes is None or (nbytes is not None and nbytes <= entry.max_bytes):
+            return entry
+    raise AssertionError(f"no entry covers tp={tp}, m={m}: the last entry of a table must take any size")
 
 
 def shape_for(fused: bool, epilogue: str, m: int | None) -> Shape:
@@ -173,10 +225,11 @@ def kernel_config(problem: Problem, *, tp: int, m: int | None, result: str = "al
     """The `KernelConfig` of a call, as the op picks it.
 
     ``m`` None means larger than every range. ``algorithm`` and ``fuse_reduce``, when
-    given, override the table's choice (benchmarks and tests compare the others).
+    given, override the table's choice (benchmarks and tests compare the others). Where the
+    table chooses ``xla``, this is the kernels' config for the call (``impl="kernel"``).
     """
     if algorithm is None:
-        algorithm = algorithm_for(tp, m, result).algorithm
+        algorithm = algorithm_for(problem, tp, m, result, epilogue, kernels_only=True).algorithm
     elif algorithm not in KERNEL_ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: expected one of {KERNEL_ALGORITHMS}")
     fused = (algorithm, epilogue) in FUSED if fuse_reduce is None else fuse_reduce
@@ -200,7 +253,8 @@ def kernel_config(problem: Problem, *, tp: int, m: int | None, result: str = "al
 
 
 def range_ms() -> tuple[int, ...]:
-    """One m in every range of the table: each bound, and one past the largest. Calls of these
-    m get every config the table can choose for a problem (the presets build them)."""
-    bounds = {entry.m_max for table in (*ALGORITHMS.values(), *SHAPES.values()) for entry in table if entry.m_max}
+    """One m in every range of `SHAPES`: each bound, and one past the largest. Calls of these m,
+    with every algorithm, get every config the table can choose for a problem (the presets
+    build them)."""
+    bounds = {entry.m_max for table in SHAPES.values() for entry in table if entry.m_max}
     return (*sorted(bounds), max(bounds) + 1)

@@ -27,5 +27,6 @@ def test_presets_hold_the_table_choice_of_every_m():
             for fp32_weights in (False, True):
                 problem = tuning.Problem(**{**vars(presets.DEEPSEEK_V3), "fp32_weights": fp32_weights})
                 for result in tuning.RESULTS:
-                    config = tuning.kernel_config(problem, tp=tp, m=m, result=result)
-                    assert config in deepseek, (m, tp, fp32_weights, result)
+                    for epilogue in ("none", "rmsnorm") if tp > 1 else ("none",):
+                        config = tuning.kernel_config(problem, tp=tp, m=m, result=result, epilogue=epilogue)
+                        assert config in deepseek, (m, tp, fp32_weights, result, epilogue)

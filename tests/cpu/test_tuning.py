@@ -2,16 +2,72 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
 import re
+import sys
 
 import pytest
 
 from jax_moe_publish import _abi, tuning
+from jax_moe_publish.config import ALGORITHMS as KERNEL_ALGORITHMS
 from jax_moe_publish.config import KernelConfig
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+import tune_algorithms  # noqa: E402
+
 DEEPSEEK = tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5)
-TABLES = {**{f"algorithms[{r}]": t for r, t in tuning.ALGORITHMS.items()},
-          **{f"shapes[{k}]": t for k, t in tuning.SHAPES.items()}}
+QWEN3 = tuning.Problem(hidden=4096, top_k=8, include_shared_expert=False)
+TABLES = {f"shapes[{k}]": t for k, t in tuning.SHAPES.items()}
+ALGORITHM_TABLES = {f"{result}/{epilogue} tp={tp}": entries
+                    for (result, epilogue), by_tp in tuning.ALGORITHMS.items() for tp, entries in by_tp.items()}
+
+
+@pytest.mark.parametrize("name", ALGORITHM_TABLES)
+def test_every_algorithm_table_covers_every_size_and_says_why(name):
+    entries = ALGORITHM_TABLES[name]
+    assert entries[-1].max_bytes is None and entries[-1].shared_expert is None and entries[-1].algorithm != "xla", (
+        f"{name}: the last entry must take every call to a kernel")
+    bounds = [entry.max_bytes for entry in entries[:-1]]
+    assert all(b is not None for b in bounds) and bounds == sorted(bounds), bounds
+    for entry in entries:
+        assert len(entry.reason) > 20 and entry.source in ("measured", "model"), f"{name}: {entry}"
+        assert entry.algorithm in ("xla", *KERNEL_ALGORITHMS), f"{name}: {entry}"
+
+
+def test_the_model_entries_are_the_models():
+    """Entries marked ``model`` are what `LinkModel` gives for the table's own constants."""
+    data = json.loads(tuning.TABLE_FILE.read_text())
+    for (result, epilogue), kernels in tune_algorithms.CASES.items():
+        for tp, entries in data["tables"][f"{result}/{epilogue}"].items():
+            if all(entry.get("source") == "model" for entry in entries):
+                assert entries == tune_algorithms.model_entries(tuning.MODEL, int(tp), *kernels)
+    # Two-shot's second exchange pays off for a larger partial at tp = 4 than at 8, and later
+    # with the epilogue, whose unfused two-shot launches twice more.
+    crossover = {(tp, kernels): tuning.MODEL.crossover_bytes(tp, 1, kernels) for tp in (4, 8) for kernels in (1, 3)}
+    assert crossover[4, 1] > crossover[8, 1] and crossover[4, 3] > crossover[4, 1] and crossover[8, 3] > crossover[8, 1]
+    assert tuning.MODEL.crossover_bytes(2, 1, 1) is None
+
+
+def test_the_algorithm_follows_the_table():
+    def algorithm(problem, tp, m, result="allreduce", epilogue="none", **kwargs):
+        return tuning.algorithm_for(problem, tp, m, result, epilogue, **kwargs).algorithm
+
+    # tp = 1, m = 1, a shared expert: XLA's fused path; the kernel path's own choice is direct.
+    assert algorithm(DEEPSEEK, 1, 1) == "xla" and algorithm(DEEPSEEK, 1, 2) == "direct"
+    assert algorithm(DEEPSEEK, 1, 1, kernels_only=True) == "direct"
+    assert tuning.kernel_config(DEEPSEEK, tp=1, m=1).algorithm == "direct"
+    assert algorithm(QWEN3, 1, 1) == "direct"
+    assert algorithm(DEEPSEEK, 2, 4096) == "oneshot" and algorithm(DEEPSEEK, 3, 4096) == "oneshot"  # tp 2's
+    for tp in (4, 8):
+        crossover = tuning.ALGORITHMS["allreduce", "none"][tp][0].max_bytes
+        m = crossover // (DEEPSEEK.hidden * 2)
+        assert algorithm(DEEPSEEK, tp, m) == "oneshot" and algorithm(DEEPSEEK, tp, m + 1) == "twoshot"
+        assert algorithm(DEEPSEEK, tp, None) == "twoshot"
+        assert tuning.kernel_config(DEEPSEEK, tp=tp, m=m + 1).algorithm == "twoshot"
+    assert algorithm(DEEPSEEK, 8, None, "reduce_scatter", "rmsnorm") == "reduce_scatter"
+    with pytest.raises(ValueError, match=re.escape("result='allgather': expected one of")):
+        tuning.algorithm_for(DEEPSEEK, 2, 4, "allgather")
 
 
 @pytest.mark.parametrize("name", TABLES)
@@ -50,20 +106,13 @@ def test_every_call_gets_a_valid_config_of_its_range(result, tp, epilogue):
         for m in (1, 2, 31, 32, 33, 64, 65, 256, 4096, None):
             config = tuning.kernel_config(problem, tp=tp, m=m, result=result, epilogue=epilogue)
             assert isinstance(config, KernelConfig)
-            assert config.algorithm == tuning.algorithm_for(tp, m, result).algorithm
+            assert config.algorithm == tuning.algorithm_for(problem, tp, m, result, epilogue,
+                                                            kernels_only=True).algorithm
             shape = tuning.shape_for(config.fuse_reduce, epilogue, m)
             assert config.prefetch_group == min(shape.prefetch_group, 8)
             assert config.waves == (shape.waves if config.fuse_reduce else 1)
             if config.fuse_reduce and epilogue != "none":
                 assert config.ctas_per_token <= shape.cluster_ctas <= _abi.MAX_CLUSTER_CTAS
-
-
-def test_the_algorithm_follows_the_result_layout():
-    assert tuning.algorithm_for(1, 4, "reduce_scatter").algorithm == "direct"
-    assert tuning.algorithm_for(2, 4, "allreduce").algorithm == "oneshot"
-    assert tuning.algorithm_for(8, None, "reduce_scatter").algorithm == "reduce_scatter"
-    with pytest.raises(ValueError, match=re.escape("result='allgather': expected one of")):
-        tuning.algorithm_for(2, 4, "allgather")
 
 
 # (problem, tp, kwargs, algorithm, elements_per_thread, prefetch_group, ctas_per_token, reduce_ctas_per_token)

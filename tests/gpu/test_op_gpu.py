@@ -42,7 +42,7 @@ def _problems(rng, tp, m, config):
     ]
 
 
-def _per_rank_outputs(mailbox, problems, scale, config=None):
+def _per_rank_outputs(mailbox, problems, scale, config=None, impl="kernel"):
     """Each rank's own output buffer (NumPy), in rank order, from one jitted shard_map call."""
     mesh = mailbox.mesh
     stacks = [np.stack([getattr(p, f) for p in problems]) for f in ("routed", "weights", "indices")]
@@ -52,7 +52,7 @@ def _per_rank_outputs(mailbox, problems, scale, config=None):
     def shard(routed, weights, indices, *rest):
         out = jmp.moe_finalize_publish(routed[0], weights[0], indices[0], rest[0][0] if rest else None,
                                        mailbox=mailbox, routed_scaling_factor=scale, config=config,
-                                       impl="kernel")
+                                       impl=impl)
         return out[None] if scatter else out
 
     args = [jax.device_put(jnp.asarray(x), jax.sharding.NamedSharding(mesh, P("tp")))
@@ -191,6 +191,23 @@ def test_command_buffer_chain_of_32_layers():
         mb.check()
     captured, _ = _extension.execute_counts()
     assert captured > captured_before, "XLA never launched the op inside a CUDA graph capture"
+
+
+@pytest.mark.gpus(1)
+def test_auto_takes_xla_where_the_table_says():
+    """tp = 1, a shared expert: at m = 1 the table chooses XLA's fused path, which launches no
+    kernel of ours; at m = 2 the direct kernel. Both match the model."""
+    rng = np.random.default_rng()
+    config = tuning.kernel_config(gpu_matrix.DEFAULT_PROBLEMS[0], tp=1, m=None)
+    with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
+        for m, launches in ((1, 0), (2, 1)):
+            assert (tuning.algorithm_for(gpu_matrix.DEFAULT_PROBLEMS[0], 1, m, "allreduce").algorithm == "xla") == (
+                launches == 0)
+            problems = _problems(rng, 1, m, config)
+            before = sum(_extension.execute_counts())
+            outputs = _per_rank_outputs(mb, problems, config.routed_scaling_factor, impl="auto")
+            assert sum(_extension.execute_counts()) - before == launches, m
+            _check(outputs, problems, config.routed_scaling_factor, mb.result)
 
 
 @pytest.mark.gpus(1)
