@@ -14,14 +14,23 @@ nor merge nor slice it and it needs no tie:
 
 * ``ours``: `moe_finalize_publish` (the kernels);
 * ``xla``: the same finalize in ``jnp`` followed by ``lax.psum`` (tp > 1), or
-  the ``jnp`` finalize alone, which XLA fuses (tp = 1).
+  the ``jnp`` finalize alone, which XLA fuses (tp = 1). XLA's default: since
+  jaxlib 0.10.1 a small ``psum`` runs XLA's own one-shot or two-shot kernel;
+* ``xla_nccl`` (tp > 1): the same program compiled with XLA's collective
+  kernels off (``xla_gpu_experimental_use_collective_kernels`` empty), so that
+  its ``psum`` runs NCCL. Where the installed XLA does not know that option the
+  column is left out and the JSON says why (``environment.xla_columns``).
+
+Each XLA column records how its all-reduces ran, read from the optimized HLO
+(``all_reduce``: the count per opcode and ``kernel_strategy``; ``default``
+where XLA set none, which is NCCL on GPUs). ``ratio`` is ours over the faster
+XLA column, which ``xla_best`` names.
 
 With ``--epilogue`` every problem also runs as ``<problem>+rmsnorm``: each layer
 adds its result to the residual stream and applies RMSNorm, ours fused into the
 reduce (``residual=``, ``norm_weight=``), XLA's as ``psum`` then the ``jnp`` add
 and RMSNorm in the same ``jit``; each layer's ``out`` feeds the next layer's
-shared input and its ``residual_out`` the next layer's residual. Twoshot has no
-fused epilogue, so those cases run oneshot only.
+shared input and its ``residual_out`` the next layer's residual.
 
 Time per call = ``(T(164 iterations) - T(36 iterations)) / (128 * 32)``: one
 dispatch per run, so host dispatch cancels, and the loop's own cost per
@@ -42,7 +51,7 @@ XLA and every variant R times in turn, each round with freshly built
 programs, and reports each side's median round, with every round's figure in
 ``rounds_us`` and the spread over all rounds' estimates.
 
-Each case also gets a *floor* (`report.bytes_per_rank` states the byte model):
+Each case also gets a *floor* (`jax_moe_publish.traffic` states the byte model):
 the slowest of its HBM bytes at the device copy bandwidth, its NVLink bytes at
 the peer-to-peer copy bandwidth and one tiny dependent XLA kernel, all three
 measured once per run, on the same GPUs. ``ours_over_floor`` is our time as a
@@ -52,10 +61,16 @@ multiple of it. At the end the results print as a Markdown table
 ``--configs`` also times `tuning_variants` of our kernels per case and prints
 the table it chose from. Every variant needs its cubin: build them where CuTe
 DSL is with ``--build-kernels DIR`` (or print one build command per kernel
-with ``--list-configs``), given the same ``--problems/--tp/--modes``.
+with ``--list-configs``), given the same ``--problems/--tp/--algorithms``.
+
+``--cpu`` runs the same cases on 8 virtual CPU devices, ours through the
+reference path: a check of the plumbing at every tp (its times mean nothing,
+and it has no floors). With ``--layers 2 --iterations 2 6 --reps 3`` it takes
+seconds per case.
 
     python benchmarks/bench_moe_publish.py --out results.json [--no-command-buffer] [--configs [M ...]]
     python benchmarks/bench_moe_publish.py --build-kernels kernels/ --tp 1 2
+    python benchmarks/bench_moe_publish.py --cpu --tp 4 8 --m 3 --layers 2 --iterations 2 6 --reps 3 --out /tmp/cpu.json
 """
 
 from __future__ import annotations
@@ -64,6 +79,12 @@ import argparse
 import os
 import sys
 
+
+LAYERS = 32
+SHORT, LONG = 36, 164  # loop iterations of the two timed programs (module docstring)
+CPU_DEVICES = 8
+# The XLA baselines: compile options of each (module docstring).
+XLA_COLUMNS = {"xla": {}, "xla_nccl": {"xla_gpu_experimental_use_collective_kernels": ""}}
 
 # Launch shapes that --configs tries; tuning_variants keeps the valid ones per case.
 TUNING_GRID = {
@@ -85,12 +106,19 @@ def _parse():
     parser.add_argument("--problems", nargs="+", default=["deepseek-v3", "qwen3-moe"])
     parser.add_argument("--m", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--tp", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--modes", nargs="+", default=["oneshot", "twoshot"], choices=["oneshot", "twoshot"],
-                        help="all-reduce modes for tp > 1 (tp = 1 runs 'direct')")
+    parser.add_argument("--algorithms", nargs="+", default=["oneshot", "twoshot"], choices=["oneshot", "twoshot"],
+                        help="all-reduce algorithms for tp > 1 (tp = 1 runs 'direct')")
     parser.add_argument("--epilogue", action="store_true",
                         help="also time each problem with the residual add + RMSNorm epilogue, as "
-                             "case '<problem>+rmsnorm' (oneshot for tp > 1)")
+                             "case '<problem>+rmsnorm'")
+    parser.add_argument("--xla-columns", nargs="+", default=list(XLA_COLUMNS), choices=list(XLA_COLUMNS),
+                        help="the XLA baselines for tp > 1 (tp = 1 has no psum: 'xla' only)")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=LAYERS, help="calls per loop iteration")
+    parser.add_argument("--iterations", nargs=2, type=int, default=[SHORT, LONG], metavar=("FEW", "MANY"),
+                        help="loop iterations of the two timed programs")
+    parser.add_argument("--cpu", action="store_true",
+                        help="on 8 virtual CPU devices, ours through the reference path: plumbing only")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time ours, XLA and every variant this many times in turn, each round with "
                              "freshly compiled programs; report each side's median round (and every "
@@ -113,6 +141,8 @@ def _parse():
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: expected at least 1")
+    if not 0 < args.iterations[0] < args.iterations[1]:
+        parser.error(f"--iterations {' '.join(map(str, args.iterations))}: expected 0 < FEW < MANY")
     if args.out is None and not (args.list_configs or args.build_kernels):
         parser.error("--out is required to measure")
     return args
@@ -121,10 +151,14 @@ def _parse():
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.no_command_buffer:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+if ARGS is not None and ARGS.cpu:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CPU_DEVICES}"
 
 import datetime  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
@@ -136,10 +170,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
 import report  # noqa: E402
-from jax_moe_publish import tuning  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
+from jax_moe_publish import traffic, tuning  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
-LAYERS = 32
-SHORT, LONG = 36, 164  # loop iterations of the two timed programs (module docstring)
 PROBLEMS = {
     "deepseek-v3": dict(hidden=7168, top_k=8, shared=True, scale=2.5),
     "qwen3-moe": dict(hidden=4096, top_k=8, shared=False, scale=1.0),
@@ -160,22 +192,22 @@ def problem_spec(name):
     return {**PROBLEMS[base], "epilogue": name != base}
 
 
-def case_config(problem, tp, mode, m, fuse_reduce=None):
-    """The `jmp.KernelConfig` of a case, as the op picks it from the tuning table, for the
-    algorithm ``mode`` (``direct`` exactly when tp = 1; there the op runs the epilogue in
-    ``jnp``); ``fuse_reduce`` overrides the table's choice."""
-    return spec_config(problem_spec(problem), tp, mode, m, fuse_reduce)
+def case_config(problem, tp, algorithm, m, fuse_reduce=None):
+    """The `jmp.KernelConfig` of a case, as the op picks it from the tuning table, for
+    ``algorithm`` (``direct`` exactly when tp = 1; there the op runs the epilogue in ``jnp``);
+    ``fuse_reduce`` overrides the table's choice."""
+    return spec_config(problem_spec(problem), tp, algorithm, m, fuse_reduce)
 
 
-def spec_config(spec, tp, mode, m, fuse_reduce=None):
+def spec_config(spec, tp, algorithm, m, fuse_reduce=None):
     """`case_config` of a problem given by its spec (a `problem_spec` value)."""
     problem = tuning.Problem(hidden=spec["hidden"], top_k=spec["top_k"], routed_scaling_factor=spec["scale"],
                              include_shared_expert=spec["shared"], fp32_weights=WEIGHT_BYTES == 4)
     return tuning.kernel_config(problem, tp=tp, m=m, epilogue="rmsnorm" if spec["epilogue"] and tp > 1 else "none",
-                                algorithm=mode, fuse_reduce=fuse_reduce)
+                                algorithm=algorithm, fuse_reduce=fuse_reduce)
 
 
-def tuning_variants(problem, tp, mode, m):
+def tuning_variants(problem, tp, algorithm, m):
     """The launch shapes ``--configs`` times for one case: the default first, then the rest of
     TUNING_GRID over the ``--tune-fields``.
 
@@ -189,14 +221,14 @@ def tuning_variants(problem, tp, mode, m):
     -------
     list of `jmp.KernelConfig`, distinct, the default first.
     """
-    base = case_config(problem, tp, mode, m)
+    base = case_config(problem, tp, algorithm, m)
     grid = {
         "threads": TUNING_GRID["threads"],
         "elements_per_thread": tuple(e for e in TUNING_GRID["elements_per_thread"] if base.hidden % e == 0),
         "prefetch_group": tuple(g for g in TUNING_GRID["prefetch_group"] if g <= base.top_k),
         "enable_pdl": TUNING_GRID["enable_pdl"],
     }
-    if mode != "direct":
+    if algorithm != "direct":
         grid["reduce_threads"] = TUNING_GRID["reduce_threads"]
     if base.fuse_reduce:
         grid["keep_own_partial"] = TUNING_GRID["keep_own_partial"]
@@ -208,8 +240,8 @@ def tuning_variants(problem, tp, mode, m):
             variants.append(base.replace(**dict(zip(grid, values))))
         except ValueError:
             continue
-    if mode == "oneshot" and "fuse_reduce" in ARGS.tune_fields:
-        variants.append(case_config(problem, tp, mode, m, fuse_reduce=not base.fuse_reduce))
+    if algorithm == "oneshot" and "fuse_reduce" in ARGS.tune_fields:
+        variants.append(case_config(problem, tp, algorithm, m, fuse_reduce=not base.fuse_reduce))
     return list(dict.fromkeys([base, *variants]))
 
 
@@ -219,12 +251,17 @@ def case_problems():
     return ARGS.problems + ([name + EPILOGUE_SUFFIX for name in ARGS.problems] if ARGS.epilogue else [])
 
 
-def modes_for(tp, problem):
-    if tp == 1:
-        return ["direct"]
-    if problem_spec(problem)["epilogue"]:
-        return [mode for mode in ARGS.modes if mode != "twoshot"]
-    return ARGS.modes
+def case_algorithms(tp):
+    return ["direct"] if tp == 1 else ARGS.algorithms
+
+
+def xla_columns(tp):
+    """The XLA baselines of a case: tp = 1 has no psum for NCCL to run."""
+    return ["xla"] if tp == 1 else [c for c in ARGS.xla_columns if c not in XLA_UNAVAILABLE]
+
+
+XLA_UNAVAILABLE: dict[str, str] = {}
+"""The XLA columns this run left out, and why (`probe_xla_columns`)."""
 
 
 def needed_configs(tp_sizes, with_variants):
@@ -233,17 +270,17 @@ def needed_configs(tp_sizes, with_variants):
     configs = []
     for tp in tp_sizes:
         for name in case_problems():
-            for mode in modes_for(tp, name):
+            for algorithm in case_algorithms(tp):
                 for m in ARGS.m:
-                    configs += (tuning_variants(name, tp, mode, m) if with_variants
-                                else [case_config(name, tp, mode, m)])
+                    configs += (tuning_variants(name, tp, algorithm, m) if with_variants
+                                else [case_config(name, tp, algorithm, m)])
     return list(dict.fromkeys(configs))
 
 
 def case_flags():
     """The command-line flags that choose the cases, to repeat in a build command."""
     return (f"--problems {' '.join(ARGS.problems)} --tp {' '.join(map(str, ARGS.tp))} "
-            f"--modes {' '.join(ARGS.modes)}" + (" --epilogue" if ARGS.epilogue else ""))
+            f"--algorithms {' '.join(ARGS.algorithms)}" + (" --epilogue" if ARGS.epilogue else ""))
 
 
 def list_configs(configs):
@@ -308,9 +345,10 @@ def xla_finalize(routed, weights, indices, shared, scale):
 def make_chain(impl, mailbox, problem, config, iterations, *, layers=LAYERS, op_impl="kernel"):
     """``iterations`` passes over a chain of ``layers`` calls, in one jitted program.
 
-    The loop carries ``y`` (the next shared input), and with the epilogue also the
-    residual stream; the program returns the final ``y``. ``op_impl`` is the ``impl``
-    of ours (``reference`` where there are no GPUs, to check the plumbing).
+    ``impl`` is ``ours`` or an XLA column (`XLA_COLUMNS`). The loop carries ``y`` (the
+    next shared input), and with the epilogue also the residual stream; the program
+    returns the final ``y``. ``op_impl`` is the ``impl`` of ours (``reference`` where
+    there are no GPUs, to check the plumbing).
     """
     scale, with_shared, epilogue = problem["scale"], problem["shared"], problem["epilogue"]
 
@@ -352,7 +390,7 @@ def make_chain(impl, mailbox, problem, config, iterations, *, layers=LAYERS, op_
     # Without varying-axes types the loop carry's type need not track psum (and tp = 1,
     # where XLA's path has no psum).
     return jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=P("tp"), out_specs=P(),
-                                 check_vma=False))
+                                 check_vma=False), compiler_options=XLA_COLUMNS.get(impl) or None)
 
 
 def make_tiny_chain(iterations):
@@ -394,6 +432,53 @@ def chain_inputs(mesh, m, problem, key, layers=LAYERS):
     # Replicated, as the residual stream of an all-reduce model.
     residual = put(jnp.broadcast_to(jax.random.normal(residual_key, (m, hidden), jnp.bfloat16), (tp, m, hidden)))
     return routed, weights, indices, norm_weights, shared, residual, put(jnp.zeros((tp,), jnp.float32))
+
+
+_ALL_REDUCE = re.compile(r"\s(all-reduce(?:-start)?)\(")
+_STRATEGY = re.compile(r'"kernel_strategy":\s*"(\w+)"')
+_OPCODE = re.compile(r"=\s*\S+\s+([\w-]+)\(")
+
+
+def all_reduce_implementations(hlo_text):
+    """How the all-reduces of an optimized HLO module run: a count per ``opcode: strategy``.
+
+    The strategy is the ``kernel_strategy`` of the instruction's collective backend config
+    (XLA's one-shot or two-shot kernel), ``default`` where it sets none: the collectives
+    library (NCCL on GPUs). Any other instruction that carries a strategy (a fusion) counts
+    under its own opcode.
+    """
+    counts = {}
+    for line in hlo_text.splitlines():
+        all_reduce, strategy = _ALL_REDUCE.search(line), _STRATEGY.search(line)
+        if not all_reduce and not strategy:
+            continue
+        if all_reduce:
+            opcode = all_reduce.group(1)
+        else:
+            match = _OPCODE.search(line)
+            opcode = match.group(1) if match else "?"
+        name = strategy.group(1) if strategy and strategy.group(1) != "KERNEL_STRATEGY_DEFAULT" else "default"
+        key = f"{opcode}: {name}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def probe_xla_columns(mesh, columns):
+    """The XLA columns among ``columns`` whose compile options this XLA refuses, and why."""
+    def psum(x):
+        return lax.psum(x, "tp")
+
+    x = jax.device_put(jnp.ones((mesh.shape["tp"], 8), jnp.bfloat16), jax.sharding.NamedSharding(mesh, P("tp")))
+    refused = {}
+    for column in columns:
+        program = jax.jit(jax.shard_map(psum, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")),
+                          compiler_options=XLA_COLUMNS[column] or None)
+        try:
+            program.lower(x).compile()
+        except Exception as error:  # noqa: BLE001 - XLA raises its own types for an unknown option
+            refused[column] = f"{type(error).__name__}: {error}".splitlines()[0]
+            print(f"leaving out the {column} column: {refused[column]}", flush=True)
+    return refused
 
 
 def time_runs(fn, args, reps):
@@ -536,15 +621,16 @@ def time_variants(mailbox, problem, configs, inputs, reps, rounds=1):
 
 
 def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LAYERS, op_impl="kernel",
-                      hlo=None, rounds=1, iterations=(SHORT, LONG)):
-    """Per-call time of ours and of XLA's path (`make_chain`) on the same inputs, and the
-    relative difference of their outputs (this process's copy), which must be at most 1e-2.
+                      hlo=None, rounds=1, iterations=(SHORT, LONG), xla=("xla",)):
+    """Per-call time of ours and of the ``xla`` columns (`make_chain`) on the same inputs, each
+    XLA column's all-reduces (`all_reduce_implementations`), and the relative difference of
+    each column's output from ours (this process's copy), which must be at most 1e-2.
 
     ``what`` names the case in the error; with ``hlo``, each path's optimized HLO goes to
     ``<hlo>.<impl>.txt`` unless that exists.
     """
-    result, outputs = {}, {}
-    timings = {"ours": [], "xla": []}
+    result, outputs, hlo_texts = {}, {}, {}
+    timings = {impl: [] for impl in ("ours", *xla)}
     for round_index in range(rounds):
         for impl, impl_rounds in timings.items():
             counts = (1, *iterations) if round_index == 0 else iterations
@@ -552,40 +638,52 @@ def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LA
                         for n in counts}
             if round_index == 0:
                 outputs[impl] = np.asarray(programs[1](*inputs).addressable_data(0), np.float64)
+                hlo_texts[impl] = programs[iterations[0]].lower(*inputs).compile().as_text()
                 if hlo and not os.path.exists(f"{hlo}.{impl}.txt"):
                     with open(f"{hlo}.{impl}.txt", "w") as f:
-                        f.write(programs[iterations[0]].lower(*inputs).compile().as_text())
+                        f.write(hlo_texts[impl])
             impl_rounds.append(call_estimates(programs, inputs, reps, layers, iterations))
     for impl, impl_rounds in timings.items():
         result[impl] = summarize(impl_rounds)
-    # Both chains compute the same layers: their outputs must agree before their times count.
-    difference = np.linalg.norm(outputs["ours"] - outputs["xla"]) / np.linalg.norm(outputs["xla"])
-    result["relative_difference"] = float(difference)
-    if not difference <= 1e-2:
-        raise RuntimeError(f"{what}: ours and XLA differ by {difference:.2e} "
-                           "(relative): the timings would compare different computations")
+    result["relative_difference"] = {}
+    for impl in xla:
+        result[impl]["all_reduce"] = all_reduce_implementations(hlo_texts[impl])
+        # Both chains compute the same layers: their outputs must agree before their times count.
+        difference = np.linalg.norm(outputs["ours"] - outputs[impl]) / np.linalg.norm(outputs[impl])
+        result["relative_difference"][impl] = float(difference)
+        if not difference <= 1e-2:
+            raise RuntimeError(f"{what}: ours and {impl} differ by {difference:.2e} "
+                               "(relative): the timings would compare different computations")
     return result
 
 
-def measure_case(mesh, name, m, mode, reps, key, floors, tune):
+def measure_case(mesh, name, m, algorithm, reps, key, floors, tune):
+    """One case: ours against every XLA column of its tp, its floor (None without ``floors``)."""
     problem = problem_spec(name)
     tp = mesh.shape["tp"]
-    config = case_config(name, tp, mode, m)
-    result = {"problem": name, "m": m, "tp": tp, "mode": mode}
+    config = case_config(name, tp, algorithm, m)
+    result = {"problem": name, "m": m, "tp": tp, "algorithm": algorithm}
+    layers, iterations = ARGS.layers, tuple(ARGS.iterations)
     with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
-        inputs = chain_inputs(mesh, m, problem, key)
-        result.update(time_ours_and_xla(mailbox, problem, config, inputs, reps, f"{name} tp={tp} {mode} m={m}",
-                                        hlo=ARGS.hlo, rounds=ARGS.rounds))
+        inputs = chain_inputs(mesh, m, problem, key, layers)
+        result.update(time_ours_and_xla(mailbox, problem, config, inputs, reps, f"{name} tp={tp} {algorithm} m={m}",
+                                        layers=layers, op_impl="reference" if ARGS.cpu else "kernel",
+                                        hlo=ARGS.hlo, rounds=ARGS.rounds, iterations=iterations,
+                                        xla=xla_columns(tp)))
         if tune:
-            result["tuning"] = time_variants(mailbox, problem, tuning_variants(name, tp, mode, m), inputs, reps,
+            result["tuning"] = time_variants(mailbox, problem, tuning_variants(name, tp, algorithm, m), inputs, reps,
                                              ARGS.rounds)
         mailbox.check()
-    result["ratio"] = result["ours"]["us"] / result["xla"]["us"]
+    result["xla_best"] = min(xla_columns(tp), key=lambda column: result[column]["us"])
+    result["ratio"] = result["ours"]["us"] / result[result["xla_best"]]["us"]
+    if floors is None:
+        return result
     # The op's own traffic only.
-    traffic = report.bytes_per_rank(mode=mode, tp=tp, m=m, hidden=problem["hidden"], top_k=problem["top_k"],
-                                    shared_expert=problem["shared"], weight_bytes=WEIGHT_BYTES,
-                                    residual_norm=problem["epilogue"], own_slot=not config.keep_own_partial)
-    result["floor"] = report.case_floor(traffic, floors)
+    moved = traffic.bytes_per_rank(algorithm=algorithm, tp=tp, m=m, hidden=problem["hidden"],
+                                   top_k=problem["top_k"], shared_expert=problem["shared"],
+                                   weight_bytes=WEIGHT_BYTES, residual_norm=problem["epilogue"],
+                                   own_slot=not config.keep_own_partial)
+    result["floor"] = report.case_floor(moved, floors)
     result["ours_over_floor"] = result["ours"]["us"] / result["floor"]["us"]
     return result
 
@@ -607,9 +705,11 @@ def machine_environment():
 
 
 def environment():
-    return {**machine_environment(), "command_buffer": not ARGS.no_command_buffer, "layers": LAYERS,
-            "iterations": [SHORT, LONG], "reps": ARGS.reps, "rounds": ARGS.rounds, "configs": ARGS.configs,
-            "tune_fields": ARGS.tune_fields}
+    return {**machine_environment(), "platform": "cpu" if ARGS.cpu else "gpu", "plumbing_check": ARGS.cpu,
+            "command_buffer": not ARGS.no_command_buffer, "layers": ARGS.layers,
+            "iterations": list(ARGS.iterations), "reps": ARGS.reps, "rounds": ARGS.rounds,
+            "configs": ARGS.configs, "tune_fields": ARGS.tune_fields,
+            "xla_columns": {column: XLA_UNAVAILABLE.get(column, "timed") for column in ARGS.xla_columns}}
 
 
 def write_json(data, path):
@@ -636,37 +736,48 @@ def main():
         if ARGS.build_kernels:
             build_kernels(configs, ARGS.build_kernels)
         return 0
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    tp_sizes = [tp for tp in ARGS.tp if tp <= len(gpus)]
+    platform = "cpu" if ARGS.cpu else "gpu"
+    devices = [d for d in jax.devices() if d.platform == platform]
+    tp_sizes = [tp for tp in ARGS.tp if tp <= len(devices)]
     for tp in sorted(set(ARGS.tp) - set(tp_sizes)):
-        print(f"skipping tp={tp}: {len(gpus)} GPU(s)")
+        print(f"skipping tp={tp}: {len(devices)} {platform.upper()} device(s)")
     if not tp_sizes:
-        raise SystemExit(f"no case can run: {len(gpus)} GPU(s) for --tp {' '.join(map(str, ARGS.tp))}")
-    check_kernels(needed_configs(tp_sizes, with_variants=ARGS.configs is not None),
-                  f"python benchmarks/bench_moe_publish.py --build-kernels DIR {case_flags()}")
-    floors = measure_floors(gpus, ARGS.reps)
-    p2p = floors["p2p"]
-    print(f"floors: copy {floors['copy']['bytes_per_s'] / 1e9:.0f} GB/s (read + write), "
-          + (f"peer copy {p2p['bytes_per_s'] / 1e9:.0f} GB/s (one way), " if p2p else "")
-          + f"{EMPTY_CALL} {floors['empty_call']['us']:.2f} us", flush=True)
+        raise SystemExit(f"no case can run: {len(devices)} {platform.upper()} device(s) for "
+                         f"--tp {' '.join(map(str, ARGS.tp))}")
+    if ARGS.cpu:
+        floors = None
+        print("on virtual CPU devices, ours through the reference path: a plumbing check, its times mean "
+              "nothing", flush=True)
+    else:
+        check_kernels(needed_configs(tp_sizes, with_variants=ARGS.configs is not None),
+                      f"python benchmarks/bench_moe_publish.py --build-kernels DIR {case_flags()}")
+        floors = measure_floors(devices, ARGS.reps)
+        p2p = floors["p2p"]
+        print(f"floors: copy {floors['copy']['bytes_per_s'] / 1e9:.0f} GB/s (read + write), "
+              + (f"peer copy {p2p['bytes_per_s'] / 1e9:.0f} GB/s (one way), " if p2p else "")
+              + f"{EMPTY_CALL} {floors['empty_call']['us']:.2f} us", flush=True)
+    if max(tp_sizes) > 1:
+        XLA_UNAVAILABLE.update(probe_xla_columns(jax.sharding.Mesh(np.array(devices[:max(tp_sizes)]), ("tp",)),
+                                                 ARGS.xla_columns))
     results = []
     data = {"environment": environment(), "floors": floors, "results": results}
     key = jax.random.key(0)
-    print(f"{'problem':12} {'tp':>2} {'mode':8} {'m':>5} {'ours us':>9} {'xla us':>9} {'ratio':>6} {'diff':>8} "
-          f"{'floor us':>9} {'bound':10} {'/floor':>6}")
+    print(f"{'problem':12} {'tp':>2} {'algorithm':9} {'m':>5} {'ours us':>9} {'xla us':>9} {'nccl us':>9} "
+          f"{'ratio':>6} {'floor us':>9} {'bound':10} {'/floor':>6}")
     for tp in tp_sizes:
-        mesh = jax.sharding.Mesh(np.array(gpus[:tp]), ("tp",))
+        mesh = jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
         for name in case_problems():
-            for mode in modes_for(tp, name):
+            for algorithm in case_algorithms(tp):
                 for m in ARGS.m:
                     key, sub = jax.random.split(key)
                     tune = ARGS.configs is not None and (not ARGS.configs or m in ARGS.configs)
-                    r = measure_case(mesh, name, m, mode, ARGS.reps, sub, floors, tune)
+                    r = measure_case(mesh, name, m, algorithm, ARGS.reps, sub, floors, tune)
                     results.append(r)
-                    print(f"{name:12} {tp:>2} {r['mode']:8} {m:>5} {r['ours']['us']:9.2f} "
-                          f"{r['xla']['us']:9.2f} {r['ratio']:6.3f} {r['relative_difference']:8.1e} "
-                          f"{r['floor']['us']:9.2f} {r['floor']['bound']:10} {r['ours_over_floor']:6.2f}",
-                          flush=True)
+                    nccl = f"{r['xla_nccl']['us']:9.2f}" if "xla_nccl" in r else f"{'-':>9}"
+                    floor = (f"{r['floor']['us']:9.2f} {r['floor']['bound']:10} {r['ours_over_floor']:6.2f}"
+                             if "floor" in r else f"{'-':>9} {'':10} {'-':>6}")
+                    print(f"{name:12} {tp:>2} {algorithm:9} {m:>5} {r['ours']['us']:9.2f} {r['xla']['us']:9.2f} "
+                          f"{nccl} {r['ratio']:6.3f} {floor}", flush=True)
                     if tune:
                         print_tuning(r["tuning"])
                     # After every case, so that a run cut short keeps what it measured.

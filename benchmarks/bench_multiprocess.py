@@ -1,6 +1,6 @@
 """A TP group across two processes against the same group in one process: µs per call, in one run.
 
-    python benchmarks/bench_multiprocess.py [--m 1 8 64 256] [--modes oneshot twoshot] [--out PATH]
+    python benchmarks/bench_multiprocess.py [--m 1 8 64 256] [--algorithms oneshot twoshot] [--out PATH]
     python benchmarks/bench_multiprocess.py --build-kernels DIR
 
 Two phases, one after the other, each in fresh child processes (this process
@@ -10,7 +10,7 @@ never starts JAX, so it holds no GPU memory):
    (`jax_moe_publish.testing.local_processes`, as in ``examples/multiprocess_decode.py``);
 2. one process with both GPUs.
 
-Each times, for every mode and m, our op (``impl="kernel"``) and XLA's
+Each times, for every algorithm and m, our op (``impl="kernel"``) and XLA's
 finalize + ``psum`` on the DeepSeek-V3 problem (hidden 7168, top-k 8, shared
 expert, scale 2.5) at tp = 2, with the method and the code of
 ``bench_moe_publish.py``: a ``fori_loop`` over a chain of ``--layers`` calls,
@@ -57,7 +57,7 @@ def parse(argv=None):
     parser.add_argument("--out", help="JSON file; default benchmarks/results/<date>-<gpu>x2-multiprocess.json "
                                       "on GPUs, none on CPU")
     parser.add_argument("--m", nargs="+", type=int, default=[1, 8, 64, 256])
-    parser.add_argument("--modes", nargs="+", default=["oneshot", "twoshot"], choices=["oneshot", "twoshot"])
+    parser.add_argument("--algorithms", nargs="+", default=["oneshot", "twoshot"], choices=["oneshot", "twoshot"])
     parser.add_argument("--problem", default="deepseek-v3", choices=sorted(bench.PROBLEMS))
     parser.add_argument("--hidden", type=int, help="replace the problem's hidden size (a smoke run)")
     parser.add_argument("--layers", type=int, default=bench.LAYERS, help="calls per loop iteration")
@@ -91,17 +91,17 @@ def problem_name(args):
 
 def case_flags(args):
     """The flags that choose the cases, for the children and for a build command."""
-    flags = ["--problem", args.problem, "--m", *map(str, args.m), "--modes", *args.modes]
+    flags = ["--problem", args.problem, "--m", *map(str, args.m), "--algorithms", *args.algorithms]
     return flags + (["--hidden", str(args.hidden)] if args.hidden else [])
 
 
 def needed_configs(args):
-    return list(dict.fromkeys(bench.spec_config(problem_spec(args), TP, mode, m)
-                              for mode in args.modes for m in args.m))
+    return list(dict.fromkeys(bench.spec_config(problem_spec(args), TP, algorithm, m)
+                              for algorithm in args.algorithms for m in args.m))
 
 
 def measure_cases(args, mesh):
-    """Per-call times of ours and XLA's for every mode and m, on ``mesh`` (this process's part)."""
+    """Per-call times of ours and XLA's for every algorithm and m, on ``mesh`` (this process's part)."""
     import jax
 
     import jax_moe_publish as jmp
@@ -109,19 +109,19 @@ def measure_cases(args, mesh):
     spec = problem_spec(args)
     results = []
     key = jax.random.key(0)  # the same inputs in every process and in both phases
-    for mode in args.modes:
+    for algorithm in args.algorithms:
         for m in args.m:
             key, sub = jax.random.split(key)
-            config = bench.spec_config(spec, TP, mode, m)
+            config = bench.spec_config(spec, TP, algorithm, m)
             with jmp.Mailbox(mesh, "tp", hidden=spec["hidden"], capacity_m=m) as mailbox:
                 inputs = bench.chain_inputs(mesh, m, spec, sub, args.layers)
-                timed = bench.time_ours_and_xla(mailbox, spec, config, inputs, args.reps, f"{mode} m={m}",
+                timed = bench.time_ours_and_xla(mailbox, spec, config, inputs, args.reps, f"{algorithm} m={m}",
                                                 layers=args.layers, op_impl="reference" if args.cpu else "kernel",
                                                 iterations=tuple(args.iterations))
                 mailbox.check()
-            print(f"{mode} m={m}: ours {timed['ours']['us']:.2f} us, xla {timed['xla']['us']:.2f} us per call",
+            print(f"{algorithm} m={m}: ours {timed['ours']['us']:.2f} us, xla {timed['xla']['us']:.2f} us per call",
                   flush=True)
-            results.append({"mode": mode, "m": m, **timed})
+            results.append({"algorithm": algorithm, "m": m, **timed})
     return results
 
 
@@ -184,16 +184,17 @@ def combine(args, workers, single_result):
     """One row per case: both phases' times and the two-process time over the one-process time."""
     rows = []
     for index, single_case in enumerate(single_result["results"]):
-        mode, m = single_case["mode"], single_case["m"]
+        algorithm, m = single_case["algorithm"], single_case["m"]
         cases = [w["results"][index] for w in workers]
-        if any((c["mode"], c["m"]) != (mode, m) for c in cases):
-            raise RuntimeError(f"case {index}: the processes ran {[(c['mode'], c['m']) for c in cases]}, "
-                               f"the single process {(mode, m)}")
+        if any((c["algorithm"], c["m"]) != (algorithm, m) for c in cases):
+            raise RuntimeError(f"case {index}: the processes ran {[(c['algorithm'], c['m']) for c in cases]}, "
+                               f"the single process {(algorithm, m)}")
         two = {impl: slower([c[impl] for c in cases]) for impl in ("ours", "xla")}
-        two["relative_difference"] = max(c["relative_difference"] for c in cases)
-        one = {key: single_case[key] for key in ("ours", "xla", "relative_difference")}
+        two["relative_difference"] = max(c["relative_difference"]["xla"] for c in cases)
+        one = {key: single_case[key] for key in ("ours", "xla")}
+        one["relative_difference"] = single_case["relative_difference"]["xla"]
         rows.append({
-            "problem": problem_name(args), "tp": TP, "mode": mode, "m": m,
+            "problem": problem_name(args), "tp": TP, "algorithm": algorithm, "m": m,
             "two_processes": two, "one_process": one,
             # A negative or zero one-process time (noise on CPU) has no ratio.
             "two_over_one": {impl: two[impl]["us"] / one[impl]["us"] if one[impl]["us"] > 0 else None
@@ -224,11 +225,11 @@ def render_markdown(data):
     def ratio(value):
         return f"{value:.3f}" if value is not None and math.isfinite(value) else "-"
 
-    lines = ["| problem | tp | mode | m | ours 2-proc µs | ours 1-proc µs | ours 2p/1p | "
+    lines = ["| problem | tp | algorithm | m | ours 2-proc µs | ours 1-proc µs | ours 2p/1p | "
              "xla 2-proc µs | xla 1-proc µs | xla 2p/1p |", "|" + "---|" * 10]
     for r in data["results"]:
         two, one, ratios = r["two_processes"], r["one_process"], r["two_over_one"]
-        lines.append(f"| {r['problem']} | {r['tp']} | {r['mode']} | {r['m']} | {us(two['ours'])} | "
+        lines.append(f"| {r['problem']} | {r['tp']} | {r['algorithm']} | {r['m']} | {us(two['ours'])} | "
                      f"{us(one['ours'])} | {ratio(ratios['ours'])} | {us(two['xla'])} | {us(one['xla'])} | "
                      f"{ratio(ratios['xla'])} |")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Tables and plots of ``bench_moe_publish.py`` results, and the traffic model behind their floors.
+"""Tables and plots of ``bench_moe_publish.py`` results, and their floors.
 
     python benchmarks/report.py RESULT.json [MORE.json ...] [--markdown OUT.md] [--plot OUT.png]
 
@@ -8,10 +8,10 @@ them off) are merged into one table with a "command buffers" column.
 Each case's *floor* is the slowest of three limits measured in the same run:
 the HBM bytes one rank must move at the device copy bandwidth, the NVLink bytes
 it must send at the peer-to-peer copy bandwidth, and one tiny dependent XLA
-kernel (the cost of any call at all). `bytes_per_rank` states the byte model.
+kernel (the cost of any call at all). `jax_moe_publish.traffic` states the byte
+model.
 
-This module uses the standard library only; the plot imports matplotlib when
-it is asked for, so the package never depends on it.
+The plot imports matplotlib when it is asked for, so the package never depends on it.
 """
 
 from __future__ import annotations
@@ -21,88 +21,8 @@ import json
 import statistics
 import sys
 
-BF16_BYTES = 2
-INDEX_BYTES = 4  # int32 permuted indices
 LAUNCH_FIELDS = ("threads", "elements_per_thread", "prefetch_group", "reduce_threads", "enable_pdl", "fuse_reduce",
                  "keep_own_partial", "waves")
-
-
-def bytes_per_rank(*, mode: str, tp: int, m: int, hidden: int, top_k: int, shared_expert: bool,
-                   weight_bytes: int = 4, residual_norm: bool = False, own_slot: bool = True) -> dict[str, float]:
-    """HBM and NVLink bytes that one rank moves in one call of the op: the traffic model of the floor.
-
-    With ``row = m * hidden * 2`` (one bf16 [m, hidden] array), every mode
-    first reads its inputs once::
-
-        inputs = m * top_k * hidden * 2            (routed rows, all indices valid)
-               + row                               (shared expert, if any)
-               + m * top_k * (4 + weight_bytes)    (int32 indices, weights)
-
-    A write into a peer's mailbox is counted in the peer's HBM. The ranks are
-    symmetric, so each rank's HBM receives as much as it sends.
-
-    * ``direct`` (tp = 1): ``hbm = inputs + row`` (the output); no NVLink.
-    * ``oneshot``: each rank's mailbox receives ``tp * row`` (its own slot
-      locally, the peers' over NVLink); the reduce reads ``tp * row``, writes
-      the ``row`` output and re-arms ``tp * row``::
-
-          hbm = inputs + 3 * tp * row + row,    nvlink = (tp - 1) * row
-
-      Without ``own_slot`` (a fused kernel that keeps its own partial in
-      shared memory) the own slot's write, read and re-arm drop out:
-      ``3 * (tp - 1) * row`` instead of ``3 * tp * row``. A CTA keeps only
-      its first tiles there, so this is a lower bound at large ``m``.
-
-    * ``twoshot``: token ``t`` is reduced by rank ``t % tp``. Per rank, as the
-      mean over the group (a lower bound on the slowest rank when ``tp`` does
-      not divide ``m``): the owner's slots receive ``row`` of contributions,
-      which it reads and re-arms, and writes its ``row / tp`` of output; its
-      gather area receives ``(tp - 1) / tp * row`` of fanned-out sums, which
-      the gather reads, copies to the output and re-arms::
-
-          hbm = inputs + 3 * row + row / tp + 4 * (tp - 1) / tp * row
-          nvlink = 2 * (tp - 1) / tp * row     (publish, then fan-out)
-
-    * ``residual_norm`` (the residual add + RMSNorm epilogue) adds reading the
-      residual and the norm weight and writing ``residual_out``::
-
-          hbm += 2 * row + hidden * 2
-
-    Parameters
-    ----------
-    mode : {"direct", "oneshot", "twoshot"}
-    tp, m, hidden, top_k : int
-    shared_expert : bool
-    weight_bytes : int
-        Bytes per router weight: 4 (float32) or 2 (bf16).
-    residual_norm : bool
-        The call has the epilogue (in any mode).
-    own_slot : bool
-        Oneshot: this rank's own contribution goes through its mailbox slot.
-
-    Returns
-    -------
-    dict with ``hbm`` and ``nvlink`` (bytes, one way for NVLink).
-    """
-    if mode not in ("direct", "oneshot", "twoshot"):
-        raise ValueError(f"mode={mode!r}: expected 'direct', 'oneshot' or 'twoshot'")
-    if (tp == 1) != (mode == "direct"):
-        raise ValueError(f"mode={mode!r} with tp={tp}: expected 'direct' exactly when tp == 1")
-    if weight_bytes not in (2, 4):
-        raise ValueError(f"weight_bytes={weight_bytes!r}: expected 2 (bf16) or 4 (float32)")
-    row = m * hidden * BF16_BYTES
-    inputs = m * top_k * hidden * BF16_BYTES + m * top_k * (INDEX_BYTES + weight_bytes)
-    if shared_expert:
-        inputs += row
-    if residual_norm:
-        inputs += 2 * row + hidden * BF16_BYTES
-    if mode == "direct":
-        return {"hbm": float(inputs + row), "nvlink": 0.0}
-    if mode == "oneshot":
-        slots = tp if own_slot else tp - 1
-        return {"hbm": float(inputs + 3 * slots * row + row), "nvlink": float((tp - 1) * row)}
-    others = (tp - 1) / tp * row
-    return {"hbm": inputs + 3 * row + row / tp + 4 * others, "nvlink": 2 * others}
 
 
 def case_floor(traffic: dict, floors: dict) -> dict:
@@ -113,7 +33,7 @@ def case_floor(traffic: dict, floors: dict) -> dict:
     Parameters
     ----------
     traffic : dict
-        `bytes_per_rank` of the case.
+        `jax_moe_publish.traffic.bytes_per_rank` of the case.
     floors : dict
         The run's measured limits, as the benchmark records them:
         ``copy.bytes_per_s``, ``p2p.bytes_per_s`` (``p2p`` is None with one
@@ -142,6 +62,17 @@ def case_floor(traffic: dict, floors: dict) -> dict:
     }
 
 
+def read(path) -> dict:
+    """One benchmark run as this version writes it: runs before 2026-12-01 named a case's
+    algorithm ``mode``."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    for case in data["results"]:
+        if "algorithm" not in case:
+            case["algorithm"] = case.pop("mode")
+    return data
+
+
 def merge_files(paths) -> dict:
     """One result set from several benchmark runs (for example command buffers on and off).
 
@@ -150,8 +81,7 @@ def merge_files(paths) -> dict:
     """
     runs, results = [], []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = read(path)
         environment = data["environment"]
         runs.append({"path": str(path), "environment": environment, "floors": data.get("floors")})
         results += [{**case, "command_buffer": environment["command_buffer"]} for case in data["results"]]
@@ -160,10 +90,7 @@ def merge_files(paths) -> dict:
 
 def load(paths) -> dict:
     """The result set of one file as written, or several merged by `merge_files`."""
-    if len(paths) == 1:
-        with open(paths[0], encoding="utf-8") as f:
-            return json.load(f)
-    return merge_files(paths)
+    return read(paths[0]) if len(paths) == 1 else merge_files(paths)
 
 
 def format_launch(launch: dict) -> str:
@@ -176,12 +103,13 @@ def _on_off(flag: bool) -> str:
 
 
 def _ordered(results: list[dict]) -> list[dict]:
-    """Cases by problem (first seen first), tp, mode (first seen first), m, then command buffers on first."""
+    """Cases by problem (first seen first), tp, algorithm (first seen first), m, then command
+    buffers on first."""
     problems = {r["problem"]: None for r in results}
-    modes = {r["mode"]: None for r in results}
+    algorithms = {r["algorithm"]: None for r in results}
     problem_rank = {p: i for i, p in enumerate(problems)}
-    mode_rank = {mode: i for i, mode in enumerate(modes)}
-    return sorted(results, key=lambda r: (problem_rank[r["problem"]], r["tp"], mode_rank[r["mode"]],
+    algorithm_rank = {algorithm: i for i, algorithm in enumerate(algorithms)}
+    return sorted(results, key=lambda r: (problem_rank[r["problem"]], r["tp"], algorithm_rank[r["algorithm"]],
                                           r["m"], not r.get("command_buffer", True)))
 
 
@@ -198,21 +126,27 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def markdown_table(data: dict) -> str:
     """One row per case: ours (p10–p90), XLA, their ratio, the floor and ours as a multiple of it.
 
-    The floor cell names its binding term: ``hbm``, ``nvlink`` or ``empty call``.
-    Results of older runs without floors show ``–`` there.
+    With an ``xla_nccl`` column in any case, the table shows it beside XLA's default, and the
+    ratio is ours over the faster of the two. The floor cell names its binding term: ``hbm``,
+    ``nvlink`` or ``empty call``. Cases without a floor or a column show ``–`` there.
     """
     results = _ordered(data["results"])
     merged = any("command_buffer" in r for r in results)
-    header = ["problem", "tp", "mode", "m"] + (["command buffers"] if merged else [])
-    header += ["ours µs (p10–p90)", "xla µs", "ratio", "floor µs", "ours/floor"]
+    nccl = any("xla_nccl" in r for r in results)
+    header = ["problem", "tp", "algorithm", "m"] + (["command buffers"] if merged else [])
+    header += ["ours µs (p10–p90)", "xla µs"] + (["xla nccl µs"] if nccl else [])
+    header += ["ratio", "floor µs", "ours/floor"]
     rows = []
     for r in results:
-        row = [r["problem"], str(r["tp"]), r["mode"], str(r["m"])]
+        row = [r["problem"], str(r["tp"]), r["algorithm"], str(r["m"])]
         if merged:
             row.append(_on_off(r["command_buffer"]))
+        row += [_timing(r["ours"]), f"{r['xla']['us']:.2f}"]
+        if nccl:
+            row.append(f"{r['xla_nccl']['us']:.2f}" if "xla_nccl" in r else "–")
         floor = r.get("floor")
         row += [
-            _timing(r["ours"]), f"{r['xla']['us']:.2f}", f"{r['ratio']:.3f}",
+            f"{r['ratio']:.3f}",
             f"{floor['us']:.2f} ({floor['bound']})" if floor else "–",
             f"{r['ours_over_floor']:.2f}" if floor else "–",
         ]
@@ -233,14 +167,14 @@ def tuning_table(data: dict) -> str:
             if index == tuning["best"]:
                 launch = f"**{launch}**"
             if variant["us"] is None:  # runs before fused grids were persistent: refused
-                rows.append([r["problem"], str(r["tp"]), r["mode"], str(r["m"]), launch, "refused", "", ""])
+                rows.append([r["problem"], str(r["tp"]), r["algorithm"], str(r["m"]), launch, "refused", "", ""])
                 continue
             same_bits = "yes" if variant["same_bits_as_default"] else "NO"
-            rows.append([r["problem"], str(r["tp"]), r["mode"], str(r["m"]), launch, _timing(variant),
+            rows.append([r["problem"], str(r["tp"]), r["algorithm"], str(r["m"]), launch, _timing(variant),
                          f"{variant['us'] / default_us:.3f}", same_bits])
     if not rows:
         return ""
-    header = ["problem", "tp", "mode", "m", "launch", "ours µs (p10–p90)", "vs default", "same bits"]
+    header = ["problem", "tp", "algorithm", "m", "launch", "ours µs (p10–p90)", "vs default", "same bits"]
     return _table(header, rows)
 
 
@@ -281,40 +215,43 @@ def _suffix(command_buffer) -> str:
 
 
 def _draw_panel(ax, results: list[dict], colors: dict) -> None:
-    """Ours per mode with its p10–p90 band, XLA, and the floor per mode, for one (problem, tp)."""
+    """Ours per algorithm with its p10–p90 band, each XLA column, and the floor per algorithm,
+    for one (problem, tp)."""
     ours, xla, floor = {}, {}, {}
     for r in results:
-        line = (r["mode"], r.get("command_buffer"))
+        line = (r["algorithm"], r.get("command_buffer"))
         ours.setdefault(line, {})[r["m"]] = r["ours"]
-        # XLA's program does not depend on our mode: pool its runs into one line.
-        xla.setdefault(r.get("command_buffer"), {}).setdefault(r["m"], []).append(r["xla"]["us"])
+        # XLA's programs do not depend on our algorithm: pool their runs into one line each.
+        for column in ("xla", "xla_nccl"):
+            if column in r:
+                xla.setdefault((column, r.get("command_buffer")), {}).setdefault(r["m"], []).append(r[column]["us"])
         if r.get("floor"):
             floor.setdefault(line, {})[r["m"]] = r["floor"]["us"]
 
     def marker(command_buffer):
         return {"marker": "s" if command_buffer is False else "o", "markersize": 3}
 
-    for (mode, cb), points in ours.items():
+    for (algorithm, cb), points in ours.items():
         ms = sorted(points)
-        ax.plot(ms, [points[m]["us"] for m in ms], color=colors[mode], linestyle="-",
-                label=f"ours {mode}{_suffix(cb)}", **marker(cb))
+        ax.plot(ms, [points[m]["us"] for m in ms], color=colors[algorithm], linestyle="-",
+                label=f"ours {algorithm}{_suffix(cb)}", **marker(cb))
         ax.fill_between(ms, [points[m]["p10"] for m in ms], [points[m]["p90"] for m in ms],
-                        color=colors[mode], alpha=0.15, linewidth=0)
-    for cb, points in xla.items():
+                        color=colors[algorithm], alpha=0.15, linewidth=0)
+    for (column, cb), points in xla.items():
         ms = sorted(points)
-        ax.plot(ms, [statistics.median(points[m]) for m in ms], color="black", linestyle="--",
-                label=f"xla{_suffix(cb)}", **marker(cb))
-    for (mode, cb), points in floor.items():
+        ax.plot(ms, [statistics.median(points[m]) for m in ms], color="black" if column == "xla" else "gray",
+                linestyle="--", label=f"{column.replace('_', ' ')}{_suffix(cb)}", **marker(cb))
+    for (algorithm, cb), points in floor.items():
         ms = sorted(points)
-        ax.plot(ms, [points[m] for m in ms], color=colors[mode], linestyle=":",
-                label=f"floor {mode}{_suffix(cb)}", **marker(cb))
+        ax.plot(ms, [points[m] for m in ms], color=colors[algorithm], linestyle=":",
+                label=f"floor {algorithm}{_suffix(cb)}", **marker(cb))
 
 
 def plot(data: dict, path: str) -> None:
     """µs per call against m (log-log): one line per implementation, one panel per (problem, tp).
 
-    Ours is drawn per mode (solid, with its p10–p90 band), XLA as one dashed
-    line, and the floor per mode, dotted. Merged runs draw command buffers off
+    Ours is drawn per algorithm (solid, with its p10–p90 band), each XLA column as one
+    dashed line, and the floor per algorithm, dotted. Merged runs draw command buffers off
     with square markers.
     """
     # Lazy: the package does not depend on matplotlib.
@@ -324,7 +261,7 @@ def plot(data: dict, path: str) -> None:
     results = _ordered(data["results"])
     problems = list(dict.fromkeys(r["problem"] for r in results))
     tps = sorted({r["tp"] for r in results})
-    colors = {mode: f"C{i}" for i, mode in enumerate(dict.fromkeys(r["mode"] for r in results))}
+    colors = {algorithm: f"C{i}" for i, algorithm in enumerate(dict.fromkeys(r["algorithm"] for r in results))}
     figure = Figure(figsize=(5.5 * len(tps), 4.2 * len(problems)))
     axes = figure.subplots(len(problems), len(tps), squeeze=False)
     for row, problem in enumerate(problems):

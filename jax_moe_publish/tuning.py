@@ -21,7 +21,7 @@ import dataclasses
 import json
 import pathlib
 
-from jax_moe_publish import _abi, protocol
+from jax_moe_publish import _abi, protocol, traffic
 from jax_moe_publish.config import ALGORITHMS as KERNEL_ALGORITHMS
 from jax_moe_publish.config import KernelConfig
 
@@ -57,27 +57,45 @@ class AlgorithmChoice:
 class LinkModel:
     """The byte and latency model behind the algorithm entries marked ``model``.
 
-    One-shot sends every peer its partial, ``(tp - 1) * bytes``, after one exchange; two-shot
-    sends ``2 * (tp - 1) / tp * bytes``, after two. A kernel more in the call costs a launch.
+    A call of ``algorithm`` costs its exchanges (one-shot waits once, two-shot twice: for
+    the owners' sums), the slower of its HBM and NVLink bytes (`traffic.bytes_per_rank`) at
+    the measured bandwidths, and a launch per kernel beyond the first; the work both
+    algorithms share (the finalize's compute, the first launch) is left out, so only the
+    difference of two calls means something.
     """
 
     p2p_bytes_per_s: float
+    hbm_bytes_per_s: float
     exchange_s: float
     launch_s: float
 
-    def oneshot_s(self, tp: int, nbytes: int, kernels: int = 1) -> float:
-        return self.exchange_s + (tp - 1) * nbytes / self.p2p_bytes_per_s + (kernels - 1) * self.launch_s
+    EXCHANGES = {"oneshot": 1, "twoshot": 2}
+    MAX_M = 1 << 16
+    """The largest m the crossover search considers."""
 
-    def twoshot_s(self, tp: int, nbytes: int, kernels: int = 1) -> float:
-        return 2 * self.exchange_s + 2 * (tp - 1) / tp * nbytes / self.p2p_bytes_per_s + (kernels - 1) * self.launch_s
+    def call_s(self, problem: Problem, algorithm: str, tp: int, m: int, epilogue: str = "none") -> float:
+        config = kernel_config(problem, tp=tp, m=m, epilogue=epilogue, algorithm=algorithm)
+        moved = traffic.bytes_per_rank(
+            algorithm=algorithm, tp=tp, m=m, hidden=problem.hidden, top_k=problem.top_k,
+            shared_expert=problem.include_shared_expert, weight_bytes=4 if problem.fp32_weights else 2,
+            residual_norm=epilogue != "none", own_slot=not config.keep_own_partial)
+        return (self.EXCHANGES[algorithm] * self.exchange_s
+                + max(moved["hbm"] / self.hbm_bytes_per_s, moved["nvlink"] / self.p2p_bytes_per_s)
+                + (len(_abi.call_roles(config)) - 1) * self.launch_s)
 
-    def crossover_bytes(self, tp: int, oneshot_kernels: int, twoshot_kernels: int) -> int | None:
-        """The largest partial for which one-shot is no slower than two-shot (None: at any size)."""
-        saved_per_byte = ((tp - 1) - 2 * (tp - 1) / tp) / self.p2p_bytes_per_s
-        if saved_per_byte <= 0:
+    def crossover_m(self, problem: Problem, tp: int, epilogue: str = "none") -> int | None:
+        """The largest m up to `MAX_M` at which one-shot is no slower than two-shot (None: every
+        such m), by bisection: two-shot's saving grows with m."""
+        def oneshot_wins(m):
+            return self.call_s(problem, "oneshot", tp, m, epilogue) <= self.call_s(problem, "twoshot", tp, m, epilogue)
+
+        if oneshot_wins(self.MAX_M):
             return None
-        extra_s = self.exchange_s + (twoshot_kernels - oneshot_kernels) * self.launch_s
-        return int(extra_s / saved_per_byte)
+        low, high = 0, self.MAX_M  # one-shot wins at low (or low = 0), loses at high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if oneshot_wins(middle) else (low, middle)
+        return low
 
 
 TABLE_FILE = pathlib.Path(__file__).with_name("algorithms.json")
@@ -86,7 +104,7 @@ TABLE_FILE = pathlib.Path(__file__).with_name("algorithms.json")
 
 def _load_table(path: pathlib.Path):
     data = json.loads(path.read_text())
-    model = LinkModel(**{k: data["model"][k] for k in ("p2p_bytes_per_s", "exchange_s", "launch_s")})
+    model = LinkModel(**{field.name: data["model"][field.name] for field in dataclasses.fields(LinkModel)})
     tables = {
         tuple(case.split("/")): {int(tp): tuple(AlgorithmChoice(**entry) for entry in entries)
                                  for tp, entries in by_tp.items()}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test path, run on an NVIDIA machine in the repository root:
-#   bash tools/gpu_check.sh [pytest args...]
+#   bash tools/gpu_check.sh [pytest args...] [test paths...]
+# Paths (relative to the repository root) choose the tests; without any, all of tests/.
 # Installs the package offline into the machine's Python (build tools already
 # present), points the kernel store at the prebuilt folder, checks the prebuilt kernels
 # for spills and local memory (tools/kernel_resources.py, with this machine's cuobjdump),
@@ -22,9 +23,16 @@ resources_pid=$!
 # Run from outside the checkout so that the installed package (with its
 # compiled extension) is imported, not the source folder.
 repo=$PWD
+options=()
+paths=()
+for arg in "$@"; do
+    if [ -e "$repo/$arg" ] && [[ "$arg" == tests* ]]; then paths+=("$repo/$arg"); else options+=("$arg"); fi
+done
+[ ${#paths[@]} -gt 0 ] || paths=("$repo/tests")
 cd "$(mktemp -d)"
 tests=0
-"$PYTHON" -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -m gpu -rs "$@" "$repo/tests" || tests=$?
+"$PYTHON" -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -m gpu -rs ${options[@]+"${options[@]}"} \
+    "${paths[@]}" || tests=$?
 resources=0
 wait "$resources_pid" || resources=$?
 grep -v " regs " "$report" || true

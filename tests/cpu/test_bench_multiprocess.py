@@ -17,7 +17,7 @@ import sys
 import pytest
 
 BENCHMARK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_multiprocess.py"
-MODES = ("oneshot", "twoshot")
+ALGORITHMS = ("oneshot", "twoshot")
 M = 3  # not a multiple of tp
 # The iterations of the GPU default would take minutes on CPU (the reference path).
 SHORT_RUN = ["--m", str(M), "--layers", "8", "--reps", "9", "--iterations", "4", "36"]
@@ -58,9 +58,9 @@ def _check(data, stdout, problem):
     assert environment["iterations"] == [4, 36], environment
     for phase in ("two_processes", "one_process"):
         assert len(set(environment["devices"][phase])) == 2, environment["devices"]
-    assert [(r["mode"], r["m"]) for r in data["results"]] == [(mode, M) for mode in MODES]
+    assert [(r["algorithm"], r["m"]) for r in data["results"]] == [(algorithm, M) for algorithm in ALGORITHMS]
     for row in data["results"]:
-        case = f"{row['mode']} m={row['m']}"
+        case = f"{row['algorithm']} m={row['m']}"
         assert row["tp"] == 2 and row["problem"] == problem, row
         for impl in ("ours", "xla"):
             two = row["two_processes"][impl]
@@ -74,7 +74,7 @@ def _check(data, stdout, problem):
         for phase in ("two_processes", "one_process"):
             assert row[phase]["relative_difference"] <= 1e-2, row[phase]
     table = [line for line in stdout.splitlines() if line.startswith(f"| {problem} |")]
-    assert len(table) == len(MODES), stdout
+    assert len(table) == len(ALGORITHMS), stdout
 
 
 def test_plumbing_check_on_cpu(tmp_path):

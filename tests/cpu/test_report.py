@@ -1,4 +1,4 @@
-"""`benchmarks/report.py`: the byte model, the floor, tables, plot and merging (CPU only).
+"""`benchmarks/report.py`: the floor, tables, plot and merging (CPU only).
 
 Every result here is synthetic, written in this file; none is a measurement.
 """
@@ -10,6 +10,8 @@ import json
 import pathlib
 
 import pytest
+
+from jax_moe_publish import traffic
 
 REPORT_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "report.py"
 _spec = importlib.util.spec_from_file_location("bench_report", REPORT_PATH)
@@ -24,12 +26,13 @@ FLOORS = {
 }
 
 
-def synthetic_case(problem, tp, mode, m, ours_us, xla_us, *, hidden, top_k, shared):
+def synthetic_case(problem, tp, algorithm, m, ours_us, xla_us, *, hidden, top_k, shared):
     """One result row shaped like the benchmark's, with made-up times."""
-    traffic = report.bytes_per_rank(mode=mode, tp=tp, m=m, hidden=hidden, top_k=top_k, shared_expert=shared)
-    floor = report.case_floor(traffic, FLOORS)
+    moved = traffic.bytes_per_rank(algorithm=algorithm, tp=tp, m=m, hidden=hidden, top_k=top_k,
+                                   shared_expert=shared)
+    floor = report.case_floor(moved, FLOORS)
     return {
-        "problem": problem, "tp": tp, "mode": mode, "m": m,
+        "problem": problem, "tp": tp, "algorithm": algorithm, "m": m,
         "ours": {"us": ours_us, "p10": ours_us * 0.95, "p90": ours_us * 1.1},
         "xla": {"us": xla_us, "p10": xla_us * 0.95, "p90": xla_us * 1.1},
         "relative_difference": 1e-3, "ratio": ours_us / xla_us,
@@ -52,62 +55,6 @@ def synthetic_run(command_buffer=True, slowdown=1.0):
     return {"environment": environment, "floors": FLOORS, "results": results}
 
 
-def test_bytes_per_rank_direct_by_hand():
-    # m=3, hidden=8, top_k=1, no shared expert, float32 weights:
-    # routed 3*1*8*2 = 48, indices + weights 3*1*(4+4) = 24, output 3*8*2 = 48.
-    traffic = report.bytes_per_rank(mode="direct", tp=1, m=3, hidden=8, top_k=1, shared_expert=False)
-    assert traffic == {"hbm": 120.0, "nvlink": 0.0}
-
-
-def test_bytes_per_rank_oneshot_by_hand():
-    # m=2, hidden=16, top_k=2, shared expert, tp=2; row = 2*16*2 = 64 bytes.
-    # inputs: routed 2*2*16*2 = 128, shared 64, indices + weights 2*2*8 = 32 -> 224;
-    # mailbox writes 2*64, reduce reads 2*64, output 64, re-arm 2*64 -> 448.
-    traffic = report.bytes_per_rank(mode="oneshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True)
-    assert traffic == {"hbm": 672.0, "nvlink": 64.0}
-
-
-def test_bytes_per_rank_oneshot_without_own_slot_by_hand():
-    # The oneshot problem, the own partial kept out of the mailbox: only the peer's slot is
-    # written, read and re-armed: 672 - 3*64.
-    traffic = report.bytes_per_rank(mode="oneshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
-                                    own_slot=False)
-    assert traffic == {"hbm": 480.0, "nvlink": 64.0}
-
-
-def test_bytes_per_rank_epilogue_by_hand():
-    # The oneshot problem with the residual add + RMSNorm: residual 64 and residual_out 64
-    # bytes, norm weight 16*2 = 32 -> 672 + 160.
-    traffic = report.bytes_per_rank(mode="oneshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
-                                    residual_norm=True)
-    assert traffic == {"hbm": 832.0, "nvlink": 64.0}
-
-
-def test_bytes_per_rank_twoshot_by_hand():
-    # The same problem in twoshot: inputs 224; contributions landing 64, read 64, re-arm 64,
-    # owned output 32; gather area landing 32, read 32, output 32, re-arm 32 -> 576.
-    # NVLink: half the publish (32) and the fan-out of the owned half (32).
-    traffic = report.bytes_per_rank(mode="twoshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True)
-    assert traffic == {"hbm": 576.0, "nvlink": 64.0}
-
-
-def test_bytes_per_rank_bf16_weights():
-    # Half the weight bytes: 3*1*(4+2) = 18 instead of 24.
-    traffic = report.bytes_per_rank(mode="direct", tp=1, m=3, hidden=8, top_k=1, shared_expert=False,
-                                    weight_bytes=2)
-    assert traffic["hbm"] == 114.0
-
-
-@pytest.mark.parametrize("mode, tp, message", [
-    ("reduce_scatter", 2, "mode='reduce_scatter'"),
-    ("oneshot", 1, "tp=1"),
-    ("direct", 2, "tp=2"),
-])
-def test_bytes_per_rank_rejects(mode, tp, message):
-    with pytest.raises(ValueError, match=message):
-        report.bytes_per_rank(mode=mode, tp=tp, m=1, hidden=16, top_k=1, shared_expert=False)
-
-
 def test_case_floor_takes_the_slowest_term():
     small = report.case_floor({"hbm": 4e6, "nvlink": 4e5}, FLOORS)  # 1 µs, 1 µs: the call dominates
     assert small["us"] == 2.0 and small["bound"] == "empty call"
@@ -124,13 +71,35 @@ def test_case_floor_needs_p2p_for_nvlink_traffic():
 def test_markdown_table_rows():
     table = report.markdown_table(synthetic_run())
     lines = table.splitlines()
-    assert lines[0] == ("| problem | tp | mode | m | ours µs (p10–p90) | xla µs | ratio | floor µs | "
+    assert lines[0] == ("| problem | tp | algorithm | m | ours µs (p10–p90) | xla µs | ratio | floor µs | "
                         "ours/floor |")
     assert len(lines) == 2 + 6
     # m=1, oneshot: ours 5.5 (5.22–6.05), ratio 5.5 / 15.7; the 2 µs call is the floor.
     expected = "| deepseek-v3 | 2 | oneshot | 1 | 5.50 (5.22–6.05) | 15.70 | 0.350 | 2.00 (empty call) | 2.75 |"
     assert expected in lines
     assert "command buffers" not in table
+
+
+def test_markdown_table_shows_the_nccl_column_where_a_case_has_it():
+    data = synthetic_run()
+    # tp = 2, oneshot, m = 1: NCCL forced took 12.0 us, faster than XLA's default 15.7.
+    data["results"][2]["xla_nccl"] = {"us": 12.0, "p10": 11.5, "p90": 12.5}
+    data["results"][2]["ratio"] = 5.5 / 12.0
+    lines = report.markdown_table(data).splitlines()
+    assert "| xla µs | xla nccl µs | ratio |" in lines[0]
+    assert "| deepseek-v3 | 2 | oneshot | 1 | 5.50 (5.22–6.05) | 15.70 | 12.00 | 0.458 |" in lines[4]
+    assert "| 1 | 3.00 (2.85–3.30) | 6.00 | – | 0.500 |" in lines[2]
+
+
+def test_runs_that_named_the_algorithm_mode_still_read(tmp_path):
+    data = synthetic_run()
+    for case in data["results"]:
+        case["mode"] = case.pop("algorithm")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert [case["algorithm"] for case in report.load([path])["results"]] == [
+        "direct", "direct", "oneshot", "oneshot", "twoshot", "twoshot"]
+    assert "| deepseek-v3 | 2 | twoshot | 64 |" in report.markdown_table(report.merge_files([path, path]))
 
 
 def test_markdown_table_without_floors():

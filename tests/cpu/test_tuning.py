@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from jax_moe_publish import _abi, tuning
+from jax_moe_publish.aot.presets import DEEPSEEK_V3
 from jax_moe_publish.config import ALGORITHMS as KERNEL_ALGORITHMS
 from jax_moe_publish.config import KernelConfig
 
@@ -38,15 +40,31 @@ def test_every_algorithm_table_covers_every_size_and_says_why(name):
 def test_the_model_entries_are_the_models():
     """Entries marked ``model`` are what `LinkModel` gives for the table's own constants."""
     data = json.loads(tuning.TABLE_FILE.read_text())
-    for (result, epilogue), kernels in tune_algorithms.CASES.items():
+    for result, epilogue in tune_algorithms.CASES:
         for tp, entries in data["tables"][f"{result}/{epilogue}"].items():
             if all(entry.get("source") == "model" for entry in entries):
-                assert entries == tune_algorithms.model_entries(tuning.MODEL, int(tp), *kernels)
-    # Two-shot's second exchange pays off for a larger partial at tp = 4 than at 8, and later
-    # with the epilogue, whose unfused two-shot launches twice more.
-    crossover = {(tp, kernels): tuning.MODEL.crossover_bytes(tp, 1, kernels) for tp in (4, 8) for kernels in (1, 3)}
-    assert crossover[4, 1] > crossover[8, 1] and crossover[4, 3] > crossover[4, 1] and crossover[8, 3] > crossover[8, 1]
-    assert tuning.MODEL.crossover_bytes(2, 1, 1) is None
+                assert entries == tune_algorithms.model_entries(tuning.MODEL, DEEPSEEK_V3, int(tp), epilogue)
+
+
+def test_the_link_model_by_hand():
+    """tp = 8, m = 64, DeepSeek-V3: one-shot sends 7 rows over NVLink after one exchange, two-shot
+    1.75 rows after two; both NVLink-bound at these constants. The fused epilogue is one
+    kernel, the unfused two-shot one three."""
+    model = tuning.LinkModel(p2p_bytes_per_s=1e11, hbm_bytes_per_s=1e14, exchange_s=1e-6, launch_s=5e-7)
+    row = 64 * 7168 * 2
+    assert model.call_s(DEEPSEEK_V3, "oneshot", 8, 64) == pytest.approx(1e-6 + 7 * row / 1e11)
+    assert model.call_s(DEEPSEEK_V3, "twoshot", 8, 64) == pytest.approx(2e-6 + 1.75 * row / 1e11)
+    assert model.call_s(DEEPSEEK_V3, "twoshot", 8, 64, "rmsnorm") == pytest.approx(
+        2e-6 + 1.75 * row / 1e11 + 2 * 5e-7)
+    # One-shot's 5.25 rows more cost as much as a 10 us exchange at 1e11 B/s up to
+    # m = 1e-5 * 1e11 / (5.25 * 14336) = 13.3.
+    slow = dataclasses.replace(model, exchange_s=1e-5)
+    assert slow.crossover_m(DEEPSEEK_V3, 8) == 13 and model.crossover_m(DEEPSEEK_V3, 8) == 1
+    # Two more launches move the epilogue's crossover up; tp = 4 saves fewer bytes per m.
+    assert model.crossover_m(DEEPSEEK_V3, 8, "rmsnorm") > model.crossover_m(DEEPSEEK_V3, 8)
+    assert model.crossover_m(DEEPSEEK_V3, 4) > model.crossover_m(DEEPSEEK_V3, 8)
+    free = dataclasses.replace(model, p2p_bytes_per_s=1e30, hbm_bytes_per_s=1e30)
+    assert free.crossover_m(DEEPSEEK_V3, 8) is None  # no byte costs: one-shot's one exchange always wins
 
 
 def test_the_algorithm_follows_the_table():

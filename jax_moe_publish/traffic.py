@@ -1,0 +1,87 @@
+"""The bytes one rank moves in one call, in HBM and over NVLink: the byte model behind the
+benchmarks' floors and of the link model of `jax_moe_publish.tuning`.
+"""
+
+from __future__ import annotations
+
+BF16_BYTES = 2
+INDEX_BYTES = 4  # int32 permuted indices
+ALGORITHMS = ("direct", "oneshot", "twoshot")
+
+
+def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, shared_expert: bool,
+                   weight_bytes: int = 4, residual_norm: bool = False, own_slot: bool = True) -> dict[str, float]:
+    """HBM and NVLink bytes that one rank moves in one call of the op.
+
+    With ``row = m * hidden * 2`` (one bf16 [m, hidden] array), every algorithm
+    first reads its inputs once::
+
+        inputs = m * top_k * hidden * 2            (routed rows, all indices valid)
+               + row                               (shared expert, if any)
+               + m * top_k * (4 + weight_bytes)    (int32 indices, weights)
+
+    A write into a peer's mailbox is counted in the peer's HBM. The ranks are
+    symmetric, so each rank's HBM receives as much as it sends.
+
+    * ``direct`` (tp = 1): ``hbm = inputs + row`` (the output); no NVLink.
+    * ``oneshot``: each rank's mailbox receives ``tp * row`` (its own slot
+      locally, the peers' over NVLink); the reduce reads ``tp * row``, writes
+      the ``row`` output and re-arms ``tp * row``::
+
+          hbm = inputs + 3 * tp * row + row,    nvlink = (tp - 1) * row
+
+      Without ``own_slot`` (a fused kernel that keeps its own partial in
+      shared memory) the own slot's write, read and re-arm drop out:
+      ``3 * (tp - 1) * row`` instead of ``3 * tp * row``. A CTA keeps only
+      its first tiles there, so this is a lower bound at large ``m``.
+
+    * ``twoshot``: token ``t`` is reduced by rank ``t % tp``. Per rank, as the
+      mean over the group (a lower bound on the slowest rank when ``tp`` does
+      not divide ``m``): the owner's slots receive ``row`` of contributions,
+      which it reads and re-arms, and writes its ``row / tp`` of output; its
+      gather area receives ``(tp - 1) / tp * row`` of fanned-out sums, which
+      the gather reads, copies to the output and re-arms::
+
+          hbm = inputs + 3 * row + row / tp + 4 * (tp - 1) / tp * row
+          nvlink = 2 * (tp - 1) / tp * row     (publish, then fan-out)
+
+    * ``residual_norm`` (the residual add + RMSNorm epilogue) adds reading the
+      residual and the norm weight and writing ``residual_out``::
+
+          hbm += 2 * row + hidden * 2
+
+    Parameters
+    ----------
+    algorithm : {"direct", "oneshot", "twoshot"}
+    tp, m, hidden, top_k : int
+    shared_expert : bool
+    weight_bytes : int
+        Bytes per router weight: 4 (float32) or 2 (bf16).
+    residual_norm : bool
+        The call has the epilogue (with any algorithm).
+    own_slot : bool
+        Oneshot: this rank's own contribution goes through its mailbox slot.
+
+    Returns
+    -------
+    dict with ``hbm`` and ``nvlink`` (bytes, one way for NVLink).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}: expected one of {ALGORITHMS}")
+    if (tp == 1) != (algorithm == "direct"):
+        raise ValueError(f"algorithm={algorithm!r} with tp={tp}: expected 'direct' exactly when tp == 1")
+    if weight_bytes not in (2, 4):
+        raise ValueError(f"weight_bytes={weight_bytes!r}: expected 2 (bf16) or 4 (float32)")
+    row = m * hidden * BF16_BYTES
+    inputs = m * top_k * hidden * BF16_BYTES + m * top_k * (INDEX_BYTES + weight_bytes)
+    if shared_expert:
+        inputs += row
+    if residual_norm:
+        inputs += 2 * row + hidden * BF16_BYTES
+    if algorithm == "direct":
+        return {"hbm": float(inputs + row), "nvlink": 0.0}
+    if algorithm == "oneshot":
+        slots = tp if own_slot else tp - 1
+        return {"hbm": float(inputs + 3 * slots * row + row), "nvlink": float((tp - 1) * row)}
+    others = (tp - 1) / tp * row
+    return {"hbm": inputs + 3 * row + row / tp + 4 * others, "nvlink": 2 * others}
