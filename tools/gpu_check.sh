@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU test path, run on an NVIDIA machine in the repository root:
 #   bash tools/gpu_check.sh [pytest args...] [test paths...]
-# Paths (relative to the repository root) choose the tests; without any, all of tests/.
+# Paths or test ids (relative to the repository root) choose the tests; without any, all of tests/.
 # Installs the package offline into the machine's Python (build tools already
 # present), points the kernel store at the prebuilt folder, checks the prebuilt kernels
 # for spills and local memory (tools/kernel_resources.py, with this machine's cuobjdump),
-# and runs the GPU tests. It fails if either fails.
+# and runs the GPU tests. It fails if either fails, and if no GPU test ran: CUDA found no GPU,
+# the selection holds none, or every one skipped (JAX_MOE_PUBLISH_REQUIRE_GPU, tests/conftest.py).
 # Build the folder first where CuTe DSL is installed:
 #   python -m jax_moe_publish.aot build --preset tests --out kernels-prebuilt
 set -euo pipefail
@@ -13,6 +14,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 export JAX_MOE_PUBLISH_KERNEL_DIR=${JAX_MOE_PUBLISH_KERNEL_DIR:-$PWD/kernels-prebuilt}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export JAX_MOE_PUBLISH_REQUIRE_GPU=1
 [ -d "$JAX_MOE_PUBLISH_KERNEL_DIR" ] || { echo "no prebuilt kernels at $JAX_MOE_PUBLISH_KERNEL_DIR" >&2; exit 2; }
 "$PYTHON" -m pip install --quiet --no-build-isolation --no-deps .
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
@@ -26,7 +28,8 @@ repo=$PWD
 options=()
 paths=()
 for arg in "$@"; do
-    if [ -e "$repo/$arg" ] && [[ "$arg" == tests* ]]; then paths+=("$repo/$arg"); else options+=("$arg"); fi
+    # A path under tests/, or a test id in one (tests/gpu/test_op_gpu.py::test_name).
+    if [ -e "$repo/${arg%%::*}" ] && [[ "$arg" == tests* ]]; then paths+=("$repo/$arg"); else options+=("$arg"); fi
 done
 [ ${#paths[@]} -gt 0 ] || paths=("$repo/tests")
 cd "$(mktemp -d)"

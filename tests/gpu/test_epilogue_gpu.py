@@ -8,7 +8,9 @@ token whose inputs are all zero. ``residual_out`` is compared with the float64
 sum plus residual, and ``out`` with the float64 RMSNorm of that
 ``residual_out`` (`numerics.assert_epilogue_close`); across ranks both must
 agree bit for bit, and after each call the mailbox must be healthy, advanced
-and re-armed.
+and re-armed. Through the harness both outputs are poisoned before every call:
+rows past the result's (``m``, or ``ceil(m / tp)`` for reduce_scatter) must keep
+the poison, and reduce_scatter rows of no token must come out +0.0 in both.
 """
 
 from __future__ import annotations
@@ -129,53 +131,52 @@ def _check_epilogue_call(config, m, eps, devices, grid_limits=None) -> None:
     ranks and the protocol state after it."""
     rng = seeded_rng(config.key, m, eps, grid_limits, "epilogue")
     problems, residual, norm_weight = _epilogue_problem(config, m, rng)
-    tp = config.tp
-    rows = protocol.owned_rows(m, tp) if config.algorithm == "reduce_scatter" else m
     with open_test_group(config, devices, CAPACITY_M, grid_limits) as launcher:
         buffers = _prepared_buffers(launcher, config, m, problems, residual, norm_weight, eps)
         launcher.run(buffers, m)
-        outputs = [(b.output(), b.residual_output()) for b in buffers]
-        for rank, (out, residual_out) in enumerate(outputs):
-            what = f"{config.key} m={m} eps={eps} rank {rank}"
-            for name, bits in (("out", out), ("residual_out", residual_out)):
-                assert np.all(bits[rows:] == numerics.POISON_BF16), f"{what}: {name} rows past {rows} written"
-            _check_rank(config.algorithm, tp, rank, out[:rows].view(numerics.BF16),
-                        residual_out[:rows].view(numerics.BF16), problems, config.routed_scaling_factor,
-                        residual, norm_weight, eps, what)
-        if config.algorithm != "reduce_scatter":
-            for rank in range(1, tp):
-                for index, name in enumerate(("out", "residual_out")):
-                    assert np.array_equal(outputs[rank][index][:rows], outputs[0][index][:rows]), (
-                        f"{config.key} m={m}: rank {rank}'s {name} differs in bits from rank 0's"
-                    )
+        _check_call(config, m, buffers, problems, residual, norm_weight, eps, f"{config.key} m={m} eps={eps}")
         check_protocol_state(launcher, calls=1)
+
+
+def _check_call(config, m, buffers, problems, residual, norm_weight, eps, what) -> None:
+    """Both outputs of every rank of one call, poisoned before it: the rows of the result
+    against the model (`_check_rank`), rows past them untouched (still poison), and for an
+    all-reduce the same bits on every rank."""
+    tp = config.tp
+    rows = protocol.owned_rows(m, tp) if config.algorithm == "reduce_scatter" else m
+    outputs = [(b.output(), b.residual_output()) for b in buffers]
+    for rank, (out, residual_out) in enumerate(outputs):
+        for name, bits in (("out", out), ("residual_out", residual_out)):
+            assert np.all(bits[rows:] == numerics.POISON_BF16), f"{what} rank {rank}: {name} rows past {rows} written"
+        _check_rank(config.algorithm, tp, rank, out[:rows].view(numerics.BF16),
+                    residual_out[:rows].view(numerics.BF16), problems, config.routed_scaling_factor,
+                    residual, norm_weight, eps, f"{what} rank {rank}")
+    if config.algorithm != "reduce_scatter":
+        for rank in range(1, tp):
+            for index, name in enumerate(("out", "residual_out")):
+                assert np.array_equal(outputs[rank][index][:rows], outputs[0][index][:rows]), (
+                    f"{what}: rank {rank}'s {name} differs in bits from rank 0's"
+                )
 
 
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.hidden == 7168], ids=lambda c: c.key)
 def test_epilogue_kernel_consecutive_calls(config, devices):  # noqa: F811
-    """Calls of random m enqueued back to back: stages cycle and every slot is re-armed."""
+    """Calls of random m enqueued back to back, each into its own poisoned buffers: stages
+    cycle, every slot is re-armed, and no call writes past its rows."""
     rng = seeded_rng(config.key, "epilogue rounds")
     calls = []
     with open_test_group(config, devices, CAPACITY_M) as launcher:
         for _ in range(9):
             m = int(rng.integers(1, CAPACITY_M, endpoint=True))
             problems, residual, norm_weight = _epilogue_problem(config, m, rng)
-            buffers = launcher.allocate(CAPACITY_M, routed_rows(config, m))
-            for rank, (rank_buffers, problem) in enumerate(zip(buffers, problems)):
-                rank_buffers.upload(problem)
-                rank_buffers.upload_epilogue(_rank_rows(config.algorithm, residual, config.tp, rank), norm_weight, 1e-6)
+            buffers = _prepared_buffers(launcher, config, m, problems, residual, norm_weight, 1e-6)
             calls.append((m, problems, residual, norm_weight, buffers))
         for m, _, _, _, buffers in calls:
             launcher.launch(buffers, m)
         launcher.synchronize()
         for index, (m, problems, residual, norm_weight, buffers) in enumerate(calls):
-            rows = protocol.owned_rows(m, config.tp) if config.algorithm == "reduce_scatter" else m
-            for rank, rank_buffers in enumerate(buffers):
-                _check_rank(config.algorithm, config.tp, rank, rank_buffers.output()[:rows].view(numerics.BF16),
-                            rank_buffers.residual_output()[:rows].view(numerics.BF16), problems,
-                            config.routed_scaling_factor, residual, norm_weight, 1e-6,
-                            f"call {index} m={m} rank {rank}")
+            _check_call(config, m, buffers, problems, residual, norm_weight, 1e-6, f"{config.key} call {index} m={m}")
         check_protocol_state(launcher, calls=len(calls))
 
 
@@ -309,38 +310,53 @@ def test_epilogue_op_on_one_gpu(problem):
 def test_epilogue_chain_feeds_residual_out_forward():
     """16 layers in one jit under XLA's default command buffers: each layer's residual input
     is the previous layer's residual_out, written by the previous reduce_norm, which the
-    next reduce_norm reads before its mailbox wait; out feeds the next shared input."""
+    next reduce_norm reads before its mailbox wait; out feeds the next shared input. Every
+    rank has its own finalize inputs (and first shared input); the residual stream is the
+    same on every rank, as an all-reduce's is."""
     rng = np.random.default_rng()
-    hidden, top_k, scale, layers, m, eps = 7168, 8, 2.5, 16, 8, 1e-6
+    tp, hidden, top_k, scale, layers, m, eps = 2, 7168, 8, 2.5, 16, 8, 1e-6
     num_rows = m * top_k
-    routed = rng.standard_normal((layers, num_rows, hidden), dtype=np.float32).astype(numerics.BF16)
-    weights = rng.uniform(0.05, 0.3, (layers, m, top_k)).astype(numerics.BF16)  # the tests preset's kernels
-    indices = rng.integers(-1, num_rows, (layers, m, top_k)).astype(np.int32)
-    shared, _ = numerics.epilogue_inputs(rng, m, hidden, residual_scale=1.0)
+    routed = rng.standard_normal((tp, layers, num_rows, hidden), dtype=np.float32).astype(numerics.BF16)
+    weights = rng.uniform(0.05, 0.3, (tp, layers, m, top_k)).astype(numerics.BF16)  # the tests preset's kernels
+    indices = rng.integers(-1, num_rows, (tp, layers, m, top_k)).astype(np.int32)
+    shared = rng.standard_normal((tp, m, hidden), dtype=np.float32).astype(numerics.BF16)
     residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
-    with jmp.Mailbox(_mesh(2), "tp", hidden=hidden, capacity_m=CAPACITY_M) as mailbox:
+    with jmp.Mailbox(_mesh(tp), "tp", hidden=hidden, capacity_m=CAPACITY_M) as mailbox:
 
         def shard(routed, weights, indices, shared, residual, norm_weight):
             outs, residuals = [], []
-            x, r = shared, residual
+            x, r = shared[0], residual
             for layer in range(layers):
-                x, r = jmp.moe_finalize_publish(routed[layer], weights[layer], indices[layer], x, mailbox=mailbox,
-                                                routed_scaling_factor=scale, residual=r, norm_weight=norm_weight,
-                                                norm_eps=eps)
+                x, r = jmp.moe_finalize_publish(routed[0, layer], weights[0, layer], indices[0, layer], x,
+                                                mailbox=mailbox, routed_scaling_factor=scale, residual=r,
+                                                norm_weight=norm_weight, norm_eps=eps)
                 outs.append(x)
                 residuals.append(r)
-            return jnp.stack(outs), jnp.stack(residuals)
+            return jnp.stack(outs)[None], jnp.stack(residuals)[None]
 
-        chain = jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=(P(),) * 6, out_specs=P()))
+        # Each rank's own output buffers, so that every rank's result is checked.
+        chain = jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=(P("tp"),) * 4 + (P(), P()),
+                                      out_specs=P("tp"), check_vma=False))
+        ranked = jax.sharding.NamedSharding(mailbox.mesh, P("tp"))
+        replicated = jax.sharding.NamedSharding(mailbox.mesh, P())
+        args = ([jax.device_put(jnp.asarray(x), ranked) for x in (routed, weights, indices, shared)]
+                + [jax.device_put(jnp.asarray(x), replicated) for x in (residual, norm_weight)])
         for _ in range(3):  # the first runs record the graph, later ones replay it
-            outs, residuals = map(np.asarray, chain(*map(jnp.asarray, (routed, weights, indices, shared,
-                                                                       residual, norm_weight))))
-            previous_out, previous_residual = shared, residual
+            per_rank = []
+            for x in chain(*args):
+                by_device = {s.device: np.asarray(s.data)[0] for s in x.addressable_shards}
+                per_rank.append(np.stack([by_device[d] for d in mailbox.mesh.devices.flat]))
+            outs, residuals = per_rank
+            for rank in range(1, tp):
+                for name, x in (("out", outs), ("residual_out", residuals)):
+                    assert np.array_equal(x[rank].view(np.uint16), x[0].view(np.uint16)), (
+                        f"rank {rank}'s {name} differs in bits from rank 0's")
+            previous_out, previous_residual = None, residual
             for layer in range(layers):
-                # Replicated inputs: both ranks' partials are the same p, so y = bf16(2 p).
-                problem = numerics.Problem(routed[layer], weights[layer], indices[layer], previous_out)
-                total, bound = numerics.expected_sum([problem] * 2, scale)
-                numerics.assert_epilogue_close(outs[layer], residuals[layer], total, bound, previous_residual,
+                problems = [numerics.Problem(routed[r, layer], weights[r, layer], indices[r, layer],
+                                             shared[r] if layer == 0 else previous_out) for r in range(tp)]
+                total, bound = numerics.expected_sum(problems, scale)
+                numerics.assert_epilogue_close(outs[0, layer], residuals[0, layer], total, bound, previous_residual,
                                                norm_weight, eps, what=f"layer {layer}")
-                previous_out, previous_residual = outs[layer], residuals[layer]
+                previous_out, previous_residual = outs[0, layer], residuals[0, layer]
         mailbox.check()

@@ -1,5 +1,7 @@
-"""Faults and misuse on two GPUs: every case ends in an error that names the fault, or in
-behaviour that is documented here, and never in a hang.
+"""Faults and misuse on GPUs: every case ends in an error that names the fault, or in
+behaviour that is documented here, and never in a hang. Most cases need two GPUs; a group
+whose rank never launches runs on virtual ranks (one GPU suffices), and the public-API
+case also on four and eight GPUs.
 
 Each case runs one program of `fault_programs` in a child process, because a
 trapped kernel loses its device's CUDA context for the rest of the process.
@@ -12,7 +14,8 @@ What the protocol guarantees, and what it does not:
 * A peer that never publishes: the waiting rank traps after ``timeout_s`` and
   its status block names the peer, the stage, the token and the call (also
   where a fused CTA counted the call before it timed out, and across the
-  wrap of the call count).
+  wrap of the call count). In a group of 4 or 8 (oneshot, reduce_scatter)
+  every diagnostic recorded names the silent rank alone.
 * Ranks that run different m in the same call: the rank with the larger m
   waits for tokens that never come and traps; the rank with the smaller m
   returns the correct sum of the tokens both have, and keeps the other rank's
@@ -29,9 +32,9 @@ What the protocol guarantees, and what it does not:
   waiting. A peer that skipped a call is one call behind: its next call
   returns the halted rank's last partial summed with its own (the mix below),
   and only its call after that times out.
-* Through the public API, a rank that skips the op makes the other rank's
-  wait trap; `Mailbox.diagnose` turns XLA's launch failure into
-  `MailboxStatusError`. A closed mailbox is refused by the FFI handler; a
+* Through the public API, a rank that skips the op makes the other ranks'
+  waits trap; `Mailbox.diagnose` turns XLA's launch failure into
+  `MailboxStatusError`, which names that rank. A closed mailbox is refused by the FFI handler; a
   command buffer that XLA recorded before the close never runs the handler
   again, so its kernels find the mailbox halted, trap before touching the
   freed memory, and `diagnose` reports the close.
@@ -42,14 +45,16 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 from jax_moe_publish import protocol
+from jax_moe_publish.testing import gpu_matrix
 
-pytestmark = pytest.mark.gpus(2)
+pytestmark = pytest.mark.gpus(2)  # tests on virtual ranks say gpus(1)
 
 PROGRAMS = pathlib.Path(__file__).resolve().parents[1] / "support" / "fault_programs.py"
 RESULT_PREFIX = "RESULT "
@@ -100,6 +105,21 @@ def test_silent_peer_traps_within_the_timeout(algorithm, silent):
     _check_silent_peer("--algorithm", algorithm, "--silent-rank", str(silent))
 
 
+# The rank that never calls; at tp > 2 neither first nor last, so that a diagnostic that
+# names a fixed rank fails.
+SILENT_RANK = {2: 1, 4: 2, 8: 5}
+
+
+@pytest.mark.gpus(1)  # virtual ranks where there are fewer GPUs than tp
+@pytest.mark.parametrize("algorithm", ["oneshot", "reduce_scatter"])
+@pytest.mark.parametrize("tp", gpu_matrix.GROUP_TPS, ids=lambda tp: f"tp{tp}")
+def test_a_rank_that_never_launches_is_named_by_the_waits(tp, algorithm):
+    """Every rank of a group but one runs a call: each wait that times out names exactly the
+    silent rank. (Twoshot only at tp = 2: at larger tp a gather, which polls while its reduce
+    still waits, may time out first on an owner that is itself stuck, and name that owner.)"""
+    _check_silent_peer("--algorithm", algorithm, "--tp", str(tp), "--silent-rank", str(SILENT_RANK[tp]))
+
+
 @pytest.mark.parametrize("config,first_call,warmup", [
     ("fused", 0, 2), ("rmsnorm-fused", 0, 2), ("rmsnorm-fused-14-ctas", 0, 2),
     # The timed-out call is the last before the count wraps: its fused CTAs may have counted
@@ -113,11 +133,22 @@ def test_silent_peer_diagnostic_names_the_call(config, first_call, warmup):
 
 
 def _check_silent_peer(*options: str) -> None:
+    """Every waiting rank errs within the timeout; each diagnostic recorded names the silent
+    rank alone, the call and a token. A rank with a GPU to itself must record one; where
+    waiting ranks share a GPU, the first trap ends the others' kernels, maybe before theirs
+    (which then leave the code 0)."""
     result = run_program("silent-peer", *options)
-    waiting, silent = result["waiting"], result["silent"]
-    _assert_faulted_in_time(result["outcome"], result["timeout_s"], f"{result['key']}, rank {silent} silent")
+    waiting, silent, gpu_of_rank = result["waiting"], result["silent"], result["gpu_of_rank"]
     call = (result["first_call"] + result["warmup"]) % protocol.CALL_COUNT_PERIOD
-    _assert_timed_out(result["status"][waiting], missing=[silent], call=call, tokens=range(result["m"]))
+    for rank in waiting:
+        what = f"{result['key']}, rank {silent} silent, rank {rank}"
+        _assert_faulted_in_time(result["outcomes"][str(rank)], result["timeout_s"], what)
+        status = result["status"][rank]
+        alone = [gpu_of_rank[r] for r in waiting].count(gpu_of_rank[rank]) == 1
+        if alone or status["code"] != protocol.STATUS_OK:
+            _assert_timed_out(status, missing=[silent], call=call, tokens=range(result["m"]))
+    recorded = [rank for rank in waiting if result["status"][rank]["code"] != protocol.STATUS_OK]
+    assert recorded, f"no waiting rank recorded a diagnostic: {result['status']}"
     assert result["status"][silent]["words"] == [0] * protocol.STATUS_WORDS
 
 
@@ -204,24 +235,39 @@ def test_negative_zero_partials_never_stall_a_wait():
         assert report["elapsed_s"] < 1.0, f"{algorithm}: {report['calls']} calls took {report['elapsed_s']:.3f} s"
 
 
-@pytest.fixture(scope="module")
-def api_timeout():
-    """One run of ``api-timeout``: rank 1 skips the op in a call made through the public API."""
-    return run_program("api-timeout")
+@pytest.fixture(scope="module", params=[
+    pytest.param((tp, silent), marks=pytest.mark.gpus(tp), id=f"tp{tp}-silent{silent}")
+    for tp, silent in ((2, 1), (2, 0), (4, SILENT_RANK[4]), (8, SILENT_RANK[8]))
+])
+def api_timeout(request):
+    """One run of ``api-timeout``: one rank skips the op (a `lax.cond` on the rank) in a call made
+    through the public API, on tp GPUs."""
+    tp, silent = request.param
+    return run_program("api-timeout", "--tp", str(tp), "--silent-rank", str(silent))
 
 
 def test_api_timeout_raises_the_mailbox_diagnostic(api_timeout):
+    """`Mailbox.diagnose` raises `MailboxStatusError`, which names the rank that skipped the op,
+    and only that one; every other rank's status block names it too."""
     result = api_timeout
+    silent, waiting = result["silent"], [rank for rank in range(result["tp"]) if rank != result["silent"]]
     assert result["healthy_failure"] is None, result["healthy_failure"]
     outcome = result["outcome"]
     assert outcome["raised"] == "MailboxStatusError", f"diagnose() did not explain the failure: {outcome}"
-    for words in ("(rank 0)", "no data from rank(s) [1]", "different order", "process died"):
+    for words in (f"no data from rank(s) [{silent}]", "different order", "process died"):
         assert words in outcome["message"], f"{words!r} missing from: {outcome['message']}"
+    named = re.findall(r"no data from rank\(s\) (\[[\d, ]*\])", outcome["message"])
+    assert set(named) == {f"[{silent}]"}, f"the diagnostic names other ranks: {outcome['message']}"
+    reporting = [int(rank) for rank in re.findall(r"\(rank (\d+)\)", outcome["message"])]
+    assert reporting and set(reporting) <= set(waiting), f"wrong reporting ranks: {outcome['message']}"
     assert outcome["cause"], "the XLA error is not chained"
     assert outcome["elapsed_s"] < result["timeout_s"] + TIME_TO_ERROR_S, outcome
-    print(f"public API, rank 1 skips the op: time to error {outcome['elapsed_s']:.3f} s "
+    print(f"public API, tp = {result['tp']}, rank {silent} skips the op: time to error {outcome['elapsed_s']:.3f} s "
           f"(timeout {result['timeout_s']} s)\n{outcome['message']}\ncaused by: {outcome['cause']}")
-    _assert_timed_out(result["status"][0], missing=[1], call=1, tokens=range(5))
+    status = {s["rank"]: s for s in result["status"]}
+    for rank in waiting:
+        _assert_timed_out(status[rank], missing=[silent], call=1, tokens=range(result["m"]))
+    assert status[silent]["code"] == protocol.STATUS_OK, status[silent]
 
 
 def test_close_after_a_fault_does_not_hide_the_diagnostic(api_timeout):
@@ -256,16 +302,24 @@ def test_two_mailboxes_alternate_and_a_closed_one_errors(command_buffers):
 
 def test_closed_mailbox_in_a_replayed_command_buffer_errors():
     """A command buffer recorded before `close` replays the kernels without the handler: they
-    must find the mailbox closed, touch none of its freed memory, and fail with the diagnostic."""
+    must find the mailbox closed, touch none of its freed memory, and fail with the diagnostic.
+
+    The handler's executes show what XLA did: a run that captured the op recorded the command
+    buffer, a run with none replayed it. Before the close the chain must have been captured and
+    replayed (with right results on every rank), and the call after the close must be a replay:
+    a handler execute there would be refused by the handler, and test nothing of the kernels."""
     result = run_program("closed-chain")
-    assert result["failures"] == [], result["failures"]
-    assert result["handler_executes_before_close"]["captured"] > 0, (
-        f"XLA never captured the chain, so no replay was tried: {result}"
+    runs = result["runs"]
+    assert [run["failure"] for run in runs] == [None] * len(runs), runs
+    assert any(run["captured"] > 0 for run in runs), f"XLA never captured the chain: {runs}"
+    assert any(run["captured"] == run["direct"] == 0 for run in runs), (
+        f"XLA never replayed the chain without the handler: {runs}"
     )
     closed = result["closed_call"]
-    assert closed["raised"] and f"mailbox {result['closed_id']} is closed" in closed["message"], (
-        f"after close: {closed}; handler executes after close: {result['handler_executes_after_close']}"
+    assert result["handler_executes_after_close"] == {"captured": 0, "direct": 0}, (
+        f"after the close XLA ran the handler instead of replaying: {result['handler_executes_after_close']}; "
+        f"{closed}"
     )
-    if result["handler_executes_after_close"]["captured"] == 0:
-        assert closed["raised"] == "MailboxStatusError", closed
-        assert {s["code"] for s in result["status_after"]} == {protocol.STATUS_CLOSED}, result["status_after"]
+    assert closed["raised"] == "MailboxStatusError", closed
+    assert f"mailbox {result['closed_id']} is closed" in closed["message"], closed
+    assert {s["code"] for s in result["status_after"]} == {protocol.STATUS_CLOSED}, result["status_after"]

@@ -121,27 +121,56 @@ def test_table_configs_both_results_and_reversed_mesh(problem, result, tp):
 
 
 def _chain(mailbox, layers, scale, impl="auto"):
-    """``layers`` calls in one jit; each layer's output is the next layer's shared input."""
+    """``layers`` calls in one jit; each layer's output is the next layer's shared input.
+
+    Every input is per rank, ``[tp, ...]`` laid out along ``tp``, and so is the result:
+    ``[tp, layers, m, hidden]``, each rank's own outputs."""
 
     def shard(routed, weights, indices, shared):
         outputs = []
-        y = shared
+        y = shared[0]
         for layer in range(layers):
-            y = jmp.moe_finalize_publish(routed[layer], weights[layer], indices[layer], y,
+            y = jmp.moe_finalize_publish(routed[0, layer], weights[0, layer], indices[0, layer], y,
                                          mailbox=mailbox, routed_scaling_factor=scale, impl=impl)
             outputs.append(y)
-        return jnp.stack(outputs)
+        return jnp.stack(outputs)[None]
 
-    return jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=(P(), P(), P(), P()), out_specs=P()))
+    # Each rank's own output buffers, so that every rank's result is checked, not one copy.
+    return jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
 
 
-def _chain_inputs(rng, layers, m, hidden, top_k):
+def _chain_inputs(rng, tp, layers, m, hidden, top_k):
+    """Fresh inputs of every layer for every rank, different on each: routed [tp, layers, rows,
+    hidden], weights and indices [tp, layers, m, top_k], the first layer's shared [tp, m, hidden]."""
     num_rows = m * top_k
-    routed = rng.standard_normal((layers, num_rows, hidden), dtype=np.float32).astype(numerics.BF16)
-    weights = rng.uniform(0.05, 0.3, (layers, m, top_k)).astype(np.float32)
-    indices = rng.integers(-1, num_rows, (layers, m, top_k)).astype(np.int32)
-    shared = rng.standard_normal((m, hidden), dtype=np.float32).astype(numerics.BF16)
+    routed = rng.standard_normal((tp, layers, num_rows, hidden), dtype=np.float32).astype(numerics.BF16)
+    weights = rng.uniform(0.05, 0.3, (tp, layers, m, top_k)).astype(np.float32)
+    indices = rng.integers(-1, num_rows, (tp, layers, m, top_k)).astype(np.int32)
+    shared = rng.standard_normal((tp, m, hidden), dtype=np.float32).astype(numerics.BF16)
     return routed, weights, indices, shared
+
+
+def _run_chain(chain, mailbox, inputs):
+    """The chain on ``inputs`` placed rank by rank; each rank's outputs as NumPy [tp, layers, m, hidden]."""
+    ranked = jax.sharding.NamedSharding(mailbox.mesh, P("tp"))
+    out = chain(*(jax.device_put(jnp.asarray(x), ranked) for x in inputs))
+    by_device = {s.device: np.asarray(s.data)[0] for s in out.addressable_shards}
+    return np.stack([by_device[d] for d in mailbox.mesh.devices.flat])
+
+
+def _check_chain(out, inputs, scale):
+    """Every rank's outputs of a chain: layer l sums the ranks' own partials, each over the
+    same shared input (the first layer: each rank's own; then the layer before's sum), and
+    every rank holds the same bits."""
+    routed, weights, indices, shared = inputs
+    tp = len(routed)
+    for rank in range(1, tp):
+        assert np.array_equal(out[rank].view(np.uint16), out[0].view(np.uint16)), f"rank {rank} differs from rank 0"
+    for layer in range(out.shape[1]):
+        problems = [numerics.Problem(routed[r, layer], weights[r, layer], indices[r, layer],
+                                     shared[r] if layer == 0 else out[0, layer - 1]) for r in range(tp)]
+        expected, bound = numerics.expected_sum(problems, scale)
+        numerics.assert_close(out[0, layer], expected, bound, what=f"layer {layer}")
 
 
 @pytest.mark.gpus(2)
@@ -157,23 +186,11 @@ def test_chained_calls_with_varying_m_rotate_the_stages():
             m = int(rng.choice([1, 5, 17, CAPACITY]))
             if m not in chains:
                 chains[m] = _chain(mb, layers, scale)
-            inputs = _chain_inputs(rng, layers, m, hidden, top_k)
-            out = np.asarray(chains[m](*map(jnp.asarray, inputs)))
-            _check_replicated_chain(out, inputs, scale, tp=2)
+            inputs = _chain_inputs(rng, mb.tp, layers, m, hidden, top_k)
+            _check_chain(_run_chain(chains[m], mb, inputs), inputs, scale)
             calls += layers
         mb.check()
         assert calls == 500
-
-
-def _check_replicated_chain(out, inputs, scale, tp):
-    """Replicated inputs make every rank's partial the same p, so each layer is bf16(tp * p)."""
-    routed, weights, indices, shared = inputs
-    previous = shared
-    for layer in range(out.shape[0]):
-        problem = numerics.Problem(routed[layer], weights[layer], indices[layer], previous)
-        expected, bound = numerics.expected_sum([problem] * tp, scale)
-        numerics.assert_close(out[layer], expected, bound, what=f"layer {layer}")
-        previous = out[layer]
 
 
 @pytest.mark.gpus(2)
@@ -185,9 +202,8 @@ def test_command_buffer_chain_of_32_layers():
     with jmp.Mailbox(_mesh(2), "tp", hidden=hidden, capacity_m=CAPACITY) as mb:
         chain = _chain(mb, layers, scale)
         for _ in range(4):  # the first runs record the graph, later ones replay it
-            inputs = _chain_inputs(rng, layers, m, hidden, top_k)
-            out = np.asarray(chain(*map(jnp.asarray, inputs)))
-            _check_replicated_chain(out, inputs, scale, tp=2)
+            inputs = _chain_inputs(rng, mb.tp, layers, m, hidden, top_k)
+            _check_chain(_run_chain(chain, mb, inputs), inputs, scale)
         mb.check()
     captured, _ = _extension.execute_counts()
     assert captured > captured_before, "XLA never launched the op inside a CUDA graph capture"

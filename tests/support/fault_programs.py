@@ -11,10 +11,11 @@ After a fault no memory is freed (every free would fail): the program prints
 its result and leaves with ``os._exit``.
 
 Programs on the kernel harness (`gpu_harness`, one prebuilt ``tests``-preset
-config per algorithm, ranks launched one by one):
+config per algorithm, the ranks' kernels launched role by role or one rank at a time):
 
-* ``silent-peer``: one rank runs whole calls, the other never publishes. The
-  running rank's wait must trap within the timeout and record the diagnostic.
+* ``silent-peer``: a group of ``--tp`` ranks (virtual ranks where there are fewer
+  GPUs); one rank never launches, the others run a whole call. Their waits must
+  trap within the timeout and record the diagnostic that names the silent rank.
 * ``flagged-silent-peer``: ``silent-peer`` on a mailbox that flags instead of
   trapping: a healthy call, a call rank 1 skips, then a call on both.
 * ``double-publish``: rank 1 publishes calls n and n+1 with no reduce between,
@@ -25,17 +26,21 @@ config per algorithm, ranks launched one by one):
   every algorithm, several calls: no wait may stall.
 * ``sanitize``: a few healthy calls of every kernel (oneshot, twoshot, both
   fused variants on grids smaller than their tiles, the RMSNorm epilogue
-  unfused and fused), for ``compute-sanitizer``; it ends with a normal exit.
+  unfused and fused, both of its outputs poisoned), for ``compute-sanitizer``;
+  it ends with a normal exit.
 
 Programs on the public API (jit + shard_map on two GPUs, the FFI handler):
 
-* ``api-timeout``: rank 1 skips the op (a `lax.cond` on the rank); rank 0's
-  wait traps, and `Mailbox.diagnose` must turn XLA's error into
-  `MailboxStatusError`; then the mailbox is closed, as `with Mailbox` would.
+* ``api-timeout``: on ``--tp`` GPUs, ``--silent-rank`` skips the op (a `lax.cond`
+  on the rank); the other ranks' waits trap, and `Mailbox.diagnose` must turn
+  XLA's error into `MailboxStatusError`; then the mailbox is closed, as
+  `with Mailbox` would.
 * ``two-mailboxes``: two jitted functions on two mailboxes, called
   alternately; then one mailbox is closed and its compiled function called.
-* ``closed-chain``: a chain of calls that XLA captures in a command buffer,
-  replayed, then called again after its mailbox is closed.
+* ``closed-chain``: a chain of calls on inputs that differ by rank, which XLA
+  captures in a command buffer and replays, then called again after its
+  mailbox is closed; the handler's executes of each run show which runs
+  were replays.
 """
 
 from __future__ import annotations
@@ -83,16 +88,17 @@ def finish(result: dict) -> None:
 # --- kernel harness ----------------------------------------------------------------------------
 
 
-def config_for(algorithm: str):
-    """The first ``tests``-preset variant of ``algorithm`` for two GPUs (prebuilt for the GPU machine)."""
-    return next(c for c in gpu_matrix.variants(2) if c.algorithm == algorithm)
+def config_for(algorithm: str, tp: int = 2):
+    """The first ``tests``-preset variant of ``algorithm`` for a group of ``tp`` (prebuilt for the
+    GPU machine)."""
+    return next(c for c in gpu_matrix.variants(tp) if c.algorithm == algorithm)
 
 
 @contextlib.contextmanager
 def group(algorithm: str, timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT_ABORT, *, config=None,
           grid_limits=None):
-    """A `gpu_harness.GroupLauncher` of ``algorithm`` (or of ``config``) on GPUs 0 and 1 (one GPU:
-    virtual ranks)."""
+    """A `gpu_harness.GroupLauncher` of ``algorithm`` for two ranks, or of ``config``: rank r on
+    GPU r % count, virtual ranks where there are fewer GPUs than ranks."""
     pool = gpu_harness.DevicePool()
     artifact = default_store().get(config or config_for(algorithm))
     with gpu_harness.open_group(artifact, pool, capacity_m=CAPACITY_M, timeout_ns=timeout_ns,
@@ -127,15 +133,23 @@ def prepare_call(buffers, problems, rng, m: int):
     return residual, norm_weight
 
 
-def launch_rank(launcher, rank: int, rank_buffers, m: int, roles=None) -> None:
-    """Enqueue one rank's kernels of a call (all of them, or those of ``roles``) on its device."""
+def launch_ranks(launcher, ranks, buffers, m: int, roles=None) -> None:
+    """Enqueue the kernels of a call (all of them, or those of ``roles``) for ``ranks``, rank r
+    with ``buffers[r]``, role by role as `GroupLauncher.launch` does, each persistent grid capped
+    as there (so that virtual ranks sharing a GPU all run at once)."""
     for index, kernel in enumerate(launcher.kernels):
         if roles is not None and kernel["role"] not in roles:
             continue
         rows = m if kernel["rows"] == "m" else protocol.owned_rows(m, launcher.config.tp)
-        launcher.devices[rank].launch(
-            launcher.functions[rank][index], kernel, rows, launcher.values(rank, rank_buffers, m), launcher.pdl
-        )
+        for rank in ranks:
+            launcher.devices[rank].launch(launcher.functions[rank][index], kernel, rows,
+                                          launcher.values(rank, buffers[rank], m), launcher.pdl,
+                                          launcher.max_ctas[rank][index])
+
+
+def launch_rank(launcher, rank: int, rank_buffers, m: int, roles=None) -> None:
+    """Enqueue one rank's kernels of a call (all of them, or those of ``roles``) on its device."""
+    launch_ranks(launcher, [rank], {rank: rank_buffers}, m, roles)
 
 
 def _query(device) -> str | None:
@@ -228,27 +242,31 @@ def stage_words(launcher, rank: int) -> dict:
 
 
 def silent_peer(args) -> None:
-    """``--warmup`` healthy calls, then a call that only ``1 - silent`` runs; the group's first
-    call is number ``--first-call`` (its stage words are set so)."""
-    silent = args.silent_rank
-    waiting = 1 - silent
-    m = 5
+    """``--warmup`` healthy calls of a group of ``--tp``, then a call that every rank but
+    ``--silent-rank`` runs; the group's first call is number ``--first-call`` (its stage words
+    are set so). ``m`` is at least tp + 1, so that every rank owns a token (reduce_scatter and
+    twoshot) and waits for the silent rank."""
+    config = sanitize_configs()[args.config] if args.config else config_for(args.algorithm, args.tp)
+    tp, silent = config.tp, args.silent_rank
+    if tp != args.tp or not 0 <= silent < tp:
+        raise ValueError(f"--tp {args.tp} --silent-rank {silent}: {config.key} is a group of {tp}")
+    waiting = [rank for rank in range(tp) if rank != silent]
+    m = max(5, tp + 1)
     rng = np.random.default_rng(args.seed)
-    config = sanitize_configs()[args.config] if args.config else None
     with group(args.algorithm, FAULT_TIMEOUT_NS, config=config) as launcher:
-        config = launcher.config
         launcher.start_at_call(args.first_call)
         buffers = launcher.allocate(CAPACITY_M, ROUTED_ROWS)
         for _ in range(args.warmup):
             prepare_call(buffers, [random_problem(config, rng, m) for _ in buffers], rng, m)
             launcher.run(buffers, m)
-        prepare_call(buffers[waiting:waiting + 1], [random_problem(config, rng, m)], rng, m)
+        prepare_call([buffers[rank] for rank in waiting], [random_problem(config, rng, m) for _ in waiting], rng, m)
         start = time.monotonic()
-        launch_rank(launcher, waiting, buffers[waiting], m)
-        outcome = wait_ranks(launcher, [waiting], start)[str(waiting)]
+        launch_ranks(launcher, waiting, buffers, m)
+        outcomes = wait_ranks(launcher, waiting, start)
         finish({
-            "key": config.key, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "warmup": args.warmup,
-            "first_call": args.first_call, "waiting": waiting, "silent": silent, "outcome": outcome,
+            "key": config.key, "tp": tp, "m": m, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "warmup": args.warmup,
+            "first_call": args.first_call, "waiting": waiting, "silent": silent, "outcomes": outcomes,
+            "gpu_of_rank": [device.ordinal for device in launcher.devices],
             "status": [status(launcher, rank) for rank in range(config.tp)],
         })
 
@@ -555,9 +573,13 @@ def sanitize(args) -> dict:
                 launcher.run(buffers, m)
                 total, bound = numerics.expected_sum(problems, config.routed_scaling_factor)
                 for rank, b in enumerate(buffers):
+                    out, residual_out = b.output(), b.residual_output()
+                    failures += [f"m={m}: rank {rank}'s {name} rows past {m} were written"
+                                 for name, bits in (("out", out), ("residual_out", residual_out))
+                                 if not np.all(bits[m:] == numerics.POISON_BF16)]
                     try:
                         numerics.assert_epilogue_close(
-                            b.output()[:m].view(numerics.BF16), b.residual_output()[:m].view(numerics.BF16),
+                            out[:m].view(numerics.BF16), residual_out[:m].view(numerics.BF16),
                             total, bound, residual, norm_weight, EPILOGUE_EPS, what=f"rank {rank}")
                     except AssertionError as error:
                         failures.append(f"m={m}: {error}")
@@ -572,15 +594,15 @@ API_M = 5
 CHAIN_LAYERS = 8
 
 
-def _api():
-    """(jax, jmp, mesh over GPUs 0 and 1), imported only by the public-API programs."""
+def _api(tp: int = 2):
+    """(jax, jmp, mesh over GPUs 0 to tp - 1), imported only by the public-API programs."""
     import jax
 
     import jax_moe_publish as jmp
 
-    gpus = [d for d in jax.devices() if d.platform == "gpu"][:2]
-    if len(gpus) < 2:
-        raise RuntimeError(f"two GPUs needed, JAX sees {jax.devices()}")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"][:tp]
+    if len(gpus) < tp:
+        raise RuntimeError(f"{tp} GPUs needed, JAX sees {jax.devices()}")
     return jax, jmp, jax.sharding.Mesh(np.array(gpus), ("tp",))
 
 
@@ -588,12 +610,13 @@ def _api_mailbox(jmp, mesh, timeout_s: float = 5.0):
     return jmp.Mailbox(mesh, "tp", hidden=API_PROBLEM.hidden, capacity_m=CAPACITY_M, timeout_s=timeout_s)
 
 
-def _api_config(jmp):
-    return tuning.kernel_config(API_PROBLEM, tp=2, m=API_M)
+def _api_config(tp: int = 2):
+    return tuning.kernel_config(API_PROBLEM, tp=tp, m=API_M)
 
 
-def _api_problems(jmp, rng, tp: int) -> list[numerics.Problem]:
-    config = _api_config(jmp)
+def _api_problems(rng, tp: int) -> list[numerics.Problem]:
+    """Fresh inputs of one call for every rank, different on each."""
+    config = _api_config(tp)
     return [random_problem(config, rng, API_M) for _ in range(tp)]
 
 
@@ -629,8 +652,9 @@ def _api_failure(out: np.ndarray, problems) -> str | None:
             numerics.assert_close(rank_out, total, bound, what=f"rank {rank}")
         except AssertionError as error:
             failures.append(str(error))
-    if not np.array_equal(out[0].view(np.uint16), out[1].view(np.uint16)):
-        failures.append("the ranks' outputs differ in bits")
+    for rank, rank_out in enumerate(out[1:], 1):
+        if not np.array_equal(rank_out.view(np.uint16), out[0].view(np.uint16)):
+            failures.append(f"rank {rank}'s output differs in bits from rank 0's")
     return "; ".join(failures) or None
 
 
@@ -649,15 +673,20 @@ def _outcome(call) -> dict:
 
 
 def api_timeout(args) -> None:
-    """One healthy call, then a call in which rank 1 skips the op, under `Mailbox.diagnose`."""
-    jax, jmp, mesh = _api()
+    """On ``--tp`` GPUs: one healthy call, then a call in which ``--silent-rank`` skips the op
+    (a `lax.cond` on the rank), under `Mailbox.diagnose`; then the status words once every
+    other rank's wait has timed out (each device's on its own), and a close."""
+    tp, silent = args.tp, args.silent_rank
+    if not 0 <= silent < tp:
+        raise ValueError(f"--silent-rank {silent}: a group of {tp} has ranks 0 to {tp - 1}")
+    jax, jmp, mesh = _api(tp)
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
     rng = np.random.default_rng(args.seed)
     mailbox = _api_mailbox(jmp, mesh, timeout_s=FAULT_TIMEOUT_NS / 1e9)
     healthy = _api_step(jax, jmp, mailbox)
-    problems = _api_problems(jmp, rng, 2)
+    problems = _api_problems(rng, tp)
     healthy_failure = _api_failure(np.asarray(healthy(*_api_args(jax, mesh, problems))), problems)
 
     def shard(routed, weights, indices, shared):
@@ -670,11 +699,11 @@ def api_timeout(args) -> None:
         def skip():
             return jax.numpy.zeros((API_M, API_PROBLEM.hidden), jax.numpy.bfloat16)
 
-        return lax.cond(lax.axis_index("tp") == 0, publish, skip)[None]
+        return lax.cond(lax.axis_index("tp") != silent, publish, skip)[None]
 
     # The branches differ per rank by design, so the varying-axes check is off.
     faulty = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
-    inputs = _api_args(jax, mesh, _api_problems(jmp, rng, 2))
+    inputs = _api_args(jax, mesh, _api_problems(rng, tp))
     compiled = faulty.lower(*inputs).compile()
 
     def step():
@@ -683,6 +712,11 @@ def api_timeout(args) -> None:
 
     outcome = _outcome(step)
     outcome.pop("value")
+    # The error came from the first device to fail; the others' waits time out on their own.
+    deadline = time.monotonic() + HOST_DEADLINE_S
+    while time.monotonic() < deadline and any(
+            s["code"] == protocol.STATUS_OK for s in mailbox.status() if s["rank"] != silent):
+        time.sleep(0.01)
     status_words = mailbox.status()
     # What `with Mailbox(...)` does next: an error here would replace the diagnostic.
     with warnings.catch_warnings(record=True) as caught:
@@ -690,9 +724,9 @@ def api_timeout(args) -> None:
         closing = _outcome(mailbox.close)
     closing.pop("value")
     closing["warning"] = " | ".join(str(w.message) for w in caught)
-    finish({"healthy_failure": healthy_failure, "mailbox_id": mailbox.id, "outcome": outcome,
-            "timeout_s": FAULT_TIMEOUT_NS / 1e9, "status": status_words, "close_after_fault": closing,
-            "status_after_close": mailbox.status()})
+    finish({"tp": tp, "silent": silent, "m": API_M, "healthy_failure": healthy_failure, "mailbox_id": mailbox.id,
+            "outcome": outcome, "timeout_s": FAULT_TIMEOUT_NS / 1e9, "status": status_words,
+            "close_after_fault": closing, "status_after_close": mailbox.status()})
 
 
 def two_mailboxes(args) -> None:
@@ -708,7 +742,7 @@ def two_mailboxes(args) -> None:
     failures = []
     for call in range(12):
         name = "ab"[call % 2]
-        problems = _api_problems(jmp, rng, 2)
+        problems = _api_problems(rng, 2)
         if text := _api_failure(np.asarray(steps[name](*_api_args(jax, mesh, problems))), problems):
             failures.append(f"call {call} on {name}: {text}")
     captured_after, _ = _extension.execute_counts()
@@ -717,11 +751,11 @@ def two_mailboxes(args) -> None:
 
     def call_closed():
         with mailboxes["a"].diagnose():
-            return np.asarray(steps["a"](*_api_args(jax, mesh, _api_problems(jmp, rng, 2))))
+            return np.asarray(steps["a"](*_api_args(jax, mesh, _api_problems(rng, 2))))
 
     closed = _outcome(call_closed)
     closed["value"] = None if closed["value"] is None else "an array"
-    problems = _api_problems(jmp, rng, 2)
+    problems = _api_problems(rng, 2)
     after = _outcome(lambda: _api_failure(np.asarray(steps["b"](*_api_args(jax, mesh, problems))), problems))
     finish({
         "alternate_failures": failures, "captured_calls": captured_after - captured_before,
@@ -731,71 +765,84 @@ def two_mailboxes(args) -> None:
 
 
 def closed_chain(args) -> None:
-    """A chain of CHAIN_LAYERS calls in one jit, run three times on the same input arrays (XLA
-    records its command buffer, then replays it), then run again after its mailbox is closed."""
+    """A chain of CHAIN_LAYERS calls in one jit, on inputs that differ by rank, run three times on
+    the same input arrays (XLA records its command buffer, then replays it), then run again after
+    its mailbox is closed. Reports the handler's executes of each run: a run with none replayed
+    the recorded command buffer, which never runs the handler."""
     jax, jmp, mesh = _api()
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jax_moe_publish import _extension
 
     rng = np.random.default_rng(args.seed)
     mailbox = _api_mailbox(jmp, mesh)
-    scale = API_PROBLEM.routed_scaling_factor
+    tp, scale = mailbox.tp, API_PROBLEM.routed_scaling_factor
 
     def shard(routed, weights, indices, shared):
-        y = shared
+        y = shared[0]
         outputs = []
         for layer in range(CHAIN_LAYERS):
-            y = jmp.moe_finalize_publish(routed[layer], weights[layer], indices[layer], y, mailbox=mailbox,
+            y = jmp.moe_finalize_publish(routed[0, layer], weights[0, layer], indices[0, layer], y, mailbox=mailbox,
                                          routed_scaling_factor=scale, impl="kernel")
             outputs.append(y)
-        return jnp.stack(outputs)
+        return jnp.stack(outputs)[None]
 
-    chain = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P(), out_specs=P()))
-    config = _api_config(jmp)
-    layers = [random_problem(config, rng, API_M) for _ in range(CHAIN_LAYERS)]
+    # Each rank's own output buffers, so that every rank's result is checked.
+    chain = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    config = _api_config(tp)
+    # layers[r][l]: rank r's inputs of layer l, different on every rank (the shared input of
+    # layer l > 0 is the chain's: layer l - 1's result).
+    layers = [[random_problem(config, rng, API_M) for _ in range(CHAIN_LAYERS)] for _ in range(tp)]
     # Placed once, so that every run reads the same input buffers.
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    inputs = [jax.device_put(np.stack([getattr(p, f) for p in layers]), replicated)
-              for f in ("routed", "weights", "indices")]
-    inputs.append(jax.device_put(layers[0].shared, replicated))
+    ranked = NamedSharding(mesh, P("tp"))
+    inputs = [jax.device_put(np.stack([np.stack([getattr(p, f) for p in rank_layers]) for rank_layers in layers]),
+                             ranked) for f in ("routed", "weights", "indices")]
+    inputs.append(jax.device_put(np.stack([rank_layers[0].shared for rank_layers in layers]), ranked))
 
-    def check(out) -> str | None:
-        # Replicated inputs: every rank's partial is the same p, so layer l is bf16(tp * p).
-        previous = layers[0].shared
-        for layer, problem in enumerate(layers):
-            expected, bound = numerics.expected_sum(
-                [numerics.Problem(problem.routed, problem.weights, problem.indices, previous)] * 2, scale
-            )
+    def per_rank(out) -> np.ndarray:
+        """Each rank's outputs, [tp, CHAIN_LAYERS, m, hidden]."""
+        by_device = {s.device: np.asarray(s.data)[0] for s in out.addressable_shards}
+        return np.stack([by_device[d] for d in mesh.devices.flat])
+
+    def check(out: np.ndarray) -> str | None:
+        """Why the ranks' outputs are not the chain's model; None if they are."""
+        for rank in range(1, tp):
+            if not np.array_equal(out[rank].view(np.uint16), out[0].view(np.uint16)):
+                return f"rank {rank}'s outputs differ in bits from rank 0's"
+        previous = None
+        for layer in range(CHAIN_LAYERS):
+            problems = [numerics.Problem(layers[r][layer].routed, layers[r][layer].weights, layers[r][layer].indices,
+                                         layers[r][0].shared if layer == 0 else previous) for r in range(tp)]
+            expected, bound = numerics.expected_sum(problems, scale)
             try:
-                numerics.assert_close(out[layer], expected, bound, what=f"layer {layer}")
+                numerics.assert_close(out[0, layer], expected, bound, what=f"layer {layer}")
             except AssertionError as error:
                 return str(error)
-            previous = out[layer]
+            previous = out[0, layer]
         return None
 
-    captured_before, direct_before = _extension.execute_counts()
-    failures = []
-    for run in range(3):
+    def executes_since(before) -> dict:
+        return dict(zip(("captured", "direct"), (n - b for n, b in zip(_extension.execute_counts(), before))))
+
+    runs = []
+    for _ in range(3):
+        before = _extension.execute_counts()
         out = chain(*inputs)
-        if text := check(np.asarray(out)):
-            failures.append(f"run {run}: {text}")
+        failure = check(per_rank(out))
         del out  # lets XLA hand the next run the same output buffers
-    captured, direct = _extension.execute_counts()
+        runs.append({**executes_since(before), "failure": failure})
     mailbox.close()
 
     def call_closed():
         with mailbox.diagnose():
-            return check(np.asarray(chain(*inputs)))
+            return check(per_rank(chain(*inputs)))
 
+    before = _extension.execute_counts()
     closed = _outcome(call_closed)
     finish({
-        "failures": failures, "closed_id": mailbox.id, "closed_call": closed,
-        "status_after": mailbox.status(),
-        "handler_executes_before_close": {"captured": captured - captured_before, "direct": direct - direct_before},
-        "handler_executes_after_close": dict(zip(("captured", "direct"), (
-            n - m for n, m in zip(_extension.execute_counts(), (captured, direct))))),
+        "runs": runs, "closed_id": mailbox.id, "closed_call": closed, "status_after": mailbox.status(),
+        "handler_executes_after_close": executes_since(before),
     })
 
 
@@ -817,7 +864,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("program", choices=sorted(PROGRAMS))
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="oneshot")
-    parser.add_argument("--silent-rank", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--tp", type=int, choices=gpu_matrix.GROUP_TPS, default=2,
+                        help="group size of silent-peer and api-timeout")
+    parser.add_argument("--silent-rank", type=int, default=1, help="the rank that never calls (below --tp)")
     parser.add_argument("--warmup", type=int, default=2, help="healthy calls before the fault")
     parser.add_argument("--first-call", type=int, default=0, help="number of the group's first call")
     parser.add_argument("--config", choices=sorted(sanitize_configs()),
