@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import threading
 import warnings
 
@@ -27,6 +28,31 @@ DEFAULT_PROCESS_TIMEOUT_S = 300.0
 _ids = itertools.count(1)
 
 
+def checked_int(name: str, value) -> int:
+    """The public argument ``name`` (here and in `op`) as an int. TypeError for a bool (True is
+    no size), for a float (64.0 too: the message says to write 64) and for anything else not
+    integral."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, bool):
+        got = "a bool"
+    elif isinstance(value, numbers.Real) and float(value).is_integer():
+        got = f"a float; write {int(value)}"
+    else:
+        got = type(value).__name__
+    raise TypeError(f"{name}={value!r}: expected an int, got {got}")
+
+
+def checked_float(name: str, value) -> float:
+    """The public argument ``name`` (here and in `op`) as a float. TypeError for a bool and for
+    anything that is not a Python or NumPy real number: a jax array has no value at trace time,
+    where the kernels are chosen."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    got = "a bool" if isinstance(value, bool) else type(value).__name__
+    raise TypeError(f"{name}={value!r}: expected a float, got {got}")
+
+
 def _is_cuda(device) -> bool:
     return device.platform in ("gpu", "cuda")
 
@@ -38,6 +64,19 @@ def _distributed_client():
         raise RuntimeError("the mesh spans processes, but jax.distributed is not initialized: call "
                            "jax.distributed.initialize() in every process first")
     return client
+
+
+def _mesh_layout(mesh, with_devices: bool) -> tuple:
+    """What makes ranks the same on two meshes: axes and sizes in order, and the device ids."""
+    axes = tuple(mesh.shape.items())
+    return (axes, tuple(mesh.device_ids.flat)) if with_devices else axes
+
+
+def _describe_mesh(mesh) -> str:
+    axes = "{" + ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items()) + "}"
+    if isinstance(mesh, jax.sharding.Mesh):
+        return f"{axes} on devices {mesh.device_ids.tolist()}"
+    return axes
 
 
 class MailboxStatusError(RuntimeError):
@@ -103,17 +142,17 @@ class Mailbox:
     ) -> None:
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name={axis_name!r}: expected one of the mesh axes {mesh.axis_names}")
-        if not isinstance(hidden, (int, np.integer)) or hidden <= 0 or hidden % protocol.REDUCE_ELEMENTS:
+        if checked_int("hidden", hidden) <= 0 or hidden % protocol.REDUCE_ELEMENTS:
             raise ValueError(f"hidden={hidden!r}: expected a positive multiple of {protocol.REDUCE_ELEMENTS}")
-        if not isinstance(capacity_m, (int, np.integer)) or capacity_m <= 0:
+        if checked_int("capacity_m", capacity_m) <= 0:
             raise ValueError(f"capacity_m={capacity_m!r}: expected a positive int")
         if result not in RESULTS:
             raise ValueError(f"result={result!r}: expected one of {RESULTS}")
-        if not (isinstance(timeout_s, (int, float)) and 0 <= timeout_s < 3600):
+        if not 0 <= checked_float("timeout_s", timeout_s) < 3600:
             raise ValueError(f"timeout_s={timeout_s!r}: expected seconds in [0, 3600)")
         if on_timeout not in ON_TIMEOUT:
             raise ValueError(f"on_timeout={on_timeout!r}: expected one of {tuple(ON_TIMEOUT)}")
-        if not (isinstance(process_timeout_s, (int, float)) and 0 < process_timeout_s <= 3600):
+        if not 0 < checked_float("process_timeout_s", process_timeout_s) <= 3600:
             raise ValueError(f"process_timeout_s={process_timeout_s!r}: expected seconds in (0, 3600]")
         self.mesh = mesh
         self.axis_name = axis_name
@@ -146,6 +185,21 @@ class Mailbox:
         axis = mesh.axis_names.index(axis_name)
         devices = np.moveaxis(mesh.devices, axis, -1)
         return [list(group) for group in devices.reshape(-1, devices.shape[-1])]
+
+    def check_mesh(self, mesh) -> None:
+        """Raise ValueError unless ``mesh`` (the mesh a call runs on) is this mailbox's: the same
+        axes with the same sizes in the same order and, for a concrete `jax.sharding.Mesh`, the
+        same devices in the same places. A rank is a device's position along the axis, so the
+        same devices in another order would permute the ranks. An `AbstractMesh` names no
+        devices: only its axes are compared."""
+        concrete = isinstance(mesh, jax.sharding.Mesh)
+        if _mesh_layout(mesh, concrete) != _mesh_layout(self.mesh, concrete):
+            raise ValueError(
+                f"mailbox={self!r} belongs to the mesh {_describe_mesh(self.mesh)}, but the call runs on "
+                f"the mesh {_describe_mesh(mesh)}: make the Mailbox on the mesh that the shard_map runs on "
+                f"(a rank is a device's position along {self.axis_name!r}, so the same devices in "
+                "another order would permute the ranks)"
+            )
 
     @staticmethod
     def _local(devices) -> list:

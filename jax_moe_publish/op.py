@@ -7,6 +7,7 @@ with the residual add + RMSNorm that follows it in a transformer layer.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -14,12 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_publish import _launch, protocol, reference, tuning
 from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.config import MAX_TOP_K, KernelConfig
-from jax_moe_publish.mailbox import Mailbox
+from jax_moe_publish.mailbox import Mailbox, checked_float
 
 IMPLS = ("auto", "kernel", "reference")
 
@@ -51,7 +54,11 @@ def _check_inputs(routed_output, expert_weights, permuted_indices, shared_output
         raise ValueError(f"routed_output.shape[0]={routed_output.shape[0]}: expected fewer than 2**31 rows")
     _check_array("expert_weights", expert_weights, 2, [jnp.bfloat16, jnp.float32])
     m, top_k = expert_weights.shape
-    _check_array("permuted_indices", permuted_indices, 2, [jnp.int32], shape=(m, top_k))
+    weights_shape = f"expert_weights.shape={tuple(expert_weights.shape)}"
+    _check_array("permuted_indices", permuted_indices, 2, [jnp.int32])
+    if tuple(permuted_indices.shape) != (m, top_k):
+        raise ValueError(f"permuted_indices.shape={tuple(permuted_indices.shape)}: expected {(m, top_k)}, "
+                         f"one index per weight of {weights_shape}")
     if not 1 <= m <= mailbox.capacity_m:
         raise ValueError(
             f"m={m} (expert_weights.shape[0]): expected 1 <= m <= capacity_m={mailbox.capacity_m}"
@@ -59,8 +66,11 @@ def _check_inputs(routed_output, expert_weights, permuted_indices, shared_output
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k={top_k} (expert_weights.shape[1]): expected 1 <= top_k <= {MAX_TOP_K}")
     if shared_output is not None:
-        _check_array("shared_output", shared_output, 2, [jnp.bfloat16], shape=(m, mailbox.hidden))
-    if not (isinstance(routed_scaling_factor, (int, float, np.floating)) and math.isfinite(routed_scaling_factor)):
+        _check_array("shared_output", shared_output, 2, [jnp.bfloat16])
+        if tuple(shared_output.shape) != (m, mailbox.hidden):
+            raise ValueError(f"shared_output.shape={tuple(shared_output.shape)}: expected {(m, mailbox.hidden)}, "
+                             f"one row per token of {weights_shape}, of the mailbox's hidden={mailbox.hidden}")
+    if not math.isfinite(checked_float("routed_scaling_factor", routed_scaling_factor)):
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a finite float")
 
 
@@ -81,28 +91,70 @@ def _check_epilogue(residual, norm_weight, norm_eps, mailbox, m) -> bool:
         raise ValueError(f"residual.shape={tuple(residual.shape)}: expected {(rows, mailbox.hidden)} "
                          f"({rule}, the shape of the result)")
     _check_array("norm_weight", norm_weight, 1, [jnp.bfloat16], shape=(mailbox.hidden,))
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float, np.floating, np.integer)):
-        raise TypeError(f"norm_eps={norm_eps!r}: expected a float, got {type(norm_eps).__name__}")
+    checked_float("norm_eps", norm_eps)
     if not (math.isfinite(norm_eps) and np.float32(norm_eps) > 0):
         raise ValueError(f"norm_eps={norm_eps!r}: expected a finite float > 0 (as float32)")
     return True
 
 
 def _check_axis(mailbox: Mailbox) -> None:
-    """The call is traced inside shard_map over the mailbox's axis, on the mailbox's mesh."""
+    """The call is traced inside shard_map over the mailbox's axis, on a mesh of the mailbox's axes
+    (its devices are compared when the call is lowered: `_on_mailbox_mesh_p`)."""
     try:
-        size = lax.axis_size(mailbox.axis_name)
+        lax.axis_size(mailbox.axis_name)
     except NameError:
         raise ValueError(
             f"moe_finalize_publish: axis {mailbox.axis_name!r} is not bound; call it inside "
             f"jax.shard_map over the mailbox's axis (or use sharded_moe_finalize_publish)"
         ) from None
     mesh = jax.sharding.get_abstract_mesh()
-    expected = dict(mailbox.mesh.shape)
-    got = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {mailbox.axis_name: size}
-    if got != expected:
-        raise ValueError(f"mailbox={mailbox!r} belongs to a mesh of shape {expected}, but the call runs "
-                         f"on a mesh of shape {got}")
+    if mesh.empty:
+        raise ValueError(f"moe_finalize_publish: axis {mailbox.axis_name!r} is bound, but not by jax.shard_map "
+                         "(jax.vmap's axis_name?); call it inside jax.shard_map over the mailbox's mesh")
+    mailbox.check_mesh(mesh)
+
+
+def _varying_axes(x) -> frozenset:
+    """The mesh axes along which ``x`` differs between shards, as shard_map's varying-axes check
+    tracks them (none where that check is off)."""
+    return jax.typeof(x).mat.varying
+
+
+def _check_varying(mailbox: Mailbox, partial_inputs: dict) -> None:
+    """This rank's partial differs along the mailbox's axis: the sum of one partial published by
+    every rank is ``tp`` times it. Only shard_map's varying-axes check (``check_vma=True``)
+    knows; without it the op trusts the caller."""
+    axis = mailbox.axis_name
+    # axis_index varies along its axis exactly when shard_map tracks varying axes.
+    tracked = axis in _varying_axes(jax.eval_shape(lambda: lax.axis_index(axis)))
+    if mailbox.tp == 1 or not tracked:
+        return
+    varying = {name: _varying_axes(x) for name, x in partial_inputs.items() if x is not None}
+    if not any(axis in axes for axes in varying.values()):
+        found = ", ".join(f"{name} varies along {' and '.join(map(repr, sorted(axes))) or 'no axis'}"
+                          for name, axes in varying.items())
+        raise ValueError(
+            f"moe_finalize_publish: no input of the partial varies along the mailbox's axis {axis!r} "
+            f"({found}), so all {mailbox.tp} ranks would publish the same partial and the result would "
+            f"be {mailbox.tp} times it; expected at least one input sharded along {axis!r} (or, for that "
+            f"sum, marked with jax.lax.pcast(x, {axis!r}, to='varying'))"
+        )
+
+
+def _lower_on_mailbox_mesh(ctx, indices, *, mailbox):
+    # Inside shard_map the axis context holds the mesh the call is partitioned on; it is
+    # abstract (no devices) only where no concrete mesh is known then.
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is not None:
+        mailbox.check_mesh(mesh)
+    return [indices]
+
+
+# The identity on a call's indices whose lowering compares the call's mesh, devices included,
+# with the mailbox's: while shard_map's body is traced only the abstract mesh is known.
+_on_mailbox_mesh_p = jex_core.Primitive("jax_moe_publish_on_mailbox_mesh")
+_on_mailbox_mesh_p.def_abstract_eval(lambda indices, *, mailbox: indices)
+mlir.register_lowering(_on_mailbox_mesh_p, _lower_on_mailbox_mesh)
 
 
 def _problem(mailbox, expert_weights, shared_output, scale) -> tuning.Problem:
@@ -118,13 +170,8 @@ def _table_epilogue(mailbox, fused_norm) -> str:
     return "rmsnorm" if fused_norm and mailbox.tp > 1 else "none"
 
 
-def _kernel_config(config, mailbox, expert_weights, shared_output, scale, fused_norm) -> KernelConfig:
-    """The tuning table's config for this call, or ``config`` checked against it."""
-    problem = _problem(mailbox, expert_weights, shared_output, scale)
-    epilogue = _table_epilogue(mailbox, fused_norm)
-    if config is None:
-        return tuning.kernel_config(problem, tp=mailbox.tp, m=expert_weights.shape[0], result=mailbox.result,
-                                    epilogue=epilogue)
+def _check_config(config, mailbox, problem, epilogue) -> None:
+    """An explicit ``config`` fits these inputs, the mailbox and its result layout."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
     expected = {**vars(problem), "tp": mailbox.tp, "epilogue": epilogue}
@@ -135,7 +182,6 @@ def _kernel_config(config, mailbox, expert_weights, shared_output, scale, fused_
     if mailbox.tp > 1 and config.algorithm not in allowed:
         raise ValueError(f"config.algorithm={config.algorithm!r}: expected one of {allowed} for a "
                          f"result={mailbox.result!r} mailbox")
-    return config
 
 
 def moe_finalize_publish(
@@ -154,7 +200,9 @@ def moe_finalize_publish(
 ):
     """MoE finalize of this rank's experts, reduced over the TP group (one shard).
 
-    Call inside ``jax.shard_map`` over ``mailbox.axis_name``. With ``tp`` ranks
+    Call inside ``jax.shard_map`` over ``mailbox.axis_name`` of ``mailbox.mesh`` (the same
+    devices in the same places; compared when the call is lowered), with inputs whose partial
+    varies along that axis (checked where shard_map tracks varying axes). With ``tp`` ranks
     and rank ``r``'s partial
 
     ``p_r[t] = bf16( sum_k (w[t,k] * scale) * routed[idx[t,k]] + shared[t] )``
@@ -177,6 +225,11 @@ def moe_finalize_publish(
     bitwise identical on every rank. With tp = 1 the direct kernel computes
     ``y`` and ``jnp`` the epilogue, with the same rounding points.
 
+    Under ``jax.vmap`` a batch is one call over all of its tokens, element b's after element
+    b - 1's (with a ``reduce_scatter`` mailbox each element's m padded to a multiple of tp),
+    so ``capacity_m`` must hold them all; each element gets its own result. ``norm_weight``
+    is then the same for the whole batch.
+
     Parameters
     ----------
     routed_output : bf16 [num_rows, hidden]
@@ -186,7 +239,7 @@ def moe_finalize_publish(
     shared_output : bf16 [m, hidden] or None
         This rank's shared expert output.
     mailbox : Mailbox
-        Made for this mesh axis, ``hidden`` and ``capacity_m >= m``.
+        Made on the mesh the call runs on, for its axis, ``hidden`` and ``capacity_m >= m``.
     routed_scaling_factor : float
     impl : {"auto", "kernel", "reference"}
         ``auto``: the kernels on CUDA devices, the pure-JAX reference elsewhere,
@@ -220,29 +273,128 @@ def moe_finalize_publish(
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     _check_axis(mailbox)
-    kernel_config = _kernel_config(config, mailbox, expert_weights, shared_output, routed_scaling_factor,
-                                   fused_norm)
-    epilogue = dict(residual=residual, norm_weight=norm_weight, norm_eps=float(norm_eps))
-    if impl == "auto" and config is None:
+    _check_varying(mailbox, dict(routed_output=routed_output, expert_weights=expert_weights,
+                                 permuted_indices=permuted_indices, shared_output=shared_output))
+    problem = _problem(mailbox, expert_weights, shared_output, routed_scaling_factor)
+    if config is not None:
+        _check_config(config, mailbox, problem, _table_epilogue(mailbox, fused_norm))
+    publish = _folding_vmap_batches(mailbox, functools.partial(
+        _publish, mailbox=mailbox, impl=_resolve_impl(impl, mailbox), config=config, problem=problem,
+        scale=float(routed_scaling_factor), norm_eps=float(norm_eps),
         # Where XLA's own path is faster (the table's "xla"), auto takes it, on every device.
-        choice = tuning.algorithm_for(_problem(mailbox, expert_weights, shared_output, routed_scaling_factor),
-                                      mailbox.tp, expert_weights.shape[0], mailbox.result,
-                                      _table_epilogue(mailbox, fused_norm))
-        impl = "reference" if choice.algorithm == "xla" else impl
-    impl = _resolve_impl(impl, mailbox)
+        table_may_choose_xla=impl == "auto" and config is None,
+    ))
+    return publish(routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight)
+
+
+def _publish(routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight, *,
+             mailbox, impl, config, problem, scale, norm_eps, table_may_choose_xla):
+    """One checked call, unbatched: under jax.vmap it holds the tokens of the whole batch."""
+    permuted_indices = _on_mailbox_mesh_p.bind(permuted_indices, mailbox=mailbox)
+    m = expert_weights.shape[0]
+    fused_norm = residual is not None
+    table_epilogue = _table_epilogue(mailbox, fused_norm)
+    if table_may_choose_xla and tuning.algorithm_for(problem, mailbox.tp, m, mailbox.result,
+                                                     table_epilogue).algorithm == "xla":
+        impl = "reference"
+    epilogue = dict(residual=residual, norm_weight=norm_weight, norm_eps=norm_eps)
     if impl == "reference":
         return reference.moe_finalize_publish(
             routed_output, expert_weights, permuted_indices, shared_output,
-            axis_name=mailbox.axis_name, routed_scaling_factor=float(routed_scaling_factor),
-            result=mailbox.result, **epilogue,
+            axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
         )
-    set_id = _launch.load(default_store().get(kernel_config), mailbox.local_ordinals)
+    if config is None:
+        config = tuning.kernel_config(problem, tp=mailbox.tp, m=m, result=mailbox.result, epilogue=table_epilogue)
+    set_id = _launch.load(default_store().get(config), mailbox.local_ordinals)
     if fused_norm and mailbox.tp == 1:
         y = _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
-                          float(routed_scaling_factor), {})
-        return reference.add_rmsnorm(y, residual, norm_weight, eps=float(norm_eps))
+                          scale, {})
+        return reference.add_rmsnorm(y, residual, norm_weight, eps=norm_eps)
     return _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
-                         float(routed_scaling_factor), epilogue if fused_norm else {})
+                         scale, epilogue if fused_norm else {})
+
+
+def _folding_vmap_batches(mailbox: Mailbox, publish):
+    """``publish`` (of the six array arguments) under ``jax.vmap``: one call whose tokens are
+    the whole batch's (`_fold_batch`), on every path, so the kernels' FFI call never sees a
+    batch."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*arrays):
+        return publish(*arrays)
+
+    @call.def_vmap
+    def fold(batch, batched, *arrays):
+        folded, unfold = _fold_batch(mailbox, batch, batched, *arrays)
+        out = unfold(call(*folded))
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call
+
+
+def _fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_indices, shared_output,
+                residual, norm_weight):
+    """A jax.vmap batch of ``batch`` calls as the arguments of one call, and the function that
+    splits that call's result into the batch's results.
+
+    Batch element b's tokens follow element b - 1's. With a reduce_scatter mailbox each
+    element's m tokens are padded to a multiple of tp with tokens that read nothing, so that
+    rank r's rows of every element stay in order (row i: token ``i * tp + r``); with the
+    epilogue the rows of padding tokens are zeroed, as the rows of no token are. Batched
+    routed rows are stacked and each element's valid indices moved to its block."""
+    if batch == 0:
+        raise ValueError("jax.vmap over an empty batch: expected at least one batch element")
+    if batched[5]:
+        raise ValueError("norm_weight: under jax.vmap it differs between batch elements, but one call "
+                         "takes one norm weight; expected the same norm_weight for the whole batch "
+                         "(in_axes=None for it)")
+    tp, m, hidden = mailbox.tp, expert_weights.shape[-2], mailbox.hidden
+    scatter = mailbox.result == "reduce_scatter"
+    tokens = protocol.owned_rows(m, tp) * tp if scatter else m
+    if batch * tokens > mailbox.capacity_m:
+        padded = f", padded to a multiple of tp={tp}" if tokens != m else ""
+        raise ValueError(
+            f"jax.vmap over a batch of {batch}: one call takes the batch's tokens, {batch} x {tokens} "
+            f"(m={m}{padded}) = {batch * tokens}, but the mailbox holds capacity_m={mailbox.capacity_m}; "
+            f"expected a Mailbox with capacity_m >= {batch * tokens}, or a smaller batch"
+        )
+
+    def per_element(x, is_batched):
+        return x if is_batched else jnp.broadcast_to(x, (batch, *x.shape))
+
+    def as_tokens(x, fill):  # [batch, m, ...] -> [batch * tokens, ...]
+        x = jnp.pad(x, [(0, 0), (0, tokens - m)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return x.reshape(batch * tokens, *x.shape[2:])
+
+    routed_batched, weights_batched, indices_batched, shared_batched, residual_batched, _ = batched
+    indices = per_element(permuted_indices, indices_batched)
+    if routed_batched:
+        num_rows = routed_output.shape[1]
+        if batch * num_rows >= 2**31:
+            raise ValueError(f"jax.vmap over a batch of {batch} with routed_output batched: one call takes "
+                             f"{batch} x {num_rows} = {batch * num_rows} routed rows; expected fewer than 2**31")
+        valid = (indices >= 0) & (indices < num_rows)
+        block = (jnp.arange(batch, dtype=jnp.int32) * num_rows)[:, None, None]
+        indices = jnp.where(valid, indices + block, -1)
+        routed_output = routed_output.reshape(batch * num_rows, hidden)
+    folded = (
+        routed_output,
+        as_tokens(per_element(expert_weights, weights_batched), 0),
+        as_tokens(indices, -1),
+        None if shared_output is None else as_tokens(per_element(shared_output, shared_batched), 0),
+        None if residual is None else per_element(residual, residual_batched).reshape(-1, hidden),
+        norm_weight,
+    )
+
+    def unfold(out):
+        out = jax.tree.map(lambda x: x.reshape(batch, -1, hidden), out)
+        if residual is None or tokens == m:
+            return out
+        rows = protocol.owned_rows(m, tp)
+        has_token = (jnp.arange(rows) * tp + lax.axis_index(mailbox.axis_name) < m)[None, :, None]
+        return jax.tree.map(lambda x: jnp.where(has_token, x, jnp.zeros_like(x)), out)
+
+    return folded, unfold
 
 
 def _resolve_impl(impl: str, mailbox: Mailbox) -> str:

@@ -64,6 +64,32 @@ def test_sharded_reference_matches_float64(mesh_shape, axes, result):
     numerics.assert_group_close(out, expected, bound, result=result, tp=tp)
 
 
+@pytest.mark.parametrize("axes", [("dp", "tp"), ("tp", "dp")])
+@pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
+def test_two_dim_mesh_reduces_each_group_over_tp_only(axes, result):
+    """A (2, 2) mesh with TP in either position: one group per dp index, each with its own
+    data, reduced over its tp ranks only."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), axes)
+    dp, tp, m, hidden = 2, 2, 7, 128  # m not a multiple of tp
+    rng = np.random.default_rng()
+    groups = [[numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)] for _ in range(dp)]
+    stacks = [jnp.asarray(np.stack([np.stack([getattr(p, field) for p in group]) for group in groups]))
+              for field in ("routed", "weights", "indices", "shared")]  # [dp, tp, ...]
+    scatter = result == "reduce_scatter"
+
+    def shard(routed, weights, indices, shared):
+        out = jmp.moe_finalize_publish(routed[0, 0], weights[0, 0], indices[0, 0], shared[0, 0], mailbox=mailbox,
+                                       routed_scaling_factor=2.5)
+        return out[None, None] if scatter else out[None]
+
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=16, result=result) as mailbox:
+        out_specs = P("dp", "tp") if scatter else P("dp")
+        out = np.asarray(jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("dp", "tp"), out_specs=out_specs))(*stacks))
+    for index, group in enumerate(groups):
+        expected, bound = numerics.expected_sum(group, 2.5)
+        numerics.assert_group_close(out[index], expected, bound, result=result, tp=tp)
+
+
 def test_reversed_mesh_ranks_follow_the_axis_not_the_device_id():
     devices = jax.devices()[:2][::-1]
     mesh = jax.sharding.Mesh(np.array(devices), ("tp",))
@@ -202,6 +228,8 @@ def _valid_args(m=3, hidden=64, top_k=4):
 
 def _call_in_shard_map(mesh, mailbox, args, **kwargs):
     def shard(routed, weights, indices, shared):
+        # Replicated inputs, marked as each rank's own: a partial that does not vary is refused.
+        routed = jax.lax.pcast(routed, MESH_AXES, to="varying")
         return jmp.moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox, **kwargs)
 
     names = ("routed_output", "expert_weights", "permuted_indices", "shared_output")
@@ -215,9 +243,12 @@ BAD_INPUTS = [
     ("routed hidden", dict(routed_output=lambda a: a[:, :32]), ValueError, ["routed_output.shape", "hidden=64"]),
     ("weights dtype", dict(expert_weights=lambda a: a.astype(jnp.int32)), TypeError, ["expert_weights.dtype=int32"]),
     ("indices dtype", dict(permuted_indices=lambda a: a.astype(jnp.int16)), TypeError, ["permuted_indices.dtype=int16", "int32"]),
-    ("indices m", dict(permuted_indices=lambda a: a[:2]), ValueError, ["permuted_indices.shape=(2, 4)", "(3, 4)"]),
-    ("indices top_k", dict(permuted_indices=lambda a: a[:, :3]), ValueError, ["permuted_indices.shape=(3, 3)"]),
-    ("shared m", dict(shared_output=lambda a: a[:2]), ValueError, ["shared_output.shape=(2, 64)", "(3, 64)"]),
+    ("indices m", dict(permuted_indices=lambda a: a[:2]), ValueError,
+     ["permuted_indices.shape=(2, 4)", "(3, 4)", "expert_weights.shape=(3, 4)"]),
+    ("indices top_k", dict(permuted_indices=lambda a: a[:, :3]), ValueError,
+     ["permuted_indices.shape=(3, 3)", "expert_weights.shape=(3, 4)"]),
+    ("shared m", dict(shared_output=lambda a: a[:2]), ValueError,
+     ["shared_output.shape=(2, 64)", "(3, 64)", "expert_weights.shape=(3, 4)"]),
     ("shared dtype", dict(shared_output=lambda a: a.astype(jnp.float32)), TypeError, ["shared_output.dtype=float32"]),
 ]
 
@@ -340,7 +371,8 @@ def test_mailbox_from_another_mesh_is_refused():
     small = jax.make_mesh((2,), ("tp",))
     large = jax.make_mesh((2, 2), ("dp", "tp"))
     with jmp.Mailbox(small, "tp", hidden=64, capacity_m=8) as mailbox:
-        with pytest.raises(ValueError, match="belongs to a mesh of shape"):
+        with pytest.raises(ValueError, match=r"belongs to the mesh \{'tp': 2\} on devices \[0, 1\], but the call "
+                                             r"runs on the mesh \{'dp': 2, 'tp': 2\}"):
             _call_in_shard_map(large, mailbox, _valid_args())
 
 
