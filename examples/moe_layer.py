@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 
@@ -19,6 +20,8 @@ EXPERTS = 16
 TOP_K = 4
 INTERMEDIATE = 256
 ROUTED_SCALE = 2.5
+# The router is replicated; the rest is sliced along the intermediate dim, one slice per rank.
+PARAM_SPECS = {"router": P(), "w_in": P("tp"), "w_out": P("tp"), "shared_in": P("tp"), "shared_out": P("tp")}
 
 
 def init_params(key, tp: int):
@@ -34,8 +37,10 @@ def init_params(key, tp: int):
     }
 
 
-def moe_layer(params, x, *, mailbox, impl):
-    """One shard of the layer: x bf16 [m, hidden] (replicated) -> bf16 [m, hidden] (the group's sum)."""
+def expert_outputs(params, x):
+    """One shard's inputs of the finalize, from x bf16 [m, hidden] (replicated): routed_output bf16
+    [m * top_k, hidden], weights float32 [m, top_k], permuted_indices int32 [m, top_k], shared
+    bf16 [m, hidden], each this rank's partial."""
     m = x.shape[0]
     logits = x.astype(jnp.float32) @ params["router"]
     top_logits, experts = jax.lax.top_k(logits, TOP_K)
@@ -49,7 +54,10 @@ def moe_layer(params, x, *, mailbox, impl):
     hidden_rows = jax.nn.silu(jnp.einsum("rh,rhi->ri", rows, w_in[flat_experts[order]]))
     routed_output = jnp.einsum("ri,rih->rh", hidden_rows, w_out[flat_experts[order]]).astype(jnp.bfloat16)
     shared = (jax.nn.silu(x @ params["shared_in"][0]) @ params["shared_out"][0]).astype(jnp.bfloat16)
-    return jmp.moe_finalize_publish(
-        routed_output, weights, permuted_indices, shared,
-        mailbox=mailbox, routed_scaling_factor=ROUTED_SCALE, impl=impl,
-    )
+    return routed_output, weights, permuted_indices, shared
+
+
+def moe_layer(params, x, *, mailbox):
+    """One shard of the layer: x bf16 [m, hidden] (replicated) -> bf16 [m, hidden] (the group's sum)."""
+    return jmp.moe_finalize_publish(*expert_outputs(params, x), mailbox=mailbox,
+                                    routed_scaling_factor=ROUTED_SCALE)

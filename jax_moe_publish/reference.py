@@ -24,6 +24,15 @@ from jax import lax
 from jax_moe_publish import protocol
 
 
+def as_float32(x: jax.Array) -> jax.Array:
+    """``x`` in float32; a bf16 ``x`` explicitly at bf16 precision. XLA may keep a bf16 value
+    that the same program computed in float32 (``xla_allow_excess_precision``), while the
+    kernels read the stored bf16: the rounding makes both read the same numbers."""
+    if x.dtype != jnp.bfloat16:
+        return x.astype(jnp.float32)
+    return lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+
+
 def moe_finalize(
     routed_output: jax.Array,
     expert_weights: jax.Array,
@@ -58,7 +67,7 @@ def moe_finalize(
     m, top_k = permuted_indices.shape
     valid = (permuted_indices >= 0) & (permuted_indices < num_rows)
     safe_indices = jnp.where(valid, permuted_indices, 0)
-    weights = expert_weights.astype(jnp.float32)
+    weights = as_float32(expert_weights)
     if routed_scaling_factor != 1.0:
         weights = weights * jnp.float32(routed_scaling_factor)
     weights = jnp.where(valid, weights, jnp.float32(0.0))
@@ -67,10 +76,10 @@ def moe_finalize(
         routed_output = jnp.zeros((1, routed_output.shape[1]), routed_output.dtype)
     accumulator = jnp.zeros((m, routed_output.shape[1]), jnp.float32)
     for k in range(top_k):
-        rows = jnp.where(valid[:, k, None], routed_output[safe_indices[:, k]].astype(jnp.float32), 0.0)
+        rows = jnp.where(valid[:, k, None], as_float32(routed_output[safe_indices[:, k]]), 0.0)
         accumulator = accumulator + weights[:, k, None] * rows
     if shared_output is not None:
-        accumulator = accumulator + shared_output.astype(jnp.float32)
+        accumulator = accumulator + as_float32(shared_output)
     return accumulator.astype(jnp.bfloat16)
 
 
@@ -101,13 +110,12 @@ def add_rmsnorm(
 
     The mean and everything after it are float32. Returns ``(out, residual_out)``.
     """
-    # An explicit rounding to bf16: XLA on GPU may keep a bf16 convert's input in float32
-    # (xla_allow_excess_precision), which would move this rounding point.
-    x = lax.reduce_precision(y.astype(jnp.float32) + residual.astype(jnp.float32), exponent_bits=8,
-                             mantissa_bits=7)
+    # Explicit roundings to bf16 (`as_float32`): of the inputs, and of the sum, whose rounding
+    # point XLA would otherwise be free to move.
+    x = as_float32((as_float32(y) + as_float32(residual)).astype(jnp.bfloat16))
     residual_out = x.astype(jnp.bfloat16)
     inverse_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps))
-    out = (x * inverse_rms * norm_weight.astype(jnp.float32)).astype(jnp.bfloat16)
+    out = (x * inverse_rms * as_float32(norm_weight)).astype(jnp.bfloat16)
     return out, residual_out
 
 

@@ -50,6 +50,35 @@ def test_reference_finalize_matches_float64(hidden, top_k, m, fp32_weights, shar
     numerics.assert_close(out, expected, bound)
 
 
+def test_reference_reads_bf16_inputs_made_in_the_same_program():
+    """Inputs that the op's own program computes (bf16 GEMMs, as an expert layer's) are read at
+    bf16 precision, as the kernels read them from memory: XLA may keep such a bf16 result in
+    float32 (excess precision), so the same program's result must equal the result on stored
+    bf16 inputs."""
+    rng = np.random.default_rng()
+    m, top_k, hidden, rows, inner = 8, 4, 256, 32, 64
+
+    def bf16(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    rows_in, tokens_in, w, residual = bf16(rows, inner), bf16(m, inner), bf16(inner, hidden), bf16(m, hidden)
+    weights = jnp.asarray(rng.random((m, top_k)), jnp.float32)
+    indices = jnp.asarray(rng.integers(0, rows, (m, top_k)), jnp.int32)
+    norm_weight = jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.bfloat16)
+
+    def experts(rows_in, tokens_in, w, residual):
+        return jax.nn.silu(rows_in @ w), tokens_in @ w, residual * 1.2345
+
+    def layer(routed, shared, residual):
+        y = jmp.reference.moe_finalize(routed, weights, indices, shared, routed_scaling_factor=2.5)
+        return (y, *jmp.reference.add_rmsnorm(y, residual, norm_weight, eps=1e-6))
+
+    fused = jax.jit(lambda *a: layer(*experts(*a)))(rows_in, tokens_in, w, residual)
+    stored = jax.jit(layer)(*jax.jit(experts)(rows_in, tokens_in, w, residual))
+    for name, a, b in zip(("y", "out", "residual_out"), fused, stored):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
+
+
 @pytest.mark.parametrize("mesh_shape,axes", [((4,), ("tp",)), ((2, 2), ("dp", "tp"))])
 @pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
 def test_sharded_reference_matches_float64(mesh_shape, axes, result):
