@@ -1,16 +1,24 @@
 """Side-by-side timing of jax-moe-publish against XLA's finalize + psum, on the same GPUs in one run.
 
 For every case one ``jit`` + ``shard_map`` runs a ``fori_loop`` whose body is a
-chain of L = 32 layers, each layer with its own inputs (so XLA can neither
-hoist nor merge layers) and each layer's output fed into the next layer's
-shared-expert input, as in a model. Without a shared expert, the XLA path's
-layers are tied through the next layer's weights, plus ``zero`` times a part
-of ``y``, with ``zero`` a runtime argument XLA cannot fold: ``y[:, :top_k]``
-where a ``psum`` follows the finalize (XLA fuses the add into the finalize),
-and the sum of all of ``y`` at tp = 1, where XLA would otherwise compute only
-the ``top_k`` columns that the tie reads (that sum can cost XLA one read of
-``y`` per layer). Our custom call has side effects, so XLA can neither hoist
-nor merge nor slice it and it needs no tie:
+chain of L = 32 layers, each layer with its own inputs (so XLA cannot merge
+layers) and each layer's output fed into the next layer's shared-expert input,
+as in a model. The inputs are the same in every iteration, so XLA hoists out
+of the loop whatever reads nothing else: with the ties of the runs up to
+``ac40515`` (the shared input, or without one the weights), the optimized HLO
+on CPU ran every layer's gather of routed rows, and with a shared expert its
+weighted sum, once before the loop. So each layer of the XLA path
+takes its indices plus ``zero`` times a part of the previous ``y``, converted
+to int32, with ``zero`` a runtime argument XLA cannot fold: every step of the
+finalize then reads the loop carry. The part is ``y[:, :top_k]``, or at tp = 1
+without a shared expert the sum of all of ``y``, where nothing else reads all
+of it and XLA would compute only the columns that the tie reads (that sum can
+cost XLA one read of ``y`` per layer); otherwise the tie costs ``m * top_k``
+multiplies, conversions and integer adds per layer.
+``tests/cpu/test_bench_moe_publish.py`` reads the optimized HLO on CPU: each
+layer's gather, weighted sum and ``psum`` in the loop body, none before it.
+Our custom call has side effects, so XLA can neither hoist nor merge nor slice
+it and it needs no tie:
 
 * ``ours``: `moe_finalize_publish` (the kernels);
 * ``xla``: the same finalize in ``jnp`` followed by ``lax.psum`` (tp > 1), or
@@ -23,8 +31,12 @@ nor merge nor slice it and it needs no tie:
 
 Each XLA column records how its all-reduces ran, read from the optimized HLO
 (``all_reduce``: the count per opcode and ``kernel_strategy``; ``default``
-where XLA set none, which is NCCL on GPUs). ``ratio`` is ours over the faster
-XLA column, which ``xla_best`` names.
+where XLA set none, which is NCCL on GPUs), and the fusion kernels of its loop
+body per layer (``fusions_per_layer``): below 1, XLA fused layers together,
+as it did at tp = 1 on one H200, where no ``psum`` separates them
+(``benchmarks/README.md``); a model's GEMMs between the layers would stop
+that, so such a figure favours XLA. ``ratio`` is ours over the faster XLA
+column, which ``xla_best`` names.
 
 With ``--epilogue`` every problem also runs as ``<problem>+rmsnorm``: each layer
 adds its result to the residual stream and applies RMSNorm, ours fused into the
@@ -34,11 +46,16 @@ shared input and its ``residual_out`` the next layer's residual.
 
 Time per call = ``(T(164 iterations) - T(36 iterations)) / (128 * 32)``: one
 dispatch per run, so host dispatch cancels, and the loop's own cost per
-iteration is spread over 32 calls. Each T is the median of ``--reps`` timed
-runs after a warm-up; the spread is the 10th-90th percentile of the paired
-per-call estimates. The counts are 128 iterations (4096 calls) apart: on
-2x H200 a run of ours has a fixed cost of 2 to 3 ms that moves between
-batches of runs, which over fewer calls reads as a different time per call. In
+iteration is spread over 32 calls. Each program runs ``--reps`` times after a
+warm-up, and the i-th fastest run of the long one less the i-th fastest of the
+short one is one paired per-call estimate. ``us`` is the median of these
+estimates and ``p10``/``p90`` their 10th and 90th percentiles: one estimator,
+so ``p10 <= us <= p90``. (The runs up to ``ac40515`` took ``us`` from the
+median T of each program instead; 63 of the 1234 figures of ours and XLA's
+then in ``benchmarks/results/`` lie outside their own spread.) The counts are
+128 iterations (4096 calls) apart: on 2x H200 a run of ours has a fixed cost
+of 2 to 3 ms that moves between batches of runs, which over fewer calls reads
+as a different time per call. In
 ``benchmarks/results/2026-11-30-h200x2-iteration-counts.json`` the estimate
 from 4 and 36 iterations was off the one from 36 and 260 by -0.93 to
 +0.58 us, while two rounds of the latter agreed within 0.16 us. The runs of
@@ -48,8 +65,8 @@ JSON records the iterations.
 XLA's path still differs between separately compiled programs by up to 3 us
 at small m (ours, with these counts, by under 0.25 us). ``--rounds R`` times ours,
 XLA and every variant R times in turn, each round with freshly built
-programs, and reports each side's median round, with every round's figure in
-``rounds_us`` and the spread over all rounds' estimates.
+programs, and pools the rounds' estimates into each side's ``us``, ``p10`` and
+``p90``, with every round's median in ``rounds_us``.
 
 Each case also gets a *floor* (`jax_moe_publish.traffic` states the byte model):
 the slowest of its HBM bytes at the device copy bandwidth, its NVLink bytes at
@@ -255,9 +272,12 @@ def case_algorithms(tp):
     return ["direct"] if tp == 1 else ARGS.algorithms
 
 
-def xla_columns(tp):
-    """The XLA baselines of a case: tp = 1 has no psum for NCCL to run."""
-    return ["xla"] if tp == 1 else [c for c in ARGS.xla_columns if c not in XLA_UNAVAILABLE]
+def xla_columns(tp, columns=None):
+    """The XLA baselines of a case among ``columns`` (default: this run's, less those refused):
+    tp = 1 has no psum for NCCL to run."""
+    if columns is None:
+        columns = [c for c in ARGS.xla_columns if c not in XLA_UNAVAILABLE]
+    return ["xla"] if tp == 1 else list(columns)
 
 
 XLA_UNAVAILABLE: dict[str, str] = {}
@@ -347,8 +367,10 @@ def make_chain(impl, mailbox, problem, config, iterations, *, layers=LAYERS, op_
 
     ``impl`` is ``ours`` or an XLA column (`XLA_COLUMNS`). The loop carries ``y`` (the
     next shared input), and with the epilogue also the residual stream; the program
-    returns the final ``y``. ``op_impl`` is the ``impl`` of ours (``reference`` where
-    there are no GPUs, to check the plumbing).
+    returns the final ``y``. Each XLA layer's indices are tied to the previous ``y``
+    (module docstring), so that no part of its finalize can leave the loop. ``op_impl``
+    is the ``impl`` of ours (``reference`` where there are no GPUs, to check the
+    plumbing).
     """
     scale, with_shared, epilogue = problem["scale"], problem["shared"], problem["epilogue"]
 
@@ -362,15 +384,15 @@ def make_chain(impl, mailbox, problem, config, iterations, *, layers=LAYERS, op_
                                               routed_scaling_factor=scale, impl=op_impl, config=config,
                                               **norm)
             return result if epilogue else (result, residual)
-        if not with_shared:
-            # Without it XLA hoists the loop-invariant layers out of the loop (an
-            # optimization_barrier or a literal 0 * y did not stop it).
-            if mailbox.tp > 1:
-                tie = y[:, : weights.shape[1]] * zero
-            else:
-                # Without a psum between, XLA slices a layer down to what the tie reads.
-                tie = jnp.sum(y, dtype=jnp.float32) * zero
-            weights = weights + tie.astype(weights.dtype)
+        # The tie (module docstring): without it XLA hoists the gather and the weighted sum,
+        # which read no loop carry, out of the loop (an optimization_barrier or a literal
+        # 0 * y did not stop it).
+        if mailbox.tp == 1 and not with_shared:
+            # Nothing else reads all of y: XLA would slice a layer down to what the tie reads.
+            tie = jnp.sum(y, dtype=jnp.float32) * zero
+        else:
+            tie = y[:, : indices.shape[1]].astype(jnp.float32) * zero
+        indices = indices + tie.astype(indices.dtype)
         out = xla_finalize(routed, weights, indices, shared, scale)
         out = lax.psum(out, "tp") if mailbox.tp > 1 else out
         if not epilogue:
@@ -463,6 +485,90 @@ def all_reduce_implementations(hlo_text):
     return counts
 
 
+# A computation opens on an unindented line ending in "{"; an instruction is "name = shape opcode(...)",
+# where a tuple shape holds no "word(" and a "/*index=5*/" comment comes after the first "=".
+_COMPUTATION = re.compile(r"^(?!HloModule\b)(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\b([a-z][\w\-]*)\(")
+_WHILE_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+
+
+def hlo_computations(hlo_text):
+    """The computations of an HLO module's text: ``({name: [(opcode, line), ...]}, entry name)``."""
+    computations, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group(2), [])
+            entry = header.group(2) if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            instruction = _INSTRUCTION.match(line)
+            if instruction:
+                current.append((instruction.group(1), line))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _called(line, computations):
+    """The computations an instruction calls (fusion, reducer, loop body, branch...): every
+    ``%name`` on its line that names a computation (instruction and computation names are
+    distinct in a module)."""
+    return [name for name in re.findall(r"%([\w.\-]+)", line) if name in computations]
+
+
+def _instructions(computations, name, *, into_fusions=True, skip=None):
+    """``(opcode, line)`` of every instruction of computation ``name`` and, once per call, of
+    every computation it calls; with ``into_fusions`` False not those inside a fusion (its fused
+    computation is one kernel), and nothing that the instruction line ``skip`` calls."""
+    for opcode, line in computations[name]:
+        yield opcode, line
+        if line is skip or (opcode == "fusion" and not into_fusions):
+            continue
+        for callee in _called(line, computations):
+            yield from _instructions(computations, callee, into_fusions=into_fusions, skip=skip)
+
+
+def _opcode_counts(instructions):
+    counts = {}
+    for opcode, _ in instructions:
+        counts[opcode] = counts.get(opcode, 0) + 1
+    return counts
+
+
+def _chain_loop(computations, entry):
+    """The one ``while`` instruction of a module outside fusions (the chain's ``fori_loop``):
+    ``(its line, its body's name)``, or None where there is not exactly one."""
+    loops = [line for opcode, line in _instructions(computations, entry, into_fusions=False) if opcode == "while"]
+    return (loops[0], _WHILE_BODY.search(loops[0]).group(1)) if len(loops) == 1 else None
+
+
+def loop_body_opcodes(hlo_text):
+    """Opcode counts of an optimized HLO module with one ``while`` loop (the chain's
+    ``fori_loop``): ``(in the loop body, outside the loop)``, each with the computations called
+    from there once per call, fusions included; the loop's condition counts in neither.
+    Raises ValueError without exactly one loop."""
+    computations, entry = hlo_computations(hlo_text)
+    loop = _chain_loop(computations, entry)
+    if loop is None:
+        raise ValueError("expected exactly one while loop in the HLO module")
+    line, body = loop
+    return (_opcode_counts(_instructions(computations, body)),
+            _opcode_counts(_instructions(computations, entry, skip=line)))
+
+
+def loop_body_fusions(hlo_text):
+    """The fusion kernels in the loop body of an optimized HLO module (as `loop_body_opcodes`),
+    counted through calls (command buffers) but not inside fusions; None without exactly one
+    ``while`` loop (XLA may unroll a short one)."""
+    computations, entry = hlo_computations(hlo_text)
+    loop = _chain_loop(computations, entry)
+    if loop is None:
+        return None
+    return _opcode_counts(_instructions(computations, loop[1], into_fusions=False)).get("fusion", 0)
+
+
 def probe_xla_columns(mesh, columns):
     """The XLA columns among ``columns`` whose compile options this XLA refuses, and why."""
     def psum(x):
@@ -492,25 +598,25 @@ def time_runs(fn, args, reps):
 
 
 def call_estimates(programs, inputs, reps, layers=LAYERS, iterations=(SHORT, LONG)):
-    """Paired per-call estimates in us and their median, from ``programs[n]``, ``n`` loop
-    iterations over ``layers`` calls, for the two counts of ``iterations``."""
+    """Paired per-call estimates in us from ``programs[n]``, ``n`` loop iterations over ``layers``
+    calls, for the two counts of ``iterations``: the i-th fastest of ``reps`` runs of the long
+    program less the i-th fastest of the short one, over the calls between them."""
     few, many = iterations
     short = time_runs(programs[few], inputs, reps)
     long = time_runs(programs[many], inputs, reps)
-    calls = (many - few) * layers
-    return (np.sort(long) - np.sort(short)) / calls * 1e6, (np.median(long) - np.median(short)) / calls * 1e6
+    return (np.sort(long) - np.sort(short)) / ((many - few) * layers) * 1e6
 
 
 def summarize(rounds):
     """One side's figures from its rounds (`call_estimates` results, each from its own
-    programs): the median of the rounds' medians, the 10-90 % spread of all paired estimates,
-    and with several rounds each round's median (``rounds_us``)."""
-    estimates = np.concatenate([round_estimates for round_estimates, _ in rounds])
-    medians = [float(median) for _, median in rounds]
-    result = {"us": float(np.median(medians)), "p10": float(np.percentile(estimates, 10)),
+    programs), all of one estimator over the rounds' paired estimates pooled: ``us`` their
+    median, ``p10`` and ``p90`` their 10th and 90th percentiles (so p10 <= us <= p90), and
+    with several rounds each round's median (``rounds_us``)."""
+    estimates = np.concatenate(rounds)
+    result = {"us": float(np.median(estimates)), "p10": float(np.percentile(estimates, 10)),
               "p90": float(np.percentile(estimates, 90))}
     if len(rounds) > 1:
-        result["rounds_us"] = medians
+        result["rounds_us"] = [float(np.median(round_estimates)) for round_estimates in rounds]
     return result
 
 
@@ -623,8 +729,10 @@ def time_variants(mailbox, problem, configs, inputs, reps, rounds=1):
 def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LAYERS, op_impl="kernel",
                       hlo=None, rounds=1, iterations=(SHORT, LONG), xla=("xla",)):
     """Per-call time of ours and of the ``xla`` columns (`make_chain`) on the same inputs, each
-    XLA column's all-reduces (`all_reduce_implementations`), and the relative difference of
-    each column's output from ours (this process's copy), which must be at most 1e-2.
+    XLA column's all-reduces (`all_reduce_implementations`) and fusion kernels per layer in its
+    loop body (`loop_body_fusions` over ``layers``; None where XLA left no loop), and the
+    relative difference of each column's output from ours (this process's copy), which must be
+    at most 1e-2.
 
     ``what`` names the case in the error; with ``hlo``, each path's optimized HLO goes to
     ``<hlo>.<impl>.txt`` unless that exists.
@@ -648,6 +756,9 @@ def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LA
     result["relative_difference"] = {}
     for impl in xla:
         result[impl]["all_reduce"] = all_reduce_implementations(hlo_texts[impl])
+        # Below 1, XLA fused layers together: a model's GEMMs between layers would stop that.
+        fusions = loop_body_fusions(hlo_texts[impl])
+        result[impl]["fusions_per_layer"] = None if fusions is None else fusions / layers
         # Both chains compute the same layers: their outputs must agree before their times count.
         difference = np.linalg.norm(outputs["ours"] - outputs[impl]) / np.linalg.norm(outputs[impl])
         result["relative_difference"][impl] = float(difference)

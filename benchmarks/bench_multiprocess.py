@@ -15,12 +15,14 @@ finalize + ``psum`` on the DeepSeek-V3 problem (hidden 7168, top-k 8, shared
 expert, scale 2.5) at tp = 2, with the method and the code of
 ``bench_moe_publish.py``: a ``fori_loop`` over a chain of ``--layers`` calls,
 each layer with its own inputs and its output fed into the next layer's
-shared input; per call = (T(164 iterations) - T(36 iterations)) / (128 *
-layers) (``--iterations``), each T the median of ``--reps`` timed runs. The
-two processes time their own runs of the same programs; a call is done when
-both ranks have its output, so the two-process figure is the slower
-process's (the JSON keeps each one's). ``2p/1p`` is the two-process time
-over the one-process time.
+shared input (XLA's tied to the loop carry); per call = (T(164 iterations) -
+T(36 iterations)) / (128 * layers) (``--iterations``), from ``--reps`` timed
+runs of each program: ``us`` the median of their paired per-call estimates
+and ``p10``/``p90`` their percentiles (`bench_moe_publish.summarize`, one
+estimator). The two processes time their own runs of the same programs; a
+call is done when both ranks have its output, so the two-process figure is
+the slower process's (the JSON keeps each one's). ``2p/1p`` is the
+two-process time over the one-process time.
 
 The run writes one JSON (by default
 ``benchmarks/results/<date>-<gpu>x2-multiprocess.json``) and prints a

@@ -201,9 +201,29 @@ def describe_runs(data: dict) -> list[str]:
     return lines
 
 
+def fused_layers_note(data: dict) -> str:
+    """A line naming the cases whose XLA chain fused layers together (``fusions_per_layer`` below
+    1: fewer fusion kernels in its loop body than layers), which a model's GEMMs between layers
+    would stop, so their XLA figures favour XLA; "" if none (runs before the field have none)."""
+    fused = []
+    for r in _ordered(data["results"]):
+        for column in ("xla", "xla_nccl"):
+            per_layer = r.get(column, {}).get("fusions_per_layer")
+            if per_layer is not None and per_layer < 1:
+                fused.append(f"{r['problem']} tp={r['tp']} m={r['m']} {column} ({per_layer:.2f})")
+    if not fused:
+        return ""
+    return ("XLA fused layers together (fusion kernels per layer in its loop body below 1), which a model's "
+            "GEMMs between layers would stop, so these XLA figures favour XLA: " + ", ".join(fused) + ".")
+
+
 def render_markdown(data: dict) -> str:
-    """The runs, the results table and (when present) the tuning table, as one Markdown text."""
+    """The runs, the results table, the cases where XLA fused layers together (when any) and the
+    tuning table (when present), as one Markdown text."""
     parts = ["\n".join(describe_runs(data)), markdown_table(data)]
+    note = fused_layers_note(data)
+    if note:
+        parts.append(note)
     tuning = tuning_table(data)
     if tuning:
         parts += ["Launch variants of ours (`--configs`):", tuning]

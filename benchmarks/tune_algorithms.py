@@ -9,13 +9,14 @@
 constants in the file's ``model`` section, at the DeepSeek-V3 shape: for tp > 2, one-shot up
 to the largest m at which it is no slower than two-shot, two-shot beyond.
 
-``--measure`` (on GPUs) times our one-shot and two-shot and XLA's ``psum`` side by side at
-every m, for every tp the local GPUs allow (2, 4, 8), without and with the epilogue, the
-way ``bench_moe_publish.py`` times its cases (DeepSeek-V3 shape, both XLA columns). It
-writes every figure to ``--out`` and replaces the entries of the measured tp with the
-fastest path per m, each range reaching the largest m it won, with a reason that cites
-``--out``. XLA's default column competes as ``xla`` (the op's ``jnp`` path runs it); the
-NCCL column is recorded beside it. ``--cpu`` runs the same phases on virtual CPU devices
+``--measure`` (on GPUs) times our kernels and XLA's path side by side at every m, for every
+tp the local GPUs allow (1, 2, 4, 8): at tp = 1 the direct kernel against XLA's ``jnp``
+finalize, above it one-shot and two-shot against the finalize and ``psum``, without and with
+the epilogue, the way ``bench_moe_publish.py`` times its cases (DeepSeek-V3 shape, both XLA
+columns). It writes every figure to ``--out`` and replaces the entries of the measured tp
+with the fastest path per m, each range reaching the largest m it won, with a reason that
+cites ``--out``. XLA's default column competes as ``xla`` (the op's ``jnp`` path runs it),
+for problems with a shared expert only, as measured; the NCCL column is recorded beside it. ``--cpu`` runs the same phases on virtual CPU devices
 (the reference path, short chains, times meaningless) and writes the table to ``--table``
 instead of the package's: a plumbing check.
 """
@@ -28,7 +29,7 @@ import os
 import pathlib
 import sys
 
-MEASURED_TPS = (2, 4, 8)
+MEASURED_TPS = (1, 2, 4, 8)
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CPU_CHAINS = dict(layers=2, iterations=(2, 6))  # --cpu: the plumbing, not the times
 CPU_DEVICES = 8
@@ -65,6 +66,14 @@ CASES = (("allreduce", "none"), ("allreduce", "rmsnorm"))
 """The (result, epilogue) tables with a choice between one-shot and two-shot."""
 
 
+def measured_cases(tp: int):
+    """The (result, epilogue) cases and kernel algorithms a sweep times at ``tp``: at tp = 1 the
+    direct kernel, whose epilogue runs in ``jnp`` either way, so only without it."""
+    if tp == 1:
+        return (("allreduce", "none"),), ("direct",)
+    return CASES, ("oneshot", "twoshot")
+
+
 def model_entries(model: tuning.LinkModel, problem: tuning.Problem, tp: int, epilogue: str) -> list[dict]:
     """The model's entries for one tp: one-shot up to the crossover, two-shot beyond."""
     crossover = model.crossover_m(problem, tp, epilogue)
@@ -92,10 +101,11 @@ def rewrite_model(data: dict) -> None:
                 by_tp[tp] = model_entries(model, DEEPSEEK_V3, int(tp), epilogue)
 
 
-def measured_entries(timings: list[dict], tp: int, hidden: int, out: str) -> list[dict]:
+def measured_entries(timings: list[dict], tp: int, hidden: int, out: str, shared_expert: bool) -> list[dict]:
     """Ranges of m by their fastest path, each reaching the largest m it won; the last takes
     any m, and is a kernel (the kernel path's own choice must cover every call): where XLA won
-    at the largest m, the faster kernel there follows it.
+    at the largest m, the faster kernel there follows it. An ``xla`` range holds for problems
+    with a shared expert or without, as the sweep's problem (``shared_expert``).
 
     ``timings``: one row per m, ``{"m": m, "us": {path: us}}``; every path competes."""
     entries = []
@@ -108,6 +118,8 @@ def measured_entries(timings: list[dict], tp: int, hidden: int, out: str) -> lis
             entries[-1].update(max_bytes=row["m"] * hidden * 2, reason=entries[-1]["reason"] + "; " + reason)
         else:
             entries.append(dict(max_bytes=row["m"] * hidden * 2, algorithm=best, source="measured", reason=reason))
+            if best == "xla":
+                entries[-1]["shared_expert"] = shared_expert
     if entries[-1]["algorithm"] == "xla":
         kernels = {path: us for path, us in rows[-1]["us"].items() if path != "xla"}
         entries.append(dict(max_bytes=None, algorithm=min(kernels, key=kernels.get), source="measured",
@@ -136,7 +148,8 @@ def measure(data: dict) -> dict:
                "results": []}
     for tp in tps:
         mesh = jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
-        for result, epilogue in CASES:
+        cases, algorithms = measured_cases(tp)
+        for result, epilogue in cases:
             name = "deepseek-v3" + (bench.EPILOGUE_SUFFIX if epilogue != "none" else "")
             problem = bench.problem_spec(name)
             timings = []
@@ -144,24 +157,24 @@ def measure(data: dict) -> dict:
                 row = {"tp": tp, "m": m, "case": f"{result}/{epilogue}", "us": {}, "xla": {}}
                 with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
                     inputs = bench.chain_inputs(mesh, m, problem, jax.random.key(m), chains["layers"])
-                    for algorithm in ("oneshot", "twoshot"):
+                    for algorithm in algorithms:
                         timed = bench.time_ours_and_xla(
                             mailbox, problem, bench.case_config(name, tp, algorithm, m), inputs, ARGS.reps,
                             f"{name} tp={tp} {algorithm} m={m}", op_impl="reference" if ARGS.cpu else "kernel",
-                            xla=columns, **chains)
+                            xla=bench.xla_columns(tp, columns), **chains)
                         row["us"][algorithm] = timed["ours"]["us"]
-                        for column in columns:
+                        for column in bench.xla_columns(tp, columns):
                             row["xla"].setdefault(column, []).append(timed[column])
                     mailbox.check()
-                # The op's jnp path runs XLA's default column: the faster of its two programs
-                # competes (they differ by up to 3 us at small m), so a tie goes to XLA.
+                # The op's jnp path runs XLA's default column: the fastest of its programs (one
+                # per kernel algorithm; they differ by up to 3 us at small m) competes.
                 row["us"]["xla"] = min(figure["us"] for figure in row["xla"]["xla"])
                 timings.append(row)
                 figures["results"].append(row)
                 print(f"tp={tp} {result}/{epilogue} m={m}: " + ", ".join(
                     f"{path} {us:.2f}" for path, us in row["us"].items()), flush=True)
-            data["tables"][f"{result}/{epilogue}"][str(tp)] = measured_entries(timings, tp, problem["hidden"],
-                                                                              ARGS.out)
+            data["tables"][f"{result}/{epilogue}"][str(tp)] = measured_entries(
+                timings, tp, problem["hidden"], ARGS.out, problem["shared"])
     return figures
 
 

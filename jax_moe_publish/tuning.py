@@ -50,7 +50,7 @@ class AlgorithmChoice:
     algorithm: str
     reason: str
     shared_expert: bool | None = None
-    source: str = "measured"  # or "model": written by `LinkModel`, until a sweep measures it
+    source: str = "measured"  # or "model": `LinkModel`'s, or an argument the reason states, until a sweep
 
 
 @dataclasses.dataclass(frozen=True)

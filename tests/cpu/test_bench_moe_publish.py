@@ -1,5 +1,6 @@
-"""`benchmarks/bench_moe_publish.py` on CPU: the all-reduce reader of the optimized HLO, and a
-``--cpu`` plumbing run of every case at tp = 1, 2, 4 and 8 (times meaningless)."""
+"""`benchmarks/bench_moe_publish.py` on CPU: the all-reduce reader of the optimized HLO, the
+XLA chain's finalize inside its timed loop (read from the optimized HLO), and a ``--cpu``
+plumbing run of every case at tp = 1, 2, 4 and 8 (times meaningless)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ import math
 import pathlib
 import subprocess
 import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jax_moe_publish as jmp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))  # its sibling imports
 import bench_moe_publish as bench  # noqa: E402
@@ -41,6 +48,59 @@ def test_all_reduce_implementations_reads_each_strategy():
     assert bench.all_reduce_implementations("ENTRY %main {\n  %a = f32[2] add(f32[2] %x, f32[2] %y)\n}") == {}
 
 
+@pytest.mark.parametrize("problem", ["deepseek-v3", "qwen3-moe", "deepseek-v3+rmsnorm"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_xla_chain_runs_its_finalize_in_the_timed_loop(problem, tp):
+    """Each layer's gather of routed rows, its weighted sum (a dot) and at tp > 1 its psum are in
+    the loop body, once per layer, and none is hoisted before the loop (tests/conftest.py gives
+    4 virtual CPU devices)."""
+    layers, m = 3, 3
+    spec = bench.problem_spec(problem)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    with jmp.Mailbox(mesh, "tp", hidden=spec["hidden"], capacity_m=m) as mailbox:
+        inputs = bench.chain_inputs(mesh, m, spec, jax.random.key(0), layers)
+        program = bench.make_chain("xla", mailbox, spec, None, bench.SHORT, layers=layers)
+        hlo = program.lower(*inputs).compile().as_text()
+    inside, outside = bench.loop_body_opcodes(hlo)
+    finalize = {"gather": layers, "dot": layers, "all-reduce": layers if tp > 1 else 0}
+    assert {op: inside.get(op, 0) for op in finalize} == finalize, inside
+    assert not {op: outside[op] for op in finalize if op in outside}, outside
+
+
+def test_loop_body_opcodes_follows_the_loop_body_and_its_fusions():
+    hlo = """
+HloModule chain, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+%fused_gather (p0: f32[4]) -> f32[4] {
+  %g = f32[4]{0} gather(f32[4]{0} %p0, s32[1]{0} %i), offset_dims={}
+  ROOT %n = f32[4]{0} negate(f32[4]{0} %g)
+}
+%command_buffer (p1: f32[4]) -> f32[4] {
+  ROOT %f.2 = f32[4]{0} fusion(f32[4]{0} %p1), kind=kLoop, calls=%fused_gather
+}
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %x = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %t), index=1
+  %f.1 = f32[4]{0} fusion(f32[4]{0} %x), kind=kLoop, calls=%fused_gather
+  %c = f32[4]{0} call(f32[4]{0} %f.1), to_apply=%command_buffer
+  ROOT %r = (s32[], /*index=1*/f32[4]{0}) tuple(s32[] %i, f32[4]{0} %c)
+}
+%cond (t.1: (s32[], f32[4])) -> pred[] {
+  ROOT %lt = pred[] compare(s32[] %a, s32[] %b), direction=LT
+}
+ENTRY %main (x.1: f32[4]) -> f32[4] {
+  %f.0 = f32[4]{0} fusion(f32[4]{0} %x.1), kind=kLoop, calls=%fused_gather
+  %w = (s32[], /*index=1*/f32[4]{0}) while((s32[], f32[4]{0}) %t.0), condition=%cond, body=%body
+  ROOT %o = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %w), index=1
+}
+"""
+    inside, outside = bench.loop_body_opcodes(hlo)
+    # Each call of the fused computation counts, the one before the loop outside.
+    assert inside == {"get-tuple-element": 1, "fusion": 2, "call": 1, "tuple": 1, "gather": 2, "negate": 2}
+    assert outside == {"fusion": 1, "gather": 1, "negate": 1, "while": 1, "get-tuple-element": 1}
+    # The body's fusion kernels: its own and the command buffer's, not what they fuse.
+    assert bench.loop_body_fusions(hlo) == 2
+    assert bench.loop_body_fusions(hlo.replace(" while(", " call(")) is None
+
+
 def test_cpu_run_covers_every_tp_algorithm_and_xla_column(tmp_path):
     out = tmp_path / "cpu.json"
     run = subprocess.run(
@@ -68,4 +128,17 @@ def test_cpu_run_covers_every_tp_algorithm_and_xla_column(tmp_path):
         assert all(r["relative_difference"][column] <= 1e-2 for column in timed), what
         # One psum per layer in XLA's loop body, none at tp = 1.
         assert sum(r["xla"]["all_reduce"].values()) == (LAYERS if r["tp"] > 1 else 0), (what, r["xla"])
+        assert all(r[column]["fusions_per_layer"] > 0 for column in timed), what
+        assert all(r[side]["p10"] <= r[side]["us"] <= r[side]["p90"] for side in ("ours", *timed)), what
     assert "| deepseek-v3+rmsnorm | 8 | twoshot | 3 |" in run.stdout
+
+
+def test_report_names_the_cases_where_xla_fused_layers():
+    def case(m, per_layer):
+        return {"problem": "deepseek-v3", "tp": 1, "algorithm": "direct", "m": m,
+                "xla": {"us": 1.0, "fusions_per_layer": per_layer}}
+
+    data = {"results": [case(1, 7 / 32), case(64, 2.0), case(128, None)]}
+    note = bench.report.fused_layers_note(data)
+    assert "deepseek-v3 tp=1 m=1 xla (0.22)" in note and "m=64" not in note and "m=128" not in note
+    assert bench.report.fused_layers_note({"results": [case(64, 2.0)]}) == ""

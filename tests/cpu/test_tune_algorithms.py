@@ -23,9 +23,10 @@ def _rows(*fastest):
 
 
 def test_measured_entries_reach_the_largest_m_each_path_won():
-    entries = tune_algorithms.measured_entries(_rows("xla", "oneshot", "oneshot", "twoshot"), 8, 7168, "sweep.json")
-    assert [(e["algorithm"], e["max_bytes"]) for e in entries] == [
-        ("xla", ROW), ("oneshot", 4 * ROW), ("twoshot", None)]
+    entries = tune_algorithms.measured_entries(_rows("xla", "oneshot", "oneshot", "twoshot"), 8, 7168, "sweep.json",
+                                               shared_expert=True)
+    assert [(e["algorithm"], e["max_bytes"], e.get("shared_expert")) for e in entries] == [
+        ("xla", ROW, True), ("oneshot", 4 * ROW, None), ("twoshot", None, None)]
     assert all(e["source"] == "measured" and "sweep.json" in e["reason"] for e in entries)
     assert "fastest at m = 2 on tp = 8" in entries[1]["reason"] and "m = 4" in entries[1]["reason"]
 
@@ -33,7 +34,7 @@ def test_measured_entries_reach_the_largest_m_each_path_won():
 def test_measured_entries_end_with_a_kernel_where_xla_won_last():
     rows = _rows("oneshot", "xla")
     rows[-1]["us"]["twoshot"] = 4.5  # the faster kernel at the largest m
-    entries = tune_algorithms.measured_entries(rows, 4, 7168, "sweep.json")
+    entries = tune_algorithms.measured_entries(rows, 4, 7168, "sweep.json", shared_expert=False)
     assert [(e["algorithm"], e["max_bytes"]) for e in entries] == [
         ("oneshot", ROW), ("xla", 2 * ROW), ("twoshot", None)]
 
@@ -47,14 +48,16 @@ def test_cpu_sweep_rewrites_only_the_given_table(tmp_path):
     assert tuning.TABLE_FILE.read_text() == before
     figures, data = json.loads(out.read_text()), json.loads(table.read_text())
     assert figures["environment"]["plumbing_check"] is True
-    assert {(r["tp"], r["case"]) for r in figures["results"]} == {
-        (tp, f"allreduce/{epilogue}") for tp in tune_algorithms.MEASURED_TPS for epilogue in ("none", "rmsnorm")}
-    for result, epilogue in tune_algorithms.CASES:
-        for tp in tune_algorithms.MEASURED_TPS:
-            entries = data["tables"][f"{result}/{epilogue}"][str(tp)]
-            assert all(e["source"] == "measured" and str(out) in e["reason"] for e in entries), entries
-            assert entries[-1]["max_bytes"] is None and entries[-1]["algorithm"] in ("oneshot", "twoshot")
+    expected = {(tp, f"{result}/{epilogue}") for tp in tune_algorithms.MEASURED_TPS
+                for result, epilogue in tune_algorithms.measured_cases(tp)[0]}
+    assert {(r["tp"], r["case"]) for r in figures["results"]} == expected
+    assert (1, "allreduce/none") in expected and (8, "allreduce/rmsnorm") in expected
+    for tp, case in expected:
+        entries = data["tables"][case][str(tp)]
+        assert all(e["source"] == "measured" and str(out) in e["reason"] for e in entries), entries
+        assert entries[-1]["max_bytes"] is None
+        assert entries[-1]["algorithm"] in tune_algorithms.measured_cases(tp)[1], entries
     # The rest of the table is the package's, untouched.
     package = json.loads(before)
     assert data["model"] == package["model"] and data["tables"]["reduce_scatter/none"] == package["tables"][
-        "reduce_scatter/none"] and data["tables"]["allreduce/none"]["1"] == package["tables"]["allreduce/none"]["1"]
+        "reduce_scatter/none"] and data["tables"]["allreduce/rmsnorm"]["1"] == package["tables"]["allreduce/rmsnorm"]["1"]
