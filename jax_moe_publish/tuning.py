@@ -220,6 +220,14 @@ def _covering(entries, m: int | None):
     raise AssertionError(f"no entry covers m={m}: the last entry of a table must have m_max=None")
 
 
+def _prefetch_group(most: int, top_k: int) -> int:
+    """Routed rows loaded together: at most ``most``, in groups as even as ``top_k`` allows
+    (6 as 3 + 3, not 4 + 2: the uneven tail made ptxas spill a fused two-shot kernel at
+    hidden 2048, top-k 6)."""
+    groups = max(1, -(-top_k // most))  # top_k < 1 is KernelConfig's to refuse
+    return -(-top_k // groups)
+
+
 def _row_reduce_threads(hidden: int) -> int:
     """Threads of an unfused epilogue's reduce CTA, which holds a whole row: one 16-byte
     fragment per thread up to 1024 threads; wider rows get at most 512 threads, so that each
@@ -264,7 +272,7 @@ def kernel_config(problem: Problem, *, tp: int, m: int | None, result: str = "al
         hidden=problem.hidden, top_k=problem.top_k, tp=tp, algorithm=algorithm,
         routed_scaling_factor=problem.routed_scaling_factor,
         include_shared_expert=problem.include_shared_expert, fp32_weights=problem.fp32_weights,
-        elements_per_thread=elements, threads=threads, prefetch_group=min(shape.prefetch_group, problem.top_k),
+        elements_per_thread=elements, threads=threads, prefetch_group=_prefetch_group(shape.prefetch_group, problem.top_k),
         reduce_threads=reduce_threads, fuse_reduce=fused, waves=shape.waves if fused else 1, epilogue=epilogue,
         arch=arch,
     )

@@ -43,6 +43,11 @@ KERNELS = {
 }
 """The class of each role; its method named after the role is the kernel."""
 
+ROW_IN_REGISTERS = ("reduce_norm", "gather_norm")
+"""Roles whose CTA holds a whole row in registers, one CTA per row. They are compiled for one
+resident CTA per SM (``.minnctapersm 1``): without it ptxas kept them under a register budget
+for more CTAs than a decode call has rows, and spilled at hidden 5120 to 16384."""
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelLaunch:
@@ -134,4 +139,5 @@ class MoePublishProgram:
                 smem=launch.smem,
                 stream=stream,
                 use_pdl=self.config.enable_pdl,
+                min_blocks_per_mp=1 if launch.role in ROW_IN_REGISTERS else 0,
             )

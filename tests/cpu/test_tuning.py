@@ -133,11 +133,17 @@ def test_every_call_gets_a_valid_config_of_its_range(result, tp, epilogue):
                 assert config.ctas_per_token <= shape.cluster_ctas <= _abi.MAX_CLUSTER_CTAS
 
 
+@pytest.mark.parametrize("most, top_k, group", [(4, 8, 4), (4, 6, 3), (4, 10, 4), (4, 5, 3), (4, 3, 3), (4, 1, 1),
+                                                (2, 8, 2), (8, 6, 6)])
+def test_prefetch_groups_are_as_even_as_top_k_allows(most, top_k, group):
+    assert tuning._prefetch_group(most, top_k) == group
+
+
 # (problem, tp, kwargs, algorithm, elements_per_thread, prefetch_group, ctas_per_token, reduce_ctas_per_token)
 LARGE_M_CALLS = [
     (dict(hidden=7168, top_k=8), 1, {}, "direct", 8, 4, 7, 7),
     (dict(hidden=7168, top_k=8), 2, {}, "oneshot", 8, 4, 7, 7),
-    (dict(hidden=5120, top_k=6), 8, dict(algorithm="twoshot"), "twoshot", 8, 4, 5, 5),
+    (dict(hidden=5120, top_k=6), 8, dict(algorithm="twoshot"), "twoshot", 8, 3, 5, 5),  # 6 = 3 + 3
     (dict(hidden=2880, top_k=10), 4, dict(result="reduce_scatter"), "reduce_scatter", 8, 4, 3, 3),
     (dict(hidden=2052, top_k=2), 1, {}, "direct", 4, 2, 5, 2),  # 2052 % 8 = 4
     (dict(hidden=4096, top_k=1, routed_scaling_factor=2.5, include_shared_expert=False, fp32_weights=True),
