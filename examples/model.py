@@ -42,7 +42,7 @@ def finalize_publish(routed, weights, indices, shared, scale):
     Parameters
     ----------
     routed : [tp, num_rows, hidden]; weights : [tp, m, top_k]; indices : int [tp, m, top_k];
-    shared : [tp, m, hidden]
+    shared : [tp, m, hidden] or None
         Every rank's op inputs, in rank order (any float dtypes; read as float64).
     scale : float
         The routing scale.
@@ -51,14 +51,16 @@ def finalize_publish(routed, weights, indices, shared, scale):
     -------
     (y_ref, bound), float64 [m, hidden].
     """
-    routed, shared = np.asarray(routed, np.float64), np.asarray(shared, np.float64)
-    indices = np.asarray(indices)
-    tp, num_rows, _ = routed.shape
+    routed, weights, indices = np.asarray(routed, np.float64), np.asarray(weights, np.float64), np.asarray(indices)
+    tp, num_rows, hidden = routed.shape
     top_k = indices.shape[-1]
+    if shared is None:
+        shared = np.zeros((tp, indices.shape[1], hidden))
+    shared = np.asarray(shared, np.float64)
     total = partials = magnitudes = 0.0
     for rank in range(tp):
         valid = (indices[rank] >= 0) & (indices[rank] < num_rows)
-        w = np.where(valid, np.asarray(weights[rank], np.float64) * scale, 0.0)  # [m, top_k]
+        w = np.where(valid, weights[rank] * scale, 0.0)  # [m, top_k]
         terms = w[..., None] * routed[rank][np.where(valid, indices[rank], 0)]  # [m, top_k, hidden]
         partial = bf16(terms.sum(axis=1) + shared[rank])
         total = total + partial  # exact: a few bf16 values in float64
@@ -67,6 +69,26 @@ def finalize_publish(routed, weights, indices, shared, scale):
     y_ref = bf16(total)
     bound = (1 + 4 * U) * (2 * U * (np.abs(y_ref) + partials) + (top_k + tp + 1) * E * magnitudes)
     return y_ref, bound
+
+
+def add_rmsnorm(y_ref, y_bound, residual, norm_weight, eps: float, residual_out) -> dict:
+    """The residual add + RMSNorm after the op, from the model's result and bound.
+
+    ``residual_out = bf16(y + residual)``: its exact value from ``y_ref``, bounded by ``y``'s
+    bound and one more bf16 rounding. ``out`` is modelled from the op's own ``residual_out``
+    (its rounding point), so its bound is the float32 RMSNorm's (the mean of hidden squares,
+    its rsqrt and two products) and one bf16 rounding. Returns float64 ``residual_out``,
+    ``residual_bound``, ``out`` and ``out_bound``.
+    """
+    exact = y_ref + np.asarray(residual, np.float64)
+    residual_bound = y_bound + (U + E) * (np.abs(exact) + y_bound)  # the float32 add, then bf16
+    x = np.asarray(residual_out, np.float64)
+    eps = float(np.float32(eps))
+    out = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(norm_weight, np.float64)
+    hidden = out.shape[-1]
+    rms_error = (hidden / 2 + 8) * E * np.abs(out)
+    out_bound = rms_error + U * (np.abs(out) + rms_error)
+    return dict(residual_out=exact, residual_bound=residual_bound, out=out, out_bound=out_bound)
 
 
 def check(out, y_ref, bound, what: str) -> bool:

@@ -18,23 +18,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import time
 
+import platform_choice  # examples/ is on sys.path (choose before JAX is imported)
 
-def _gpu_present() -> bool:
-    try:
-        from cuda.bindings import driver
-
-        (error,) = driver.cuInit(0)
-        return error == driver.CUresult.CUDA_SUCCESS and driver.cuDeviceGetCount()[1] > 0
-    except Exception:  # no bindings or no libcuda: a CPU machine
-        return False
-
-
-ON_GPU = _gpu_present()
-if not ON_GPU:
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+ON_GPU = platform_choice.choose(cpu_devices=4)
 
 import jax  # noqa: E402  (XLA_FLAGS must be set first)
 import jax.numpy as jnp  # noqa: E402

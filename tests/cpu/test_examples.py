@@ -99,3 +99,33 @@ def test_model_check_fails_beyond_the_bound(capsys):
     out[3, 5] = np.nan
     assert not model.check(out, reference, bound, "NaN")
     assert capsys.readouterr().out.count(": FAIL") == 2
+
+
+def float32_add_rmsnorm(y, residual, norm_weight, eps):
+    """The epilogue as the kernels evaluate it: float32 add rounded to bf16, float32 RMSNorm of
+    that, rounded to bf16."""
+    f32 = np.float32
+    residual_out = (y.astype(f32) + residual.astype(f32)).astype(ml_dtypes.bfloat16)
+    x = residual_out.astype(f32)
+    inverse_rms = f32(1) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True, dtype=f32) + f32(eps))
+    out = (x * inverse_rms * norm_weight.astype(f32)).astype(ml_dtypes.bfloat16)
+    return out.astype(np.float64), residual_out.astype(np.float64)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_epilogue_bound_covers_float32_evaluation(tp):
+    rng = np.random.default_rng(10 + tp)
+    inputs = random_inputs(rng, tp)
+    reference, bound = model.finalize_publish(*inputs, 2.5)
+    y = float32_op(*inputs, 2.5).astype(ml_dtypes.bfloat16)
+    residual = (1e3 * rng.standard_normal(reference.shape)).astype(ml_dtypes.bfloat16)
+    norm_weight = (1 + 0.1 * rng.standard_normal(reference.shape[-1])).astype(ml_dtypes.bfloat16)
+    out, residual_out = float32_add_rmsnorm(y, residual, norm_weight, 1e-6)
+    expected = model.add_rmsnorm(reference, bound, residual, norm_weight, 1e-6, residual_out)
+    for name, got, bound in (("residual_out", residual_out, "residual_bound"), ("out", out, "out_bound")):
+        error = np.abs(got - expected[name])
+        assert np.all(error <= expected[bound]), name
+        assert np.any(error > 0), f"{name}: the bound is exercised, not only met by equality"
+    # It has teeth: residual_out one bound away is outside.
+    moved = residual_out + 2 * expected["residual_bound"]
+    assert np.all(np.abs(moved - expected["residual_out"]) > expected["residual_bound"])
