@@ -1,4 +1,5 @@
-"""Soak test of the public API on two GPUs: many consecutive calls, every one checked.
+"""Soak test of the public API on a TP group of GPUs (2 by default): many consecutive calls,
+every one checked.
 
 Each call draws m in [1, capacity] and fresh inputs, which the jitted step
 generates on the devices from the call number. The step runs the op
@@ -19,13 +20,13 @@ mailbox B (all-reduce with the twoshot kernels, or reduce_scatter), so two
 mailboxes' stages interleave. One jitted step per (mailbox, m), compiled on
 first use. Exits 0 when every call passed, 1 on a wrong result, 2 on an error.
 
-On the 2-GPU machine, with the prebuilt kernels::
+On a machine of at least ``--tp`` GPUs, with the prebuilt kernels::
 
-    JAX_MOE_PUBLISH_KERNEL_DIR=kernels-prebuilt NCCL_NVLS_ENABLE=0 python tools/soak.py
+    JAX_MOE_PUBLISH_KERNEL_DIR=kernels-prebuilt NCCL_NVLS_ENABLE=0 python tools/soak.py [--tp 4]
 
 ``--impl reference`` runs both sides on the reference: a check of this tool
-that runs anywhere JAX sees two devices (on CPU:
-``XLA_FLAGS=--xla_force_host_platform_device_count=2``).
+that runs anywhere JAX sees ``--tp`` devices (on CPU:
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from jax_moe_publish import reference, tuning
 from jax_moe_publish.testing import gpu_matrix
 
 AXIS = "tp"
-TP = 2
 
 
 def make_step(mailbox: jmp.Mailbox, m: int, problem: dict, num_rows: int, seed: int, impl: str,
@@ -58,7 +58,8 @@ def make_step(mailbox: jmp.Mailbox, m: int, problem: dict, num_rows: int, seed: 
     scale = problem.routed_scaling_factor
     fp32_weights, shared_expert = problem.fp32_weights, problem.include_shared_expert
     scatter = mailbox.result == "reduce_scatter"
-    config = tuning.kernel_config(problem, tp=TP, m=m, algorithm="twoshot") if twoshot else None
+    tp = mailbox.tp
+    config = tuning.kernel_config(problem, tp=tp, m=m, algorithm="twoshot") if twoshot else None
 
     def shard(call):
         rank = lax.axis_index(AXIS)
@@ -83,7 +84,7 @@ def make_step(mailbox: jmp.Mailbox, m: int, problem: dict, num_rows: int, seed: 
         )
         magnitude = lax.psum(magnitude.astype(jnp.float32), AXIS)
         if scatter:
-            magnitude = reference.owned_rows(magnitude, TP, rank)
+            magnitude = reference.owned_rows(magnitude, tp, rank)
         ours32, expected32 = ours.astype(jnp.float32), expected.astype(jnp.float32)
         bound = 2.0**-6 * magnitude + 2.0**-7 * jnp.abs(expected32) + jnp.float32(2.0**-126)
         ratio = jnp.max(jnp.abs(ours32 - expected32) / bound)
@@ -104,6 +105,7 @@ def make_step(mailbox: jmp.Mailbox, m: int, problem: dict, num_rows: int, seed: 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=20000, help="calls in all, both mailboxes")
+    parser.add_argument("--tp", type=int, default=2, help="ranks of the group: the first tp devices")
     parser.add_argument("--capacity", type=int, default=64, help="capacity_m of both mailboxes")
     parser.add_argument("--problem", type=int, default=0,
                         help=f"index into gpu_matrix.DEFAULT_PROBLEMS (prebuilt): "
@@ -120,9 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the summary to this file")
     args = parser.parse_args(argv)
 
-    devices = jax.devices()[:TP]
-    if len(devices) < TP or (args.impl == "kernel" and devices[0].platform != "gpu"):
-        print(f"soak: needs {TP} GPUs for impl={args.impl!r}, JAX sees {jax.devices()}", file=sys.stderr)
+    if args.tp < 2:
+        parser.error(f"--tp {args.tp}: expected at least 2 ranks (tp = 1 has no group to soak)")
+    devices = jax.devices()[:args.tp]
+    if len(devices) < args.tp or (args.impl == "kernel" and devices[0].platform != "gpu"):
+        print(f"soak: needs {args.tp} GPUs for impl={args.impl!r}, JAX sees {jax.devices()}", file=sys.stderr)
         return 2
     problem = gpu_matrix.DEFAULT_PROBLEMS[args.problem]
     check_every = args.check_every or (256 if devices[0].platform == "gpu" else 1)
@@ -189,12 +193,12 @@ def main(argv=None) -> int:
 
     calls = sum(counts.values())
     summary = {
-        "passed": not failures, "calls": calls, "calls_per_mailbox": counts, "impl": args.impl,
+        "passed": not failures, "tp": args.tp, "calls": calls, "calls_per_mailbox": counts, "impl": args.impl,
         "mailbox_b": args.second, "capacity": args.capacity, "problem": vars(problem),
         "duration_s": round(duration, 3), "compile_s": round(compile_s, 3), "steps_compiled": len(steps),
         "worst_error_over_bound": worst, "failures": failures[:20],
     }
-    print(f"soak: {'PASS' if not failures else 'FAIL'} {calls} calls (A oneshot {counts['A']}, "
+    print(f"soak: {'PASS' if not failures else 'FAIL'} {calls} calls at tp = {args.tp} (A oneshot {counts['A']}, "
           f"B {args.second} {counts['B']}) in {duration:.1f} s, plus {compile_s:.1f} s compiling "
           f"{len(steps)} steps; worst error {worst:.3f} of the bound")
     for failure in failures[:20]:
