@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The runs on a machine of 2, 4 or 8 GPUs of one host, as named steps: each one is meant to fit
-# one command of at most 10 minutes, and writes its logs and JSON to OUT_DIR (default $OUT,
-# else multi-gpu-runs/).
+# one command of at most 10 minutes (`tests` split by $TESTS), and writes its logs and JSON to
+# OUT_DIR (default $OUT, else multi-gpu-runs/).
 #
 # First, where CuTe DSL is (no GPU needed), the kernels of every step at that tp, without their
 # PTX so that the folder can travel (about 30 MB at tp = 2):
@@ -10,7 +10,9 @@
 #   JMP_COMMIT=<the commit> bash tools/multi_gpu_run.sh STEP [STEP ...]
 #
 # Steps:
-#   tests           tools/gpu_check.sh, all of tests/ (the fault tests; at tp >= 4 the 2-D meshes)
+#   tests           tools/gpu_check.sh (the fault tests; at tp >= 4 the 2-D meshes): all of tests/,
+#                   or $TESTS (paths, ids, -k ...): the whole tier took about 17 minutes on one
+#                   H200, so split it over calls, e.g. TESTS=tests/gpu/test_epilogue_gpu.py
 #   sanitize        tools/sanitize.sh: memcheck and racecheck over every kernel role
 #   soak            tools/soak.py --tp TP, 20000 calls with random m
 #   pingpong        benchmarks/nvlink_pingpong.cu: one-way store-to-visible latency
@@ -93,7 +95,7 @@ BENCH[1]=$TP
 status=0
 for step in "$@"; do
     case "$step" in
-        tests) logged tests bash tools/gpu_check.sh || status=1 ;;
+        tests) logged tests bash tools/gpu_check.sh ${TESTS:-} || status=1 ;;  # word-split on purpose
         sanitize) run bash tools/sanitize.sh "$out/sanitize" || status=1 ;;
         soak) logged "soak-tp$TP" "$PYTHON" tools/soak.py --tp "$TP" --calls 20000 --json "$out/soak-tp$TP.json" \
                   || status=1 ;;
