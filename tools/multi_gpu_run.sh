@@ -4,7 +4,7 @@
 # OUT_DIR (default $OUT, else multi-gpu-runs/).
 #
 # First, where CuTe DSL is (no GPU needed), the kernels of every step at that tp, without their
-# PTX so that the folder can travel (about 30 MB at tp = 2):
+# PTX so that the folder can travel (30 MB at tp = 2, 35 MB at tp = 8; the limit is 64 MiB):
 #   bash tools/multi_gpu_run.sh build TP
 # Then on the GPU machine, in the repository root, tp = every local GPU:
 #   JMP_COMMIT=<the commit> bash tools/multi_gpu_run.sh STEP [STEP ...]
