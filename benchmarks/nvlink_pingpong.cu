@@ -26,15 +26,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    cudaError_t error_ = (call);                                                         \
-    if (error_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                 \
-                   cudaGetErrorString(error_));                                          \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+#include "cuda_bench.h"
 
 namespace {
 
@@ -261,29 +253,6 @@ Outcome Run(Mode mode, std::vector<Gpu>& gpus, cudaEvent_t start, cudaEvent_t st
   return outcome;
 }
 
-// Why the two-GPU modes cannot run here, or "" where GPU 0 and 1 reach each other's memory.
-std::string EnablePeers(int count) {
-  if (count < 2) return "needs 2 GPUs, found " + std::to_string(count);
-  for (int g = 0; g < 2; ++g) {
-    int can_access = 0;
-    CHECK(cudaDeviceCanAccessPeer(&can_access, g, 1 - g));
-    if (!can_access) {
-      return "GPU " + std::to_string(g) + " cannot access GPU " + std::to_string(1 - g) + " as a peer";
-    }
-  }
-  for (int g = 0; g < 2; ++g) {
-    CHECK(cudaSetDevice(g));
-    cudaError_t error = cudaDeviceEnablePeerAccess(1 - g, 0);
-    if (error != cudaSuccess && error != cudaErrorPeerAccessAlreadyEnabled) {
-      (void)cudaGetLastError();
-      return std::string("cudaDeviceEnablePeerAccess(") + std::to_string(1 - g) + ") on GPU " +
-             std::to_string(g) + ": " + cudaGetErrorString(error);
-    }
-    (void)cudaGetLastError();
-  }
-  return "";
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -297,7 +266,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "needs a GPU, found none\n");
     return 2;
   }
-  const std::string peer_skip = EnablePeers(count);
+  const std::string peer_skip = EnablePeerPair(count);
   const int used = peer_skip.empty() ? 2 : 1;
 
   std::vector<Gpu> gpus(used);

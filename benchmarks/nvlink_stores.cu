@@ -21,15 +21,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    cudaError_t error_ = (call);                                                         \
-    if (error_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                 \
-                   cudaGetErrorString(error_));                                          \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+#include "cuda_bench.h"
 
 namespace {
 
@@ -223,19 +215,17 @@ int main(int argc, char** argv) {
   size_t largest = 0;
   for (const auto& size : sizes) largest = std::max(largest, size.second);
 
+  const std::string peers = EnablePeerPair(count);
+  if (!peers.empty()) {
+    std::fprintf(stderr, "%s\n", peers.c_str());
+    return 1;
+  }
   std::vector<Gpu> gpus(2);
   const uint32_t salts[2] = {0x9E3779B9u, 0x7F4A7C15u};
   for (int g = 0; g < 2; ++g) {
     Gpu& gpu = gpus[g];
     gpu.device = g;
     CHECK(cudaSetDevice(g));
-    int can_access = 0;
-    CHECK(cudaDeviceCanAccessPeer(&can_access, g, 1 - g));
-    if (!can_access) {
-      std::fprintf(stderr, "GPU %d cannot access GPU %d\n", g, 1 - g);
-      return 1;
-    }
-    CHECK(cudaDeviceEnablePeerAccess(1 - g, 0));
     CHECK(cudaDeviceGetAttribute(&gpu.sms, cudaDevAttrMultiProcessorCount, g));
     CHECK(cudaStreamCreateWithFlags(&gpu.stream, cudaStreamNonBlocking));
     CHECK(cudaEventCreate(&gpu.start));

@@ -1,0 +1,42 @@
+// What the benchmark programs share: the CUDA error check and peer access between GPU 0 and 1.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#define CHECK(call)                                                                      \
+  do {                                                                                   \
+    cudaError_t error_ = (call);                                                         \
+    if (error_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                 \
+                   cudaGetErrorString(error_));                                          \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+// Why GPU 0 and 1 cannot reach each other's memory ("" once peer access is on both ways), with
+// `count` GPUs present.
+inline std::string EnablePeerPair(int count) {
+  if (count < 2) return "needs 2 GPUs, found " + std::to_string(count);
+  for (int g = 0; g < 2; ++g) {
+    int can_access = 0;
+    CHECK(cudaDeviceCanAccessPeer(&can_access, g, 1 - g));
+    if (!can_access) {
+      return "GPU " + std::to_string(g) + " cannot access GPU " + std::to_string(1 - g) + " as a peer";
+    }
+  }
+  for (int g = 0; g < 2; ++g) {
+    CHECK(cudaSetDevice(g));
+    cudaError_t error = cudaDeviceEnablePeerAccess(1 - g, 0);
+    if (error != cudaSuccess && error != cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return std::string("cudaDeviceEnablePeerAccess(") + std::to_string(1 - g) + ") on GPU " +
+             std::to_string(g) + ": " + cudaGetErrorString(error);
+    }
+    (void)cudaGetLastError();
+  }
+  return "";
+}
