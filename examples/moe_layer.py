@@ -9,6 +9,8 @@ shared expert and reduces over the group.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -61,3 +63,13 @@ def moe_layer(params, x, *, mailbox):
     """One shard of the layer: x bf16 [m, hidden] (replicated) -> bf16 [m, hidden] (the group's sum)."""
     return jmp.moe_finalize_publish(*expert_outputs(params, x), mailbox=mailbox,
                                     routed_scaling_factor=ROUTED_SCALE)
+
+
+def check_programs(mesh, mailbox):
+    """The layer as two jitted programs, for the float64 model: the experts, whose outputs are
+    every rank's op inputs (``[tp, ...]``) and the model's, then the op alone on them (so that
+    it reads exactly the inputs the model gets)."""
+    experts = jax.shard_map(lambda p, x: [a[None] for a in expert_outputs(p, x)], mesh=mesh,
+                            in_specs=(PARAM_SPECS, P()), out_specs=P("tp"))
+    finalize = functools.partial(jmp.sharded_moe_finalize_publish, mailbox, routed_scaling_factor=ROUTED_SCALE)
+    return jax.jit(experts), jax.jit(finalize)

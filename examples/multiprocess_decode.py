@@ -67,8 +67,6 @@ def work(args) -> None:
     """
     if args.worker is not None:
         local_processes.join(args.port, args.processes, args.worker, args.worker if args.gpu else None)
-    import functools
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -77,7 +75,7 @@ def work(args) -> None:
 
     import jax_moe_publish as jmp
     import model  # examples/ is on sys.path
-    from moe_layer import HIDDEN, PARAM_SPECS, ROUTED_SCALE, expert_outputs, init_params, moe_layer
+    from moe_layer import HIDDEN, PARAM_SPECS, ROUTED_SCALE, check_programs, init_params, moe_layer
 
     def say(text: str) -> None:
         print(text, flush=True)  # the launcher names the process
@@ -104,11 +102,8 @@ def work(args) -> None:
 
     def check(mailbox) -> bool:
         """The layers one by one, each op alone on its inputs (``[tp, ...]``, every rank's),
-        against the float64 model: run alone, the op reads exactly the inputs the model gets."""
-        experts = jax.jit(jax.shard_map(lambda p, x: [a[None] for a in expert_outputs(p, x)], mesh=mesh,
-                                        in_specs=(PARAM_SPECS, P()), out_specs=P("tp")))
-        finalize = jax.jit(functools.partial(jmp.sharded_moe_finalize_publish, mailbox,
-                                             routed_scaling_factor=ROUTED_SCALE))
+        against the float64 model (`moe_layer.check_programs`)."""
+        experts, finalize = check_programs(mesh, mailbox)
         h, outs, references, bounds = x, [], [], []
         for params in layers:
             inputs = experts(params, h)

@@ -17,7 +17,6 @@ model's bound.
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import platform_choice  # examples/ is on sys.path (choose before JAX is imported)
@@ -32,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_moe_publish as jmp  # noqa: E402
 import model  # noqa: E402  (examples/ is on sys.path)
 from moe_layer import (  # noqa: E402
-    HIDDEN, PARAM_SPECS, ROUTED_SCALE, TOP_K, expert_outputs, init_params, moe_layer,
+    HIDDEN, PARAM_SPECS, ROUTED_SCALE, TOP_K, check_programs, init_params, moe_layer,
 )
 
 
@@ -40,15 +39,6 @@ def build_step(mesh, mailbox):
     """The layer over the group, in one jitted program."""
     return jax.jit(jax.shard_map(lambda p, x: moe_layer(p, x, mailbox=mailbox), mesh=mesh,
                                  in_specs=(PARAM_SPECS, P()), out_specs=P()))
-
-
-def build_check(mesh, mailbox):
-    """The layer as two jitted programs, for the float64 model: the experts, whose outputs are
-    every rank's op inputs (``[tp, ...]``) and the model's, then the op alone on them."""
-    experts = jax.shard_map(lambda p, x: [a[None] for a in expert_outputs(p, x)], mesh=mesh,
-                            in_specs=(PARAM_SPECS, P()), out_specs=P("tp"))
-    finalize = functools.partial(jmp.sharded_moe_finalize_publish, mailbox, routed_scaling_factor=ROUTED_SCALE)
-    return jax.jit(experts), jax.jit(finalize)
 
 
 def main() -> None:
@@ -74,7 +64,7 @@ def main() -> None:
         # Every program is waited for before the next is dispatched: on virtual CPU devices,
         # programs of collectives queued back to back can starve XLA's rendezvous on a small
         # machine (it aborts after 40 s).
-        experts, finalize = build_check(mesh, mailbox)
+        experts, finalize = check_programs(mesh, mailbox)
         inputs = experts(params, x)
         out = finalize(*inputs).block_until_ready()
         reference, bound = model.finalize_publish(*map(np.asarray, inputs), ROUTED_SCALE)
