@@ -208,12 +208,11 @@ def op_alone(mailbox, mesh, config, m, key):
 def weight_bytes(config, tp, m, active, path):
     """(bytes of expert weights a layer reads on each rank by the byte model, the least any path reads)."""
     expert = config.expert_bytes(tp)
-    shared = 3 * config.hidden * (config.shared_intermediate // tp) * 2
+    shared = config.shared_bytes(tp)
     least = active * expert + shared
     if path == "ragged":
         return config.experts * expert + shared, least
-    slots = min(m * config.top_k, config.experts)
-    gathered = mb.GATHER_TRAFFIC * slots < config.experts
+    slots, gathered = mb.decode_slots(m, config.top_k, config.experts)
     return (mb.GATHER_TRAFFIC * slots if gathered else config.experts) * expert + shared, least
 
 

@@ -107,15 +107,16 @@ class MoEConfig:
 
     def weight_bytes(self, tp: int) -> int:
         """Bytes of one layer's parameters on each rank."""
-        i, s = self.intermediate // tp, self.shared_intermediate // tp
-        experts = self.experts * 3 * self.hidden * i * 2
-        shared = 3 * self.hidden * s * 2
         router = self.hidden * self.experts * 4 + (self.experts * 4 if self.router == "sigmoid-grouped" else 0)
-        return experts + shared + router + self.hidden * 2
+        return self.experts * self.expert_bytes(tp) + self.shared_bytes(tp) + router + self.hidden * 2
 
     def expert_bytes(self, tp: int) -> int:
         """Bytes of one routed expert's gate, up and down slices on each rank."""
         return 3 * self.hidden * (self.intermediate // tp) * 2
+
+    def shared_bytes(self, tp: int) -> int:
+        """Bytes of the shared expert's slices on each rank (0 without one)."""
+        return 3 * self.hidden * (self.shared_intermediate // tp) * 2
 
     def describe(self) -> str:
         experts = f"{self.experts} experts"
@@ -322,6 +323,13 @@ def routed_rows_ragged(layer: dict, x, order, sizes, top_k: int):
     return lax.ragged_dot(swiglu(h), layer["down"], sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
+def decode_slots(m: int, top_k: int, num_experts: int) -> tuple[int, bool]:
+    """(slots, gathered) of `routed_rows_decode`: ``min(m * top_k, experts)`` slots, whose weights
+    are gathered while that moves fewer bytes than reading every expert once."""
+    slots = min(m * top_k, num_experts)
+    return slots, GATHER_TRAFFIC * slots < num_experts
+
+
 def routed_rows_decode(layer: dict, x, experts, order):
     """The sorted rows through their experts, reading only the active experts' weights:
     bf16 [m * top_k, hidden].
@@ -339,9 +347,9 @@ def routed_rows_decode(layer: dict, x, experts, order):
     m, top_k = experts.shape
     gate_up, down = layer["gate_up"], layer["down"]
     num_experts = gate_up.shape[0]
-    slots = min(m * top_k, num_experts)
+    slots, gathered = decode_slots(m, top_k, num_experts)
     flat = experts.reshape(-1)
-    if GATHER_TRAFFIC * slots < num_experts:
+    if gathered:
         active, slot = jnp.unique(flat, return_inverse=True, size=slots, fill_value=num_experts - 1)
         gate_up, down = gate_up[active], down[active]
         slot = slot.reshape(-1)
