@@ -114,7 +114,6 @@ if ARGS is not None and ARGS.cpu:
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 import jax  # noqa: E402  (XLA_FLAGS must be set first)
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
@@ -214,14 +213,6 @@ def weight_bytes(config, tp, m, active, path):
         return config.experts * expert + shared, least
     slots, gathered = mb.decode_slots(m, config.top_k, config.experts)
     return (mb.GATHER_TRAFFIC * slots if gathered else config.experts) * expert + shared, least
-
-
-def copy_bytes_per_s(device):
-    """Bytes read + written per second by a jitted ``x * 0.5`` of a 4 GiB bf16 array."""
-    tiny = jnp.zeros(bench.TINY_SHAPE, jnp.bfloat16, device=device)
-    big = jnp.ones(bench.COPY_SHAPE, jnp.bfloat16, device=device)
-    seconds = bench.transfer_seconds(jax.jit(lambda a: a * 0.5), big, tiny, ARGS.reps)
-    return 2 * big.nbytes / seconds
 
 
 def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
@@ -338,7 +329,7 @@ def main() -> int:
         bench.check_kernels(kernel_configs(configs, tp), "python benchmarks/bench_moe_block.py --build-kernels DIR "
                                                          f"--problems {' '.join(ARGS.problems)} --m "
                                                          f"{' '.join(map(str, ARGS.m))}")
-        copy_rate = copy_bytes_per_s(devices[0])
+        copy_rate = bench.xla_copy_bytes_per_s(devices[0], ARGS.reps)
         print(f"copy bandwidth {copy_rate / 1e9:.0f} GB/s (read + write)", flush=True)
     results = []
     data = {"environment": {**bench.machine_environment(), "platform": platform, "plumbing_check": ARGS.cpu,

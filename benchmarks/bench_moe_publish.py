@@ -660,6 +660,14 @@ def driver_copy_bytes_per_s(ordinal, nbytes, reps):
     return 2 * nbytes / float(np.median(elapsed[1:]))
 
 
+def xla_copy_bytes_per_s(device, reps):
+    """Bytes read + written per second by a jitted ``x * 0.5`` of a 4 GiB bf16 array on
+    ``device`` (a real multiply, so XLA must read and write every byte)."""
+    tiny = jnp.zeros(TINY_SHAPE, jnp.bfloat16, device=device)
+    big = jnp.ones(COPY_SHAPE, jnp.bfloat16, device=device)
+    return 2 * big.nbytes / transfer_seconds(jax.jit(lambda x: x * 0.5), big, tiny, reps)
+
+
 def measure_floors(gpus, reps):
     """The three limits every case's floor is made of, measured once on this run's GPUs.
 
@@ -673,17 +681,15 @@ def measure_floors(gpus, reps):
     """
     first = gpus[0]
     tiny = jnp.zeros(TINY_SHAPE, jnp.bfloat16, device=first)
-    big = jnp.ones(COPY_SHAPE, jnp.bfloat16, device=first)
-    seconds = transfer_seconds(jax.jit(lambda x: x * 0.5), big, tiny, reps)
-    xla_copy = 2 * big.nbytes / seconds
-    memcpy = driver_copy_bytes_per_s(first.local_hardware_id, big.nbytes, reps)
+    xla_copy = xla_copy_bytes_per_s(first, reps)
+    copy_bytes = int(np.prod(COPY_SHAPE)) * 2
+    memcpy = driver_copy_bytes_per_s(first.local_hardware_id, copy_bytes, reps)
     # The floor takes the faster of the two: a memory-bound kernel can reach either.
     floors = {"copy": {"bytes_per_s": max(xla_copy, memcpy), "xla_kernel_bytes_per_s": xla_copy,
-                       "memcpy_bytes_per_s": memcpy, "array_bytes": big.nbytes,
+                       "memcpy_bytes_per_s": memcpy, "array_bytes": copy_bytes,
                        "what": "faster of a jitted x * 0.5 and cuMemcpyDtoDAsync on GPU 0, "
                                "bytes read + written"},
               "p2p": None}
-    del big
     if len(gpus) > 1:
         second = gpus[1]
         forward_big = jnp.ones(P2P_SHAPE, jnp.bfloat16, device=first)
