@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
+from jax_moe_publish.testing import rank_processes
 
 TP = "tp"
 PATHS = ("ragged", "decode")
@@ -241,12 +242,15 @@ def init_params(key, config: MoEConfig, mesh, layers: int) -> list[dict]:
 
 
 def init_inputs(key, config: MoEConfig, mesh, m: int):
-    """(x, residual): bf16 [m, hidden] each, replicated: the first layer's input and residual stream."""
-    keys = jax.random.split(key)
+    """(x, residual): bf16 [m, hidden] each, replicated: the first layer's input and residual stream,
+    generated on the devices (as `init_params`, also where the mesh spans processes)."""
+
+    def make(key):
+        keys = jax.random.split(key)
+        return tuple(jax.random.normal(k, (m, config.hidden), jnp.float32).astype(jnp.bfloat16) for k in keys)
+
     replicated = NamedSharding(mesh, P())
-    x = jax.random.normal(keys[0], (m, config.hidden), jnp.float32).astype(jnp.bfloat16)
-    residual = jax.random.normal(keys[1], (m, config.hidden), jnp.float32).astype(jnp.bfloat16)
-    return jax.device_put(x, replicated), jax.device_put(residual, replicated)
+    return jax.jit(make, out_shardings=(replicated, replicated))(key)
 
 
 def local_params(config: MoEConfig, layer: dict) -> dict:
@@ -452,5 +456,7 @@ def make_parts(config: MoEConfig, mesh, path: str):
 
 
 def rank_copies(out) -> list[np.ndarray]:
-    """Each device's copy of a replicated result, as raw bf16 bits (uint16), in device order."""
-    return [np.asarray(shard.data).view(np.uint16) for shard in out.addressable_shards]
+    """Each device's copy of a replicated result, as raw bf16 bits (uint16), in mesh order (every
+    device's, also where the mesh spans processes)."""
+    copies = rank_processes.gather(out)
+    return [copies[device].view(np.uint16) for device in out.sharding.mesh.devices.flat]

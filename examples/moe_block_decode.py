@@ -30,7 +30,9 @@ float32 router's error bound). It exits non-zero if an element leaves its bound,
 relative error exceeds ``MAX_RELATIVE``, a token is routed otherwise without a tie or
 two ranks differ. The time per layer it
 prints is host-timed around whole steps; ``benchmarks/bench_moe_block.py`` times it
-properly.
+properly. ``--rank-processes N`` runs a group of N ranks as N processes that share the GPUs
+(`platform_choice`): tp = N on one GPU, with ``--experts`` small enough for N shards of the
+weights on it; the times then mean nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import numpy as np  # noqa: E402
 import jax_moe_publish as jmp  # noqa: E402
 import moe_block as mb  # noqa: E402  (examples/ is on sys.path)
 import moe_block_model as bm  # noqa: E402
+from jax_moe_publish.testing import rank_processes  # noqa: E402
 
 # Small dimensions for CPU runs: every split over 4 ranks, the routers' structure kept.
 CPU_DIMS = dict(hidden=256, intermediate=128, experts=32, shared_intermediate=128)
@@ -68,6 +71,7 @@ def _parse():
     parser.add_argument("--check-layers", type=int,
                         help="layers compared with the NumPy model (default: all on CPU, 1 on GPUs)")
     parser.add_argument("--steps", type=int, default=10, help="host-timed decode steps")
+    platform_choice.add_rank_processes(parser)
     args = parser.parse_args()
     if args.tokens < 1 or args.layers < 1 or args.steps < 0:
         parser.error("--tokens and --layers must be >= 1, --steps >= 0")
@@ -81,10 +85,14 @@ def problem_config(name, experts):
 
 
 def check_memory(config, tp, layers, device):
-    """Stop before allocating where the weights would not fit on one GPU; the bytes per GPU."""
+    """Stop before allocating where the weights would not fit on one GPU; the bytes per GPU (per
+    rank: rank processes that share a GPU each hold their shards)."""
     needed = layers * config.weight_bytes(tp)
     if not ON_GPU:
         return needed
+    sharing = rank_processes.current()
+    if sharing is not None:
+        needed *= -(-sharing.processes // sharing.gpus)
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if limit and needed > MEMORY_SHARE * limit:
         fits = mb.max_experts(config, tp, layers, int(MEMORY_SHARE * limit))
@@ -106,10 +114,14 @@ def check_layers(config, mesh, params, x, residual, mailbox, path, count):
                                                                mailbox=mailbox), 1)
     parts_of = mb.make_parts(config, mesh, path)
     ok = True
+    host = functools.partial(jax.tree.map, rank_processes.to_host)  # every rank's parts, in every process
     for index in range(count):
         layer = params[index]
         parts, experts = jax.block_until_ready(parts_of(layer, x))
         out, residual_out = jax.block_until_ready(one_layer([layer], x, residual))
+        next_x, next_residual = out, residual_out
+        layer, x, residual, parts, experts, out, residual_out = host(
+            (layer, x, residual, parts, experts, out, residual_out))
         model = bm.numpy_layer(config, layer, x, residual, tp, experts=experts)
         keep = ~model["rerouted"]
         op = bm.op_part(config, parts, residual, layer["norm"], residual_out)
@@ -128,7 +140,7 @@ def check_layers(config, mesh, params, x, residual, mailbox, path, count):
         for what, result in results.items():
             print(f"      {report(what, result)}")
             ok &= result["outside"] == 0 and result["relative"] <= MAX_RELATIVE
-        x, residual = out, residual_out
+        x, residual = next_x, next_residual
     return ok
 
 
@@ -136,7 +148,7 @@ def run_problem(name, args, mesh, devices):
     tp = mesh.shape[mb.TP]
     config = problem_config(name, args.experts)
     config.check_tp(tp)
-    weights = check_memory(config, tp, args.layers, devices[0])
+    weights = check_memory(config, tp, args.layers, jax.local_devices()[0])
     dims = "" if ON_GPU else " (small dimensions for CPU)"
     print(f"{config.describe()}{dims}\n  {args.layers} layers, {weights / 1e9:.3f} GB of weights per "
           f"{'GPU' if ON_GPU else 'device'}, m = {args.tokens}, tp = {tp}", flush=True)
@@ -153,7 +165,7 @@ def run_problem(name, args, mesh, devices):
             out, residual_out = jax.block_until_ready(step(params, x, residual))
             copies = [mb.rank_copies(a) for a in (out, residual_out)]
             equal = all(np.array_equal(c, kind[0]) for kind in copies for c in kind)
-            finite = bool(np.all(np.isfinite(np.asarray(out, np.float32))))
+            finite = bool(np.all(np.isfinite(rank_processes.to_host(out).astype(np.float32))))
             print(f"  {path} path: the {args.layers}-layer stack's out and residual_out on {len(copies[0])} ranks: "
                   f"{'bitwise equal' if equal else 'DIFFER'}{'' if finite else ', NOT FINITE'}")
             ok &= equal and finite
@@ -169,16 +181,17 @@ def run_problem(name, args, mesh, devices):
     return ok
 
 
-def main() -> int:
-    args = _parse()
+def main(args) -> int:
     devices = jax.devices()
     tp = len(devices)
     mesh = jax.make_mesh((tp,), (mb.TP,), devices=devices)
+    shared = rank_processes.current() is not None
     if ON_GPU:
-        print(f"{tp} GPU(s) ({devices[0].device_kind}): the jax-moe-publish kernels, tp={tp}, the models' dimensions")
+        print(f"{tp} GPU(s) ({devices[0].device_kind}): the jax-moe-publish kernels, tp={tp}, the models' dimensions"
+              + (f", as {tp} rank processes that share the GPU(s): times mean nothing" if shared else ""))
     else:
-        print(f"no NVIDIA GPU found: the pure-JAX reference path on {tp} virtual CPU devices, tp={tp}, "
-              f"at small dimensions")
+        print(f"no NVIDIA GPU found: the pure-JAX reference path on {tp} "
+              f"{'CPU processes' if shared else 'virtual CPU devices'}, tp={tp}, at small dimensions")
     ok = True
     for name in args.problems:
         ok &= run_problem(name, args, mesh, devices)
@@ -187,4 +200,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(platform_choice.run(main, _parse()))

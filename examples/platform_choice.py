@@ -1,9 +1,17 @@
 """Where an example runs: on NVIDIA GPUs where the driver finds one, else on virtual CPU
-devices. Call `choose` before JAX is imported: the CPU device count is an XLA flag."""
+devices. Call `choose` before JAX is imported: the CPU device count is an XLA flag.
+
+With ``--rank-processes N`` (`add_rank_processes`, `run`) the TP group is N processes that share
+this machine's GPUs (one GPU suffices; on a machine without one, N processes of one CPU
+device each): `jax_moe_publish.testing.rank_processes`. Their kernels take turns on the GPU,
+so the checks hold and the times printed mean nothing.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 
 
 def gpu_present() -> bool:
@@ -22,5 +30,41 @@ def choose(cpu_devices: int) -> bool:
     returns False."""
     if gpu_present():
         return True
+    from jax_moe_publish.testing import rank_processes
+
+    if rank_processes.RankProcess.from_environment() is not None:
+        return False  # a rank process on CPU: one device
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={cpu_devices}"
     return False
+
+
+def add_rank_processes(parser) -> None:
+    parser.add_argument("--rank-processes", type=int, metavar="N",
+                        help="run the TP group as N processes that share this machine's GPUs (one GPU "
+                             "suffices): the checks hold, the times mean nothing")
+
+
+def run(main, args, deadline_s: float = 1800.0) -> int:
+    """``main(args)``'s exit status; with ``args.rank_processes`` N, this script as N rank
+    processes (each runs ``main`` and leaves through a last barrier), and theirs."""
+    from jax_moe_publish.testing import local_processes, rank_processes
+
+    if rank_processes.join() is not None:
+        try:
+            code = main(args) or 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+            if not isinstance(stop.code, int):
+                print(stop.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        local_processes.leave(code)
+    if not args.rank_processes:
+        return main(args) or 0
+    outcomes = rank_processes.launch([sys.executable, *sys.argv], args.rank_processes, deadline_s=deadline_s,
+                                     echo=True)
+    failed = [outcome.describe() for outcome in outcomes if outcome.failed]
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
+    return 1 if failed else 0

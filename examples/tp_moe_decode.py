@@ -9,9 +9,10 @@ without a GPU it runs the pure-JAX reference path on 4 virtual CPU devices, and
 says which. Either way it checks the op's result against a float64 NumPy model
 of the op (`model.py`) fed with every rank's inputs of the call, prints the
 error and the time per step, and exits non-zero if an element is outside the
-model's bound.
+model's bound. ``--rank-processes N`` runs a group of N ranks as N processes that share
+the GPUs (`platform_choice`): tp = N on one GPU.
 
-    python examples/tp_moe_decode.py [--tokens 32] [--steps 50]
+    python examples/tp_moe_decode.py [--tokens 32] [--steps 50] [--rank-processes N]
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ ON_GPU = platform_choice.choose(cpu_devices=4)
 
 import jax  # noqa: E402  (XLA_FLAGS must be set first)
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
 import model  # noqa: E402  (examples/ is on sys.path)
+from jax_moe_publish.testing import rank_processes  # noqa: E402
 from moe_layer import (  # noqa: E402
     HIDDEN, PARAM_SPECS, ROUTED_SCALE, TOP_K, check_programs, init_params, moe_layer,
 )
@@ -41,24 +42,30 @@ def build_step(mesh, mailbox):
                                  in_specs=(PARAM_SPECS, P()), out_specs=P()))
 
 
-def main() -> None:
+def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=50)
-    args = parser.parse_args()
+    platform_choice.add_rank_processes(parser)
+    return parser.parse_args()
 
+
+def main(args) -> None:
     devices = jax.devices()
     tp = len(devices)
     mesh = jax.make_mesh((tp,), ("tp",), devices=devices)
+    shared = rank_processes.current() is not None
     if ON_GPU:
-        print(f"{tp} GPU(s) ({devices[0].device_kind}): running the jax-moe-publish kernels, tp={tp}")
+        print(f"{tp} GPU(s) ({devices[0].device_kind}): running the jax-moe-publish kernels, tp={tp}"
+              + (f", as {tp} rank processes that share the GPU(s): times mean nothing" if shared else ""))
     else:
-        print(f"no NVIDIA GPU found: running the pure-JAX reference path on {tp} virtual CPU devices, tp={tp}")
+        print(f"no NVIDIA GPU found: running the pure-JAX reference path on {tp} "
+              f"{'CPU processes' if shared else 'virtual CPU devices'}, tp={tp}")
 
-    params = init_params(jax.random.key(0), tp)
-    params = {name: jax.device_put(value, jax.sharding.NamedSharding(mesh, PARAM_SPECS[name]))
-              for name, value in params.items()}
-    x = jax.random.normal(jax.random.key(1), (args.tokens, HIDDEN), jnp.bfloat16)
+    # Every process computes the same host values and places its own devices' parts.
+    params = {name: rank_processes.place(mesh, PARAM_SPECS[name], value)
+              for name, value in init_params(jax.random.key(0), tp).items()}
+    x = rank_processes.place(mesh, P(), jax.random.normal(jax.random.key(1), (args.tokens, HIDDEN), jnp.bfloat16))
 
     with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=max(args.tokens, 64)) as mailbox:
         # Every program is waited for before the next is dispatched: on virtual CPU devices,
@@ -67,8 +74,8 @@ def main() -> None:
         experts, finalize = check_programs(mesh, mailbox)
         inputs = experts(params, x)
         out = finalize(*inputs).block_until_ready()
-        reference, bound = model.finalize_publish(*map(np.asarray, inputs), ROUTED_SCALE)
-        passed = model.check(out, reference, bound, f"tokens={args.tokens} hidden={HIDDEN} top_k={TOP_K} tp={tp}")
+        reference, bound = model.finalize_publish(*map(rank_processes.to_host, inputs), ROUTED_SCALE)
+        passed = model.check(rank_processes.to_host(out), reference, bound, f"tokens={args.tokens} hidden={HIDDEN} top_k={TOP_K} tp={tp}")
 
         step = build_step(mesh, mailbox)
         step(params, x).block_until_ready()
@@ -84,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(platform_choice.run(main, parse()))

@@ -8,38 +8,60 @@ GPU tests are marked ``@pytest.mark.gpu`` and declare how many GPUs they need
 with the ``gpus`` fixture's parameter (``@pytest.mark.gpus(2)``); they skip,
 with the reason, where there are fewer.
 
+A GPU test that is also marked ``rank_processes`` does not skip where it needs more GPUs than
+there are: it runs as one process per rank on the GPUs there are (`rank_runs`). Each test's
+random data comes from the ``rng`` fixture: fresh for every test, and the same in every rank
+process of one run.
+
 With ``JAX_MOE_PUBLISH_REQUIRE_GPU=1`` (``tools/gpu_check.sh`` sets it) a run must run
 GPU tests (`RequireGpuTests`): a test that needs more GPUs than were found still skips,
-but a run that selects no GPU test, finds no GPU, or skips every GPU test it selected fails.
+but a run that selects no GPU test, finds no GPU, or passes no GPU test's body fails.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 import sys
+import zlib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "support"))
 
-# Before JAX starts: four virtual CPU devices for shard_map tests on the CPU.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-
+import numpy as np
 import pytest
 
+import rank_runs
+from jax_moe_publish.testing import rank_processes
 from jax_moe_publish.testing.local_processes import local_gpu_count
+
+# Before JAX starts: four virtual CPU devices for shard_map tests on the CPU (a rank process
+# has one device).
+if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+        and rank_processes.RankProcess.from_environment() is None):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 REQUIRE_GPU = "JAX_MOE_PUBLISH_REQUIRE_GPU"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpus(n): needs at least n NVIDIA GPUs (implies gpu)")
+    config.addinivalue_line("markers", f"{rank_runs.MARKER}: on fewer GPUs than it needs, runs as one "
+                                       "process per rank (tests/support/rank_runs.py)")
+    rank = rank_processes.join()
+    if rank is not None:
+        config.pluginmanager.register(rank_runs.Child(rank), "rank-process-child")
+    elif not config.option.collectonly:
+        config.pluginmanager.register(rank_runs.Batches(config), "rank-process-batches")
     if os.environ.get(REQUIRE_GPU, "0") not in ("", "0") and not config.option.collectonly:
         config.pluginmanager.register(RequireGpuTests(), "require-gpu-tests")
 
 
 def pytest_collection_modifyitems(config, items):
-    available = local_gpu_count()
+    rank = rank_processes.current()
+    # A rank process counts the group's processes as its GPUs; it never starts another group.
+    available = rank.processes if rank is not None else local_gpu_count()
+    share = rank is None and rank_processes.sharing_possible()
     for item in items:
         needs = item.get_closest_marker("gpus")
         if needs is None and item.get_closest_marker("gpu") is None:
@@ -47,10 +69,26 @@ def pytest_collection_modifyitems(config, items):
         required = needs.args[0] if needs is not None else 1
         if needs is not None:
             item.add_marker(pytest.mark.gpu)
-        if available < required:
+        if available >= required:
+            continue
+        if share and item.get_closest_marker(rank_runs.MARKER) is not None:
+            rank_runs.run_as_processes(item, required)
+        else:
             item.add_marker(pytest.mark.skip(
                 reason=f"needs {required} NVIDIA GPU(s), found {available}"
             ))
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data for every test: a new seed per test, except in a rank process, where
+    every process of the run derives the same one from the run's seed and the test's id (each
+    draws every rank's inputs). The seed is printed, to replay a failure."""
+    rank = rank_processes.current()
+    base = rank.seed if rank is not None else secrets.randbits(62)
+    seed = [base, zlib.crc32(request.node.nodeid.encode())]
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
 
 
 def _why_no_gpu() -> str:
@@ -73,7 +111,8 @@ class RequireGpuTests:
 
     * After the selection (``-m``, ``-k``, paths): no ``gpu`` test selected, or no GPU found,
       stops the run with a usage error, before any test runs.
-    * At the end: the run fails if no ``gpu`` test ran its body (every one skipped).
+    * At the end: the run fails if no ``gpu`` test passed its body (every one skipped, before
+      or inside its body, or failed).
     """
 
     def __init__(self) -> None:
@@ -96,13 +135,14 @@ class RequireGpuTests:
             )
 
     def pytest_runtest_logreport(self, report):
-        if report.when == "call" and "gpu" in report.keywords:
+        # A skip inside the body is a "call" report too: only a pass counts.
+        if report.when == "call" and report.passed and "gpu" in report.keywords:
             self.ran += 1
 
     def pytest_sessionfinish(self, session):
         if self.ran == 0 and session.exitstatus == pytest.ExitCode.OK:
-            self.failure = (f"{REQUIRE_GPU}=1, but none of the {self.selected} selected GPU test(s) ran: "
-                            "all skipped (see the skip reasons)")
+            self.failure = (f"{REQUIRE_GPU}=1, but none of the {self.selected} selected GPU test(s) passed its "
+                            "body: all skipped (see the skip reasons)")
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter):

@@ -15,6 +15,9 @@ PYTHON=${PYTHON:-python3}
 export JAX_MOE_PUBLISH_KERNEL_DIR=${JAX_MOE_PUBLISH_KERNEL_DIR:-$PWD/kernels-prebuilt}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export JAX_MOE_PUBLISH_REQUIRE_GPU=1
+# Ranks run as processes that share the GPUs where a test needs more (tests/support/rank_runs.py):
+# none may take most of a GPU's memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 [ -d "$JAX_MOE_PUBLISH_KERNEL_DIR" ] || { echo "no prebuilt kernels at $JAX_MOE_PUBLISH_KERNEL_DIR" >&2; exit 2; }
 "$PYTHON" -m pip install --quiet --no-build-isolation --no-deps .
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader

@@ -32,6 +32,23 @@ def test_tp_moe_decode_checks_the_reference_path():
     assert line.startswith("tokens=32 hidden=512 top_k=4 tp=4 ") and line.endswith(": PASS"), line
 
 
+def test_tp_moe_decode_as_rank_processes_checks_every_rank():
+    """``--rank-processes 3``: three processes of one CPU device each (the switch that runs a group
+    on one GPU), each checking the group's result against the model."""
+    out = run_example("tp_moe_decode.py", "--steps", "1", "--rank-processes", "3")
+    lines = [line for line in out.splitlines() if CHECK in line]
+    assert sorted(line.split("]")[0] for line in lines) == [f"[rank process {i}" for i in range(3)], out
+    assert all("tp=3" in line and line.endswith(": PASS") for line in lines), lines
+    assert "reference path on 3 CPU processes, tp=3" in out, out
+
+
+def test_moe_block_decode_as_rank_processes_checks_every_rank():
+    out = run_example("moe_block_decode.py", "--layers", "1", "--steps", "0", "--rank-processes", "2")
+    assert "reference path on 2 CPU processes, tp=2" in out, out
+    passed = [line.split("]")[0] for line in out.splitlines() if line.endswith(" all checks passed")]
+    assert sorted(passed) == ["[rank process 0", "[rank process 1"], out
+
+
 def test_multiprocess_decode_checks_every_process():
     out = run_example("multiprocess_decode.py", "--steps", "2")
     assert "2 CPU processes (gloo) on the pure-JAX reference path, tp=2" in out

@@ -55,6 +55,13 @@ def test_stand_in_for_a_gpu_test(needs):
     assert needs in (1, 2)
 
 
+@pytest.mark.parametrize("needs", [1])
+def test_stand_in_that_skips_inside_its_body(needs):
+    """A GPU test (``gpus(needs)`` in the runs below) that finds what it needs missing only once
+    it runs."""
+    pytest.skip("stand-in: skipped inside the body")
+
+
 def _environment(tmp_path, **variables) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_MOE_PUBLISH_REQUIRE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
@@ -100,7 +107,15 @@ def test_the_switch_fails_a_run_whose_gpu_tests_all_skipped(tmp_path):
     assert run.returncode == 0 and "needs 2 NVIDIA GPU(s), found 1" in run.stdout, _output(run)
     run = _gpu_run(tmp_path, *selection, gpus=1, require=True)
     assert run.returncode == pytest.ExitCode.TESTS_FAILED, _output(run)
-    assert "none of the 1 selected GPU test(s) ran: all skipped" in run.stdout, _output(run)
+    assert "none of the 1 selected GPU test(s) passed its body: all skipped" in run.stdout, _output(run)
+
+
+def test_the_switch_fails_a_run_whose_gpu_test_skipped_inside_its_body(tmp_path):
+    """A skip inside the body is a report of the test's call too: it must not count as a run."""
+    run = _gpu_run(tmp_path, "-m", "gpu", "tests/cpu/test_gpu_check.py::test_stand_in_that_skips_inside_its_body",
+                   gpus=1, require=True)
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED, _output(run)
+    assert "none of the 1 selected GPU test(s) passed its body" in run.stdout, _output(run)
 
 
 def test_with_the_switch_a_test_that_needs_more_gpus_still_skips(tmp_path):

@@ -1,7 +1,9 @@
 """Faults and misuse on GPUs: every case ends in an error that names the fault, or in
-behaviour that is documented here, and never in a hang. Most cases need two GPUs; a group
-whose rank never launches runs on virtual ranks (one GPU suffices), and the public-API
-case also on four and eight GPUs.
+behaviour that is documented here, and never in a hang. The kernel-harness cases run their
+ranks on virtual ranks where there are fewer GPUs than ranks (one GPU suffices), except the
+mismatched m, whose surviving rank must be read after its peer's trap; the public-API cases
+run their ranks as processes that share the GPUs there are (`rank_processes`), at tp = 2,
+and for the missing rank also at 4 and 8.
 
 Each case runs one program of `fault_programs` in a child process, because a
 trapped kernel loses its device's CUDA context for the rest of the process.
@@ -52,9 +54,10 @@ import sys
 import pytest
 
 from jax_moe_publish import protocol
-from jax_moe_publish.testing import gpu_matrix
+from jax_moe_publish.testing import gpu_matrix, rank_processes
+from jax_moe_publish.testing.local_processes import local_gpu_count
 
-pytestmark = pytest.mark.gpus(2)  # tests on virtual ranks say gpus(1)
+pytestmark = pytest.mark.gpus(1)  # virtual ranks or rank processes where there are fewer GPUs than ranks
 
 PROGRAMS = pathlib.Path(__file__).resolve().parents[1] / "support" / "fault_programs.py"
 RESULT_PREFIX = "RESULT "
@@ -63,6 +66,11 @@ TIME_TO_ERROR_S = 5.0
 """A fault must be reported within the kernel timeout plus this."""
 LAST_CALL = protocol.CALL_COUNT_PERIOD - 1
 """The last call number before the call count wraps to 0."""
+
+
+def _no_result(program: str, options, code, stdout: str, stderr: str) -> str:
+    return (f"{program} {' '.join(options)} exited with {code} and no result\n"
+            f"stdout: {stdout[-4000:]}\nstderr: {stderr[-4000:]}")
 
 
 def run_program(program: str, *options: str, env: dict | None = None) -> dict:
@@ -77,11 +85,24 @@ def run_program(program: str, *options: str, env: dict | None = None) -> dict:
         pytest.fail(f"{program} {' '.join(options)} hung: killed after {CHILD_TIMEOUT_S} s\n"
                     f"stdout: {error.stdout}\nstderr: {error.stderr}")
     lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert child.returncode == 0 and lines, (
-        f"{program} {' '.join(options)} exited with {child.returncode} and no result\n"
-        f"stdout: {child.stdout[-4000:]}\nstderr: {child.stderr[-4000:]}"
-    )
+    assert child.returncode == 0 and lines, _no_result(program, options, child.returncode, child.stdout, child.stderr)
     return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def run_api_program(program: str, tp: int, *options: str, env: dict | None = None) -> list[dict]:
+    """A public-API program of a group of ``tp``: in one process on tp GPUs, or as tp rank
+    processes on the GPUs there are; each process's result (each reports its own ranks)."""
+    if local_gpu_count() >= tp:
+        return [run_program(program, *options, env=env)]
+    outcomes = rank_processes.launch([sys.executable, str(PROGRAMS), program, *options], tp,
+                                     deadline_s=CHILD_TIMEOUT_S, extra_env=env)
+    for outcome in outcomes:
+        if outcome.killed:
+            pytest.fail(f"{program} {' '.join(options)} hung: {outcome.describe()}\n"
+                        f"stdout: {outcome.stdout[-4000:]}\nstderr: {outcome.stderr[-4000:]}")
+        assert not outcome.failed and outcome.result is not None, _no_result(
+            program, options, outcome.returncode, outcome.stdout, outcome.stderr)
+    return [outcome.result for outcome in outcomes]
 
 
 def _assert_timed_out(status: dict, *, missing: list[int], call: int, tokens: range) -> None:
@@ -206,6 +227,7 @@ def _leftovers(algorithm: str, small_rank: int, large_rank: int, small_m: int, l
     return [["contributions", 0, large_rank, slot] for slot in slots]
 
 
+@pytest.mark.gpus(2)  # the smaller rank is read after the larger one's trap: on one GPU, one context
 @pytest.mark.parametrize("ms", [(3, 5), (5, 3)], ids=lambda ms: f"m{ms[0]}-m{ms[1]}")
 @pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "reduce_scatter"])
 def test_mismatched_m_traps_the_rank_with_more_tokens(algorithm, ms):
@@ -236,14 +258,23 @@ def test_negative_zero_partials_never_stall_a_wait():
 
 
 @pytest.fixture(scope="module", params=[
-    pytest.param((tp, silent), marks=pytest.mark.gpus(tp), id=f"tp{tp}-silent{silent}")
+    pytest.param((tp, silent), id=f"tp{tp}-silent{silent}")
     for tp, silent in ((2, 1), (2, 0), (4, SILENT_RANK[4]), (8, SILENT_RANK[8]))
 ])
 def api_timeout(request):
     """One run of ``api-timeout``: one rank skips the op (a `lax.cond` on the rank) in a call made
-    through the public API, on tp GPUs."""
+    through the public API, on tp GPUs or as tp rank processes. As one result: every rank's
+    status, and the outcome and close of each process that holds a waiting rank."""
     tp, silent = request.param
-    return run_program("api-timeout", "--tp", str(tp), "--silent-rank", str(silent))
+    results = run_api_program("api-timeout", tp, "--tp", str(tp), "--silent-rank", str(silent))
+    merged = dict(results[0])
+    for key in ("status", "status_after_close"):
+        merged[key] = sorted((s for result in results for s in result[key]), key=lambda s: s["rank"])
+    waiting = [result for result in results if any(s["rank"] != silent for s in result["status"])]
+    merged["outcomes"] = [result["outcome"] for result in waiting]
+    merged["closings"] = [result["close_after_fault"] for result in waiting]
+    merged["healthy_failures"] = [result["healthy_failure"] for result in results]
+    return merged
 
 
 def test_api_timeout_raises_the_mailbox_diagnostic(api_timeout):
@@ -251,8 +282,17 @@ def test_api_timeout_raises_the_mailbox_diagnostic(api_timeout):
     and only that one; every other rank's status block names it too."""
     result = api_timeout
     silent, waiting = result["silent"], [rank for rank in range(result["tp"]) if rank != result["silent"]]
-    assert result["healthy_failure"] is None, result["healthy_failure"]
-    outcome = result["outcome"]
+    assert result["healthy_failures"] == [None] * len(result["healthy_failures"]), result["healthy_failures"]
+    for outcome in result["outcomes"]:
+        _assert_names_the_silent_rank(outcome, result, silent, waiting)
+    status = {s["rank"]: s for s in result["status"]}
+    assert sorted(status) == list(range(result["tp"])), f"not every rank's status: {result['status']}"
+    for rank in waiting:
+        _assert_timed_out(status[rank], missing=[silent], call=1, tokens=range(result["m"]))
+    assert status[silent]["code"] == protocol.STATUS_OK, status[silent]
+
+
+def _assert_names_the_silent_rank(outcome: dict, result: dict, silent: int, waiting: list[int]) -> None:
     assert outcome["raised"] == "MailboxStatusError", f"diagnose() did not explain the failure: {outcome}"
     for words in (f"no data from rank(s) [{silent}]", "different order", "process died"):
         assert words in outcome["message"], f"{words!r} missing from: {outcome['message']}"
@@ -264,18 +304,14 @@ def test_api_timeout_raises_the_mailbox_diagnostic(api_timeout):
     assert outcome["elapsed_s"] < result["timeout_s"] + TIME_TO_ERROR_S, outcome
     print(f"public API, tp = {result['tp']}, rank {silent} skips the op: time to error {outcome['elapsed_s']:.3f} s "
           f"(timeout {result['timeout_s']} s)\n{outcome['message']}\ncaused by: {outcome['cause']}")
-    status = {s["rank"]: s for s in result["status"]}
-    for rank in waiting:
-        _assert_timed_out(status[rank], missing=[silent], call=1, tokens=range(result["m"]))
-    assert status[silent]["code"] == protocol.STATUS_OK, status[silent]
 
 
 def test_close_after_a_fault_does_not_hide_the_diagnostic(api_timeout):
     """``with Mailbox(...)`` closes the mailbox while the diagnostic propagates: an error from
     close() would replace it."""
-    closing = api_timeout["close_after_fault"]
-    assert closing["raised"] is None, f"Mailbox.close() after a device fault raised: {closing}"
-    assert "lost their CUDA context" in closing["warning"], closing
+    for closing in api_timeout["closings"]:
+        assert closing["raised"] is None, f"Mailbox.close() after a device fault raised: {closing}"
+        assert "lost their CUDA context" in closing["warning"], closing
     assert api_timeout["status_after_close"] == api_timeout["status"], "close() lost the diagnostic"
 
 
@@ -284,7 +320,11 @@ def test_two_mailboxes_alternate_and_a_closed_one_errors(command_buffers):
     env = {}
     if command_buffers == "off":
         env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    result = run_program("two-mailboxes", env=env)
+    for result in run_api_program("two-mailboxes", 2, env=env):
+        _check_two_mailboxes(result, command_buffers)
+
+
+def _check_two_mailboxes(result: dict, command_buffers: str) -> None:
     assert result["alternate_failures"] == [], result["alternate_failures"]
     closed = result["closed_call"]
     assert closed["raised"] and f"mailbox {result['closed_id']} is closed" in closed["message"], (
@@ -308,7 +348,11 @@ def test_closed_mailbox_in_a_replayed_command_buffer_errors():
     buffer, a run with none replayed it. Before the close the chain must have been captured and
     replayed (with right results on every rank), and the call after the close must be a replay:
     a handler execute there would be refused by the handler, and test nothing of the kernels."""
-    result = run_program("closed-chain")
+    for result in run_api_program("closed-chain", 2):
+        _check_closed_chain(result)
+
+
+def _check_closed_chain(result: dict) -> None:
     runs = result["runs"]
     assert [run["failure"] for run in runs] == [None] * len(runs), runs
     assert any(run["captured"] > 0 for run in runs), f"XLA never captured the chain: {runs}"

@@ -1,8 +1,11 @@
-"""Two processes, one GPU each, joined by ``jax.distributed`` on localhost: the mailbox across processes.
+"""Two processes joined by ``jax.distributed`` on localhost: the mailbox across processes.
 
 Each case runs a program of `process_programs` in two child processes (the
 parent never touches the GPUs) with a deadline on each, so a bug fails the
 test instead of hanging it. Kernels come from the prebuilt ``tests`` preset.
+Each process takes a GPU of its own where there are two; on one GPU both share it (their
+kernels take turns, `jax_moe_publish.testing.rank_processes`), except where the case is
+about two GPUs: their order, or XLA's collectives, which NCCL refuses on one GPU.
 """
 
 from __future__ import annotations
@@ -12,8 +15,7 @@ import pytest
 
 import processes
 from jax_moe_publish import protocol
-
-pytestmark = pytest.mark.gpus(2)
+from jax_moe_publish.testing.local_processes import local_gpu_count
 
 # How processes map to GPUs and ranks: process i holds GPU gpus[i]; the mesh lists
 # the processes' devices in process order, or reversed (rank 0 in process 1).
@@ -32,15 +34,21 @@ def _seed() -> str:
     return str(np.random.default_rng().integers(2**31))
 
 
+def _gpus(layout: str) -> list[int]:
+    """The layout's GPU of each process, on the GPUs there are (processes share one where there
+    are fewer)."""
+    return [gpu % local_gpu_count() for gpu in LAYOUTS[layout]["gpus"]]
+
+
 def _run(program: str, layout: str = "straight", *options: str, **kwargs) -> list[dict]:
-    spec = LAYOUTS[layout]
-    return processes.run(program, "--order", spec["order"], "--seed", _seed(), *options, gpus=spec["gpus"], **kwargs)
+    return processes.run(program, "--order", LAYOUTS[layout]["order"], "--seed", _seed(), *options,
+                         gpus=_gpus(layout), **kwargs)
 
 
 def _ranks_follow_the_layout(results: list[dict], layout: str) -> None:
     spec = LAYOUTS[layout]
     for process, result in enumerate(results):
-        assert result["ordinal"] == spec["gpus"][process], result
+        assert result["ordinal"] == _gpus(layout)[process], result
         expected_rank = 1 - process if spec["order"] == "mesh-reversed" else process
         assert result["rank"] == expected_rank, result
 
@@ -60,6 +68,7 @@ def _check_match(results: list[dict]) -> None:
             assert a["sha256"] == b["sha256"], f"{a}: the processes' outputs differ bitwise"
 
 
+@pytest.mark.gpus(1)
 def test_two_processes_match_float64_and_agree_bitwise():
     """Three problems (bf16 and f32 weights, no shared expert, hidden 2048) x both result layouts: six
     mailboxes created and closed collectively, one after the other."""
@@ -69,13 +78,15 @@ def test_two_processes_match_float64_and_agree_bitwise():
     assert len(results[0]["calls"]) == 3 * 2 * 4
 
 
-@pytest.mark.parametrize("layout", ["gpus-reversed", "mesh-reversed"])
+@pytest.mark.parametrize("layout", [pytest.param("gpus-reversed", marks=pytest.mark.gpus(2)),
+                                    pytest.param("mesh-reversed", marks=pytest.mark.gpus(1))])
 def test_reversed_device_order_along_the_axis(layout):
     results = _run("match", layout)
     _ranks_follow_the_layout(results, layout)
     _check_match(results)
 
 
+@pytest.mark.gpus(1)
 def test_500_chained_calls_with_varying_m():
     results = _run("chain", "straight", "--calls", "500", "--problems", "1")
     for result in results:
@@ -86,6 +97,7 @@ def test_500_chained_calls_with_varying_m():
     assert results[0]["sha256"] == results[1]["sha256"], "the processes' outputs differ bitwise"
 
 
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("layout", ["straight", "mesh-reversed"])
 def test_a_process_that_exits_mid_run_fails_the_survivor_within_the_timeout(layout):
     results = _run("exit-mid-run", layout, "--timeout", str(EXIT_TIMEOUT_S),
@@ -106,6 +118,7 @@ def test_a_process_that_exits_mid_run_fails_the_survivor_within_the_timeout(layo
           f"(timeout {EXIT_TIMEOUT_S} s)\n{outcome['message']}\nclose: {closing}")
 
 
+@pytest.mark.gpus(2)  # XLA's collectives: NCCL refuses two ranks on one GPU
 @pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
 def test_groups_across_hosts_fall_back_to_xla_collectives(result):
     """Host identities differ (the test-only override): the op runs the reference over NCCL."""

@@ -1,7 +1,9 @@
 """The op through jit + shard_map on NVIDIA GPUs: the FFI call, the Mailbox and the kernels together.
 
 Kernels come from the prebuilt ``tests`` preset (``$JAX_MOE_PUBLISH_KERNEL_DIR``)
-or are compiled on demand where CuTe DSL is installed.
+or are compiled on demand where CuTe DSL is installed. A test of tp ranks runs on tp GPUs in
+one process, or as tp rank processes on fewer GPUs (``rank_processes``, tests/support/rank_runs.py):
+inputs are placed and outputs gathered through `rank_processes`, which works either way.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import numerics
 from jax_moe_publish import _extension, protocol
 from jax_moe_publish import tuning
 from jax_moe_publish.aot.presets import result_of
-from jax_moe_publish.testing import gpu_matrix
+from jax_moe_publish.testing import gpu_matrix, rank_processes
 
+pytestmark = pytest.mark.rank_processes
 CAPACITY = 64
 M_VALUES = (1, 3, 37, CAPACITY)
 
@@ -55,11 +58,9 @@ def _per_rank_outputs(mailbox, problems, scale, config=None, impl="kernel"):
                                        impl=impl)
         return out[None] if scatter else out
 
-    args = [jax.device_put(jnp.asarray(x), jax.sharding.NamedSharding(mesh, P("tp")))
-            for x in stacks + ([] if shared is None else [shared])]
+    args = [rank_processes.place(mesh, P("tp"), x) for x in stacks + ([] if shared is None else [shared])]
     step = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("tp"), out_specs=P("tp") if scatter else P()))
-    out = step(*args)
-    by_device = {s.device: np.asarray(s.data) for s in out.addressable_shards}
+    by_device = rank_processes.gather(step(*args))
     return [by_device[d].reshape(by_device[d].shape[-2:]) for d in mesh.devices.flat]
 
 
@@ -83,8 +84,7 @@ def _on_gpus(configs):
 
 
 @pytest.mark.parametrize("config", _on_gpus(c for tp in gpu_matrix.GROUP_TPS for c in gpu_matrix.variants(tp)))
-def test_group_variants_match_float64(config):
-    rng = np.random.default_rng()
+def test_group_variants_match_float64(config, rng):
     mesh = _mesh(config.tp)
     with jmp.Mailbox(mesh, "tp", hidden=config.hidden, capacity_m=CAPACITY, result=result_of(config.algorithm)) as mb:
         for m in M_VALUES:
@@ -96,8 +96,7 @@ def test_group_variants_match_float64(config):
 
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("config", gpu_matrix.variants(1), ids=lambda c: c.key)
-def test_direct_variants_match_float64_on_one_gpu(config):
-    rng = np.random.default_rng()
+def test_direct_variants_match_float64_on_one_gpu(config, rng):
     with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
         for m in M_VALUES:
             problems = _problems(rng, 1, m, config)
@@ -108,8 +107,7 @@ def test_direct_variants_match_float64_on_one_gpu(config):
 @pytest.mark.parametrize("tp", [pytest.param(tp, marks=pytest.mark.gpus(tp)) for tp in gpu_matrix.GROUP_TPS])
 @pytest.mark.parametrize("result", tuning.RESULTS)
 @pytest.mark.parametrize("problem", gpu_matrix.DEFAULT_PROBLEMS, ids=lambda p: f"h{p.hidden}-k{p.top_k}")
-def test_table_configs_both_results_and_reversed_mesh(problem, result, tp):
-    rng = np.random.default_rng()
+def test_table_configs_both_results_and_reversed_mesh(problem, result, tp, rng):
     scale = problem.routed_scaling_factor
     config = tuning.kernel_config(problem, tp=tp, m=None, result=result)
     for reverse in (False, True):
@@ -152,10 +150,7 @@ def _chain_inputs(rng, tp, layers, m, hidden, top_k):
 
 def _run_chain(chain, mailbox, inputs):
     """The chain on ``inputs`` placed rank by rank; each rank's outputs as NumPy [tp, layers, m, hidden]."""
-    ranked = jax.sharding.NamedSharding(mailbox.mesh, P("tp"))
-    out = chain(*(jax.device_put(jnp.asarray(x), ranked) for x in inputs))
-    by_device = {s.device: np.asarray(s.data)[0] for s in out.addressable_shards}
-    return np.stack([by_device[d] for d in mailbox.mesh.devices.flat])
+    return rank_processes.to_host(chain(*(rank_processes.place(mailbox.mesh, P("tp"), x) for x in inputs)))
 
 
 def _check_chain(out, inputs, scale):
@@ -174,9 +169,8 @@ def _check_chain(out, inputs, scale):
 
 
 @pytest.mark.gpus(2)
-def test_chained_calls_with_varying_m_rotate_the_stages():
+def test_chained_calls_with_varying_m_rotate_the_stages(rng):
     """500 calls through XLA, in chains of 10, with a random m per chain and fresh data."""
-    rng = np.random.default_rng()
     hidden, top_k, scale, layers = 7168, 8, 2.5, 10
     mesh = _mesh(2)
     with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=CAPACITY) as mb:
@@ -194,9 +188,8 @@ def test_chained_calls_with_varying_m_rotate_the_stages():
 
 
 @pytest.mark.gpus(2)
-def test_command_buffer_chain_of_32_layers():
+def test_command_buffer_chain_of_32_layers(rng):
     """Under XLA's default command-buffer settings the custom call is captured and stays right."""
-    rng = np.random.default_rng()
     hidden, top_k, scale, layers, m = 7168, 8, 2.5, 32, 8
     captured_before, _ = _extension.execute_counts()
     with jmp.Mailbox(_mesh(2), "tp", hidden=hidden, capacity_m=CAPACITY) as mb:
@@ -210,10 +203,9 @@ def test_command_buffer_chain_of_32_layers():
 
 
 @pytest.mark.gpus(1)
-def test_auto_takes_xla_where_the_table_says():
+def test_auto_takes_xla_where_the_table_says(rng):
     """tp = 1, a shared expert: at m = 1 the table chooses XLA's fused path, which launches no
     kernel of ours; at m = 2 the direct kernel. Both match the model."""
-    rng = np.random.default_rng()
     config = tuning.kernel_config(gpu_matrix.DEFAULT_PROBLEMS[0], tp=1, m=None)
     with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
         for m, launches in ((1, 0), (2, 1)):
@@ -227,8 +219,7 @@ def test_auto_takes_xla_where_the_table_says():
 
 
 @pytest.mark.gpus(1)
-def test_single_gpu_direct_path_has_no_mailbox_memory():
-    rng = np.random.default_rng()
+def test_single_gpu_direct_path_has_no_mailbox_memory(rng):
     config = tuning.kernel_config(gpu_matrix.DEFAULT_PROBLEMS[0], tp=1, m=None)
     with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
         assert mb.status() == []
@@ -238,8 +229,7 @@ def test_single_gpu_direct_path_has_no_mailbox_memory():
 
 
 @pytest.mark.gpus(2)
-def test_call_after_close_is_an_error_not_a_crash():
-    rng = np.random.default_rng()
+def test_call_after_close_is_an_error_not_a_crash(rng):
     config = tuning.kernel_config(gpu_matrix.DEFAULT_PROBLEMS[0], tp=2, m=None)
     mb = jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY)
     problems = _problems(rng, 2, 3, config)
@@ -254,12 +244,11 @@ def _fused_config():
 
 
 @pytest.mark.gpus(2)
-def test_fused_call_larger_than_the_resident_grid():
+def test_fused_call_larger_than_the_resident_grid(rng):
     """A fused call whose tiles far outnumber the CTAs the GPU holds at once (4096 tokens:
     28672 publish CTA positions, against 1320 resident on an H200): the launcher caps the
     persistent grid and every CTA loops; the result is exact, and so is a small call after
     it on the same mailbox."""
-    rng = np.random.default_rng()
     config = _fused_config()
     capacity = 4096
     with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=capacity) as mb:
@@ -271,8 +260,7 @@ def test_fused_call_larger_than_the_resident_grid():
 
 
 @pytest.mark.gpus(2)
-def test_status_block_stays_healthy():
-    rng = np.random.default_rng()
+def test_status_block_stays_healthy(rng):
     config = tuning.kernel_config(gpu_matrix.DEFAULT_PROBLEMS[0], tp=2, m=None)
     with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY) as mb:
         for _ in range(4):

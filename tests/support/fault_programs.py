@@ -29,7 +29,10 @@ config per algorithm, the ranks' kernels launched role by role or one rank at a 
   unfused and fused, both of its outputs poisoned), for ``compute-sanitizer``;
   it ends with a normal exit.
 
-Programs on the public API (jit + shard_map on two GPUs, the FFI handler):
+Programs on the public API (jit + shard_map on two GPUs, the FFI handler). Where there are
+fewer GPUs than ranks, the test starts one process per rank on the GPUs there are
+(`jax_moe_publish.testing.rank_processes`): each process joins first (`_api`), reports its own
+ranks, and leaves through a last barrier.
 
 * ``api-timeout``: on ``--tp`` GPUs, ``--silent-rank`` skips the op (a `lax.cond`
   on the rank); the other ranks' waits trap, and `Mailbox.diagnose` must turn
@@ -64,7 +67,7 @@ from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS
 from jax_moe_publish.aot.presets import GROUP_ALGORITHMS
 from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.memory.driver import CudaError, check
-from jax_moe_publish.testing import gpu_matrix
+from jax_moe_publish.testing import gpu_matrix, local_processes, rank_processes
 
 RESULT_PREFIX = "RESULT "
 ALGORITHMS = GROUP_ALGORITHMS
@@ -79,9 +82,12 @@ EPILOGUE_EPS = 1e-6
 
 
 def finish(result: dict) -> None:
-    """Print the result and leave at once: after a fault, no cleanup can succeed."""
+    """Print the result and leave at once: after a fault, no cleanup can succeed (a rank process
+    first waits for the others at a last barrier, which needs no GPU)."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     sys.stderr.flush()
+    if rank_processes.current() is not None:
+        local_processes.leave(0)
     os._exit(0)
 
 
@@ -595,7 +601,9 @@ CHAIN_LAYERS = 8
 
 
 def _api(tp: int = 2):
-    """(jax, jmp, mesh over GPUs 0 to tp - 1), imported only by the public-API programs."""
+    """(jax, jmp, mesh over GPUs 0 to tp - 1, or over the rank processes' devices), imported only
+    by the public-API programs."""
+    rank_processes.join()
     import jax
 
     import jax_moe_publish as jmp
@@ -622,11 +630,10 @@ def _api_problems(rng, tp: int) -> list[numerics.Problem]:
 
 def _api_args(jax, mesh, problems):
     """Per-rank inputs stacked on a leading rank axis and laid out along ``tp``."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
     fields = ("routed", "weights", "indices", "shared")
-    return [jax.device_put(np.stack([getattr(p, f) for p in problems]), NamedSharding(mesh, P("tp")))
-            for f in fields]
+    return [rank_processes.place(mesh, P("tp"), np.stack([getattr(p, f) for p in problems])) for f in fields]
 
 
 def _api_step(jax, jmp, mailbox):
@@ -687,7 +694,7 @@ def api_timeout(args) -> None:
     mailbox = _api_mailbox(jmp, mesh, timeout_s=FAULT_TIMEOUT_NS / 1e9)
     healthy = _api_step(jax, jmp, mailbox)
     problems = _api_problems(rng, tp)
-    healthy_failure = _api_failure(np.asarray(healthy(*_api_args(jax, mesh, problems))), problems)
+    healthy_failure = _api_failure(rank_processes.to_host(healthy(*_api_args(jax, mesh, problems))), problems)
 
     def shard(routed, weights, indices, shared):
         def publish():
@@ -743,7 +750,7 @@ def two_mailboxes(args) -> None:
     for call in range(12):
         name = "ab"[call % 2]
         problems = _api_problems(rng, 2)
-        if text := _api_failure(np.asarray(steps[name](*_api_args(jax, mesh, problems))), problems):
+        if text := _api_failure(rank_processes.to_host(steps[name](*_api_args(jax, mesh, problems))), problems):
             failures.append(f"call {call} on {name}: {text}")
     captured_after, _ = _extension.execute_counts()
 
@@ -751,12 +758,13 @@ def two_mailboxes(args) -> None:
 
     def call_closed():
         with mailboxes["a"].diagnose():
-            return np.asarray(steps["a"](*_api_args(jax, mesh, _api_problems(rng, 2))))
+            return rank_processes.to_host(steps["a"](*_api_args(jax, mesh, _api_problems(rng, 2))))
 
     closed = _outcome(call_closed)
     closed["value"] = None if closed["value"] is None else "an array"
     problems = _api_problems(rng, 2)
-    after = _outcome(lambda: _api_failure(np.asarray(steps["b"](*_api_args(jax, mesh, problems))), problems))
+    after = _outcome(lambda: _api_failure(rank_processes.to_host(steps["b"](*_api_args(jax, mesh, problems))),
+                                          problems))
     finish({
         "alternate_failures": failures, "captured_calls": captured_after - captured_before,
         "closed_id": mailboxes["a"].id, "closed_call": closed, "other_mailbox_after": after,
@@ -771,7 +779,7 @@ def closed_chain(args) -> None:
     the recorded command buffer, which never runs the handler."""
     jax, jmp, mesh = _api()
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
     from jax_moe_publish import _extension
 
@@ -795,15 +803,14 @@ def closed_chain(args) -> None:
     # layer l > 0 is the chain's: layer l - 1's result).
     layers = [[random_problem(config, rng, API_M) for _ in range(CHAIN_LAYERS)] for _ in range(tp)]
     # Placed once, so that every run reads the same input buffers.
-    ranked = NamedSharding(mesh, P("tp"))
-    inputs = [jax.device_put(np.stack([np.stack([getattr(p, f) for p in rank_layers]) for rank_layers in layers]),
-                             ranked) for f in ("routed", "weights", "indices")]
-    inputs.append(jax.device_put(np.stack([rank_layers[0].shared for rank_layers in layers]), ranked))
+    inputs = [rank_processes.place(mesh, P("tp"), np.stack([np.stack([getattr(p, f) for p in rank_layers])
+                                                            for rank_layers in layers]))
+              for f in ("routed", "weights", "indices")]
+    inputs.append(rank_processes.place(mesh, P("tp"), np.stack([rank_layers[0].shared for rank_layers in layers])))
 
     def per_rank(out) -> np.ndarray:
         """Each rank's outputs, [tp, CHAIN_LAYERS, m, hidden]."""
-        by_device = {s.device: np.asarray(s.data)[0] for s in out.addressable_shards}
-        return np.stack([by_device[d] for d in mesh.devices.flat])
+        return rank_processes.to_host(out)
 
     def check(out: np.ndarray) -> str | None:
         """Why the ranks' outputs are not the chain's model; None if they are."""
