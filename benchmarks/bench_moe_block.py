@@ -8,7 +8,10 @@ local GPU runs a ``fori_loop`` whose body is one decode step through ``--layers`
 each with its own weights, each layer's ``out`` and ``residual_out`` feeding the next.
 Two sides:
 
-* ``ours``: the block with `moe_finalize_publish` and its residual + RMSNorm epilogue;
+* ``ours``: the block with `moe_finalize_publish` and its residual + RMSNorm epilogue, through
+  our kernels (``impl="kernel"``; on CPU the reference path): never ``impl="auto"``, which
+  hands a call to XLA's ``jnp`` path where the algorithm table says ``xla`` (tp = 1, m = 1,
+  with a shared expert);
 * ``xla``: the same block with the ``jnp`` finalize, ``lax.psum`` and the ``jnp`` add +
   RMSNorm (`jmp.reference.add_rmsnorm`), as a JAX user writes it.
 
@@ -21,14 +24,17 @@ and two more programs per side:
   finalize nor hoist them (``x`` changes every layer). Its step, the same for both paths,
   is the router, the sort, the finalize + reduce, the epilogue and the loop's own cost;
 * ``op``: the finalize + reduce + epilogue alone at the same m and tp
-  (`bench_moe_publish.make_chain`, its 32 chained calls per iteration): what the op saves
-  by itself.
+  (`bench_moe_publish.make_chain`, its 32 chained calls per iteration, both sides'
+  finalize kept in the timed loop: XLA's tied to the loop carry, ours our kernels' custom
+  call, or on CPU the reference path tied like XLA's): what the op saves by itself.
 
-Time per step = ``(T(MANY iterations) - T(FEW)) / (MANY - FEW)``, each T the median of
-``--reps`` timed runs after a warm-up (`bench_moe_publish.call_estimates`), one program
-per count, so that host dispatch cancels. Before timing, a one-layer program of each side
-and variant runs on the same inputs: ours and XLA's outputs must agree (relative
-difference at most 1e-2). Per (problem, m, path) the JSON has:
+Time per step = ``(T(MANY iterations) - T(FEW)) / (MANY - FEW)``, one program per count,
+so that host dispatch cancels, ours and XLA's programs timed interleaved and paired by run
+(`bench_moe_publish.paired_estimates`, ``--reps`` repetitions after a warm-up): each
+estimate is one run less the adjacent one. Before timing, a one-layer program of each
+side and variant runs on the same inputs: ours and XLA's outputs must agree (relative
+difference at most 1e-2). The environment records our side's ``op_impl``. Per (problem,
+m, path) the JSON has:
 
 * ``step_us``: each side's full and ``no_gemm`` step (median, p10, p90);
 * ``saved_us_per_layer`` = (xla − ours) / layers, and ``saved_share`` = (xla − ours) / xla;
@@ -74,6 +80,8 @@ FEW, MANY = 36, 164
 # --cpu: the plumbing at dimensions that split over 8 ranks.
 CPU_DIMS = dict(hidden=64, intermediate=64, experts=16, shared_intermediate=64)
 MAX_DIFFERENCE = 1e-2
+OP_IMPLS = {"gpu": "kernel", "cpu": "reference"}
+"""Our side's ``impl`` by platform: our kernels where they run, never ``auto`` (module docstring)."""
 
 
 def _parse():
@@ -135,7 +143,7 @@ def op_spec(config):
                 scale=config.routed_scaling_factor, epilogue=True)
 
 
-def no_gemm_layer(config, finalize, mailbox):
+def no_gemm_layer(config, finalize, mailbox, impl):
     """One layer on one shard with the MoE GEMMs replaced by stand-ins (module docstring)."""
 
     def layer(params, x, residual):
@@ -145,24 +153,35 @@ def no_gemm_layer(config, finalize, mailbox):
         stand_ins = (x[order // config.top_k], x)
         rows, shared = lax.optimization_barrier(tuple(lax.pcast(a, mb.TP, to="varying") for a in stand_ins))
         parts = (rows, weights, permuted_indices, shared if config.shared else None)
-        return mb.finalize_layer(config, params, parts, residual, finalize=finalize, mailbox=mailbox)
+        return mb.finalize_layer(config, params, parts, residual, finalize=finalize, mailbox=mailbox, impl=impl)
 
     return layer
 
 
-def layer_fn(config, variant, finalize, mailbox):
+def layer_fn(config, variant, finalize, mailbox, impl):
+    """One layer of ``variant`` (a GEMM path or ``no_gemm``) on one shard; ``impl``: ours' op impl."""
     if variant == "no_gemm":
-        return no_gemm_layer(config, finalize, mailbox)
-    return functools.partial(mb.moe_layer, config, path=variant, finalize=finalize, mailbox=mailbox)
+        return no_gemm_layer(config, finalize, mailbox, impl)
+    return functools.partial(mb.moe_layer, config, path=variant, finalize=finalize, mailbox=mailbox, impl=impl)
 
 
-def step_us(config, mesh, fn, inputs, layers):
-    """`bench_moe_publish.summarize` of one round of per-step estimates of ``fn``'s stack."""
+def op_impl():
+    """Our side's ``impl`` on this run's platform (`OP_IMPLS`)."""
+    return OP_IMPLS["cpu" if ARGS.cpu else "gpu"]
+
+
+def step_us(config, mesh, mailbox, variant, inputs, layers):
+    """`bench_moe_publish.summarize` of one round of per-step estimates of ``variant``'s stack,
+    per side, the sides timed interleaved."""
     few, many = ARGS.iterations
-    # The timing helpers wait for one array: the final out, which the residual stream feeds.
-    programs = {n: jax.jit(lambda *a, n=n: mb.make_decode(config, mesh, fn, layers, steps=n)(*a)[0])
-                for n in (few, many)}
-    return bench.summarize([bench.call_estimates(programs, inputs, ARGS.reps, 1, (few, many))])
+    programs = {}
+    for side in mb.FINALIZES:
+        fn = layer_fn(config, variant, side, mailbox, op_impl())
+        # The timing helpers wait for one array: the final out, which the residual stream feeds.
+        programs[side] = {n: jax.jit(lambda *a, n=n, fn=fn: mb.make_decode(config, mesh, fn, layers, steps=n)(*a)[0])
+                          for n in (few, many)}
+    estimates = bench.paired_estimates(programs, inputs, ARGS.reps, 1, (few, many))
+    return {side: bench.summarize([estimates[side]]) for side in mb.FINALIZES}
 
 
 def check_outputs(config, mesh, mailbox, params, x, residual, variants):
@@ -171,7 +190,7 @@ def check_outputs(config, mesh, mailbox, params, x, residual, variants):
     outs = {}
     for variant in variants:
         for finalize in mb.FINALIZES:
-            program = mb.make_decode(config, mesh, layer_fn(config, variant, finalize, mailbox), 1)
+            program = mb.make_decode(config, mesh, layer_fn(config, variant, finalize, mailbox, op_impl()), 1)
             out, _ = jax.block_until_ready(program(params[:1], x, residual))
             outs[variant, finalize] = np.asarray(out.addressable_data(0), np.float64)
 
@@ -189,17 +208,22 @@ def check_outputs(config, mesh, mailbox, params, x, residual, variants):
     return result
 
 
-def op_alone(mailbox, mesh, config, m, key):
-    """Per-call time of the op alone, ours and XLA's, in `bench_moe_publish`'s chains."""
+def op_programs(mailbox, config, layers, counts, impl):
+    """The op-alone chains of both sides (`bench_moe_publish.make_chain`), ``{side: {n: program}}``
+    for each ``n`` in ``counts``, ours through ``impl``."""
     spec = op_spec(config)
-    few, many = ARGS.iterations
+    return {side: {n: bench.make_chain(side, mailbox, spec, None, n, layers=layers, op_impl=impl) for n in counts}
+            for side in mb.FINALIZES}
+
+
+def op_alone(mailbox, mesh, config, m, key):
+    """Per-call time of the op alone, ours and XLA's, in `bench_moe_publish`'s chains, timed interleaved."""
+    iterations = tuple(ARGS.iterations)
     layers = ARGS.op_layers or bench.LAYERS
-    inputs = bench.chain_inputs(mesh, m, spec, key, layers)
-    result = {"layers": layers}
-    for side in mb.FINALIZES:
-        programs = {n: bench.make_chain(side, mailbox, spec, None, n, layers=layers, op_impl="auto")
-                    for n in (few, many)}
-        result[side] = bench.summarize([bench.call_estimates(programs, inputs, ARGS.reps, layers, (few, many))])
+    inputs = bench.chain_inputs(mesh, m, op_spec(config), key, layers)
+    programs = op_programs(mailbox, config, layers, iterations, op_impl())
+    estimates = bench.paired_estimates(programs, inputs, ARGS.reps, layers, iterations)
+    result = {"layers": layers, **{side: bench.summarize([estimates[side]]) for side in mb.FINALIZES}}
     result["saved_us"] = result["xla"]["us"] - result["ours"]["us"]
     return result
 
@@ -222,15 +246,13 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
     x, residual = mb.init_inputs(input_key, config, mesh, m)
     inputs = (params, x, residual)
     differences = check_outputs(config, mesh, mailbox, params, x, residual, [*ARGS.paths, "no_gemm"])
-    no_gemm = {side: step_us(config, mesh, layer_fn(config, "no_gemm", side, mailbox), inputs, layers)
-               for side in mb.FINALIZES}
+    no_gemm = step_us(config, mesh, mailbox, "no_gemm", inputs, layers)
     op = op_alone(mailbox, mesh, config, m, op_key)
     experts, _ = jax.jit(functools.partial(mb.route, config))(params[0], x)
     active = int(np.unique(np.asarray(experts)).size)
     results = []
     for path in ARGS.paths:
-        full = {side: step_us(config, mesh, layer_fn(config, path, side, mailbox), inputs, layers)
-                for side in mb.FINALIZES}
+        full = step_us(config, mesh, mailbox, path, inputs, layers)
         saved = full["xla"]["us"] - full["ours"]["us"]
         gemm = {side: (full[side]["us"] - no_gemm[side]["us"]) / layers for side in mb.FINALIZES}
         reads, least = weight_bytes(config, tp, m, active, path)
@@ -334,7 +356,7 @@ def main() -> int:
     results = []
     data = {"environment": {**bench.machine_environment(), "platform": platform, "plumbing_check": ARGS.cpu,
                             "tp": tp, "layers": ARGS.layers, "iterations": list(ARGS.iterations),
-                            "reps": ARGS.reps, "paths": ARGS.paths},
+                            "reps": ARGS.reps, "paths": ARGS.paths, "op_impl": op_impl()},
             "copy_bytes_per_s": copy_rate, "problems": {}, "results": results}
     key = jax.random.key(0)
     for config in configs:

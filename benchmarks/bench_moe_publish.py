@@ -17,8 +17,9 @@ cost XLA one read of ``y`` per layer); otherwise the tie costs ``m * top_k``
 multiplies, conversions and integer adds per layer.
 ``tests/cpu/test_bench_moe_publish.py`` reads the optimized HLO on CPU: each
 layer's gather, weighted sum and ``psum`` in the loop body, none before it.
-Our custom call has side effects, so XLA can neither hoist nor merge nor slice
-it and it needs no tie:
+Our kernels' custom call has side effects, so XLA can neither hoist nor merge
+nor slice it and it needs no tie; ours on the reference path (``--cpu``) is
+``jnp`` and is tied the same way:
 
 * ``ours``: `moe_finalize_publish` (the kernels);
 * ``xla``: the same finalize in ``jnp`` followed by ``lax.psum`` (tp > 1), or
@@ -36,7 +37,8 @@ body per layer (``fusions_per_layer``): below 1, XLA fused layers together,
 as it did at tp = 1 on one H200, where no ``psum`` separates them
 (``benchmarks/README.md``); a model's GEMMs between the layers would stop
 that, so such a figure favours XLA. ``ratio`` is ours over the faster XLA
-column, which ``xla_best`` names.
+column, which ``xla_best`` names: the median of the ratios of one repetition
+each (below), ``paired_ratio`` has every column's with its spread.
 
 With ``--epilogue`` every problem also runs as ``<problem>+rmsnorm``: each layer
 adds its result to the residual stream and applies RMSNorm, ours fused into the
@@ -46,13 +48,24 @@ shared input and its ``residual_out`` the next layer's residual.
 
 Time per call = ``(T(164 iterations) - T(36 iterations)) / (128 * 32)``: one
 dispatch per run, so host dispatch cancels, and the loop's own cost per
-iteration is spread over 32 calls. Each program runs ``--reps`` times after a
-warm-up, and the i-th fastest run of the long one less the i-th fastest of the
-short one is one paired per-call estimate. ``us`` is the median of these
-estimates and ``p10``/``p90`` their 10th and 90th percentiles: one estimator,
-so ``p10 <= us <= p90``. (The runs up to ``ac40515`` took ``us`` from the
-median T of each program instead; 63 of the 1234 figures of ours and XLA's
-then in ``benchmarks/results/`` lie outside their own spread.) The counts are
+iteration is spread over 32 calls. Every program runs once to warm up. Then
+each of ``--reps`` repetitions runs ours' two programs and every XLA
+column's back to back, the sides in turn, and every other repetition runs the
+same sequence backwards (ours 36, ours 164, XLA 36, XLA 164; then XLA 164,
+XLA 36, ours 164, ours 36), so that no side always runs first and a drift
+linear in time cancels over two repetitions (`paired_estimates`). A side's
+per-call estimate of a repetition is its long run less its short run: two
+adjacent runs, so a fixed cost that moves between batches of runs cancels.
+``us`` is the median of a side's estimates and ``p10``/``p90`` their 10th and
+90th percentiles: one estimator, so ``p10 <= us <= p90``. The ratio of ours
+over an XLA column is taken per repetition, from estimates of adjacent runs,
+and ``ratio`` is the median of these ratios. Every run in
+``benchmarks/results/`` predates this pairing: those up to ``ac40515`` took
+``us`` from the median T of each program (63 of the 1234 figures of ours and
+XLA's then in ``benchmarks/results/`` lie outside their own spread), and the
+MoE block runs of 2026-12-01 paired the i-th fastest long run with the i-th
+fastest short run, each side's runs timed in a batch of their own; in all of
+them ``ratio`` is ours' ``us`` over XLA's. The counts are
 128 iterations (4096 calls) apart: on 2x H200 a run of ours has a fixed cost
 of 2 to 3 ms that moves between batches of runs, which over fewer calls reads
 as a different time per call. In
@@ -65,8 +78,10 @@ JSON records the iterations.
 XLA's path still differs between separately compiled programs by up to 3 us
 at small m (ours, with these counts, by under 0.25 us). ``--rounds R`` times ours,
 XLA and every variant R times in turn, each round with freshly built
-programs, and pools the rounds' estimates into each side's ``us``, ``p10`` and
-``p90``, with every round's median in ``rounds_us``.
+programs, and pools the rounds' estimates (and ratios) into each side's ``us``,
+``p10`` and ``p90``, with every round's median in ``rounds_us``. The launch
+variants of ``--configs`` are timed one after another, each paired by run
+within itself.
 
 Each case also gets a *floor* (`jax_moe_publish.traffic` states the byte model):
 the slowest of its HBM bytes at the device copy bandwidth, its NVLink bytes at
@@ -138,8 +153,8 @@ def _parse():
                         help="on 8 virtual CPU devices, ours through the reference path: plumbing only")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time ours, XLA and every variant this many times in turn, each round with "
-                             "freshly compiled programs; report each side's median round (and every "
-                             "round's figure)")
+                             "freshly compiled programs; pool the rounds' estimates (and keep every "
+                             "round's median)")
     parser.add_argument("--no-command-buffer", action="store_true",
                         help="turn XLA command buffers (CUDA graphs) off for this run")
     parser.add_argument("--hlo", help="write the optimized HLO of the first case's chains and of the "
@@ -367,12 +382,24 @@ def make_chain(impl, mailbox, problem, config, iterations, *, layers=LAYERS, op_
 
     ``impl`` is ``ours`` or an XLA column (`XLA_COLUMNS`). The loop carries ``y`` (the
     next shared input), and with the epilogue also the residual stream; the program
-    returns the final ``y``. Each XLA layer's indices are tied to the previous ``y``
-    (module docstring), so that no part of its finalize can leave the loop. ``op_impl``
-    is the ``impl`` of ours (``reference`` where there are no GPUs, to check the
-    plumbing).
+    returns the final ``y``. Each layer whose finalize is ``jnp`` (XLA's, and ours unless
+    ``op_impl`` is ``kernel``) has its indices tied to the previous ``y`` (module
+    docstring), so that no part of its finalize can leave the loop; our kernels' custom
+    call has side effects and needs no tie. ``op_impl`` is the ``impl`` of ours
+    (``reference`` where there are no GPUs, to check the plumbing).
     """
     scale, with_shared, epilogue = problem["scale"], problem["shared"], problem["epilogue"]
+
+    def tied(indices, y, zero):
+        """``indices`` plus ``int32(zero * part of y)`` (module docstring): without it XLA
+        hoists the gather and the weighted sum, which read no loop carry, out of the loop (an
+        optimization_barrier or a literal 0 * y did not stop it)."""
+        if mailbox.tp == 1 and not with_shared:
+            # Nothing else reads all of y: XLA would slice a layer down to what the tie reads.
+            tie = jnp.sum(y, dtype=jnp.float32) * zero
+        else:
+            tie = y[:, : indices.shape[1]].astype(jnp.float32) * zero
+        return indices + tie.astype(indices.dtype)
 
     def layer(args, carry, zero):
         routed, weights, indices, norm_weight = args
@@ -380,20 +407,13 @@ def make_chain(impl, mailbox, problem, config, iterations, *, layers=LAYERS, op_
         shared = y if with_shared else None
         norm = dict(residual=residual, norm_weight=norm_weight, norm_eps=NORM_EPS) if epilogue else {}
         if impl == "ours":
+            if op_impl != "kernel":
+                indices = tied(indices, y, zero)
             result = jmp.moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox,
                                               routed_scaling_factor=scale, impl=op_impl, config=config,
                                               **norm)
             return result if epilogue else (result, residual)
-        # The tie (module docstring): without it XLA hoists the gather and the weighted sum,
-        # which read no loop carry, out of the loop (an optimization_barrier or a literal
-        # 0 * y did not stop it).
-        if mailbox.tp == 1 and not with_shared:
-            # Nothing else reads all of y: XLA would slice a layer down to what the tie reads.
-            tie = jnp.sum(y, dtype=jnp.float32) * zero
-        else:
-            tie = y[:, : indices.shape[1]].astype(jnp.float32) * zero
-        indices = indices + tie.astype(indices.dtype)
-        out = xla_finalize(routed, weights, indices, shared, scale)
+        out = xla_finalize(routed, weights, tied(indices, y, zero), shared, scale)
         out = lax.psum(out, "tp") if mailbox.tp > 1 else out
         if not epilogue:
             return out, residual
@@ -587,29 +607,54 @@ def probe_xla_columns(mesh, columns):
     return refused
 
 
-def time_runs(fn, args, reps):
+def time_run(fn, args, clock=time.perf_counter):
+    """Seconds of one run of ``fn(*args)``, to its result's readiness."""
+    start = clock()
     fn(*args).block_until_ready()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return np.array(times)
+    return clock() - start
+
+
+def time_runs(fn, args, reps):
+    """Seconds of each of ``reps`` runs of ``fn(*args)`` after a warm-up run."""
+    fn(*args).block_until_ready()
+    return np.array([time_run(fn, args) for _ in range(reps)])
+
+
+def paired_estimates(sides, inputs, reps, layers=LAYERS, iterations=(SHORT, LONG), clock=time.perf_counter):
+    """Per-call estimates in us of every side, paired by run (module docstring).
+
+    ``sides[name][n]`` is a side's program of ``n`` loop iterations over ``layers`` calls, for
+    the two counts of ``iterations``. Each program runs once to warm up. Then each of ``reps``
+    repetitions runs every side's short and long program, the sides in turn, the whole
+    sequence reversed in every other repetition (so that no side always runs first, and a
+    drift linear in time cancels over two repetitions). A side's estimate of a repetition
+    is its long run less its short run, over the calls between them: two adjacent runs, and
+    the sides' estimates of one repetition come from adjacent runs too.
+
+    Returns
+    -------
+    dict of name: float array of ``reps`` estimates, in repetition order.
+    """
+    few, many = iterations
+    runs = [(name, n) for name in sides for n in (few, many)]
+    for name, n in runs:
+        sides[name][n](*inputs).block_until_ready()
+    seconds = {run: np.empty(reps) for run in runs}
+    for rep in range(reps):
+        for name, n in (runs if rep % 2 == 0 else runs[::-1]):
+            seconds[name, n][rep] = time_run(sides[name][n], inputs, clock)
+    calls = (many - few) * layers
+    return {name: (seconds[name, many] - seconds[name, few]) / calls * 1e6 for name in sides}
 
 
 def call_estimates(programs, inputs, reps, layers=LAYERS, iterations=(SHORT, LONG)):
-    """Paired per-call estimates in us from ``programs[n]``, ``n`` loop iterations over ``layers``
-    calls, for the two counts of ``iterations``: the i-th fastest of ``reps`` runs of the long
-    program less the i-th fastest of the short one, over the calls between them."""
-    few, many = iterations
-    short = time_runs(programs[few], inputs, reps)
-    long = time_runs(programs[many], inputs, reps)
-    return (np.sort(long) - np.sort(short)) / ((many - few) * layers) * 1e6
+    """`paired_estimates` of one side, ``programs[n]``."""
+    return paired_estimates({"programs": programs}, inputs, reps, layers, iterations)["programs"]
 
 
 def summarize(rounds):
-    """One side's figures from its rounds (`call_estimates` results, each from its own
-    programs), all of one estimator over the rounds' paired estimates pooled: ``us`` their
+    """One side's figures from its rounds (`paired_estimates` results, each from its own
+    programs), all of one estimator over the rounds' estimates pooled: ``us`` their
     median, ``p10`` and ``p90`` their 10th and 90th percentiles (so p10 <= us <= p90), and
     with several rounds each round's median (``rounds_us``)."""
     estimates = np.concatenate(rounds)
@@ -618,6 +663,14 @@ def summarize(rounds):
     if len(rounds) > 1:
         result["rounds_us"] = [float(np.median(round_estimates)) for round_estimates in rounds]
     return result
+
+
+def paired_ratio(ours_rounds, other_rounds):
+    """Ours over another side, one ratio per repetition of the same round (their estimates
+    from adjacent runs), pooled over the rounds: ``ratio`` the median, ``p10`` and ``p90``."""
+    ratios = np.concatenate([ours / other for ours, other in zip(ours_rounds, other_rounds, strict=True)])
+    return {"ratio": float(np.median(ratios)), "p10": float(np.percentile(ratios, 10)),
+            "p90": float(np.percentile(ratios, 90))}
 
 
 def per_call_us(programs, inputs, reps, layers=LAYERS):
@@ -740,25 +793,32 @@ def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=LA
     relative difference of each column's output from ours (this process's copy), which must be
     at most 1e-2.
 
+    Each round builds every side's programs afresh and times them interleaved
+    (`paired_estimates`); ``paired_ratio`` holds, per XLA column, the median and spread of
+    ours over it per repetition (`paired_ratio`).
+
     ``what`` names the case in the error; with ``hlo``, each path's optimized HLO goes to
     ``<hlo>.<impl>.txt`` unless that exists.
     """
     result, outputs, hlo_texts = {}, {}, {}
     timings = {impl: [] for impl in ("ours", *xla)}
     for round_index in range(rounds):
-        for impl, impl_rounds in timings.items():
+        programs = {}
+        for impl in timings:
             counts = (1, *iterations) if round_index == 0 else iterations
-            programs = {n: make_chain(impl, mailbox, problem, config, n, layers=layers, op_impl=op_impl)
-                        for n in counts}
+            programs[impl] = {n: make_chain(impl, mailbox, problem, config, n, layers=layers, op_impl=op_impl)
+                              for n in counts}
             if round_index == 0:
-                outputs[impl] = np.asarray(programs[1](*inputs).addressable_data(0), np.float64)
-                hlo_texts[impl] = programs[iterations[0]].lower(*inputs).compile().as_text()
+                outputs[impl] = np.asarray(programs[impl][1](*inputs).addressable_data(0), np.float64)
+                hlo_texts[impl] = programs[impl][iterations[0]].lower(*inputs).compile().as_text()
                 if hlo and not os.path.exists(f"{hlo}.{impl}.txt"):
                     with open(f"{hlo}.{impl}.txt", "w") as f:
                         f.write(hlo_texts[impl])
-            impl_rounds.append(call_estimates(programs, inputs, reps, layers, iterations))
+        for impl, estimates in paired_estimates(programs, inputs, reps, layers, iterations).items():
+            timings[impl].append(estimates)
     for impl, impl_rounds in timings.items():
         result[impl] = summarize(impl_rounds)
+    result["paired_ratio"] = {impl: paired_ratio(timings["ours"], timings[impl]) for impl in xla}
     result["relative_difference"] = {}
     for impl in xla:
         result[impl]["all_reduce"] = all_reduce_implementations(hlo_texts[impl])
@@ -792,7 +852,7 @@ def measure_case(mesh, name, m, algorithm, reps, key, floors, tune):
                                              ARGS.rounds)
         mailbox.check()
     result["xla_best"] = min(xla_columns(tp), key=lambda column: result[column]["us"])
-    result["ratio"] = result["ours"]["us"] / result[result["xla_best"]]["us"]
+    result["ratio"] = result["paired_ratio"][result["xla_best"]]["ratio"]
     if floors is None:
         return result
     # The op's own traffic only.

@@ -127,8 +127,11 @@ def markdown_table(data: dict) -> str:
     """One row per case: ours (p10–p90), XLA, their ratio, the floor and ours as a multiple of it.
 
     With an ``xla_nccl`` column in any case, the table shows it beside XLA's default, and the
-    ratio is ours over the faster of the two. The floor cell names its binding term: ``hbm``,
-    ``nvlink`` or ``empty call``. Cases without a floor or a column show ``–`` there.
+    ratio is ours over the faster of the two (``xla_best``), as the run recorded it: the
+    median of the ratios of one repetition each, whose estimates come from adjacent runs
+    (``bench_moe_publish.paired_estimates``); in runs before that pairing, ours' ``us`` over
+    XLA's. The floor cell names its binding term: ``hbm``, ``nvlink`` or ``empty call``.
+    Cases without a floor or a column show ``–`` there.
     """
     results = _ordered(data["results"])
     merged = any("command_buffer" in r for r in results)

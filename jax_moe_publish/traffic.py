@@ -20,15 +20,20 @@ def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, 
                + row                               (shared expert, if any)
                + m * top_k * (4 + weight_bytes)    (int32 indices, weights)
 
+    and writes ``outputs`` arrays of ``row`` bytes: 1 (``out``), or 2 with the
+    residual add + RMSNorm epilogue (``out`` and ``residual_out``), which also
+    reads the norm weight (``hidden * 2``) and the residual of the rows the rank
+    normalizes (``row``; in twoshot its owned ``row / tp``), added to ``inputs``.
+
     A write into a peer's mailbox is counted in the peer's HBM. The ranks are
     symmetric, so each rank's HBM receives as much as it sends.
 
-    * ``direct`` (tp = 1): ``hbm = inputs + row`` (the output); no NVLink.
+    * ``direct`` (tp = 1): ``hbm = inputs + outputs * row``; no NVLink.
     * ``oneshot``: each rank's mailbox receives ``tp * row`` (its own slot
       locally, the peers' over NVLink); the reduce reads ``tp * row``, writes
-      the ``row`` output and re-arms ``tp * row``::
+      the outputs and re-arms ``tp * row``::
 
-          hbm = inputs + 3 * tp * row + row,    nvlink = (tp - 1) * row
+          hbm = inputs + 3 * tp * row + outputs * row,    nvlink = (tp - 1) * row
 
       Without ``own_slot`` (a fused kernel that keeps its own partial in
       shared memory) the own slot's write, read and re-arm drop out:
@@ -38,17 +43,15 @@ def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, 
     * ``twoshot``: token ``t`` is reduced by rank ``t % tp``. Per rank, as the
       mean over the group (a lower bound on the slowest rank when ``tp`` does
       not divide ``m``): the owner's slots receive ``row`` of contributions,
-      which it reads and re-arms, and writes its ``row / tp`` of output; its
-      gather area receives ``(tp - 1) / tp * row`` of fanned-out sums, which
-      the gather reads, copies to the output and re-arms::
+      of which ``others = (tp - 1) / tp * row`` come over NVLink, and it reads
+      and re-arms them; it writes its ``row / tp`` of each output and stores
+      each output of its rows into every peer's gather area (with the
+      epilogue ``reduce_norm`` fans out both, into gather areas 0 and 1). So
+      each rank's gather areas receive ``others`` of each output over NVLink,
+      which the gather reads, copies to the output and re-arms::
 
-          hbm = inputs + 3 * row + row / tp + 4 * (tp - 1) / tp * row
-          nvlink = 2 * (tp - 1) / tp * row     (publish, then fan-out)
-
-    * ``residual_norm`` (the residual add + RMSNorm epilogue) adds reading the
-      residual and the norm weight and writing ``residual_out``::
-
-          hbm += 2 * row + hidden * 2
+          hbm = inputs + 3 * row + outputs * (row / tp + 4 * others)
+          nvlink = others + outputs * others    (publish, then fan-out)
 
     Parameters
     ----------
@@ -76,12 +79,13 @@ def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, 
     inputs = m * top_k * hidden * BF16_BYTES + m * top_k * (INDEX_BYTES + weight_bytes)
     if shared_expert:
         inputs += row
+    outputs = 2 if residual_norm else 1
     if residual_norm:
-        inputs += 2 * row + hidden * BF16_BYTES
+        inputs += hidden * BF16_BYTES + (row / tp if algorithm == "twoshot" else row)
     if algorithm == "direct":
-        return {"hbm": float(inputs + row), "nvlink": 0.0}
+        return {"hbm": float(inputs + outputs * row), "nvlink": 0.0}
     if algorithm == "oneshot":
         slots = tp if own_slot else tp - 1
-        return {"hbm": float(inputs + 3 * slots * row + row), "nvlink": float((tp - 1) * row)}
+        return {"hbm": float(inputs + 3 * slots * row + outputs * row), "nvlink": float((tp - 1) * row)}
     others = (tp - 1) / tp * row
-    return {"hbm": inputs + 3 * row + row / tp + 4 * others, "nvlink": 2 * others}
+    return {"hbm": inputs + 3 * row + outputs * (row / tp + 4 * others), "nvlink": others + outputs * others}

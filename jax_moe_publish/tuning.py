@@ -10,7 +10,8 @@ the `KernelConfig` that the op compiles and launches, in two steps:
    kernels for ``m`` (`SHAPES`), by ranges of m.
 
 Every entry gives a one-line reason, measured at hidden 7168, top-k 8, tp = 2 on 2x H200
-unless it says otherwise; the measurements, with their result files, are in
+unless it says otherwise (an algorithm entry's ``source`` says whether it was measured at
+all, `SOURCES`); the measurements, with their result files, are in
 ``docs/tuning.md``. The op, the benchmarks and the presets all ask
 this module, so a choice is made in one place.
 """
@@ -40,17 +41,34 @@ class Problem:
     fp32_weights: bool = False
 
 
+SOURCES = {
+    "measured": "a benchmark run timed the choice: the reason cites its result file and rows",
+    "model": "`LinkModel`'s at algorithms.json's constants (tune_algorithms.py --model writes those of tp > 2)",
+    "argument": "the reason's argument (the only algorithm, or a cost nobody timed); no run or model chose it",
+}
+"""Where an algorithm entry comes from. A label may qualify its kind in parentheses, as
+``measured (unfused two-shot, before the fused kernel)``: the run timed something else
+than what the op now launches, or a part of the entry's range."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgorithmChoice:
     """``algorithm`` for calls whose partial, ``m * hidden * 2`` bytes, is at most ``max_bytes``
     (None: any size), for problems with (True) or without (False) a shared expert, or any
-    (None). ``xla``: the op runs the ``jnp`` path, which XLA fuses with its neighbours."""
+    (None). ``xla``: the op runs the ``jnp`` path, which XLA fuses with its neighbours.
+    ``source``: one of `SOURCES`, maybe qualified."""
 
     max_bytes: int | None
     algorithm: str
     reason: str
+    source: str
     shared_expert: bool | None = None
-    source: str = "measured"  # or "model": `LinkModel`'s, or an argument the reason states, until a sweep
+
+    def __post_init__(self):
+        kind, _, qualifier = self.source.partition(" (")
+        if kind not in SOURCES or (qualifier and not qualifier.endswith(")")):
+            raise ValueError(f"source={self.source!r}: expected one of {tuple(SOURCES)}, "
+                             "maybe followed by a qualifier in parentheses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +80,12 @@ class LinkModel:
     the measured bandwidths, and a launch per kernel beyond the first; the work both
     algorithms share (the finalize's compute, the first launch) is left out, so only the
     difference of two calls means something.
+
+    The constants are algorithms.json's ``model`` section, each with its source there:
+    the bandwidths and ``launch_s`` from one committed 2x H200 run; ``exchange_s`` is the
+    fused tp = 2 call at m = 1 of that run less a tp = 1 direct call from a run whose JSON
+    was not committed (one H200 at 88649f0), an upper bound of the exchange until
+    ``benchmarks/nvlink_pingpong.cu`` measures it.
     """
 
     p2p_bytes_per_s: float

@@ -1,4 +1,5 @@
-"""The benchmark's timing summary (`bench_moe_publish.summarize`), on synthetic estimates."""
+"""The benchmark's timing (`bench_moe_publish.paired_estimates`, on a fake machine) and its summary
+(`bench_moe_publish.summarize`, on synthetic estimates)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,80 @@ def test_the_figure_lies_inside_its_own_spread(seed):
     assert figure["p10"] <= figure["us"] <= figure["p90"], figure
 
 
-def test_call_estimates_pair_the_sorted_runs(monkeypatch):
-    """The i-th fastest long run less the i-th fastest short run, per call, in us."""
-    seconds = {"short": [3.0, 1.0, 2.0], "long": [9.0, 7.0, 5.0]}  # in run order
-    monkeypatch.setattr(bench, "time_runs", lambda program, inputs, reps: np.array(seconds[program]))
-    estimates = bench.call_estimates({4: "short", 12: "long"}, (), 3, layers=2, iterations=(4, 12))
-    # sorted long (5, 7, 9) less sorted short (1, 2, 3), over (12 - 4) * 2 = 16 calls
-    assert estimates == pytest.approx(np.array([4.0, 5.0, 6.0]) / 16 * 1e6)
+class FakeMachine:
+    """Chain programs on a fake clock: a run of ``n`` iterations of ``layers`` calls of a side
+    takes ``fixed_s[rep] + n * layers * per_call_us[side] * 1e-6 * slowdown[rep]`` seconds,
+    the machine's state ``rep`` moving between the repetitions of
+    `bench_moe_publish.paired_estimates` (one short and one long run per side each, after
+    one warm-up run per program)."""
+
+    def __init__(self, per_call_us, fixed_s, slowdown, layers, iterations):
+        self.per_call_us, self.fixed_s, self.slowdown, self.layers = per_call_us, fixed_s, slowdown, layers
+        self.now, self.log = 0.0, []
+        self.runs_per_rep = 2 * len(per_call_us)
+        self.sides = {side: {n: self._program(side, n) for n in iterations} for side in per_call_us}
+
+    def _program(self, side, n):
+        def run(*inputs):
+            rep = max(0, len(self.log) - self.runs_per_rep) // self.runs_per_rep  # warm-ups: rep 0's state
+            self.now += self.fixed_s[rep] + n * self.layers * self.per_call_us[side] * 1e-6 * self.slowdown[rep]
+            self.log.append((side, n, self.now))
+            return self
+
+        return run
+
+    def block_until_ready(self):
+        return self
+
+    def clock(self):
+        return self.now
+
+    def timed_seconds(self, side, n):
+        """Each timed run's seconds of program ``(side, n)``, in repetition order."""
+        ends = [0.0] + [end for _, _, end in self.log]
+        runs = [(s, k, ends[i + 1] - ends[i]) for i, (s, k, _) in enumerate(self.log)][self.runs_per_rep:]
+        return np.array([seconds for s, k, seconds in runs if (s, k) == (side, n)])
+
+
+# At the fourth repetition the machine moves: a run's fixed cost rises by 2 ms (a run's fixed
+# cost moves between batches of runs on 2x H200, benchmarks/README.md) and its calls run 1.6
+# times faster. Short runs then sort by their fixed cost, long runs by their calls.
+FIXED_S = [0.0, 0.0, 0.0, 2e-3, 2e-3]
+SLOWDOWN = [1.6, 1.6, 1.6, 1.0, 1.0]
+LAYERS, ITERATIONS = 32, (36, 164)
+
+
+def test_paired_estimates_pair_by_run_under_drift():
+    """Each repetition's estimate is its own long run less its own short run: the moving fixed
+    cost cancels, and ours over XLA is exact in every repetition. The i-th fastest long run
+    less the i-th fastest short run, from the same runs, mixes the repetitions."""
+    per_call_us = {"ours": 1.0, "xla": 4.0}
+    machine = FakeMachine(per_call_us, FIXED_S, SLOWDOWN, LAYERS, ITERATIONS)
+    estimates = bench.paired_estimates(machine.sides, (), len(FIXED_S), LAYERS, ITERATIONS, clock=machine.clock)
+    for side, us in per_call_us.items():
+        assert estimates[side] == pytest.approx(us * np.array(SLOWDOWN))
+    assert bench.paired_ratio([estimates["ours"]], [estimates["xla"]]) == pytest.approx(
+        {"ratio": 0.25, "p10": 0.25, "p90": 0.25})
+    # Pairing by quantile, the same runs would have given other figures.
+    few, many = ITERATIONS
+    calls = (many - few) * LAYERS
+    by_quantile = {side: (np.sort(machine.timed_seconds(side, many)) - np.sort(machine.timed_seconds(side, few)))
+                   / calls * 1e6 for side in per_call_us}
+    assert np.median(by_quantile["ours"]) < 0.85 * np.median(estimates["ours"])
+    assert np.median(by_quantile["ours"]) / np.median(by_quantile["xla"]) < 0.9 * 0.25
+
+
+def test_paired_estimates_alternate_the_order_of_the_sides():
+    """Warm-up runs first, then every repetition's runs back to back, every other one backwards."""
+    machine = FakeMachine({"ours": 1.0, "xla": 2.0, "xla_nccl": 3.0}, [0.0] * 3, [1.0] * 3, LAYERS, ITERATIONS)
+    bench.paired_estimates(machine.sides, (), 3, LAYERS, ITERATIONS, clock=machine.clock)
+    forwards = [(side, n) for side in ("ours", "xla", "xla_nccl") for n in ITERATIONS]
+    assert [(side, n) for side, n, _ in machine.log] == forwards * 2 + forwards[::-1] + forwards
+
+
+def test_call_estimates_are_one_side_paired_by_run(monkeypatch):
+    machine = FakeMachine({"programs": 2.0}, FIXED_S, SLOWDOWN, LAYERS, ITERATIONS)
+    paired = bench.paired_estimates
+    monkeypatch.setattr(bench, "paired_estimates", lambda *args: paired(*args, clock=machine.clock))
+    estimates = bench.call_estimates(machine.sides["programs"], (), len(FIXED_S), LAYERS, ITERATIONS)
+    assert estimates == pytest.approx(2.0 * np.array(SLOWDOWN))

@@ -1,7 +1,7 @@
 """The model-shaped MoE block (`examples/moe_block.py`) on virtual CPU devices: both routers
 against NumPy transliterations of the published gates, both GEMM paths and both routers
-against the float64 NumPy model, and a ``--cpu`` plumbing run of
-`benchmarks/bench_moe_block.py`."""
+against the float64 NumPy model, and `benchmarks/bench_moe_block.py`: what its columns run
+and a ``--cpu`` plumbing run."""
 
 from __future__ import annotations
 
@@ -21,10 +21,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_moe_block as block  # noqa: E402
+import bench_moe_publish as bench  # noqa: E402
 import moe_block as mb  # noqa: E402
 import moe_block_model as bm  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
+from jax_moe_publish import tuning  # noqa: E402
 
 BENCHMARK = ROOT / "benchmarks" / "bench_moe_block.py"
 # Small dimensions: every split over 2 and 4 ranks, 8 groups of 2 experts for DeepSeek-V3's router.
@@ -165,6 +169,47 @@ def test_block_matches_the_numpy_model(name, tp, m):
         assert np.linalg.norm(out - xla_out) / np.linalg.norm(xla_out) <= 1e-2, f"{name} {path} against xla"
 
 
+def test_block_benchmark_times_our_op_with_its_finalize_in_the_loop(monkeypatch):
+    """Our column calls `moe_finalize_publish` with `OP_IMPLS`' impl (the kernels on GPUs, the
+    reference path here), never "auto": at DeepSeek-V3's tp = 1 and small m "auto" runs XLA's
+    jnp path (the algorithm table's xla entry), as the DeepSeek-V3 m = 1 figures of ours in
+    benchmarks/results/2026-12-01-h200-tp1-moe-block.json did. The op-alone chains keep both
+    sides' finalize in the timed loop: in their optimized HLO every gather of routed rows (and
+    ours' psum) is in the loop body, none before it."""
+    config = mb.scaled(mb.DEEPSEEK_V3, **SMALL)
+    layers, m = 2, 3
+    problem = tuning.Problem(hidden=config.hidden, top_k=config.top_k, include_shared_expert=config.shared)
+    assert tuning.algorithm_for(problem, 1, m, "allreduce").algorithm == "xla"  # what "auto" would run here
+    assert block.OP_IMPLS["gpu"] == "kernel"
+    impl = block.OP_IMPLS["cpu"]
+    impls = []
+    publish = jmp.moe_finalize_publish
+
+    def spy(*args, impl="auto", **kwargs):
+        impls.append(impl)
+        return publish(*args, impl=impl, **kwargs)
+
+    monkeypatch.setattr(jmp, "moe_finalize_publish", spy)
+    mesh = jax.make_mesh((1,), (mb.TP,), devices=jax.devices()[:1])
+    params_key, input_key, chain_key = jax.random.split(jax.random.key(0), 3)
+    params = mb.init_params(params_key, config, mesh, 1)
+    x, residual = mb.init_inputs(input_key, config, mesh, m)
+    with jmp.Mailbox(mesh, mb.TP, hidden=config.hidden, capacity_m=m) as mailbox:
+        for variant in (*mb.PATHS, "no_gemm"):
+            step = mb.make_decode(config, mesh, block.layer_fn(config, variant, "ours", mailbox, impl), 1)
+            step.lower(params, x, residual)
+        programs = block.op_programs(mailbox, config, layers, (bench.SHORT,), impl)
+        inputs = bench.chain_inputs(mesh, m, block.op_spec(config), chain_key, layers)
+        hlo = {side: programs[side][bench.SHORT].lower(*inputs).compile().as_text() for side in mb.FINALIZES}
+    assert impls == [impl] * (len(mb.PATHS) + 1 + layers), impls
+    expected = {"ours": {"gather": layers * config.top_k, "all-reduce": layers},
+                "xla": {"gather": layers, "dot": layers}}
+    for side, finalize in expected.items():
+        inside, outside = bench.loop_body_opcodes(hlo[side])
+        assert {op: inside.get(op, 0) for op in finalize} == finalize, (side, inside)
+        assert not {op: outside[op] for op in ("gather", "dot", "all-reduce") if op in outside}, (side, outside)
+
+
 def test_cpu_benchmark_plumbing(tmp_path):
     out, png = tmp_path / "block.json", tmp_path / "block.png"
     # The plot needs matplotlib, which the package does not require.
@@ -179,6 +224,7 @@ def test_cpu_benchmark_plumbing(tmp_path):
     environment = data["environment"]
     assert environment["platform"] == "cpu" and environment["plumbing_check"] and environment["tp"] == 2
     assert environment["layers"] == 2 and environment["iterations"] == [1, 3] and data["copy_bytes_per_s"] is None
+    assert environment["op_impl"] == block.OP_IMPLS["cpu"]
     assert data["problems"]["deepseek-v3"]["experts"] == 16
     assert [(r["problem"], r["m"], r["path"]) for r in data["results"]] == [("deepseek-v3", 3, "ragged"),
                                                                            ("deepseek-v3", 3, "decode")]

@@ -46,6 +46,23 @@ def test_bytes_per_rank_twoshot_by_hand():
     assert moved == {"hbm": 576.0, "nvlink": 64.0}
 
 
+def test_bytes_per_rank_twoshot_epilogue_by_hand():
+    # The twoshot problem with the residual add + RMSNorm, counted per kernel (rank 0 owns
+    # token 0, rank 1 token 1; each row 32 bytes):
+    # publish: routed, shared, indices and weights 224; token 1's partial crosses to rank 1.
+    # reduce_norm on the owner: its slots receive both ranks' partials of token 0 (64), which
+    #   it reads (64) and re-arms (64); it reads token 0's residual (32) and the norm weight
+    #   (16*2 = 32), writes out and residual_out of token 0 (64), and stores both into rank
+    #   1's gather areas: 64 bytes over NVLink.
+    # gather_norm: rank 0's gather areas receive token 1's out and residual_out (64), which
+    #   it reads (64), copies into its outputs (64) and re-arms (64).
+    hbm = 224 + (64 + 64 + 64) + (32 + 32 + 64) + (64 + 64 + 64 + 64)
+    nvlink = 32 + 2 * 32
+    moved = traffic.bytes_per_rank(algorithm="twoshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
+                                   residual_norm=True)
+    assert moved == {"hbm": hbm, "nvlink": nvlink}
+
+
 def test_bytes_per_rank_bf16_weights():
     # Half the weight bytes: 3*1*(4+2) = 18 instead of 24.
     moved = traffic.bytes_per_rank(algorithm="direct", tp=1, m=3, hidden=8, top_k=1, shared_expert=False,

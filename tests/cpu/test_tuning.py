@@ -33,8 +33,28 @@ def test_every_algorithm_table_covers_every_size_and_says_why(name):
     bounds = [entry.max_bytes for entry in entries[:-1]]
     assert all(b is not None for b in bounds) and bounds == sorted(bounds), bounds
     for entry in entries:
-        assert len(entry.reason) > 20 and entry.source in ("measured", "model"), f"{name}: {entry}"
+        assert len(entry.reason) > 20 and entry.source.partition(" (")[0] in tuning.SOURCES, f"{name}: {entry}"
         assert entry.algorithm in ("xla", *KERNEL_ALGORITHMS), f"{name}: {entry}"
+        if entry.source.startswith("measured"):
+            assert "benchmarks/results/" in entry.reason, f"{name}: a measured entry cites its run: {entry}"
+
+
+def test_every_result_file_the_table_cites_is_committed():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    cited = set(re.findall(r"benchmarks/results/[\w.\-]+\.json", tuning.TABLE_FILE.read_text()))
+    assert cited and all((root / path).is_file() for path in cited), sorted(cited)
+
+
+@pytest.mark.parametrize("source", ["measured", "model", "argument",
+                                    "measured (unfused two-shot, before the fused kernel)"])
+def test_an_entry_source_is_a_known_kind(source):
+    assert tuning.AlgorithmChoice(None, "oneshot", "a reason", source).source == source
+
+
+@pytest.mark.parametrize("source", ["guessed", "Measured", "measured (unclosed", "model ()x", ""])
+def test_an_unknown_entry_source_is_refused(source):
+    with pytest.raises(ValueError, match=re.escape(f"source={source!r}: expected one of")):
+        tuning.AlgorithmChoice(None, "oneshot", "a reason", source)
 
 
 def test_the_model_entries_are_the_models():
@@ -47,15 +67,22 @@ def test_the_model_entries_are_the_models():
 
 
 def test_the_link_model_by_hand():
-    """tp = 8, m = 64, DeepSeek-V3: one-shot sends 7 rows over NVLink after one exchange, two-shot
-    1.75 rows after two; both NVLink-bound at these constants. The fused epilogue is one
-    kernel, the unfused two-shot one three."""
+    """tp = 8, m = 64, DeepSeek-V3, NVLink-bound at these constants. One-shot: each rank sends
+    its partial to 7 peers after one exchange. Two-shot: each rank sends the 7/8 of its
+    partial's rows that others own to their owners, and each owner sends its 8 rows' sums to
+    the 7 others, after two exchanges. With the epilogue one-shot is one kernel; two-shot is
+    three (publish, reduce_norm, gather_norm), and its owners send both outputs, the
+    normalized rows and residual_out."""
     model = tuning.LinkModel(p2p_bytes_per_s=1e11, hbm_bytes_per_s=1e14, exchange_s=1e-6, launch_s=5e-7)
-    row = 64 * 7168 * 2
+    row = 64 * 7168 * 2  # one rank's bf16 [m, hidden] partial
+    owned_rows = 64 // 8 * 7168 * 2  # the 8 tokens a rank owns
+    publish = row - owned_rows  # partials of the tokens others own, one to each owner
+    fan_out = 7 * owned_rows  # an owner's sums to every other rank
     assert model.call_s(DEEPSEEK_V3, "oneshot", 8, 64) == pytest.approx(1e-6 + 7 * row / 1e11)
-    assert model.call_s(DEEPSEEK_V3, "twoshot", 8, 64) == pytest.approx(2e-6 + 1.75 * row / 1e11)
+    assert model.call_s(DEEPSEEK_V3, "twoshot", 8, 64) == pytest.approx(2e-6 + (publish + fan_out) / 1e11)
+    assert model.call_s(DEEPSEEK_V3, "oneshot", 8, 64, "rmsnorm") == pytest.approx(1e-6 + 7 * row / 1e11)
     assert model.call_s(DEEPSEEK_V3, "twoshot", 8, 64, "rmsnorm") == pytest.approx(
-        2e-6 + 1.75 * row / 1e11 + 2 * 5e-7)
+        2e-6 + (publish + 2 * fan_out) / 1e11 + 2 * 5e-7)
     # One-shot's 5.25 rows more cost as much as a 10 us exchange at 1e11 B/s up to
     # m = 1e-5 * 1e11 / (5.25 * 14336) = 13.3.
     slow = dataclasses.replace(model, exchange_s=1e-5)
