@@ -8,6 +8,9 @@ A module's skip becomes a collection error where
   have it (``.ci/run`` sets it, since CI installs the ``compile`` extra).
 
 Elsewhere (the GPU machine has no CuTe DSL) the tier skips, with the reason.
+
+The tier's modules share one build of each config per session (`builds`): the PTX checks of
+``test_aot.py`` and the manifest check of ``test_ptx_manifest.py`` read the same sets.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import threading
 
 import pytest
+
+from jax_moe_publish.aot import artifact
+from jax_moe_publish.aot.compile import compile_config  # bound before tests patch it
+from jax_moe_publish.config import KernelConfig
 
 REQUIRE_CUTE_DSL = "JAX_MOE_PUBLISH_REQUIRE_CUTE_DSL"
 
@@ -44,3 +52,24 @@ def pytest_make_collect_report(collector):
         report.outcome = "failed"
         report.longrepr = f"{failure}; the compile tier cannot run (the module would have skipped: {reason})"
     return report
+
+
+class Builds:
+    """Compiles each config once per session: saved under ``root``, returned as loaded back."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self._artifacts: dict[str, artifact.KernelArtifact] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, config: KernelConfig) -> artifact.KernelArtifact:
+        with self._lock:
+            if config.key not in self._artifacts:
+                compile_config(config).save(self.root)
+                self._artifacts[config.key] = artifact.KernelArtifact.load(self.root, config.key)
+            return self._artifacts[config.key]
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory) -> Builds:
+    return Builds(tmp_path_factory.mktemp("kernels"))

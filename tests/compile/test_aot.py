@@ -57,27 +57,6 @@ def _kernel_params(configs, roles=tuple(_abi.ROLES)):
     ]
 
 
-class Builds:
-    """Compiles each config once per session: saved under ``root``, returned as loaded back."""
-
-    def __init__(self, root) -> None:
-        self.root = root
-        self._artifacts: dict[str, artifact.KernelArtifact] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, config: KernelConfig) -> artifact.KernelArtifact:
-        with self._lock:
-            if config.key not in self._artifacts:
-                compile_config(config).save(self.root)
-                self._artifacts[config.key] = artifact.KernelArtifact.load(self.root, config.key)
-            return self._artifacts[config.key]
-
-
-@pytest.fixture(scope="session")
-def builds(tmp_path_factory) -> Builds:
-    return Builds(tmp_path_factory.mktemp("kernels"))
-
-
 # PTX parsing.
 
 _ENTRY_START = re.compile(r"^[ \t]*(?:\.visible[ \t]+)?\.entry[ \t]+(\w+)", re.M)
