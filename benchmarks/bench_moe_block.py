@@ -127,6 +127,7 @@ from jax import lax  # noqa: E402
 
 import bench_moe_publish as bench  # noqa: E402
 import jax_moe_publish as jmp  # noqa: E402
+from jax_moe_publish.testing import rank_processes  # noqa: E402
 import moe_block as mb  # noqa: E402
 
 
@@ -331,6 +332,7 @@ def plot(results, path, note):
 
 
 def main() -> int:
+    rank_processes.refuse_timing("bench_moe_block.py")
     platform = "cpu" if ARGS.cpu else "gpu"
     devices = [d for d in jax.devices() if d.platform == platform]
     tp = ARGS.tp or len(devices)

@@ -47,7 +47,7 @@ import re
 import sys
 
 import bench_moe_publish as bench  # benchmarks/ is on sys.path when this file runs as a script
-from jax_moe_publish.testing import local_processes
+from jax_moe_publish.testing import local_processes, rank_processes
 
 TP = 2
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -238,6 +238,7 @@ def render_markdown(data):
 
 
 def main(argv=None):
+    rank_processes.refuse_timing("bench_multiprocess.py")
     args = parse(argv)
     if args.role == "worker":
         local_processes.run_and_leave(worker, args)

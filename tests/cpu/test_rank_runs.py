@@ -8,11 +8,15 @@ by ``jax.distributed``, exactly as GPU tests run on one GPU.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pathlib
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
+
+import pytest
 
 from jax_moe_publish.testing import rank_processes
 
@@ -44,3 +48,13 @@ def test_each_verdict_follows_the_rank_processes(tmp_path):
     verdict, message = verdicts["test_a_skip_inside_the_body_skips"]
     assert verdict == "skipped" and "planted skip" in message, output
     assert "4 test(s) as 2 rank processes" in output, output
+
+
+@pytest.mark.parametrize("benchmark", ["bench_moe_publish.py", "bench_moe_block.py", "bench_multiprocess.py"])
+def test_the_benchmarks_refuse_to_time_ranks_that_share_a_gpu(benchmark, tmp_path):
+    place = rank_processes.RankProcess(0, 2, 1, 1, 0, str(tmp_path))
+    env = {**os.environ, rank_processes.RANK_PROCESS_ENV: json.dumps(dataclasses.asdict(place))}
+    command = [sys.executable, str(ROOT / "benchmarks" / benchmark), "--cpu", "--out", str(tmp_path / "x.json")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode != 0 and "cannot be measured with ranks as processes that share GPUs" in run.stderr, (
+        run.stdout[-2000:], run.stderr[-2000:])
