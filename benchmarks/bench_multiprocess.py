@@ -17,9 +17,11 @@ expert, scale 2.5) at tp = 2, with the method and the code of
 each layer with its own inputs and its output fed into the next layer's
 shared input (XLA's tied to the loop carry); per call = (T(164 iterations) -
 T(36 iterations)) / (128 * layers) (``--iterations``), from ``--reps`` timed
-runs of each program: ``us`` the median of their paired per-call estimates
-and ``p10``/``p90`` their percentiles (`bench_moe_publish.summarize`, one
-estimator). The two processes time their own runs of the same programs; a
+runs of each program, ours and XLA's interleaved within each repetition
+(`bench_moe_publish.paired_estimates`): ``us`` the median of the per-call
+estimates and ``p10``/``p90`` their percentiles (`bench_moe_publish.summarize`),
+``paired_ratio`` ours over XLA per repetition, from adjacent runs. The two
+processes time their own runs of the same programs; a
 call is done when both ranks have its output, so the two-process figure is
 the slower process's (the JSON keeps each one's). ``2p/1p`` is the
 two-process time over the one-process time.
