@@ -11,6 +11,8 @@ agree bit for bit, and after each call the mailbox must be healthy, advanced
 and re-armed. Through the harness both outputs are poisoned before every call:
 rows past the result's (``m``, or ``ceil(m / tp)`` for reduce_scatter) must keep
 the poison, and reduce_scatter rows of no token must come out +0.0 in both.
+Through JAX, a group of tp ranks runs on tp GPUs, or as tp rank processes on fewer
+(``rank_processes``, tests/support/rank_runs.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import protocol
 from jax_moe_publish import tuning
-from jax_moe_publish.testing import gpu_matrix
+from jax_moe_publish.testing import gpu_matrix, rank_processes
 from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS
 from kernel_checks import (
     CAPACITY_M,
@@ -236,27 +238,22 @@ def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale, config=Non
         )
         return jax.tree.map(lambda x: x[None], result)
 
-    ranked = jax.sharding.NamedSharding(mesh, P("tp"))
-    args = [jax.device_put(jnp.asarray(x), ranked) for x in stacks + [rank_residual]]
-    args.append(jax.device_put(jnp.asarray(norm_weight), jax.sharding.NamedSharding(mesh, P())))
-    args += [jax.device_put(jnp.asarray(shared), ranked)] if shared is not None else []
+    args = [rank_processes.place(mesh, P("tp"), x) for x in stacks + [rank_residual]]
+    args.append(rank_processes.place(mesh, P(), norm_weight))
+    args += [rank_processes.place(mesh, P("tp"), shared)] if shared is not None else []
     in_specs = (P("tp"),) * 4 + (P(),) + ((P("tp"),) if shared is not None else ())
     # The per-rank buffers themselves, so that bitwise agreement is checked on the devices' copies.
     step = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=P("tp"), check_vma=False))
     outputs = step(*args)
-    per_rank = []
-    for x in outputs:
-        by_device = {s.device: np.asarray(s.data)[0] for s in x.addressable_shards}
-        per_rank.append([by_device[d] for d in mesh.devices.flat])
-    return list(zip(*per_rank))
+    return list(zip(*(rank_processes.to_host(x) for x in outputs)))
 
 
 @pytest.mark.parametrize("tp", [pytest.param(tp, marks=pytest.mark.gpus(tp)) for tp in gpu_matrix.GROUP_TPS])
 @pytest.mark.parametrize("result", tuning.RESULTS)
 @pytest.mark.parametrize("problem", gpu_matrix.EPILOGUE_PROBLEMS, ids=lambda p: f"h{p.hidden}-k{p.top_k}")
-def test_epilogue_op_matches_model(problem, result, tp):
+@pytest.mark.rank_processes
+def test_epilogue_op_matches_model(problem, result, tp, rng):
     config = tuning.kernel_config(problem, tp=tp, m=None, result=result, epilogue="rmsnorm")
-    rng = np.random.default_rng()
     with jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, result=result) as mailbox:
         for m in M_VALUES:
             for eps in EPS_VALUES:
@@ -272,11 +269,11 @@ def test_epilogue_op_matches_model(problem, result, tp):
 
 
 @pytest.mark.gpus(2)
-def test_epilogue_op_with_a_cluster_beyond_the_portable_size():
+@pytest.mark.rank_processes
+def test_epilogue_op_with_a_cluster_beyond_the_portable_size(rng):
     """The launcher's opt-in for a cluster of more than 8 CTAs: 8-byte fragments at 128
     threads, 14 CTAs per row of hidden 7168, through the FFI target."""
     config = next(c for c in CONFIGS if c.fuse_reduce and c.ctas_per_token > PORTABLE_CLUSTER_CTAS)
-    rng = np.random.default_rng()
     with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY_M) as mailbox:
         for m in M_VALUES:
             problems, residual, norm_weight = _epilogue_problem(config, m, rng)
@@ -292,10 +289,9 @@ def test_epilogue_op_with_a_cluster_beyond_the_portable_size():
 
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("problem", gpu_matrix.EPILOGUE_PROBLEMS, ids=lambda p: f"h{p.hidden}-k{p.top_k}")
-def test_epilogue_op_on_one_gpu(problem):
+def test_epilogue_op_on_one_gpu(problem, rng):
     """tp = 1: the direct kernel, then the epilogue in jnp with the same rounding points."""
     config = tuning.kernel_config(problem, tp=1, m=None)
-    rng = np.random.default_rng()
     with jmp.Mailbox(_mesh(1), "tp", hidden=config.hidden, capacity_m=CAPACITY_M) as mailbox:
         for m in M_VALUES:
             for eps in EPS_VALUES:
@@ -307,13 +303,13 @@ def test_epilogue_op_on_one_gpu(problem):
 
 
 @pytest.mark.gpus(2)
-def test_epilogue_chain_feeds_residual_out_forward():
+@pytest.mark.rank_processes
+def test_epilogue_chain_feeds_residual_out_forward(rng):
     """16 layers in one jit under XLA's default command buffers: each layer's residual input
     is the previous layer's residual_out, written by the previous reduce_norm, which the
     next reduce_norm reads before its mailbox wait; out feeds the next shared input. Every
     rank has its own finalize inputs (and first shared input); the residual stream is the
     same on every rank, as an all-reduce's is."""
-    rng = np.random.default_rng()
     tp, hidden, top_k, scale, layers, m, eps = 2, 7168, 8, 2.5, 16, 8, 1e-6
     num_rows = m * top_k
     routed = rng.standard_normal((tp, layers, num_rows, hidden), dtype=np.float32).astype(numerics.BF16)
@@ -337,16 +333,10 @@ def test_epilogue_chain_feeds_residual_out_forward():
         # Each rank's own output buffers, so that every rank's result is checked.
         chain = jax.jit(jax.shard_map(shard, mesh=mailbox.mesh, in_specs=(P("tp"),) * 4 + (P(), P()),
                                       out_specs=P("tp"), check_vma=False))
-        ranked = jax.sharding.NamedSharding(mailbox.mesh, P("tp"))
-        replicated = jax.sharding.NamedSharding(mailbox.mesh, P())
-        args = ([jax.device_put(jnp.asarray(x), ranked) for x in (routed, weights, indices, shared)]
-                + [jax.device_put(jnp.asarray(x), replicated) for x in (residual, norm_weight)])
+        args = ([rank_processes.place(mailbox.mesh, P("tp"), x) for x in (routed, weights, indices, shared)]
+                + [rank_processes.place(mailbox.mesh, P(), x) for x in (residual, norm_weight)])
         for _ in range(3):  # the first runs record the graph, later ones replay it
-            per_rank = []
-            for x in chain(*args):
-                by_device = {s.device: np.asarray(s.data)[0] for s in x.addressable_shards}
-                per_rank.append(np.stack([by_device[d] for d in mailbox.mesh.devices.flat]))
-            outs, residuals = per_rank
+            outs, residuals = (rank_processes.to_host(x) for x in chain(*args))
             for rank in range(1, tp):
                 for name, x in (("out", outs), ("residual_out", residuals)):
                     assert np.array_equal(x[rank].view(np.uint16), x[0].view(np.uint16)), (
