@@ -1,24 +1,40 @@
 """Write the algorithm table, ``jax_moe_publish/algorithms.json``: one-shot, two-shot or XLA by
 (result layout, epilogue, tp) and the size of a call's partial.
 
-    python benchmarks/tune_algorithms.py --model
-    python benchmarks/tune_algorithms.py --measure --out benchmarks/results/DATE-tp-sweep.json [--m 1 2 4 ...]
-    python benchmarks/tune_algorithms.py --measure --cpu --out /tmp/sweep.json --table /tmp/algorithms.json
+    python benchmarks/tune_algorithms.py --model [--table COPY]
+    python benchmarks/tune_algorithms.py --measure --tp 2 --m 1 2 4 --out sweep-tp2-m1-4.json
+    python benchmarks/tune_algorithms.py --merge sweep-tp2-m1-4.json sweep-tp2-m8-32.json ... \
+        --table jax_moe_publish/algorithms.json
+    python benchmarks/tune_algorithms.py --measure --tp 2 --out sweep-tp2.json --table algorithms.json
+    python benchmarks/tune_algorithms.py --measure --cpu --tp 2 --m 1 2 --out /tmp/sweep.json \
+        --table /tmp/algorithms.json
 
 ``--model`` (no GPU) rewrites the entries marked ``model`` from `tuning.LinkModel` and the
-constants in the file's ``model`` section, at the DeepSeek-V3 shape: for tp > 2, one-shot up
-to the largest m at which it is no slower than two-shot, two-shot beyond.
+constants in the file's ``model`` section, at the DeepSeek-V3 shape: for every tp > 1 whose
+entries are all the model's, one-shot up to the largest m at which it is no slower than
+two-shot, two-shot beyond.
 
-``--measure`` (on GPUs) times our kernels and XLA's path side by side at every m, for every
-tp the local GPUs allow (1, 2, 4, 8): at tp = 1 the direct kernel against XLA's ``jnp``
-finalize, above it one-shot and two-shot against the finalize and ``psum``, without and with
-the epilogue, the way ``bench_moe_publish.py`` times its cases (DeepSeek-V3 shape, both XLA
-columns). It writes every figure to ``--out`` and replaces the entries of the measured tp
-with the fastest path per m, each range reaching the largest m it won, with a reason that
-cites ``--out``. XLA's default column competes as ``xla`` (the op's ``jnp`` path runs it),
-for problems with a shared expert only, as measured; the NCCL column is recorded beside it. ``--cpu`` runs the same phases on virtual CPU devices
-(the reference path, short chains, times meaningless) and writes the table to ``--table``
-instead of the package's: a plumbing check.
+``--measure`` (on GPUs) times our kernels and XLA's path side by side at ``--tp`` and every
+``--m``: at tp = 1 the direct kernel against XLA's ``jnp`` finalize, above it one-shot and
+two-shot against the finalize and ``psum``, without and with the epilogue, the way
+``bench_moe_publish.py`` times its cases (DeepSeek-V3 shape, both XLA columns). It writes
+every figure to ``--out``, a part of the sweep, after each m (a run cut short keeps the m it
+finished). XLA's default column competes as ``xla`` (the op's ``jnp`` path runs it), for
+problems with a shared expert only, as measured; the NCCL column is recorded beside it.
+``--cpu`` runs the same phases on virtual CPU devices (the reference path, short chains,
+times meaningless): a plumbing check.
+
+``--merge`` (no GPU) turns parts into entries: it replaces the entries of their tp with the
+fastest path per m, each range reaching the largest m it won, each m's reason citing its
+part as named on the command line. It refuses parts of different tp, device, commit or
+problem, an m that two parts hold, and parts that together lack an m of ``--m`` or hold one
+outside it: a range would stretch over m that nobody timed. ``--measure`` with ``--table``
+merges its own part, the one path from figures to entries.
+
+``--table`` is the table to rewrite; where that file does not exist yet, it starts as the
+package's. Without it ``--model`` rewrites the package's table in place; ``--merge`` needs
+it, and ``--measure`` writes no table without it: on a GPU machine the package is installed,
+not edited, and its copy of the table is not the one committed.
 """
 
 from __future__ import annotations
@@ -39,18 +55,31 @@ def _parse():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", action="store_true", help="rewrite the model entries (no GPU)")
-    what.add_argument("--measure", action="store_true", help="time the algorithms on this machine's GPUs")
-    parser.add_argument("--out", help="JSON file for every figure of --measure")
-    parser.add_argument("--table", default=None, help="the table to rewrite (default: the package's)")
-    parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_MS))
+    what.add_argument("--measure", action="store_true", help="time the algorithms at --tp on this machine's GPUs")
+    what.add_argument("--merge", nargs="+", metavar="PART",
+                      help="rewrite one tp's entries from the parts that --measure wrote (no GPU)")
+    parser.add_argument("--tp", type=int, choices=MEASURED_TPS, help="the tp that --measure times")
+    parser.add_argument("--out", help="--measure's part of the sweep: a JSON file of every figure")
+    parser.add_argument("--table", default=None,
+                        help="the table to rewrite, the package's where the file does not exist yet (needed by "
+                             "--merge; --measure writes one only with it; --model's default: the package's)")
+    parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_MS),
+                        help="the m that --measure times, and that the parts of a merge hold together")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help=f"--measure on {CPU_DEVICES} virtual CPU devices: "
                                                            "plumbing only")
     args = parser.parse_args()
-    if args.measure and not args.out:
-        parser.error("--measure needs --out")
-    if args.cpu and args.table is None:
-        parser.error("--cpu needs --table: its times must not reach the package's table")
+    if args.measure and (args.tp is None or args.out is None):
+        parser.error("--measure needs --tp and --out: a part holds one tp's figures")
+    if not args.measure and (args.tp is not None or args.out is not None):
+        parser.error("--tp and --out are --measure's")
+    if args.merge and args.table is None:
+        parser.error("--merge needs --table: the table to rewrite (the committed one is "
+                     "jax_moe_publish/algorithms.json of the checkout)")
+    if args.merge and len(set(args.merge)) < len(args.merge):
+        parser.error(f"--merge {' '.join(args.merge)}: a part named twice")
+    if args.cpu and not args.measure:
+        parser.error("--cpu is a plumbing check of --measure")
     return args
 
 
@@ -92,28 +121,30 @@ def model_entries(model: tuning.LinkModel, problem: tuning.Problem, tp: int, epi
 
 
 def rewrite_model(data: dict) -> None:
-    """Replace every tp > 2 whose entries are all ``model`` by the model's entries."""
+    """Replace every tp > 1 whose entries are all ``model`` by the model's entries (tp = 1 has
+    one kernel algorithm: nothing to model); every other entry stays as it is."""
     model = tuning.LinkModel(**{name: data["model"][name] for name in tuning.LinkModel.__dataclass_fields__})
     for result, epilogue in CASES:
         by_tp = data["tables"][f"{result}/{epilogue}"]
         for tp, entries in by_tp.items():
-            if int(tp) > 2 and all(entry.get("source") == "model" for entry in entries):
+            if int(tp) > 1 and all(entry.get("source") == "model" for entry in entries):
                 by_tp[tp] = model_entries(model, DEEPSEEK_V3, int(tp), epilogue)
 
 
-def measured_entries(timings: list[dict], tp: int, hidden: int, out: str, shared_expert: bool) -> list[dict]:
+def measured_entries(timings: list[dict], tp: int, hidden: int, shared_expert: bool) -> list[dict]:
     """Ranges of m by their fastest path, each reaching the largest m it won; the last takes
     any m, and is a kernel (the kernel path's own choice must cover every call): where XLA won
     at the largest m, the faster kernel there follows it. An ``xla`` range holds for problems
     with a shared expert or without, as the sweep's problem (``shared_expert``).
 
-    ``timings``: one row per m, ``{"m": m, "us": {path: us}}``; every path competes."""
+    ``timings``: one row per m, ``{"m": m, "us": {path: us}, "cited": file}``; every path
+    competes, and each m's reason cites its row's file."""
     entries = []
     rows = sorted(timings, key=lambda r: r["m"])
     for row in rows:
         best = min(row["us"], key=row["us"].get)
         reason = (f"fastest at m = {row['m']} on tp = {tp}: " + ", ".join(
-            f"{path} {us:.2f} us" for path, us in sorted(row["us"].items())) + f" ({out})")
+            f"{path} {us:.2f} us" for path, us in sorted(row["us"].items())) + f" ({row['cited']})")
         if entries and entries[-1]["algorithm"] == best:
             entries[-1].update(max_bytes=row["m"] * hidden * 2, reason=entries[-1]["reason"] + "; " + reason)
         else:
@@ -124,13 +155,22 @@ def measured_entries(timings: list[dict], tp: int, hidden: int, out: str, shared
         kernels = {path: us for path, us in rows[-1]["us"].items() if path != "xla"}
         entries.append(dict(max_bytes=None, algorithm=min(kernels, key=kernels.get), source="measured",
                             reason=f"the faster kernel at m = {rows[-1]['m']} on tp = {tp}, the sweep's "
-                                   f"largest ({out})"))
+                                   f"largest ({rows[-1]['cited']})"))
     entries[-1]["max_bytes"] = None
     return entries
 
 
-def measure(data: dict) -> dict:
-    """Time one-shot, two-shot and XLA at every (tp, m, epilogue); rewrite those tp's entries."""
+SWEEP_PROBLEM = "deepseek-v3"
+"""The problem a sweep times (`bench_moe_publish.PROBLEMS`); its cases add the epilogue."""
+
+
+def measure(tp: int, ms: list[int], reps: int, cpu: bool, out: str) -> dict:
+    """Time one-shot, two-shot and XLA at ``tp`` and every m of ``ms``, with and without the
+    epilogue (`measured_cases`): the sweep's part, written to ``out`` after each m.
+
+    A part holds its ``tp``, the ``m`` it was asked for, the ``problem``, the ``environment``
+    (the device, the commit from ``$JMP_COMMIT``, the chains) and one row per (m, case):
+    ``{"tp", "m", "case": "result/epilogue", "us": {path: us}, "xla": {column: [figures]}}``."""
     import jax
     import numpy as np
 
@@ -138,55 +178,120 @@ def measure(data: dict) -> dict:
     import bench_moe_publish as bench
     import jax_moe_publish as jmp
 
-    chains = CPU_CHAINS if ARGS.cpu else dict(layers=bench.LAYERS, iterations=(bench.SHORT, bench.LONG))
+    chains = CPU_CHAINS if cpu else dict(layers=bench.LAYERS, iterations=(bench.SHORT, bench.LONG))
     devices = jax.devices()
-    tps = [tp for tp in MEASURED_TPS if tp <= len(devices)]
-    refused = bench.probe_xla_columns(jax.sharding.Mesh(np.array(devices[:max(tps)]), ("tp",)), bench.XLA_COLUMNS)
+    if tp > len(devices):
+        raise SystemExit(f"--tp {tp}: needs {tp} devices, found {len(devices)}")
+    mesh = jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
+    refused = bench.probe_xla_columns(mesh, bench.XLA_COLUMNS)
     columns = [column for column in bench.XLA_COLUMNS if column not in refused]
-    figures = {"environment": {**bench.machine_environment(), "plumbing_check": ARGS.cpu, **chains,
-                               "reps": ARGS.reps, "xla_columns_refused": refused},
-               "results": []}
-    for tp in tps:
-        mesh = jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
-        cases, algorithms = measured_cases(tp)
+    spec = bench.problem_spec(SWEEP_PROBLEM)
+    part = {"tp": tp, "m": list(ms),
+            "problem": {"name": SWEEP_PROBLEM, "hidden": spec["hidden"], "shared_expert": spec["shared"]},
+            "environment": {**bench.machine_environment(), "plumbing_check": cpu, **chains, "reps": reps,
+                            "xla_columns_refused": refused},
+            "results": []}
+    cases, algorithms = measured_cases(tp)
+    for m in ms:
         for result, epilogue in cases:
-            name = "deepseek-v3" + (bench.EPILOGUE_SUFFIX if epilogue != "none" else "")
+            name = SWEEP_PROBLEM + (bench.EPILOGUE_SUFFIX if epilogue != "none" else "")
             problem = bench.problem_spec(name)
-            timings = []
-            for m in ARGS.m:
-                row = {"tp": tp, "m": m, "case": f"{result}/{epilogue}", "us": {}, "xla": {}}
-                with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
-                    inputs = bench.chain_inputs(mesh, m, problem, jax.random.key(m), chains["layers"])
-                    for algorithm in algorithms:
-                        timed = bench.time_ours_and_xla(
-                            mailbox, problem, bench.case_config(name, tp, algorithm, m), inputs, ARGS.reps,
-                            f"{name} tp={tp} {algorithm} m={m}", op_impl="reference" if ARGS.cpu else "kernel",
-                            xla=bench.xla_columns(tp, columns), **chains)
-                        row["us"][algorithm] = timed["ours"]["us"]
-                        for column in bench.xla_columns(tp, columns):
-                            row["xla"].setdefault(column, []).append(timed[column])
-                    mailbox.check()
-                # The op's jnp path runs XLA's default column: the fastest of its programs (one
-                # per kernel algorithm; they differ by up to 3 us at small m) competes.
-                row["us"]["xla"] = min(figure["us"] for figure in row["xla"]["xla"])
-                timings.append(row)
-                figures["results"].append(row)
-                print(f"tp={tp} {result}/{epilogue} m={m}: " + ", ".join(
-                    f"{path} {us:.2f}" for path, us in row["us"].items()), flush=True)
-            data["tables"][f"{result}/{epilogue}"][str(tp)] = measured_entries(
-                timings, tp, problem["hidden"], ARGS.out, problem["shared"])
-    return figures
+            row = {"tp": tp, "m": m, "case": f"{result}/{epilogue}", "us": {}, "xla": {}}
+            with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
+                inputs = bench.chain_inputs(mesh, m, problem, jax.random.key(m), chains["layers"])
+                for algorithm in algorithms:
+                    timed = bench.time_ours_and_xla(
+                        mailbox, problem, bench.case_config(name, tp, algorithm, m), inputs, reps,
+                        f"{name} tp={tp} {algorithm} m={m}", op_impl="reference" if cpu else "kernel",
+                        xla=bench.xla_columns(tp, columns), **chains)
+                    row["us"][algorithm] = timed["ours"]["us"]
+                    for column in bench.xla_columns(tp, columns):
+                        row["xla"].setdefault(column, []).append(timed[column])
+                mailbox.check()
+            # The op's jnp path runs XLA's default column: the fastest of its programs (one
+            # per kernel algorithm; they differ by up to 3 us at small m) competes.
+            row["us"]["xla"] = min(figure["us"] for figure in row["xla"]["xla"])
+            part["results"].append(row)
+            print(f"tp={tp} {result}/{epilogue} m={m}: " + ", ".join(
+                f"{path} {us:.2f}" for path, us in row["us"].items()), flush=True)
+        bench.write_json(part, out)
+    return part
+
+
+PART_KEYS = ("tp", "m", "problem", "environment", "results")
+PART_FACTS = {
+    "tp": lambda part: part["tp"],
+    "device": lambda part: part["environment"]["gpu"],
+    "commit": lambda part: part["environment"]["commit"],
+    "problem": lambda part: part["problem"],
+}
+"""What the parts of one merge share: a merge rewrites one tp's entries, from one device's runs of one tree."""
+
+
+def merge(data: dict, parts: dict[str, dict], ms: list[int]) -> int:
+    """Replace the entries of the parts' tp in ``data`` by `measured_entries` of their rows, every
+    case of `measured_cases`; return that tp.
+
+    ``parts``: each part as `measure` wrote it, by the name its reasons cite. Raises
+    ValueError, naming the parts and what is wrong, for parts that differ in a fact of
+    `PART_FACTS`, an (m, case) that two parts hold, an m outside ``ms``, and an m of ``ms``
+    that no part holds for some case."""
+    for path, part in parts.items():
+        missing = [key for key in PART_KEYS if key not in part]
+        if missing:
+            raise ValueError(f"{path}: not a part of a sweep (it has no {', '.join(missing)}); "
+                             "tune_algorithms.py --measure writes them")
+    for fact, value_of in PART_FACTS.items():
+        values = {path: value_of(part) for path, part in parts.items()}
+        if len({json.dumps(value, sort_keys=True) for value in values.values()}) > 1:
+            raise ValueError(f"the parts differ in {fact}: " + ", ".join(
+                f"{path} has {value}" for path, value in values.items()) + "; a merge takes the parts of "
+                "one tp, from one device, commit and problem")
+    first = next(iter(parts.values()))
+    tp, problem = first["tp"], first["problem"]
+    cases = [f"{result}/{epilogue}" for result, epilogue in measured_cases(tp)[0]]
+    held = {case: {} for case in cases}
+    for path, part in parts.items():
+        for row in part["results"]:
+            if row["m"] not in ms:
+                raise ValueError(f"{path}: m = {row['m']} is not one of the sweep's m, "
+                                 f"{' '.join(map(str, ms))} (--m)")
+            if row["m"] in held[row["case"]]:
+                raise ValueError(f"tp = {tp}, {row['case']}, m = {row['m']}: in both "
+                                 f"{held[row['case']][row['m']]['cited']} and {path}")
+            held[row["case"]][row["m"]] = {"m": row["m"], "us": row["us"], "cited": path}
+    unmeasured = {}  # the m that no part holds: the cases that lack them
+    for case in cases:
+        missing = tuple(m for m in ms if m not in held[case])
+        if missing:
+            unmeasured.setdefault(missing, []).append(case)
+    if unmeasured:
+        raise ValueError(f"tp = {tp}: no part holds " + "; ".join(
+            f"m = {', '.join(map(str, missing))} of {' and '.join(lacking)}" for missing, lacking in unmeasured.items())
+            + f" (the sweep's m: {' '.join(map(str, ms))}, --m)")
+    for case in cases:
+        data["tables"][case][str(tp)] = measured_entries(list(held[case].values()), tp, problem["hidden"],
+                                                         problem["shared_expert"])
+    return tp
 
 
 def main() -> int:
     table = pathlib.Path(ARGS.table) if ARGS.table else tuning.TABLE_FILE
-    data = json.loads(tuning.TABLE_FILE.read_text())
+    data = json.loads((table if table.exists() else tuning.TABLE_FILE).read_text())
     if ARGS.model:
         rewrite_model(data)
-    else:
-        figures = measure(data)
-        pathlib.Path(ARGS.out).write_text(json.dumps(figures, indent=1))
+    elif ARGS.measure:
+        parts = {ARGS.out: measure(ARGS.tp, ARGS.m, ARGS.reps, ARGS.cpu, ARGS.out)}
         print(f"wrote {ARGS.out}")
+        if ARGS.table is None:
+            return 0
+        merge(data, parts, ARGS.m)
+    else:
+        parts = {path: json.loads(pathlib.Path(path).read_text()) for path in ARGS.merge}
+        try:
+            merge(data, parts, ARGS.m)
+        except ValueError as error:
+            sys.exit(f"--merge: {error}")
     table.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {table}")
     return 0
