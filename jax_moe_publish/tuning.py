@@ -43,7 +43,7 @@ class Problem:
 
 SOURCES = {
     "measured": "a benchmark run timed the choice: the reason cites its result file and rows",
-    "model": "`LinkModel`'s at algorithms.json's constants (tune_algorithms.py --model writes those of tp > 2)",
+    "model": "`LinkModel`'s at algorithms.json's constants (tune_algorithms.py --model writes those of tp > 1)",
     "argument": "the reason's argument (the only algorithm, or a cost nobody timed); no run or model chose it",
 }
 """Where an algorithm entry comes from. A label may qualify its kind in parentheses, as
