@@ -8,7 +8,7 @@ with the residual add + RMSNorm that follows it in a transformer layer.
 from __future__ import annotations
 
 import functools
-import math
+import inspect
 import warnings
 
 import jax
@@ -19,12 +19,19 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_publish import _launch, protocol, reference, tuning
+from jax_moe_publish import _launch, derivatives, protocol, reference, tuning
 from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.config import MAX_TOP_K, KernelConfig
 from jax_moe_publish.mailbox import Mailbox, checked_float
 
 IMPLS = ("auto", "kernel", "reference")
+
+
+def _as_float32(value: float) -> np.float32:
+    """``value`` as the kernels take it: rounded to float32, infinite beyond its range (no overflow
+    warning)."""
+    with np.errstate(over="ignore"):
+        return np.float32(value)
 
 
 def _check_array(name, x, ndim, dtypes, shape=None):
@@ -70,13 +77,40 @@ def _check_inputs(routed_output, expert_weights, permuted_indices, shared_output
         if tuple(shared_output.shape) != (m, mailbox.hidden):
             raise ValueError(f"shared_output.shape={tuple(shared_output.shape)}: expected {(m, mailbox.hidden)}, "
                              f"one row per token of {weights_shape}, of the mailbox's hidden={mailbox.hidden}")
-    if not math.isfinite(checked_float("routed_scaling_factor", routed_scaling_factor)):
-        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a finite float")
+    if not np.isfinite(_as_float32(checked_float("routed_scaling_factor", routed_scaling_factor))):
+        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a float that is finite "
+                         f"in float32 (|x| <= {np.finfo(np.float32).max:.8g}), the precision the kernels use")
+
+
+def _check_static_scalars(**scalars) -> None:
+    """The op's floats are fixed when the call is traced (the kernels are compiled for them), so
+    a traced value (under jax.grad, jax.jvp, jax.vmap or jax.jit) has no meaning, and the op
+    has no derivative with respect to them."""
+    for name, value in scalars.items():
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(
+                f"{name}: expected a Python float, got a traced {jax.typeof(value).str_short()} "
+                f"({type(value).__name__}); {name} is fixed when the call is traced, so the op has no derivative "
+                f"with respect to it and takes no traced value (jax.jit and jax.checkpoint of the op trace its "
+                f"float arguments too: bind {name} with functools.partial, or mark it static)"
+                + _STATIC_SCALAR_HINTS.get(name, "")
+            )
+
+
+_STATIC_SCALAR_HINTS = {
+    "routed_scaling_factor": "; for a learned scale, multiply expert_weights by it and pass 1.0",
+}
 
 
 def _check_epilogue(residual, norm_weight, norm_eps, mailbox, m) -> bool:
-    """Whether the call has the epilogue; raises for half of it or for bad values."""
+    """Whether the call has the epilogue; raises for half of it, for bad values, and for a
+    norm_eps other than the default without it (nothing would read it)."""
+    checked_float("norm_eps", norm_eps)
     if residual is None and norm_weight is None:
+        default = inspect.signature(moe_finalize_publish).parameters["norm_eps"].default
+        if norm_eps != default:
+            raise ValueError(f"norm_eps={norm_eps!r}: given without the epilogue, which alone uses it; pass "
+                             f"residual and norm_weight too, or leave norm_eps at its default {default}")
         return False
     for name, value, other in (("residual", residual, "norm_weight"), ("norm_weight", norm_weight, "residual")):
         if value is None:
@@ -91,10 +125,39 @@ def _check_epilogue(residual, norm_weight, norm_eps, mailbox, m) -> bool:
         raise ValueError(f"residual.shape={tuple(residual.shape)}: expected {(rows, mailbox.hidden)} "
                          f"({rule}, the shape of the result)")
     _check_array("norm_weight", norm_weight, 1, [jnp.bfloat16], shape=(mailbox.hidden,))
-    checked_float("norm_eps", norm_eps)
-    if not (math.isfinite(norm_eps) and np.float32(norm_eps) > 0):
+    if not (np.isfinite(_as_float32(norm_eps)) and _as_float32(norm_eps) > 0):
         raise ValueError(f"norm_eps={norm_eps!r}: expected a finite float > 0 (as float32)")
     return True
+
+
+def _check_stacks(mailbox, arrays: dict) -> None:
+    """`sharded_moe_finalize_publish`'s arguments: a Mailbox, a call outside any shard_map (it
+    makes its own), arrays (None where optional), the per-rank ones ``[tp, ...]``; the
+    per-shard op checks the rest."""
+    if not isinstance(mailbox, Mailbox):
+        raise TypeError(f"mailbox: expected a jax_moe_publish.Mailbox, got {type(mailbox).__name__}")
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if manual:
+        raise ValueError(
+            f"sharded_moe_finalize_publish: called inside a jax.shard_map (over {', '.join(map(repr, manual))}), "
+            "but it makes its own shard_map over mailbox.mesh from global [tp, ...] arrays; inside a "
+            "shard_map, call moe_finalize_publish on this rank's arrays instead"
+        )
+    tp = mailbox.tp
+    # The layout of each [tp, ...] argument; a reduce-scatter residual is one too.
+    layouts = dict.fromkeys(["routed_output", "expert_weights", "permuted_indices", "shared_output"],
+                            f"[tp={tp}, ...] with the TP rank leading")
+    if mailbox.result == "reduce_scatter":
+        layouts["residual"] = f"[tp={tp}, ceil(m/tp), hidden], the layout of the reduce-scatter result"
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            hint = "; convert it with jnp.asarray" if isinstance(x, (list, tuple)) else ""
+            layout = f" {layouts[name]}" if name in layouts else ""
+            raise TypeError(f"{name}: expected an array{layout}, got {type(x).__name__}{hint}")
+        if name in layouts and (len(x.shape) != 3 or x.shape[0] != tp):
+            raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {layouts[name]}")
 
 
 def _check_axis(mailbox: Mailbox) -> None:
@@ -230,6 +293,12 @@ def moe_finalize_publish(
     so ``capacity_m`` must hold them all; each element gets its own result. ``norm_weight``
     is then the same for the whole batch.
 
+    ``jax.grad``, ``jax.vjp`` and ``jax.jvp`` pass through on every path
+    (`jax_moe_publish.derivatives`): the forward is this call's, the derivative that of the
+    float32 math at the forward's values, every bf16 rounding taken as the identity
+    (straight-through), in jnp. ``permuted_indices`` has none (its cotangent is float0), nor
+    have ``routed_scaling_factor`` and ``norm_eps``, static floats: a traced one raises.
+
     Parameters
     ----------
     routed_output : bf16 [num_rows, hidden]
@@ -267,6 +336,7 @@ def moe_finalize_publish(
     With the epilogue, ``(out, residual_out)`` of that shape each, both zero
     in rows of no token.
     """
+    _check_static_scalars(routed_scaling_factor=routed_scaling_factor, norm_eps=norm_eps)
     _check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
                   routed_scaling_factor)
     fused_norm = _check_epilogue(residual, norm_weight, norm_eps, mailbox, expert_weights.shape[0])
@@ -278,12 +348,17 @@ def moe_finalize_publish(
     problem = _problem(mailbox, expert_weights, shared_output, routed_scaling_factor)
     if config is not None:
         _check_config(config, mailbox, problem, _table_epilogue(mailbox, fused_norm))
+    scale, norm_eps = float(routed_scaling_factor), float(norm_eps)
     publish = _folding_vmap_batches(mailbox, functools.partial(
         _publish, mailbox=mailbox, impl=_resolve_impl(impl, mailbox), config=config, problem=problem,
-        scale=float(routed_scaling_factor), norm_eps=float(norm_eps),
+        scale=scale, norm_eps=norm_eps,
         # Where XLA's own path is faster (the table's "xla"), auto takes it, on every device.
         table_may_choose_xla=impl == "auto" and config is None,
     ))
+    # The derivative wraps the fold, so that jax.vmap batches the kernels' call and the jnp
+    # tangent each its own way (`derivatives`).
+    publish = derivatives.straight_through(publish, axis_name=mailbox.axis_name, result=mailbox.result,
+                                           scale=scale, norm_eps=norm_eps)
     return publish(routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight)
 
 
@@ -390,8 +465,7 @@ def _fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted
         out = jax.tree.map(lambda x: x.reshape(batch, -1, hidden), out)
         if residual is None or tokens == m:
             return out
-        rows = protocol.owned_rows(m, tp)
-        has_token = (jnp.arange(rows) * tp + lax.axis_index(mailbox.axis_name) < m)[None, :, None]
+        has_token = reference.rows_with_tokens(protocol.owned_rows(m, tp), m, mailbox.axis_name)[None]
         return jax.tree.map(lambda x: jnp.where(has_token, x, jnp.zeros_like(x)), out)
 
     return folded, unfold
@@ -466,19 +540,12 @@ def sharded_moe_finalize_publish(
     rank r's rows (tokens ``i * tp + r``).
     With the epilogue, ``(out, residual_out)``, each of that layout.
     """
+    _check_stacks(mailbox, dict(routed_output=routed_output, expert_weights=expert_weights,
+                                permuted_indices=permuted_indices, shared_output=shared_output,
+                                residual=residual, norm_weight=norm_weight))
     axis = mailbox.axis_name
     args = [routed_output, expert_weights, permuted_indices] + ([] if shared_output is None else [shared_output])
-    names = ["routed_output", "expert_weights", "permuted_indices", "shared_output"]
-    for name, x in zip(names, args):
-        if not hasattr(x, "shape") or len(x.shape) != 3 or x.shape[0] != mailbox.tp:
-            raise ValueError(f"{name}.shape={getattr(x, 'shape', None)}: expected [tp={mailbox.tp}, ...] "
-                             "with the TP rank leading")
     scatter = mailbox.result == "reduce_scatter"
-    if scatter and residual is not None and (
-        not hasattr(residual, "shape") or len(residual.shape) != 3 or residual.shape[0] != mailbox.tp
-    ):
-        raise ValueError(f"residual.shape={getattr(residual, 'shape', None)}: expected "
-                         f"[tp={mailbox.tp}, ceil(m/tp), hidden], the layout of the reduce-scatter result")
     in_specs = [P(axis)] * len(args)
     # The epilogue's inputs come last; the per-shard op checks them.
     if residual is not None:

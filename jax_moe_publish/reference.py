@@ -13,6 +13,11 @@ rounded once to bf16.
 
 The optional epilogue (`add_rmsnorm`) rounds to bf16 where the fused kernel
 does: once after the residual add, once at the end.
+
+JAX differentiates these functions by its own rules, which round the cotangents
+where the forward rounds. The op's derivative (`jax_moe_publish.derivatives`)
+differentiates their float32 parts (`moe_finalize_float32`, `rms_normalize`)
+instead, straight through the roundings.
 """
 
 from __future__ import annotations
@@ -63,6 +68,21 @@ def moe_finalize(
         ``bf16(sum_k (w[t,k] * scale) * routed[idx[t,k]] + shared[t])``, float32
         accumulation in expert order.
     """
+    return moe_finalize_float32(
+        routed_output, expert_weights, permuted_indices, shared_output, routed_scaling_factor=routed_scaling_factor,
+    ).astype(jnp.bfloat16)
+
+
+def moe_finalize_float32(
+    routed_output: jax.Array,
+    expert_weights: jax.Array,
+    permuted_indices: jax.Array,
+    shared_output: jax.Array | None = None,
+    *,
+    routed_scaling_factor: float = 1.0,
+) -> jax.Array:
+    """`moe_finalize` before its bf16 rounding: the float32 sum, which the op's derivative
+    differentiates (`jax_moe_publish.derivatives`)."""
     num_rows = routed_output.shape[0]
     m, top_k = permuted_indices.shape
     valid = (permuted_indices >= 0) & (permuted_indices < num_rows)
@@ -80,14 +100,25 @@ def moe_finalize(
         accumulator = accumulator + weights[:, k, None] * rows
     if shared_output is not None:
         accumulator = accumulator + as_float32(shared_output)
-    return accumulator.astype(jnp.bfloat16)
+    return accumulator
 
 
+@jax.custom_jvp
 def positive_zero(x: jax.Array) -> jax.Array:
-    """bf16 ``x`` with -0.0 replaced by +0.0: what the publish stores."""
+    """bf16 ``x`` with -0.0 replaced by +0.0: what the publish stores.
+
+    The bits are rewritten (a bitcast), since only the sign bit of a zero changes; as a
+    function of values it is the identity (-0.0 == +0.0), so its derivative is 1, which the
+    bitcast through uint16 would not carry."""
     bits = lax.bitcast_convert_type(x, jnp.uint16)
     bits = jnp.where(bits == protocol.EMPTY_BF16, jnp.uint16(0), bits)
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+@positive_zero.defjvp
+def _positive_zero_jvp(primals, tangents):
+    (x,), (tangent,) = primals, tangents
+    return positive_zero(x), tangent
 
 
 def owned_rows(x: jax.Array, tp: int, rank) -> jax.Array:
@@ -96,6 +127,24 @@ def owned_rows(x: jax.Array, tp: int, rank) -> jax.Array:
     rows = protocol.owned_rows(m, tp)
     padded = jnp.pad(x, ((0, rows * tp - m), (0, 0)))
     return lax.dynamic_index_in_dim(padded.reshape(rows, tp, -1), rank, axis=1, keepdims=False)
+
+
+def rows_with_tokens(rows: int, m: int, axis_name: str) -> jax.Array:
+    """bool [rows, 1]: which of a reduce_scatter rank's ``rows`` result rows hold one of the
+    ``m`` tokens (row i: token ``i * tp + rank``)."""
+    tp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    return (jnp.arange(rows) * tp + rank < m)[:, None]
+
+
+def reduce_over_group(x: jax.Array, axis_name: str, result: str) -> jax.Array:
+    """The sum of ``x`` [m, ...] over the group, in the layout of ``result``: all of it
+    (``allreduce``), or this rank's owned rows (``reduce_scatter``, `owned_rows`)."""
+    if result not in ("allreduce", "reduce_scatter"):
+        raise ValueError(f"result={result!r}: expected 'allreduce' or 'reduce_scatter'")
+    total = lax.psum(x, axis_name)
+    if result == "allreduce":
+        return total
+    return owned_rows(total, lax.axis_size(axis_name), lax.axis_index(axis_name))
 
 
 def add_rmsnorm(
@@ -114,9 +163,15 @@ def add_rmsnorm(
     # point XLA would otherwise be free to move.
     x = as_float32((as_float32(y) + as_float32(residual)).astype(jnp.bfloat16))
     residual_out = x.astype(jnp.bfloat16)
-    inverse_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps))
-    out = (x * inverse_rms * as_float32(norm_weight)).astype(jnp.bfloat16)
+    out = rms_normalize(x, norm_weight, eps=eps).astype(jnp.bfloat16)
     return out, residual_out
+
+
+def rms_normalize(x: jax.Array, norm_weight: jax.Array, *, eps: float) -> jax.Array:
+    """float32 ``x * rsqrt(mean(x^2) + eps) * float32(norm_weight)`` over the last axis, unrounded:
+    `add_rmsnorm`'s ``out`` before its bf16 rounding."""
+    inverse_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps))
+    return x * inverse_rms * as_float32(norm_weight)
 
 
 def moe_finalize_publish(
@@ -147,19 +202,12 @@ def moe_finalize_publish(
         routed_output, expert_weights, permuted_indices, shared_output,
         routed_scaling_factor=routed_scaling_factor,
     )
-    total = lax.psum(positive_zero(partial).astype(jnp.float32), axis_name).astype(jnp.bfloat16)
-    if result == "allreduce":
-        y = total
-    elif result == "reduce_scatter":
-        tp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-        y = owned_rows(total, tp, rank)
-    else:
-        raise ValueError(f"result={result!r}: expected 'allreduce' or 'reduce_scatter'")
+    y = reduce_over_group(positive_zero(partial).astype(jnp.float32), axis_name, result).astype(jnp.bfloat16)
     if residual is None:
         return y
     out, residual_out = add_rmsnorm(y, residual, norm_weight, eps=norm_eps)
     if result == "reduce_scatter":
-        has_token = (jnp.arange(y.shape[0]) * tp + rank < total.shape[0])[:, None]
+        has_token = rows_with_tokens(y.shape[0], partial.shape[0], axis_name)
         out = jnp.where(has_token, out, jnp.zeros_like(out))
         residual_out = jnp.where(has_token, residual_out, jnp.zeros_like(residual_out))
     return out, residual_out
