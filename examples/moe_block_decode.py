@@ -65,23 +65,31 @@ def _parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", nargs="+", default=list(mb.PROBLEMS), choices=list(mb.PROBLEMS))
     parser.add_argument("--paths", nargs="+", default=list(mb.PATHS), choices=list(mb.PATHS))
-    parser.add_argument("--tokens", type=int, default=8, help="m, tokens per decode step")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--experts", type=int, help="scale the expert count down to this (default: the model's)")
-    parser.add_argument("--check-layers", type=int,
-                        help="layers compared with the NumPy model (default: all on CPU, 1 on GPUs)")
-    parser.add_argument("--steps", type=int, default=10, help="host-timed decode steps")
+    parser.add_argument("--tokens", type=platform_choice.positive_int, default=8, help="m, tokens per decode step")
+    parser.add_argument("--layers", type=platform_choice.positive_int, default=3)
+    parser.add_argument("--experts", type=platform_choice.positive_int,
+                        help="scale the expert count down to this, at least each problem's top-k (default: the "
+                             "model's)")
+    parser.add_argument("--check-layers", type=platform_choice.positive_int,
+                        help="layers compared with the NumPy model, at most --layers (default: all on CPU, 1 on "
+                             "GPUs)")
+    parser.add_argument("--steps", type=platform_choice.non_negative_int, default=10,
+                        help="host-timed decode steps (0: none)")
     platform_choice.add_rank_processes(parser)
     args = parser.parse_args()
-    if args.tokens < 1 or args.layers < 1 or args.steps < 0:
-        parser.error("--tokens and --layers must be >= 1, --steps >= 0")
+    if args.check_layers is not None and args.check_layers > args.layers:
+        parser.error(f"argument --check-layers: expected at most --layers {args.layers}, got {args.check_layers}")
+    for name in args.problems:
+        top_k = mb.PROBLEMS[name].top_k
+        if args.experts is not None and args.experts < top_k:
+            parser.error(f"argument --experts: expected at least {name}'s top-k {top_k}, got {args.experts}")
     return args
 
 
 def problem_config(name, experts):
     base = mb.PROBLEMS[name]
     dims = {} if ON_GPU else CPU_DIMS
-    return mb.scaled(base, **{**dims, **({"experts": experts} if experts else {})})
+    return mb.scaled(base, **{**dims, **({} if experts is None else {"experts": experts})})
 
 
 def check_memory(config, tp, layers, device):
@@ -154,7 +162,7 @@ def run_problem(name, args, mesh, devices):
           f"{'GPU' if ON_GPU else 'device'}, m = {args.tokens}, tp = {tp}", flush=True)
     params = mb.init_params(jax.random.key(0), config, mesh, args.layers)
     x, residual = mb.init_inputs(jax.random.key(1), config, mesh, args.tokens)
-    count = min(args.layers, args.check_layers or (1 if ON_GPU else args.layers))
+    count = args.check_layers if args.check_layers is not None else (1 if ON_GPU else args.layers)
     ok = True
     with jmp.Mailbox(mesh, mb.TP, hidden=config.hidden, capacity_m=args.tokens) as mailbox:
         for path in args.paths:

@@ -34,6 +34,7 @@ import argparse
 import sys
 import time
 
+import platform_choice  # examples/ is on sys.path
 from jax_moe_publish.testing import local_processes
 
 
@@ -124,16 +125,17 @@ def work(args) -> None:
         with mailbox.diagnose():
             passed = check(mailbox)
 
-        step = build_step(mailbox)
-        step(layers, x).block_until_ready()
-        start = time.perf_counter()
-        # Each step is waited for: CPU collectives queued back to back can starve XLA's
-        # rendezvous on a small machine.
-        for _ in range(args.steps):
+        if args.steps:
+            step = build_step(mailbox)
             step(layers, x).block_until_ready()
-        per_layer = (time.perf_counter() - start) / (args.steps * args.layers)
-        say(f"{per_layer * 1e6:.1f} us per MoE layer ({args.steps} steps of {args.layers} layers, each waited for, "
-            f"{'GPU kernels' if mailbox.on_cuda else 'CPU reference'})")
+            start = time.perf_counter()
+            # Each step is waited for: CPU collectives queued back to back can starve XLA's
+            # rendezvous on a small machine.
+            for _ in range(args.steps):
+                step(layers, x).block_until_ready()
+            per_layer = (time.perf_counter() - start) / (args.steps * args.layers)
+            say(f"{per_layer * 1e6:.1f} us per MoE layer ({args.steps} steps of {args.layers} layers, each waited "
+                f"for, {'GPU kernels' if mailbox.on_cuda else 'CPU reference'})")
         mailbox.check()
     if not passed:
         raise SystemExit("the result is outside the float64 model's bound")
@@ -141,11 +143,13 @@ def work(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, default=0, help="default: one per local GPU, 2 without GPUs")
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--deadline", type=float, default=600.0,
+    parser.add_argument("--processes", type=platform_choice.non_negative_int, default=0,
+                        help="default (0): one per local GPU, 2 without GPUs")
+    parser.add_argument("--tokens", type=platform_choice.positive_int, default=16)
+    parser.add_argument("--layers", type=platform_choice.positive_int, default=4)
+    parser.add_argument("--steps", type=platform_choice.non_negative_int, default=20,
+                        help="host-timed decode steps (0: none)")
+    parser.add_argument("--deadline", type=platform_choice.positive_float, default=600.0,
                         help="seconds before a process still running is killed")
     parser.add_argument("--single-process", action="store_true",
                         help="run the same steps in this one process over every local device")

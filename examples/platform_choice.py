@@ -5,10 +5,14 @@ With ``--rank-processes N`` (`add_rank_processes`, `run`) the TP group is N proc
 this machine's GPUs (one GPU suffices; on a machine without one, N processes of one CPU
 device each): `jax_moe_publish.testing.rank_processes`. Their kernels take turns on the GPU,
 so the checks hold and the times printed mean nothing.
+
+`positive_int`, `non_negative_int` and `positive_float` are the argparse types of the examples'
+flags: a value out of range is a usage error that says so.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
@@ -38,8 +42,38 @@ def choose(cpu_devices: int) -> bool:
     return False
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= ``low``; anything else is a usage error that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a float > 0 (not nan or inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
 def add_rank_processes(parser) -> None:
-    parser.add_argument("--rank-processes", type=int, metavar="N",
+    parser.add_argument("--rank-processes", type=positive_int, metavar="N",
                         help="run the TP group as N processes that share this machine's GPUs (one GPU "
                              "suffices): the checks hold, the times mean nothing")
 

@@ -278,9 +278,10 @@ void Registry::RegisterMailboxDevice(int64_t mailbox_id, int device, const Mailb
               std::to_string(mailbox.tp));
   Require(mailbox.hidden >= 1,
           where + ": hidden=" + std::to_string(mailbox.hidden) + ": expected >= 1");
-  Require(mailbox.capacity_m >= 1 && mailbox.capacity_m <= std::numeric_limits<uint32_t>::max(),
+  // A u32 parameter, but the kernels count tokens in signed 32-bit ints.
+  Require(mailbox.capacity_m >= 1 && mailbox.capacity_m <= std::numeric_limits<int32_t>::max(),
           where + ": capacity_m=" + std::to_string(mailbox.capacity_m) +
-              ": expected 1 to 2**32 - 1 (a u32 kernel parameter)");
+              ": expected 1 to 2**31 - 1 (the kernels count tokens in 32-bit ints)");
   const std::pair<const char*, uint64_t> addresses[] = {{"mailbox", mailbox.mailbox},
                                                        {"peer_table", mailbox.peer_table},
                                                        {"stage_state", mailbox.stage_state},

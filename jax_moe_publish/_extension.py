@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 
 import jax
 
+from jax_moe_publish.aot.artifact import cubin_problem
+
 TARGET_NAME = "jax_moe_publish"
 """Name of the FFI target (platform CUDA, API version 1).
 
@@ -59,7 +61,7 @@ else:
     )
 
 _INT64_MAX = 2**63 - 1
-_UINT32_MAX = 2**32 - 1
+_INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
 _DEVICE_ORDINAL_MAX = 2**31 - 1
 
@@ -120,7 +122,8 @@ def load_kernel_set(kernel_set_id: int, device_ordinal: int, cubin: bytes, kerne
     device_ordinal : int
         CUDA device ordinal in this process (``jax.Device.local_hardware_id``).
     cubin : bytes
-        The compiled module (sm_90a), not PTX.
+        The compiled module (sm_90a), not PTX: a little-endian ELF64 file of machine
+        ``EM_CUDA``, checked before ``cuModuleLoadData`` sees it (`aot.artifact.cubin_problem`).
     kernels : sequence of mappings
         The sidecar's kernel records, in launch order: ``role`` (for messages),
         ``symbol`` (entry name), ``params`` and ``param_types`` (the values it
@@ -146,8 +149,9 @@ def load_kernel_set(kernel_set_id: int, device_ordinal: int, cubin: bytes, kerne
     ffi = _extension()
     if not isinstance(cubin, bytes):
         raise TypeError(f"cubin: expected bytes, got {type(cubin).__name__}")
-    if not cubin:
-        raise ValueError("cubin: expected a non-empty cubin, got b''")
+    problem = cubin_problem(cubin)
+    if problem is not None:
+        raise ValueError(f"cubin of {len(cubin)} bytes: expected a CUDA cubin, but {problem}")
     if isinstance(kernels, (str, bytes, Mapping)) or not isinstance(kernels, Sequence):
         raise TypeError(f"kernels={kernels!r}: expected a sequence of mappings")
     records = []
@@ -198,7 +202,7 @@ def register_mailbox_device(
     tp, hidden, capacity_m : int
         Layout of the mailbox: ``[STAGES][tp][capacity_m][hidden]`` bf16
         contributions, then the gather area. A call's ``m`` must be at most
-        ``capacity_m``.
+        ``capacity_m``, which the kernels take as a signed 32-bit int.
     mailbox, peer_table, stage_state, status : int
         Device addresses: this device's mailbox, its table of the ``tp`` peer
         mailbox addresses, its stage words and its status block.
@@ -214,7 +218,7 @@ def register_mailbox_device(
         _int("rank", rank, 0, tp - 1, f"an int in [0, tp={tp})"),
         tp,
         _int("hidden", hidden, 1, _INT64_MAX),
-        _int("capacity_m", capacity_m, 1, _UINT32_MAX),
+        _int("capacity_m", capacity_m, 1, _INT32_MAX, "an int in [1, 2**31 - 1] (the kernels' m is an int32)"),
         _address("mailbox", mailbox),
         _address("peer_table", peer_table),
         _address("stage_state", stage_state),

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from jax._src import distributed
 
-from jax_moe_publish import _launch, protocol
+from jax_moe_publish import _abi, _launch, protocol
+from jax_moe_publish.config import MAX_NORM_FRAGMENTS_PER_THREAD
 from jax_moe_publish.memory.cross_process import MailboxSpec, ProcessMailboxMemory, RankPlace
 from jax_moe_publish.memory.group import GroupMemory
 
@@ -24,6 +25,19 @@ RESULTS = ("allreduce", "reduce_scatter")
 ON_TIMEOUT = {"abort": protocol.ON_TIMEOUT_ABORT, "flag": protocol.ON_TIMEOUT_FLAG}
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_PROCESS_TIMEOUT_S = 300.0
+
+MAX_HIDDEN = _abi.MAX_THREADS * MAX_NORM_FRAGMENTS_PER_THREAD * protocol.REDUCE_ELEMENTS
+"""The largest ``hidden`` (65536): the widest row that the epilogue's reduce holds in one CTA
+(1024 threads of 8 fragments of 8 bf16 lanes), so that a mailbox's calls, with the epilogue or
+without, all have kernels. Models stay far below it (DeepSeek-V3: 7168)."""
+MAX_SLOT_ELEMENTS = 2**31
+"""The largest ``capacity_m * hidden``: bf16 elements of one ``[capacity_m][hidden]`` slot area.
+A device's mailbox holds ``STAGES * (tp + GATHER_AREAS)`` of them (`protocol.mailbox_elements`),
+``6 * (tp + 2) * capacity_m * hidden`` bytes: at this bound 48 GiB at tp = 2 and 120 GiB at
+tp = 8, most of an H200's 141 GB. Below it the kernels' 32-bit values stay in range: m and
+capacity_m are int32 kernel parameters, and a call launches at most ``m * ceil(hidden / 128)``
+CTAs (32 threads of 4 lanes at the narrowest) on a 1-D grid (``gridDim.x < 2**31``) whose tile
+index is an int32; offsets into the mailbox are 64-bit."""
 
 _ids = itertools.count(1)
 
@@ -51,6 +65,20 @@ def checked_float(name: str, value) -> float:
         return float(value)
     got = "a bool" if isinstance(value, bool) else type(value).__name__
     raise TypeError(f"{name}={value!r}: expected a float, got {got}")
+
+
+def _check_mesh_type(mesh) -> None:
+    """TypeError unless ``mesh`` is a concrete `jax.sharding.Mesh`: a mailbox's memory lives on
+    the mesh's devices, which an `AbstractMesh` does not name."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        raise TypeError(f"mesh={mesh!r}: expected a jax.sharding.Mesh of devices, got an AbstractMesh, which "
+                        "names none; pass the concrete Mesh (the one whose .abstract_mesh this is)")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        hint = ""
+        if isinstance(mesh, (list, tuple, np.ndarray)):
+            hint = ("; make one of the devices, e.g. jax.make_mesh((len(devices),), ('tp',), devices=devices), "
+                    "and name its TP axis as axis_name")
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}{hint}")
 
 
 def _is_cuda(device) -> bool:
@@ -95,13 +123,18 @@ class Mailbox:
     axis_name : str
         The tensor-parallel axis. A device's rank is its position along it.
     hidden : int
-        Row width of the op's inputs and output.
+        Row width of the op's inputs and output: a multiple of 8, at most
+        `MAX_HIDDEN` (65536).
     capacity_m : int
-        Largest number of tokens per call.
+        Largest number of tokens per call; ``capacity_m * hidden`` at most
+        `MAX_SLOT_ELEMENTS` (2**31). Each device's mailbox takes
+        ``6 * (tp + 2) * capacity_m * hidden`` bytes.
     result : {"allreduce", "reduce_scatter"}
         The layout of the op's result: ``allreduce``, every rank gets the sum of
-        all m tokens; ``reduce_scatter``, rank r gets the sums of tokens t with
-        t % tp == r.
+        all m tokens (``out_specs=P()`` in a ``shard_map``); ``reduce_scatter``,
+        rank r gets the sums of tokens t with t % tp == r, which differ between
+        ranks (``out_specs=P(axis_name)``; with ``P()`` JAX refuses the result
+        where it checks varying axes, and keeps only rank 0's rows where not).
     timeout_s : float
         A reduce that waits longer than this for a peer records a diagnostic
         instead of hanging (0 waits forever).
@@ -140,12 +173,20 @@ class Mailbox:
         on_timeout: str = "abort",
         process_timeout_s: float = DEFAULT_PROCESS_TIMEOUT_S,
     ) -> None:
+        _check_mesh_type(mesh)
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name={axis_name!r}: expected one of the mesh axes {mesh.axis_names}")
-        if checked_int("hidden", hidden) <= 0 or hidden % protocol.REDUCE_ELEMENTS:
-            raise ValueError(f"hidden={hidden!r}: expected a positive multiple of {protocol.REDUCE_ELEMENTS}")
+        if not 0 < checked_int("hidden", hidden) <= MAX_HIDDEN or hidden % protocol.REDUCE_ELEMENTS:
+            raise ValueError(f"hidden={hidden!r}: expected a positive multiple of {protocol.REDUCE_ELEMENTS}, "
+                             f"at most {MAX_HIDDEN}")
         if checked_int("capacity_m", capacity_m) <= 0:
             raise ValueError(f"capacity_m={capacity_m!r}: expected a positive int")
+        if int(capacity_m) * int(hidden) > MAX_SLOT_ELEMENTS:
+            raise ValueError(
+                f"capacity_m={capacity_m!r}: expected at most {MAX_SLOT_ELEMENTS // int(hidden)} with hidden={hidden}, "
+                f"as capacity_m * hidden may be at most 2**31 (a device's mailbox takes 6 * (tp + 2) * "
+                "capacity_m * hidden bytes, and the kernels count tokens in 32-bit ints)"
+            )
         if result not in RESULTS:
             raise ValueError(f"result={result!r}: expected one of {RESULTS}")
         if not 0 <= checked_float("timeout_s", timeout_s) < 3600:

@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
+import tempfile
 import time
 
-from jax_moe_publish import tuning
+from jax_moe_publish import protocol, tuning
 from jax_moe_publish.aot import compile as aot_compile
 from jax_moe_publish.aot import presets
-from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.config import ALGORITHMS, EPILOGUES, KernelConfig
 from jax_moe_publish.testing import gpu_matrix
 
 PRESETS = {"tests": gpu_matrix.all_configs, "deepseek-v3": presets.deepseek_v3, "qwen3-moe": presets.qwen3_moe}
+CHOICES = {"algorithm": ALGORITHMS, "epilogue": EPILOGUES}
+"""Flags of a fixed set of values, which argparse checks: the tuning table reads them before
+`KernelConfig` would."""
 
 
 def _bool(text: str) -> bool:
@@ -46,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         else:
             kind = types[type(default)] if default is not dataclasses.MISSING else int
         build.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,
-                           default=None, help=f"KernelConfig.{field.name}")
+                           choices=CHOICES.get(field.name), default=None, help=f"KernelConfig.{field.name}")
     return parser
 
 
@@ -59,15 +64,37 @@ def _configs(args) -> list[KernelConfig]:
         missing = [name for name in ("hidden", "top_k", "tp") if name not in given]
         if missing:
             raise SystemExit(f"an explicit config needs --{' --'.join(missing).replace('_', '-')}")
+        tp, epilogue = given["tp"], given.get("epilogue", "none")
+        if not 1 <= tp <= protocol.MAX_TP:
+            raise SystemExit(f"--tp {tp}: expected an int in [1, {protocol.MAX_TP}], the size of the TP group")
+        if tp == 1 and epilogue != "none":
+            raise SystemExit(f"--epilogue {epilogue} with --tp 1: expected --tp 2 or more, or no --epilogue; with "
+                             "tp = 1 the op runs the epilogue in jnp after the direct kernel, whose set has none")
         algorithm = given.get("algorithm")
         # The tuning table's shape for large m, then the flags given.
         base = tuning.kernel_config(tuning.Problem(given["hidden"], given["top_k"]), tp=given["tp"], m=None,
-                                    result=presets.result_of(algorithm), epilogue=given.get("epilogue", "none"),
+                                    result=presets.result_of(algorithm), epilogue=epilogue,
                                     algorithm=algorithm, arch=arch)
         configs.append(base.replace(**given))
     if not configs:
         raise SystemExit("nothing to build: give --preset or an explicit config (--hidden --top-k --tp)")
     return list(dict.fromkeys(configs))
+
+
+def _writable_folder(out: str) -> pathlib.Path:
+    """``--out`` as a folder that exists or is made now, and that this process can write in:
+    checked before the first compile, which may be hours before the last."""
+    path = pathlib.Path(out)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"--out {out}: expected a folder, but it is a file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise SystemExit(f"--out {out}: cannot make or write in this folder ({error.strerror or error}); expected "
+                         "a folder that exists or can be made, and that this process can write in") from None
+    return path
 
 
 def main(argv=None) -> int:
@@ -76,9 +103,10 @@ def main(argv=None) -> int:
         configs = _configs(args)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    out = _writable_folder(args.out)
     for index, config in enumerate(configs, 1):
         start = time.perf_counter()
-        aot_compile.compile_config(config).save(args.out)
+        aot_compile.compile_config(config).save(out)
         print(f"[{index}/{len(configs)}] {config.key}  {time.perf_counter() - start:.1f} s", flush=True)
     print(f"built {len(configs)} kernel sets into {args.out}")
     return 0

@@ -2,6 +2,12 @@
 
 Reading an artifact needs neither CuTe DSL nor a GPU, so a machine without the
 DSL can run kernels built elsewhere.
+
+A set is complete once its sidecar exists: `KernelArtifact.save` writes each file to a
+temporary name and renames it into place, the sidecar last, so that an interrupted build
+leaves no set that looks complete. A set whose files cannot be used (a sidecar that is not
+JSON or lacks a field, a cubin that is missing or not a CUDA ELF file) raises
+`DamagedKernelError` when it is loaded, naming the file.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import threading
 
 from jax_moe_publish import _abi
 from jax_moe_publish.config import KernelConfig
@@ -23,6 +30,100 @@ _FINGERPRINTED = ("config.py", "protocol.py", "_abi.py", "kernels")
 SIDECAR_VERSION = 2
 """Version 2: each kernel's parameter names and launch plan (persistent, cluster) are recorded,
 and the call's shape checks in ``call``."""
+
+
+SIDECAR_FIELDS = ("sidecar_version", "key", "config", "arch", "dsl_version", "source_fingerprint", "call",
+                  "kernels")
+"""The fields of a sidecar, as `compile.compile_config` writes them."""
+KERNEL_FIELDS = ("role", "symbol", "params", "param_types", "block", "smem", "ctas_per_row", "rows", "waves",
+                 "persistent", "cluster")
+"""The fields of each record of a sidecar's ``kernels``, which the checks and the launcher read."""
+
+ELF_MAGIC = b"\x7fELF"
+EM_CUDA = 190
+"""The ELF machine of a CUDA cubin (``e_machine``)."""
+_ELF64_HEADER_BYTES = 64
+
+
+class DamagedKernelError(RuntimeError):
+    """A file of a kernel set cannot be used (corrupt, half-written by another tool, or missing);
+    the message names the file and what is wrong with it."""
+
+    def __init__(self, path: os.PathLike, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = pathlib.Path(path)
+        self.problem = problem
+
+
+def cubin_problem(cubin: bytes) -> str | None:
+    """Why ``cubin`` is no module for ``cuModuleLoadData``, or None. A cubin as the compile step
+    writes it is a little-endian ELF64 file whose machine is ``EM_CUDA``; PTX, a truncated file
+    or another architecture's object would fail in the driver with a less helpful error."""
+    if not cubin:
+        return "it is empty"
+    if not cubin.startswith(ELF_MAGIC):
+        return f"it starts with {cubin[:8]!r}, not with the ELF magic {ELF_MAGIC!r}"
+    if len(cubin) < _ELF64_HEADER_BYTES:
+        return f"it has {len(cubin)} bytes, fewer than an ELF64 header's {_ELF64_HEADER_BYTES}: it is truncated"
+    if cubin[4] != 2 or cubin[5] != 1:
+        return f"its ELF class and data bytes are {cubin[4]} and {cubin[5]}, not 2 and 1 (64-bit, little-endian)"
+    machine = int.from_bytes(cubin[18:20], "little")
+    if machine != EM_CUDA:
+        return f"its ELF machine is {machine}, not EM_CUDA ({EM_CUDA}): it is no CUDA cubin"
+    return None
+
+
+def _write_atomically(path: pathlib.Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, flush it to disk and rename it into
+    place: a reader finds the old file, or none, or all of the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _read_sidecar(sidecar: pathlib.Path) -> dict | None:
+    """The sidecar's metadata, or None when there is no sidecar; `DamagedKernelError` when it
+    cannot be read or is not a sidecar of this version's form. A sidecar of another version
+    is returned as it is: it is stale, which the store handles, not damaged."""
+    try:
+        text = sidecar.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise DamagedKernelError(sidecar, f"cannot be read ({error.strerror or error})") from error
+    try:
+        metadata = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DamagedKernelError(sidecar, f"is not valid JSON ({error}): it is corrupt or half-written") from None
+    if not isinstance(metadata, dict):
+        raise DamagedKernelError(sidecar, f"holds a JSON {type(metadata).__name__}, not the sidecar's object")
+    if metadata.get("sidecar_version") != SIDECAR_VERSION:
+        return metadata
+    missing = [name for name in SIDECAR_FIELDS if name not in metadata]
+    if missing:
+        raise DamagedKernelError(sidecar, f"lacks the field(s) {missing} of a version {SIDECAR_VERSION} sidecar")
+    kernels = metadata["kernels"]
+    if not isinstance(kernels, list) or not kernels:
+        got = "an empty list" if isinstance(kernels, list) else f"a {type(kernels).__name__}"
+        raise DamagedKernelError(sidecar, f"has kernels of {got}, expected a list of kernel records")
+    for index, kernel in enumerate(kernels):
+        if not isinstance(kernel, dict):
+            raise DamagedKernelError(sidecar, f"kernels[{index}] is a {type(kernel).__name__}, not a kernel record")
+        missing = [name for name in KERNEL_FIELDS if name not in kernel]
+        if missing:
+            raise DamagedKernelError(sidecar, f"kernels[{index}] lacks the field(s) {missing}")
+    for name in ("config", "call"):
+        if not isinstance(metadata[name], dict):
+            got = type(metadata[name]).__name__
+            raise DamagedKernelError(sidecar, f"has a {name} of type {got}, expected an object")
+    return metadata
 
 
 def dsl_version() -> str | None:
@@ -62,28 +163,48 @@ class KernelArtifact:
     metadata: dict
 
     def save(self, directory: os.PathLike) -> pathlib.Path:
-        """Write the three files atomically (rename into place) and return the sidecar path."""
+        """Write the three files and return the sidecar path. Each file is written atomically, and
+        the sidecar, which makes the set complete, is taken away first and written last: an
+        interrupted save leaves no set, or the old one incomplete, never a mixed one."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         key = self.metadata["key"]
-        for suffix, data in ((".cubin", self.cubin), (".ptx", self.ptx.encode()),
-                             (".json", json.dumps(self.metadata, indent=1).encode())):
-            tmp = directory / f".{key}{suffix}.{os.getpid()}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, directory / f"{key}{suffix}")
-        return directory / f"{key}.json"
+        sidecar = directory / f"{key}.json"
+        sidecar.unlink(missing_ok=True)
+        for path, data in ((directory / f"{key}.cubin", self.cubin), (directory / f"{key}.ptx", self.ptx.encode()),
+                           (sidecar, json.dumps(self.metadata, indent=1).encode())):
+            _write_atomically(path, data)
+        return sidecar
 
     @classmethod
     def load(cls, directory: os.PathLike, key: str) -> "KernelArtifact | None":
-        """The artifact named ``key`` in ``directory``, or None when it is not there."""
+        """The artifact named ``key`` in ``directory``, or None when its sidecar is not there.
+
+        Raises `DamagedKernelError` for a sidecar that is not JSON or lacks a field, and for a
+        cubin that is missing or not a CUDA cubin (`cubin_problem`). The PTX is optional (a
+        folder may be carried without it)."""
         directory = pathlib.Path(directory)
         sidecar = directory / f"{key}.json"
-        if not sidecar.exists():
+        metadata = _read_sidecar(sidecar)
+        if metadata is None:
             return None
-        metadata = json.loads(sidecar.read_text())
-        cubin = (directory / f"{key}.cubin").read_bytes()
+        cubin_path = directory / f"{key}.cubin"
+        try:
+            cubin = cubin_path.read_bytes()
+        except FileNotFoundError:
+            raise DamagedKernelError(cubin_path, f"is missing, but its sidecar {sidecar.name} is there") from None
+        except OSError as error:
+            raise DamagedKernelError(cubin_path, f"cannot be read ({error.strerror or error})") from error
+        problem = cubin_problem(cubin)
+        if problem is not None:
+            raise DamagedKernelError(cubin_path, f"is not a CUDA cubin: {problem}")
         ptx_path = directory / f"{key}.ptx"
-        ptx = ptx_path.read_text() if ptx_path.exists() else ""
+        try:
+            ptx = ptx_path.read_text()
+        except FileNotFoundError:
+            ptx = ""
+        except (OSError, UnicodeDecodeError) as error:
+            raise DamagedKernelError(ptx_path, f"cannot be read as PTX text ({error})") from None
         return cls(cubin=cubin, ptx=ptx, metadata=metadata)
 
     @property

@@ -12,6 +12,12 @@ Lookup order for a `KernelConfig`:
    compile a kernel once, saved into the cache.
 
 Without CuTe DSL a miss raises `MissingKernelError`, which names the command that builds it.
+
+A damaged set (`artifact.DamagedKernelError`: a sidecar that is not JSON or lacks a field, a
+cubin that is missing or not a CUDA cubin) is never used. With CuTe DSL the store warns once,
+naming the file and the command that rebuilds the folder, and builds the kernel into the cache
+(a damaged cached set is built over); without it, `MissingKernelError` names the file and that
+command.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ import os
 import pathlib
 import shlex
 import threading
+import warnings
 
 import filelock
 
 from jax_moe_publish.aot import compile as aot_compile
-from jax_moe_publish.aot.artifact import SIDECAR_VERSION, KernelArtifact, build_fingerprint, source_fingerprint
+from jax_moe_publish.aot.artifact import (
+    SIDECAR_VERSION, DamagedKernelError, KernelArtifact, build_fingerprint, source_fingerprint,
+)
 from jax_moe_publish.config import KernelConfig
 
 KERNEL_DIR_ENV = "JAX_MOE_PUBLISH_KERNEL_DIR"
@@ -34,7 +43,7 @@ CACHE_DIR_ENV = "JAX_MOE_PUBLISH_CACHE_DIR"
 
 
 class MissingKernelError(RuntimeError):
-    """No cubin for a config, and CuTe DSL is not installed to build one."""
+    """No usable cubin for a config, and CuTe DSL is not installed to build one."""
 
 
 def dsl_available() -> bool:
@@ -70,6 +79,7 @@ class KernelStore:
         self.prebuilt_dirs = [pathlib.Path(d) for d in prebuilt_dirs]
         self.stats = StoreStats()
         self._memory: dict[str, KernelArtifact] = {}
+        self._warned: set[pathlib.Path] = set()  # damaged files already reported
         self._lock = threading.Lock()
 
     def get(self, config: KernelConfig) -> KernelArtifact:
@@ -85,24 +95,32 @@ class KernelStore:
 
     def _find_or_build(self, config: KernelConfig) -> KernelArtifact:
         key = config.key
-        stale = []
+        stale, damaged = [], []
         for directory in self.prebuilt_dirs:
-            artifact = KernelArtifact.load(directory, key)
+            try:
+                artifact = KernelArtifact.load(directory, key)
+            except DamagedKernelError as error:
+                damaged.append((directory, error))
+                continue
             if artifact is None:
                 continue
             if artifact.is_current:
+                self._warn_damaged(config, damaged, f"using the set in {directory}")
                 self.stats.prebuilt_hits += 1
                 return artifact
             stale.append(directory)
-        artifact = KernelArtifact.load(self.cache_dir, key)
+        artifact = self._load_cached(config, damaged)
         if artifact is not None:
+            self._warn_damaged(config, damaged, f"using the set built in the cache {self.cache_dir}")
             self.stats.disk_hits += 1
             return artifact
         if not dsl_available():
-            raise MissingKernelError(self._missing_message(config, stale))
+            raise MissingKernelError(self._missing_message(config, stale, damaged))
+        self._warn_damaged(config, damaged, f"building it into the cache {self.cache_dir}")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         with filelock.FileLock(str(self.cache_dir / f"{key}.lock")):
-            artifact = KernelArtifact.load(self.cache_dir, key)
+            # Another process may have built it meanwhile; a damaged set is built over.
+            artifact = self._load_cached(config, [])
             if artifact is not None:
                 self.stats.disk_hits += 1
                 return artifact
@@ -111,8 +129,33 @@ class KernelStore:
             self.stats.compiles += 1
             return artifact
 
-    def _missing_message(self, config: KernelConfig, stale: list) -> str:
+    def _load_cached(self, config: KernelConfig, damaged: list) -> KernelArtifact | None:
+        """The cached set of ``config``, or None; a damaged one is added to ``damaged``."""
+        try:
+            return KernelArtifact.load(self.cache_dir, config.key)
+        except DamagedKernelError as error:
+            damaged.append((self.cache_dir, error))
+            return None
+
+    def _warn_damaged(self, config: KernelConfig, damaged: list, action: str) -> None:
+        """Say once per file that a damaged set is passed over, and how to repair its folder."""
+        for directory, error in damaged:
+            if error.path in self._warned:
+                continue
+            self._warned.add(error.path)
+            repair = ("" if directory == self.cache_dir else
+                      f". To repair the folder, rebuild the set: {build_command(config, str(directory))}")
+            warnings.warn(f"kernel set {config.key} in {directory} is damaged, so it is not used: {error}; "
+                          f"{action}{repair}", RuntimeWarning, stacklevel=4)
+
+    def _missing_message(self, config: KernelConfig, stale: list, damaged: list) -> str:
         key = config.key
+        if damaged:
+            directory, error = damaged[0]
+            return (
+                f"kernel set {key} in {directory} is damaged: {error}. CuTe DSL is not installed to "
+                f"build it here; rebuild the set where CuTe DSL is: {build_command(config, str(directory))}"
+            )
         if stale:
             return (
                 f"prebuilt kernel {key} in {stale[0]} was built from other kernel sources or by another "

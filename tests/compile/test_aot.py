@@ -151,6 +151,9 @@ def test_metadata(builds, config):
 
     assert built.cubin.startswith(b"\x7fELF")
     assert int.from_bytes(built.cubin[18:20], "little") == 190  # e_machine: EM_CUDA
+    assert artifact.cubin_problem(built.cubin) is None
+    assert tuple(meta) == artifact.SIDECAR_FIELDS  # what loading a sidecar requires
+    assert all(tuple(kernel) == artifact.KERNEL_FIELDS for kernel in kernels)
     built.check(built.metadata["key"])
 
 
@@ -718,6 +721,11 @@ CLI_ERRORS = [
     (EXPLICIT + ["--arch", "sm_80"], "KernelConfig.arch='sm_80'"),
     (EXPLICIT + ["--enable-pdl", "maybe"], "--enable-pdl: expected true or false"),
     (EXPLICIT + ["--top-k", "four"], "--top-k: invalid int value"),
+    (EXPLICIT[:-1] + ["0"], "--tp 0: expected an int in [1, 8], the size of the TP group"),
+    (EXPLICIT[:-1] + ["9"], "--tp 9: expected an int in [1, 8]"),
+    (EXPLICIT[:-1] + ["1", "--epilogue", "rmsnorm"], "--epilogue rmsnorm with --tp 1: expected --tp 2 or more"),
+    (EXPLICIT + ["--epilogue", "layernorm"], "--epilogue: invalid choice: 'layernorm'"),
+    (EXPLICIT + ["--algorithm", "threeshot"], "--algorithm: invalid choice: 'threeshot'"),
     (["--hidden", "1024"], "needs --top-k --tp"),
     (["--preset", "llama"], "--preset: invalid choice"),
     ([], "nothing to build"),
@@ -733,6 +741,33 @@ def test_cli_errors(tmp_path, monkeypatch, capsys, args, message):
     assert code not in (0, None)
     # Config errors exit with the message; argparse prints its own and exits with 2.
     assert message in (code if isinstance(code, str) else capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("file", "expected a folder, but it is a file"),
+    ("file/out", "cannot make or write in this folder (Not a directory)"),
+], ids=["a file", "under a file"])
+def test_cli_checks_out_before_compiling(tmp_path, monkeypatch, where, message):
+    monkeypatch.setattr(compile, "compile_config", lambda config: pytest.fail("compiled"))
+    (tmp_path / "file").write_text("")
+    out = tmp_path / where
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["build", *EXPLICIT, "--out", str(out)])
+    assert exit_.value.code == f"--out {out}: {message}" + (
+        "; expected a folder that exists or can be made, and that this process can write in" if "/" in where else "")
+
+
+def test_cli_makes_out_before_the_first_compile(tmp_path, monkeypatch):
+    out = tmp_path / "a" / "b"
+    made = []
+
+    def fake_compile(config):
+        made.append(out.is_dir())
+        return artifact.KernelArtifact(b"\x7fELF", "", {"key": config.key})
+
+    monkeypatch.setattr(compile, "compile_config", fake_compile)
+    assert cli_main(["build", *EXPLICIT, "--out", str(out)]) == 0
+    assert made == [True]
 
 
 def test_cli_presets(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """The examples on CPU: each runs the reference path, says so and passes its check against the
-float64 model (`examples/model.py`), whose bound is tested here against a float32 evaluation."""
+float64 model (`examples/model.py`), whose bound is tested here against a float32 evaluation.
+A flag out of its range is a usage error (exit 2) that names it, before anything runs."""
 
 from __future__ import annotations
 
@@ -23,6 +24,43 @@ def run_example(*args):
                          timeout=600)
     assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
     return run.stdout
+
+
+USAGE_ERRORS = [
+    ("moe_block_decode.py", ["--check-layers", "-1"], "argument --check-layers: expected an int >= 1, got -1"),
+    ("moe_block_decode.py", ["--check-layers", "0"], "argument --check-layers: expected an int >= 1, got 0"),
+    ("moe_block_decode.py", ["--layers", "2", "--check-layers", "3"],
+     "argument --check-layers: expected at most --layers 2, got 3"),
+    ("moe_block_decode.py", ["--experts", "0"], "argument --experts: expected an int >= 1, got 0"),
+    ("moe_block_decode.py", ["--problems", "deepseek-v3", "--experts", "4"],
+     "argument --experts: expected at least deepseek-v3's top-k 8, got 4"),
+    ("moe_block_decode.py", ["--tokens", "0"], "argument --tokens: expected an int >= 1, got 0"),
+    ("moe_block_decode.py", ["--steps", "-1"], "argument --steps: expected an int >= 0, got -1"),
+    ("moe_block_decode.py", ["--rank-processes", "0"], "argument --rank-processes: expected an int >= 1, got 0"),
+    ("tp_moe_decode.py", ["--steps", "-3"], "argument --steps: expected an int >= 0, got -3"),
+    ("tp_moe_decode.py", ["--tokens", "0"], "argument --tokens: expected an int >= 1, got 0"),
+    ("tp_moe_decode.py", ["--tokens", "many"], "argument --tokens: expected an int, got 'many'"),
+    ("multiprocess_decode.py", ["--steps", "-3"], "argument --steps: expected an int >= 0, got -3"),
+    ("multiprocess_decode.py", ["--processes", "-2"], "argument --processes: expected an int >= 0, got -2"),
+    ("multiprocess_decode.py", ["--layers", "0"], "argument --layers: expected an int >= 1, got 0"),
+    ("multiprocess_decode.py", ["--deadline", "0"], "argument --deadline: expected a finite number > 0, got 0"),
+    ("multiprocess_decode.py", ["--deadline", "nan"], "argument --deadline: expected a finite number > 0, got nan"),
+]
+
+
+@pytest.mark.parametrize("script,args,message", USAGE_ERRORS, ids=[f"{s} {' '.join(a)}" for s, a, _ in USAGE_ERRORS])
+def test_flags_out_of_range_are_usage_errors(script, args, message):
+    run = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, f"stdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-2000:]}"
+    assert message in run.stderr, run.stderr
+    assert "checks passed" not in run.stdout and CHECK not in run.stdout
+
+
+def test_tp_moe_decode_with_no_steps_checks_and_times_nothing():
+    out = run_example("tp_moe_decode.py", "--steps", "0")
+    (line,) = [line for line in out.splitlines() if CHECK in line]
+    assert line.endswith(": PASS"), line
+    assert "per decode layer step" not in out
 
 
 def test_tp_moe_decode_checks_the_reference_path():

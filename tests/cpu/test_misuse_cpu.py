@@ -7,6 +7,10 @@
 * ``jax.vmap`` makes one call over the whole batch's tokens, on every path: the mailbox's
   capacity_m must hold them, and the results are each batch element's.
 * Scalars: a bool is no scale, size or eps; a float is no size; shape errors name both arrays.
+  A scale must be finite in float32, the kernels' precision; norm_eps is refused without the
+  epilogue, which alone reads it. A Mailbox's hidden and capacity_m are bounded
+  (`mailbox.MAX_HIDDEN`, `mailbox.MAX_SLOT_ELEMENTS`), and its mesh is a concrete Mesh.
+* `sharded_moe_finalize_publish` takes arrays, outside any shard_map (it makes its own).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 import numerics
+from jax_moe_publish import mailbox as mailbox_module
 from jax_moe_publish import op as op_module
 
 HIDDEN, TOP_K, SCALE = 64, 3, 2.5
@@ -422,6 +427,108 @@ def test_bad_mailbox_scalars_say_what_is_wrong(change, words):
         jmp.Mailbox(_mesh((2,), ("tp",)), "tp", **kwargs)
     for word in words:
         assert word in str(raised.value)
+
+
+def test_mailbox_needs_a_concrete_mesh():
+    with pytest.raises(TypeError, match=r"mesh: expected a jax.sharding.Mesh, got list; make one of the devices, "
+                                        r"e.g. jax.make_mesh"):
+        jmp.Mailbox(jax.devices(), "tp", hidden=HIDDEN, capacity_m=8)
+    abstract = _mesh((2,), ("tp",)).abstract_mesh
+    with pytest.raises(TypeError, match=r"mesh=AbstractMesh\(.*\): expected a jax.sharding.Mesh of devices, got an "
+                                        r"AbstractMesh, which names none; pass the concrete Mesh"):
+        jmp.Mailbox(abstract, "tp", hidden=HIDDEN, capacity_m=8)
+
+
+MAILBOX_BOUNDS = [
+    (dict(hidden=65544), ["hidden=65544: expected a positive multiple of 8, at most 65536"]),
+    (dict(hidden=65536, capacity_m=32769), ["capacity_m=32769: expected at most 32768 with hidden=65536",
+                                            "capacity_m * hidden may be at most 2**31"]),
+    (dict(hidden=7168, capacity_m=10**6), ["capacity_m=1000000: expected at most 299593 with hidden=7168"]),
+    (dict(hidden=8, capacity_m=np.int64(2**62)), ["capacity_m=np.int64(4611686018427387904): expected at most "
+                                                  "268435456 with hidden=8"]),
+]
+
+
+@pytest.mark.parametrize("change,words", MAILBOX_BOUNDS, ids=[str(c[0]) for c in MAILBOX_BOUNDS])
+def test_mailbox_sizes_are_bounded(change, words):
+    with pytest.raises(ValueError) as raised:
+        jmp.Mailbox(_mesh((2,), ("tp",)), "tp", **{"hidden": HIDDEN, "capacity_m": 8, **change})
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_mailbox_at_the_bounds_is_made():
+    assert mailbox_module.MAX_HIDDEN == 65536 and mailbox_module.MAX_SLOT_ELEMENTS == 2**31
+    with jmp.Mailbox(_mesh((2,), ("tp",)), "tp", hidden=65536, capacity_m=32768) as mailbox:
+        assert mailbox.capacity_m * mailbox.hidden == 2**31
+
+
+BAD_OP_VALUES = [
+    # Finite in float64, infinite in float32 (beyond 3.4028235e38), where the kernels scale.
+    (dict(routed_scaling_factor=1e39), ["routed_scaling_factor=1e+39: expected a float that is finite in float32"]),
+    (dict(routed_scaling_factor=-3.5e38), ["routed_scaling_factor=-3.5e+38: expected a float that is finite"]),
+    # Without residual and norm_weight nothing reads norm_eps.
+    (dict(norm_eps=1e-5), ["norm_eps=1e-05: given without the epilogue, which alone uses it",
+                           "pass residual and norm_weight too, or leave norm_eps at its default 1e-06"]),
+    (dict(norm_eps=float("nan")), ["norm_eps=nan: given without the epilogue"]),
+]
+
+
+@pytest.mark.parametrize("change,words", BAD_OP_VALUES, ids=[str(c[0]) for c in BAD_OP_VALUES])
+def test_bad_op_values_say_what_is_wrong(change, words):
+    rng = np.random.default_rng()
+    with jmp.Mailbox(_mesh((2,), ("tp",)), "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
+        with pytest.raises(ValueError) as raised:
+            jmp.sharded_moe_finalize_publish(mailbox, *_stacks(_problems(rng, 2, m=3)), **change)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_scale_at_float32_max_runs():
+    rng = np.random.default_rng()
+    problems = _problems(rng, 2, m=3, invalid_fraction=1.0)  # every index -1: nothing is scaled
+    with jmp.Mailbox(_mesh((2,), ("tp",)), "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
+        out = jmp.sharded_moe_finalize_publish(mailbox, *_stacks(problems),
+                                               routed_scaling_factor=float(np.finfo(np.float32).max))
+    numerics.assert_close(out, *numerics.expected_sum(problems, 1.0))
+
+
+def test_sharded_takes_arrays():
+    rng = np.random.default_rng()
+    stacks = _stacks(_problems(rng, 2, m=3))
+    with jmp.Mailbox(_mesh((2,), ("tp",)), "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
+        with pytest.raises(TypeError, match=r"routed_output: expected an array \[tp=2, \.\.\.\] with the TP rank "
+                                            r"leading, got list; convert it with jnp.asarray"):
+            jmp.sharded_moe_finalize_publish(mailbox, np.asarray(stacks[0], np.float32).tolist(), *stacks[1:])
+        with pytest.raises(TypeError, match="norm_weight: expected an array, got tuple"):
+            jmp.sharded_moe_finalize_publish(mailbox, *stacks, residual=jnp.zeros((3, HIDDEN), jnp.bfloat16),
+                                             norm_weight=(1.0,) * HIDDEN)
+    with pytest.raises(TypeError, match="mailbox: expected a jax_moe_publish.Mailbox, got NoneType"):
+        jmp.sharded_moe_finalize_publish(None, *stacks)
+
+
+def test_sharded_inside_shard_map_says_to_call_the_per_shard_op():
+    rng = np.random.default_rng()
+    stacks = _stacks(_problems(rng, 2, m=3))
+    mesh = _mesh((2,), ("tp",))
+    with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
+        step = jax.jit(jax.shard_map(lambda *local: jmp.sharded_moe_finalize_publish(mailbox, *local), mesh=mesh,
+                                     in_specs=P("tp"), out_specs=P()))
+        with pytest.raises(ValueError, match=r"sharded_moe_finalize_publish: called inside a jax.shard_map "
+                                             r"\(over 'tp'\), but it makes its own .* call moe_finalize_publish"):
+            step.lower(*stacks)
+
+
+def test_a_reduce_scatter_result_with_replicated_out_specs_is_refused():
+    """Rank r's rows differ between ranks: where shard_map checks varying axes (its default),
+    JAX refuses ``out_specs=P()`` for them (the op cannot see out_specs; the Mailbox's
+    ``result`` documents ``P(axis_name)``)."""
+    rng = np.random.default_rng()
+    mesh = _mesh((2,), ("tp",))
+    with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=8, result="reduce_scatter") as mailbox:
+        with pytest.raises(ValueError, match=r"out_specs is P\(\) which implies that the corresponding output value "
+                                             r"is replicated across mesh axis 'tp'"):
+            jax.jit(_per_rank_step(mesh, mailbox)).lower(*_stacks(_problems(rng, 2, m=3)))
 
 
 BAD_OP_SCALARS = [

@@ -347,6 +347,8 @@ BAD_EPILOGUES = [
     ("eps zero", "allreduce", dict(norm_eps=0.0), ValueError, ["norm_eps=0.0"]),
     ("eps negative", "allreduce", dict(norm_eps=-1e-6), ValueError, ["norm_eps=-1e-06"]),
     ("eps float32 zero", "allreduce", dict(norm_eps=1e-50), ValueError, ["norm_eps=1e-50", "as float32"]),
+    ("eps float32 inf", "allreduce", dict(norm_eps=1e39), ValueError,
+     ["norm_eps=1e+39", "finite float > 0 (as float32)"]),
     ("eps str", "allreduce", dict(norm_eps="1e-6"), TypeError, ["norm_eps='1e-6'", "expected a float", "str"]),
     ("eps bool", "allreduce", dict(norm_eps=True), TypeError, ["norm_eps=True", "bool"]),
     ("config without epilogue", "allreduce",
