@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import numbers
 import threading
 import warnings
 
@@ -17,11 +16,11 @@ import numpy as np
 from jax._src import distributed
 
 from jax_moe_publish import _abi, _launch, protocol
+from jax_moe_publish.checks import check_result, checked_float, checked_int
 from jax_moe_publish.config import MAX_NORM_FRAGMENTS_PER_THREAD
 from jax_moe_publish.memory.cross_process import MailboxSpec, ProcessMailboxMemory, RankPlace
 from jax_moe_publish.memory.group import GroupMemory
 
-RESULTS = ("allreduce", "reduce_scatter")
 ON_TIMEOUT = {"abort": protocol.ON_TIMEOUT_ABORT, "flag": protocol.ON_TIMEOUT_FLAG}
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_PROCESS_TIMEOUT_S = 300.0
@@ -40,31 +39,6 @@ CTAs (32 threads of 4 lanes at the narrowest) on a 1-D grid (``gridDim.x < 2**31
 index is an int32; offsets into the mailbox are 64-bit."""
 
 _ids = itertools.count(1)
-
-
-def checked_int(name: str, value) -> int:
-    """The public argument ``name`` (here and in `op`) as an int. TypeError for a bool (True is
-    no size), for a float (64.0 too: the message says to write 64) and for anything else not
-    integral."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, bool):
-        got = "a bool"
-    elif isinstance(value, numbers.Real) and float(value).is_integer():
-        got = f"a float; write {int(value)}"
-    else:
-        got = type(value).__name__
-    raise TypeError(f"{name}={value!r}: expected an int, got {got}")
-
-
-def checked_float(name: str, value) -> float:
-    """The public argument ``name`` (here and in `op`) as a float. TypeError for a bool and for
-    anything that is not a Python or NumPy real number: a jax array has no value at trace time,
-    where the kernels are chosen."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    got = "a bool" if isinstance(value, bool) else type(value).__name__
-    raise TypeError(f"{name}={value!r}: expected a float, got {got}")
 
 
 def _check_mesh_type(mesh) -> None:
@@ -105,6 +79,17 @@ def _describe_mesh(mesh) -> str:
     if isinstance(mesh, jax.sharding.Mesh):
         return f"{axes} on devices {mesh.device_ids.tolist()}"
     return axes
+
+
+def _finish_dispatched_calls() -> None:
+    """Wait for the computations dispatched so far that have side effects, as the op's calls on
+    devices without mailbox memory do (`Mailbox.check_open_at_run_time`): a call made before
+    `Mailbox.close` then runs on an open mailbox, as on GPUs, where close synchronizes the
+    devices before it halts the mailbox."""
+    try:
+        jax.effects_barrier()
+    except jax.errors.JaxRuntimeError:
+        pass  # an earlier computation failed: its own results carry the error
 
 
 class MailboxStatusError(RuntimeError):
@@ -187,8 +172,7 @@ class Mailbox:
                 f"as capacity_m * hidden may be at most 2**31 (a device's mailbox takes 6 * (tp + 2) * "
                 "capacity_m * hidden bytes, and the kernels count tokens in 32-bit ints)"
             )
-        if result not in RESULTS:
-            raise ValueError(f"result={result!r}: expected one of {RESULTS}")
+        check_result(result)
         if not 0 <= checked_float("timeout_s", timeout_s) < 3600:
             raise ValueError(f"timeout_s={timeout_s!r}: expected seconds in [0, 3600)")
         if on_timeout not in ON_TIMEOUT:
@@ -215,6 +199,7 @@ class Mailbox:
         self._host_fallback_warned = False
         self._lock = threading.Lock()
         self._closed = False
+        self._ran_after_close = False  # a call without mailbox memory ran after close (`check_open_at_run_time`)
         if self.tp > 1 and self._spans_processes():
             self._setup_across_processes()
         elif self.on_cuda and self.tp > 1:
@@ -338,6 +323,15 @@ class Mailbox:
         if self._closed:
             raise ValueError(f"mailbox={self!r} is closed: create a new Mailbox")
 
+    def check_open_at_run_time(self) -> None:
+        """Raise `MailboxStatusError` if the mailbox is closed: what a call on devices without
+        mailbox memory (the reference path on CPU) runs on the host each time it executes. A
+        function compiled before `close` runs again without the checks of its trace, and there
+        no kernel finds the halted memory; `check` and `diagnose` report the close after it."""
+        if self._closed:
+            self._ran_after_close = True
+            raise MailboxStatusError(self._failure_message())
+
     def status(self) -> list[dict]:
         """Per device: rank, and the diagnostic of its first failure (``code`` 0 = healthy,
         else ``protocol.STATUS_TIMEOUT`` or ``STATUS_CLOSED``). Works after `close` and after
@@ -371,10 +365,12 @@ class Mailbox:
         ``with mailbox.diagnose(): out = step(...); out.block_until_ready()``
 
         A timed-out wait, or a kernel that runs on a closed mailbox, aborts, so
-        XLA raises a generic launch failure. If an exception escapes the block
-        and a device of this mailbox recorded a failure, `MailboxStatusError`
-        is raised from it, naming the rank(s) that never arrived or the close;
-        any other exception passes through unchanged.
+        XLA raises a generic launch failure (on CPU, a call on a closed mailbox
+        fails in its host check, inside XLA's callback error). If an exception
+        escapes the block and a device of this mailbox recorded a failure, or
+        such a call ran, `MailboxStatusError` is raised from it, naming the
+        rank(s) that never arrived or the close; any other exception passes
+        through unchanged.
         """
         try:
             yield self
@@ -385,10 +381,17 @@ class Mailbox:
             raise MailboxStatusError(message) from error
 
     def _failure_message(self) -> str | None:
-        """The `MailboxStatusError` message for the devices that recorded a failure; None if healthy."""
+        """The `MailboxStatusError` message for the devices that recorded a failure, or for a
+        call that ran after `close` without mailbox memory; None if healthy."""
         failures = [s for s in self.status() if s["code"] != protocol.STATUS_OK]
         if not failures:
-            return None
+            if not self._ran_after_close:
+                return None
+            return (
+                f"mailbox {self.id} is closed, but a function compiled before close() called the op on it "
+                "again (its devices hold no mailbox memory: the op runs the reference there and checks the "
+                "close each time it runs); trace the function again with a new Mailbox."
+            )
         timeouts = [s for s in failures if s["code"] == protocol.STATUS_TIMEOUT]
         lines = [
             f"device {s['device']} (rank {s['rank']}), after {s['call']} completed call(s), stage "
@@ -419,13 +422,19 @@ class Mailbox:
         A function compiled before the close may still launch the kernels
         (XLA command buffers replay them without the op's checks): they find
         the mailbox halted and touch none of its freed memory; the call fails
-        and `diagnose` / `check` report the close. After a device fault the
-        driver can free nothing on that device; this warns and leaves the
-        memory to the process.
+        and `diagnose` / `check` report the close. Where the devices hold no
+        mailbox memory (CPU), such a call runs the reference, which checks for
+        the close on the host (`check_open_at_run_time`) and fails alike; the
+        close first waits for the calls already dispatched, which run on the
+        open mailbox.
+        After a device fault the driver can free nothing on that device; this
+        warns and leaves the memory to the process.
         """
         with self._lock:
             if self._closed:
                 return
+            if not self.on_cuda:
+                _finish_dispatched_calls()
             self._closed = True
             if self._memories:
                 _launch.forget_mailbox(self.id)

@@ -13,37 +13,17 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_publish import _launch, derivatives, protocol, reference, tuning
+from jax_moe_publish import _launch, checks, derivatives, protocol, reference, tuning
 from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.config import MAX_TOP_K, KernelConfig
-from jax_moe_publish.mailbox import Mailbox, checked_float
+from jax_moe_publish.mailbox import Mailbox
 
 IMPLS = ("auto", "kernel", "reference")
-
-
-def _as_float32(value: float) -> np.float32:
-    """``value`` as the kernels take it: rounded to float32, infinite beyond its range (no overflow
-    warning)."""
-    with np.errstate(over="ignore"):
-        return np.float32(value)
-
-
-def _check_array(name, x, ndim, dtypes, shape=None):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {ndim} dimensions")
-    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
-        expected = " or ".join(jnp.dtype(d).name for d in dtypes)
-        raise TypeError(f"{name}.dtype={jnp.dtype(x.dtype).name}: expected {expected}")
-    if shape is not None and tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {tuple(shape)}")
 
 
 def _check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
@@ -51,83 +31,27 @@ def _check_inputs(routed_output, expert_weights, permuted_indices, shared_output
     if not isinstance(mailbox, Mailbox):
         raise TypeError(f"mailbox: expected a jax_moe_publish.Mailbox, got {type(mailbox).__name__}")
     mailbox.check_open()
-    _check_array("routed_output", routed_output, 2, [jnp.bfloat16])
-    if routed_output.shape[1] != mailbox.hidden:
-        raise ValueError(
-            f"routed_output.shape={tuple(routed_output.shape)}: hidden {routed_output.shape[1]} "
-            f"differs from the mailbox's hidden={mailbox.hidden}"
-        )
+    m, top_k = checks.check_finalize_arrays(routed_output, expert_weights, permuted_indices,
+                                            mailbox_hidden=mailbox.hidden)
     if routed_output.shape[0] >= 2**31:
         raise ValueError(f"routed_output.shape[0]={routed_output.shape[0]}: expected fewer than 2**31 rows")
-    _check_array("expert_weights", expert_weights, 2, [jnp.bfloat16, jnp.float32])
-    m, top_k = expert_weights.shape
-    weights_shape = f"expert_weights.shape={tuple(expert_weights.shape)}"
-    _check_array("permuted_indices", permuted_indices, 2, [jnp.int32])
-    if tuple(permuted_indices.shape) != (m, top_k):
-        raise ValueError(f"permuted_indices.shape={tuple(permuted_indices.shape)}: expected {(m, top_k)}, "
-                         f"one index per weight of {weights_shape}")
     if not 1 <= m <= mailbox.capacity_m:
         raise ValueError(
             f"m={m} (expert_weights.shape[0]): expected 1 <= m <= capacity_m={mailbox.capacity_m}"
         )
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k={top_k} (expert_weights.shape[1]): expected 1 <= top_k <= {MAX_TOP_K}")
-    if shared_output is not None:
-        _check_array("shared_output", shared_output, 2, [jnp.bfloat16])
-        if tuple(shared_output.shape) != (m, mailbox.hidden):
-            raise ValueError(f"shared_output.shape={tuple(shared_output.shape)}: expected {(m, mailbox.hidden)}, "
-                             f"one row per token of {weights_shape}, of the mailbox's hidden={mailbox.hidden}")
-    if not np.isfinite(_as_float32(checked_float("routed_scaling_factor", routed_scaling_factor))):
-        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a float that is finite "
-                         f"in float32 (|x| <= {np.finfo(np.float32).max:.8g}), the precision the kernels use")
-
-
-def _check_static_scalars(**scalars) -> None:
-    """The op's floats are fixed when the call is traced (the kernels are compiled for them), so
-    a traced value (under jax.grad, jax.jvp, jax.vmap or jax.jit) has no meaning, and the op
-    has no derivative with respect to them."""
-    for name, value in scalars.items():
-        if isinstance(value, jax.core.Tracer):
-            raise TypeError(
-                f"{name}: expected a Python float, got a traced {jax.typeof(value).str_short()} "
-                f"({type(value).__name__}); {name} is fixed when the call is traced, so the op has no derivative "
-                f"with respect to it and takes no traced value (jax.jit and jax.checkpoint of the op trace its "
-                f"float arguments too: bind {name} with functools.partial, or mark it static)"
-                + _STATIC_SCALAR_HINTS.get(name, "")
-            )
-
-
-_STATIC_SCALAR_HINTS = {
-    "routed_scaling_factor": "; for a learned scale, multiply expert_weights by it and pass 1.0",
-}
+    checks.check_shared_output(shared_output, expert_weights, mailbox.hidden, hidden_of="the mailbox's hidden")
+    checks.check_scale(routed_scaling_factor)
 
 
 def _check_epilogue(residual, norm_weight, norm_eps, mailbox, m) -> bool:
-    """Whether the call has the epilogue; raises for half of it, for bad values, and for a
-    norm_eps other than the default without it (nothing would read it)."""
-    checked_float("norm_eps", norm_eps)
-    if residual is None and norm_weight is None:
-        default = inspect.signature(moe_finalize_publish).parameters["norm_eps"].default
-        if norm_eps != default:
-            raise ValueError(f"norm_eps={norm_eps!r}: given without the epilogue, which alone uses it; pass "
-                             f"residual and norm_weight too, or leave norm_eps at its default {default}")
-        return False
-    for name, value, other in (("residual", residual, "norm_weight"), ("norm_weight", norm_weight, "residual")):
-        if value is None:
-            raise ValueError(f"{name}=None: the epilogue needs both residual and norm_weight; "
-                             f"{other} was given, so pass {name} too (or neither)")
-    if mailbox.result == "reduce_scatter":
-        rows, rule = protocol.owned_rows(m, mailbox.tp), f"ceil(m / tp) = ceil({m} / {mailbox.tp}) rows"
-    else:
-        rows, rule = m, f"m = {m} rows"
-    _check_array("residual", residual, 2, [jnp.bfloat16])
-    if tuple(residual.shape) != (rows, mailbox.hidden):
-        raise ValueError(f"residual.shape={tuple(residual.shape)}: expected {(rows, mailbox.hidden)} "
-                         f"({rule}, the shape of the result)")
-    _check_array("norm_weight", norm_weight, 1, [jnp.bfloat16], shape=(mailbox.hidden,))
-    if not (np.isfinite(_as_float32(norm_eps)) and _as_float32(norm_eps) > 0):
-        raise ValueError(f"norm_eps={norm_eps!r}: expected a finite float > 0 (as float32)")
-    return True
+    """Whether the call has the epilogue (`checks.check_epilogue`), whose residual has the
+    shape of the mailbox's result."""
+    rows, rule = checks.result_rows(m, mailbox.tp, mailbox.result)
+    default = inspect.signature(moe_finalize_publish).parameters["norm_eps"].default
+    return checks.check_epilogue(residual, norm_weight, norm_eps, default_eps=default, rows=rows, rule=rule,
+                                 hidden=mailbox.hidden)
 
 
 def _check_stacks(mailbox, arrays: dict) -> None:
@@ -161,15 +85,11 @@ def _check_stacks(mailbox, arrays: dict) -> None:
 
 
 def _check_axis(mailbox: Mailbox) -> None:
-    """The call is traced inside shard_map over the mailbox's axis, on a mesh of the mailbox's axes
-    (its devices are compared when the call is lowered: `_on_mailbox_mesh_p`)."""
-    try:
-        lax.axis_size(mailbox.axis_name)
-    except NameError:
-        raise ValueError(
-            f"moe_finalize_publish: axis {mailbox.axis_name!r} is not bound; call it inside "
-            f"jax.shard_map over the mailbox's axis (or use sharded_moe_finalize_publish)"
-        ) from None
+    """The call is traced inside shard_map over the mailbox's axis (manual over it, and over
+    other axes or not), on a mesh of the mailbox's axes (its devices are compared when the call
+    is lowered: `_on_mailbox_mesh_p`)."""
+    checks.check_axis_bound(mailbox.axis_name, "moe_finalize_publish",
+                            "jax.shard_map manual over the mailbox's axis (or use sharded_moe_finalize_publish)")
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         raise ValueError(f"moe_finalize_publish: axis {mailbox.axis_name!r} is bound, but not by jax.shard_map "
@@ -178,19 +98,42 @@ def _check_axis(mailbox: Mailbox) -> None:
 
 
 def _varying_axes(x) -> frozenset:
-    """The mesh axes along which ``x`` differs between shards, as shard_map's varying-axes check
-    tracks them (none where that check is off)."""
+    """The mesh axes along which ``x`` (a traced array) differs between shards, as shard_map's
+    varying-axes check tracks them (none where that check is off)."""
     return jax.typeof(x).mat.varying
+
+
+def _tracks_varying_axes(axis: str) -> bool:
+    """Whether the enclosing shard_map tracks varying axes (``check_vma=True``): axis_index
+    varies along its axis exactly then. Read from the ShapeDtypeStruct itself, which
+    jax.typeof cannot rebuild in a shard_map manual over some axes only."""
+    index = jax.eval_shape(lambda: lax.axis_index(axis)).manual_axis_type
+    return index is not None and axis in index.varying
+
+
+_UNCHECKED_VARYING_WARNED: set = set()
+"""(mesh, axis) pairs whose calls without the varying-axes check have been warned about."""
 
 
 def _check_varying(mailbox: Mailbox, partial_inputs: dict) -> None:
     """This rank's partial differs along the mailbox's axis: the sum of one partial published by
     every rank is ``tp`` times it. Only shard_map's varying-axes check (``check_vma=True``)
-    knows; without it the op trusts the caller."""
+    knows; without it the op cannot tell and warns once per mesh and axis."""
     axis = mailbox.axis_name
-    # axis_index varies along its axis exactly when shard_map tracks varying axes.
-    tracked = axis in _varying_axes(jax.eval_shape(lambda: lax.axis_index(axis)))
-    if mailbox.tp == 1 or not tracked:
+    if mailbox.tp == 1:
+        return
+    if not _tracks_varying_axes(axis):
+        if (mailbox.mesh, axis) not in _UNCHECKED_VARYING_WARNED:
+            _UNCHECKED_VARYING_WARNED.add((mailbox.mesh, axis))
+            warnings.warn(
+                f"moe_finalize_publish: the shard_map does not track varying axes (check_vma=False), so the op "
+                f"cannot check that this rank's partial varies along the mailbox's axis {axis!r} of the mesh "
+                f"{dict(mailbox.mesh.shape)}: inputs replicated along {axis!r}, or a Mailbox made for another "
+                f"axis than the one the inputs are sharded along, make every rank publish the same partial and "
+                f"the result {mailbox.tp} times it, without an error. Run the shard_map with check_vma=True "
+                f"(its default) to have it checked. This warns once per mesh and axis.",
+                UserWarning, stacklevel=3,
+            )
         return
     varying = {name: _varying_axes(x) for name, x in partial_inputs.items() if x is not None}
     if not any(axis in axes for axes in varying.values()):
@@ -202,6 +145,42 @@ def _check_varying(mailbox: Mailbox, partial_inputs: dict) -> None:
             f"be {mailbox.tp} times it; expected at least one input sharded along {axis!r} (or, for that "
             f"sum, marked with jax.lax.pcast(x, {axis!r}, to='varying'))"
         )
+
+
+def _manual_over_every_axis(fn, *args):
+    """``fn(*args)`` in a region manual over every mesh axis. XLA's partitioner refuses an op
+    with side effects (the kernels' FFI call, a host callback) that it would replicate over
+    the axes a shard_map leaves to it ("Side-effect ops cannot be replicated"), so inside a
+    shard_map manual over some axes a nested one takes the others: each of their devices
+    calls ``fn`` on the whole of ``args``, as the body sees them (one value along those axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    if not auto:
+        return fn(*args)
+    return jax.shard_map(fn, in_specs=P(), out_specs=P(), axis_names=auto)(*args)
+
+
+def _replicated_along_explicit_axes(x):
+    """``x`` whole on every device of the axes a shard_map leaves to XLA: one call takes all of
+    its tokens (the kernels' one FFI call per device, `_manual_over_every_axis`), and the
+    reference's gathers and reshapes of tokens sharded along an explicit axis have no
+    sharding JAX could choose. Values of auto axes carry no sharding here."""
+    if x is None or not any(jax.typeof(x).sharding.spec):
+        return x
+    return jax.reshard(x, P())
+
+
+def _check_open_when_run(mailbox: Mailbox) -> None:
+    """Each time the compiled call runs, every device asks the host whether the mailbox is still
+    open (`Mailbox.check_open_at_run_time`): on the reference path no kernel finds a closed
+    mailbox halted. Only where the mailbox has no memory: on CUDA devices that round trip
+    would cost every call."""
+
+    def check():
+        jax.debug.callback(mailbox.check_open_at_run_time, partitioned=True)
+        return ()
+
+    _manual_over_every_axis(check)
 
 
 def _lower_on_mailbox_mesh(ctx, indices, *, mailbox):
@@ -264,9 +243,13 @@ def moe_finalize_publish(
     """MoE finalize of this rank's experts, reduced over the TP group (one shard).
 
     Call inside ``jax.shard_map`` over ``mailbox.axis_name`` of ``mailbox.mesh`` (the same
-    devices in the same places; compared when the call is lowered), with inputs whose partial
-    varies along that axis (checked where shard_map tracks varying axes). With ``tp`` ranks
-    and rank ``r``'s partial
+    devices in the same places, compared when the call is lowered; manual over the other
+    axes or not), with inputs whose partial varies along that axis (checked where shard_map
+    tracks varying axes; with ``check_vma=False`` it warns once per mesh and axis). Every
+    rank of the group makes every call, in the same order (never under a rank-dependent
+    ``lax.cond``). A function compiled before `Mailbox.close` fails when it runs again
+    where it reads the mailbox's memory (tp > 1 on GPUs) and on CPU (a host check).
+    With ``tp`` ranks and rank ``r``'s partial
 
     ``p_r[t] = bf16( sum_k (w[t,k] * scale) * routed[idx[t,k]] + shared[t] )``
 
@@ -316,10 +299,14 @@ def moe_finalize_publish(
         tp = 1 at m = 1 with a shared expert) and where the mailbox's TP group
         spans hosts (it warns once per mailbox then; ``kernel`` raises).
     config : KernelConfig, optional
-        The algorithm (``oneshot`` or ``twoshot`` for an all-reduce mailbox) and
-        launch shapes; by default the tuning table's choice for the problem and
-        its m (`jax_moe_publish.tuning`). With the epilogue and tp > 1 it must have
-        ``epilogue="rmsnorm"`` (``oneshot`` or ``reduce_scatter``).
+        The algorithm (``oneshot`` or ``twoshot`` for an all-reduce mailbox,
+        ``reduce_scatter`` for a reduce-scatter one) and launch shapes; by default
+        the tuning table's choice for the problem and its m (`jax_moe_publish.tuning`).
+        With the epilogue and tp > 1 it must have ``epilogue="rmsnorm"``, which
+        ``oneshot``, ``twoshot`` and ``reduce_scatter`` all take
+        (`config.EPILOGUE_ALGORITHMS`), ``twoshot`` unfused only
+        (``fuse_reduce=False``: the owner of a token normalizes its row and fans
+        both outputs out).
     residual : bf16, the shape of the result, or None
         The residual stream: [m, hidden], or for a ``reduce_scatter`` mailbox
         this rank's rows [ceil(m / tp), hidden] (row i: token ``i * tp + rank``;
@@ -336,7 +323,7 @@ def moe_finalize_publish(
     With the epilogue, ``(out, residual_out)`` of that shape each, both zero
     in rows of no token.
     """
-    _check_static_scalars(routed_scaling_factor=routed_scaling_factor, norm_eps=norm_eps)
+    checks.check_static_scalars(routed_scaling_factor=routed_scaling_factor, norm_eps=norm_eps)
     _check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
                   routed_scaling_factor)
     fused_norm = _check_epilogue(residual, norm_weight, norm_eps, mailbox, expert_weights.shape[0])
@@ -349,8 +336,11 @@ def moe_finalize_publish(
     if config is not None:
         _check_config(config, mailbox, problem, _table_epilogue(mailbox, fused_norm))
     scale, norm_eps = float(routed_scaling_factor), float(norm_eps)
+    path = _resolve_impl(impl, mailbox)
+    if not mailbox.on_cuda:
+        _check_open_when_run(mailbox)
     publish = _folding_vmap_batches(mailbox, functools.partial(
-        _publish, mailbox=mailbox, impl=_resolve_impl(impl, mailbox), config=config, problem=problem,
+        _publish, mailbox=mailbox, impl=path, config=config, problem=problem,
         scale=scale, norm_eps=norm_eps,
         # Where XLA's own path is faster (the table's "xla"), auto takes it, on every device.
         table_may_choose_xla=impl == "auto" and config is None,
@@ -359,7 +349,8 @@ def moe_finalize_publish(
     # tangent each its own way (`derivatives`).
     publish = derivatives.straight_through(publish, axis_name=mailbox.axis_name, result=mailbox.result,
                                            scale=scale, norm_eps=norm_eps)
-    return publish(routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight)
+    arrays = (routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight)
+    return publish(*map(_replicated_along_explicit_axes, arrays))
 
 
 def _publish(routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight, *,
@@ -493,18 +484,25 @@ def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
 
 def _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output, scale,
                   epilogue):
-    """The FFI call of a loaded kernel set; ``epilogue`` holds residual, norm_weight and
-    norm_eps for the fused epilogue, or is empty."""
-    # The results have the reference's types, varying-axes marking included: the
-    # all-reduce is identical on every rank, like a psum.
-    result_type = jax.eval_shape(
-        lambda: reference.moe_finalize_publish(
-            routed_output, expert_weights, permuted_indices, shared_output,
-            axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
+    """The FFI call of a loaded kernel set, one per device; ``epilogue`` holds residual,
+    norm_weight and norm_eps for the fused epilogue, or is empty."""
+    norm_eps = {"norm_eps": epilogue["norm_eps"]} if epilogue else {}
+
+    def call(routed_output, expert_weights, permuted_indices, shared_output, epilogue_arrays):
+        epilogue = {**epilogue_arrays, **norm_eps}
+        # The results have the reference's types, varying-axes marking included: the
+        # all-reduce is identical on every rank, like a psum.
+        result_type = jax.eval_shape(
+            lambda: reference.moe_finalize_publish(
+                routed_output, expert_weights, permuted_indices, shared_output,
+                axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
+            )
         )
-    )
-    return _launch.call(set_id, mailbox.id if mailbox.tp > 1 else 0, result_type, routed_output, expert_weights,
-                        permuted_indices, shared_output, mailbox.hidden, epilogue)
+        return _launch.call(set_id, mailbox.id if mailbox.tp > 1 else 0, result_type, routed_output,
+                            expert_weights, permuted_indices, shared_output, mailbox.hidden, epilogue)
+
+    arrays = {name: x for name, x in epilogue.items() if name != "norm_eps"}
+    return _manual_over_every_axis(call, routed_output, expert_weights, permuted_indices, shared_output, arrays)
 
 
 def sharded_moe_finalize_publish(

@@ -18,15 +18,22 @@ JAX differentiates these functions by its own rules, which round the cotangents
 where the forward rounds. The op's derivative (`jax_moe_publish.derivatives`)
 differentiates their float32 parts (`moe_finalize_float32`, `rms_normalize`)
 instead, straight through the roundings.
+
+Each function checks its arguments with the op's checks (`jax_moe_publish.checks`), less the
+kernels' own bounds (capacity_m, top-k, row counts), while it is traced: unchecked, a bad
+shape would broadcast, a bad eps give NaN and a group function outside its named axis fail
+with JAX's bare NameError.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe_publish import protocol
+from jax_moe_publish import checks, protocol
 
 
 def as_float32(x: jax.Array) -> jax.Array:
@@ -68,9 +75,20 @@ def moe_finalize(
         ``bf16(sum_k (w[t,k] * scale) * routed[idx[t,k]] + shared[t])``, float32
         accumulation in expert order.
     """
-    return moe_finalize_float32(
-        routed_output, expert_weights, permuted_indices, shared_output, routed_scaling_factor=routed_scaling_factor,
-    ).astype(jnp.bfloat16)
+    checks.check_static_scalars(routed_scaling_factor=routed_scaling_factor)
+    _check_finalize(routed_output, expert_weights, permuted_indices, shared_output, routed_scaling_factor)
+    return _finalize_float32(routed_output, expert_weights, permuted_indices, shared_output,
+                             routed_scaling_factor).astype(jnp.bfloat16)
+
+
+def _check_finalize(routed_output, expert_weights, permuted_indices, shared_output, routed_scaling_factor,
+                    row_dtypes=(jnp.bfloat16,)) -> None:
+    """The op's checks of a finalize's arguments (`checks`), with no mailbox to fix hidden:
+    the shared rows are as wide as the routed ones."""
+    checks.check_finalize_arrays(routed_output, expert_weights, permuted_indices, row_dtypes=row_dtypes)
+    checks.check_shared_output(shared_output, expert_weights, routed_output.shape[1],
+                               hidden_of="routed_output's hidden", row_dtypes=row_dtypes)
+    checks.check_scale(routed_scaling_factor)
 
 
 def moe_finalize_float32(
@@ -82,7 +100,15 @@ def moe_finalize_float32(
     routed_scaling_factor: float = 1.0,
 ) -> jax.Array:
     """`moe_finalize` before its bf16 rounding: the float32 sum, which the op's derivative
-    differentiates (`jax_moe_publish.derivatives`)."""
+    differentiates (`jax_moe_publish.derivatives`) at float32 copies of the bf16 rows, so it
+    takes float32 rows too."""
+    checks.check_static_scalars(routed_scaling_factor=routed_scaling_factor)
+    _check_finalize(routed_output, expert_weights, permuted_indices, shared_output, routed_scaling_factor,
+                    row_dtypes=(jnp.bfloat16, jnp.float32))
+    return _finalize_float32(routed_output, expert_weights, permuted_indices, shared_output, routed_scaling_factor)
+
+
+def _finalize_float32(routed_output, expert_weights, permuted_indices, shared_output, routed_scaling_factor):
     num_rows = routed_output.shape[0]
     m, top_k = permuted_indices.shape
     valid = (permuted_indices >= 0) & (permuted_indices < num_rows)
@@ -110,6 +136,7 @@ def positive_zero(x: jax.Array) -> jax.Array:
     The bits are rewritten (a bitcast), since only the sign bit of a zero changes; as a
     function of values it is the identity (-0.0 == +0.0), so its derivative is 1, which the
     bitcast through uint16 would not carry."""
+    checks.check_array("x", x, None, [jnp.bfloat16])
     bits = lax.bitcast_convert_type(x, jnp.uint16)
     bits = jnp.where(bits == protocol.EMPTY_BF16, jnp.uint16(0), bits)
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
@@ -122,7 +149,11 @@ def _positive_zero_jvp(primals, tangents):
 
 
 def owned_rows(x: jax.Array, tp: int, rank) -> jax.Array:
-    """Rows ``t`` of ``x`` with ``t % tp == rank``, in order, zero-padded to ``ceil(m / tp)``."""
+    """Rows ``t`` of ``x`` [m, n] with ``t % tp == rank``, in order, zero-padded to ``ceil(m / tp)``."""
+    if not hasattr(x, "ndim") or x.ndim != 2:
+        raise ValueError(f"x.shape={getattr(x, 'shape', None)}: expected [m, n], 2 dimensions")
+    if checks.checked_int("tp", tp) < 1:
+        raise ValueError(f"tp={tp!r}: expected an int >= 1")
     m = x.shape[0]
     rows = protocol.owned_rows(m, tp)
     padded = jnp.pad(x, ((0, rows * tp - m), (0, 0)))
@@ -132,19 +163,24 @@ def owned_rows(x: jax.Array, tp: int, rank) -> jax.Array:
 def rows_with_tokens(rows: int, m: int, axis_name: str) -> jax.Array:
     """bool [rows, 1]: which of a reduce_scatter rank's ``rows`` result rows hold one of the
     ``m`` tokens (row i: token ``i * tp + rank``)."""
-    tp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    tp, rank = _group_size(axis_name, "rows_with_tokens"), lax.axis_index(axis_name)
     return (jnp.arange(rows) * tp + rank < m)[:, None]
 
 
 def reduce_over_group(x: jax.Array, axis_name: str, result: str) -> jax.Array:
     """The sum of ``x`` [m, ...] over the group, in the layout of ``result``: all of it
     (``allreduce``), or this rank's owned rows (``reduce_scatter``, `owned_rows`)."""
-    if result not in ("allreduce", "reduce_scatter"):
-        raise ValueError(f"result={result!r}: expected 'allreduce' or 'reduce_scatter'")
+    checks.check_result(result)
+    tp = _group_size(axis_name, "reduce_over_group")
     total = lax.psum(x, axis_name)
     if result == "allreduce":
         return total
-    return owned_rows(total, lax.axis_size(axis_name), lax.axis_index(axis_name))
+    return owned_rows(total, tp, lax.axis_index(axis_name))
+
+
+def _group_size(axis_name, who: str) -> int:
+    """The size of the group along ``axis_name``, which the caller's shard_map binds."""
+    return checks.check_axis_bound(axis_name, f"reference.{who}", "jax.shard_map over that axis")
 
 
 def add_rmsnorm(
@@ -157,19 +193,39 @@ def add_rmsnorm(
         residual_out = bf16( float32(y) + float32(residual) )
         out          = bf16( x * rsqrt(mean(x^2) + eps) * float32(norm_weight) ),  x = float32(residual_out)
 
-    The mean and everything after it are float32. Returns ``(out, residual_out)``.
+    The mean and everything after it are float32. ``y`` and ``residual`` are bf16
+    [rows, hidden], ``norm_weight`` bf16 [hidden]. Returns ``(out, residual_out)``.
     """
+    checks.check_static_scalars(eps=eps)
+    checks.check_array("y", y, 2, [jnp.bfloat16])
+    checks.check_epilogue_arrays(residual, norm_weight, shape=y.shape, why="the shape of y")
+    checks.check_norm_eps(eps, "eps")
+    return _add_rmsnorm(y, residual, norm_weight, eps)
+
+
+def _add_rmsnorm(y, residual, norm_weight, eps):
     # Explicit roundings to bf16 (`as_float32`): of the inputs, and of the sum, whose rounding
     # point XLA would otherwise be free to move.
     x = as_float32((as_float32(y) + as_float32(residual)).astype(jnp.bfloat16))
     residual_out = x.astype(jnp.bfloat16)
-    out = rms_normalize(x, norm_weight, eps=eps).astype(jnp.bfloat16)
+    out = _rms_normalize(x, norm_weight, eps).astype(jnp.bfloat16)
     return out, residual_out
 
 
 def rms_normalize(x: jax.Array, norm_weight: jax.Array, *, eps: float) -> jax.Array:
     """float32 ``x * rsqrt(mean(x^2) + eps) * float32(norm_weight)`` over the last axis, unrounded:
-    `add_rmsnorm`'s ``out`` before its bf16 rounding."""
+    `add_rmsnorm`'s ``out`` before its bf16 rounding. ``x`` is float32 [..., hidden],
+    ``norm_weight`` bf16 [hidden]."""
+    checks.check_static_scalars(eps=eps)
+    checks.check_array("x", x, None, [jnp.float32])
+    if x.ndim < 1:
+        raise ValueError(f"x.shape={tuple(x.shape)}: expected [..., hidden], at least 1 dimension")
+    checks.check_array("norm_weight", norm_weight, 1, [jnp.bfloat16], shape=(x.shape[-1],))
+    checks.check_norm_eps(eps, "eps")
+    return _rms_normalize(x, norm_weight, eps)
+
+
+def _rms_normalize(x, norm_weight, eps):
     inverse_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps))
     return x * inverse_rms * as_float32(norm_weight)
 
@@ -197,15 +253,24 @@ def moe_finalize_publish(
     With ``residual`` (the shape of ``y``) and ``norm_weight`` ([hidden]),
     returns ``add_rmsnorm(y, residual, norm_weight, eps=norm_eps)`` instead:
     ``(out, residual_out)``, both zero in rows of no token.
+
+    The arguments are checked as the op checks them, ``axis_name`` bound and ``result`` one
+    of `tuning.RESULTS` included.
     """
-    partial = moe_finalize(
-        routed_output, expert_weights, permuted_indices, shared_output,
-        routed_scaling_factor=routed_scaling_factor,
-    )
+    checks.check_static_scalars(routed_scaling_factor=routed_scaling_factor, norm_eps=norm_eps)
+    _check_finalize(routed_output, expert_weights, permuted_indices, shared_output, routed_scaling_factor)
+    checks.check_result(result)
+    tp = _group_size(axis_name, "moe_finalize_publish")
+    rows, rule = checks.result_rows(expert_weights.shape[0], tp, result)
+    default_eps = inspect.signature(moe_finalize_publish).parameters["norm_eps"].default
+    checks.check_epilogue(residual, norm_weight, norm_eps, default_eps=default_eps, rows=rows, rule=rule,
+                          hidden=routed_output.shape[1])
+    partial = _finalize_float32(routed_output, expert_weights, permuted_indices, shared_output,
+                                routed_scaling_factor).astype(jnp.bfloat16)
     y = reduce_over_group(positive_zero(partial).astype(jnp.float32), axis_name, result).astype(jnp.bfloat16)
     if residual is None:
         return y
-    out, residual_out = add_rmsnorm(y, residual, norm_weight, eps=norm_eps)
+    out, residual_out = _add_rmsnorm(y, residual, norm_weight, norm_eps)
     if result == "reduce_scatter":
         has_token = rows_with_tokens(y.shape[0], partial.shape[0], axis_name)
         out = jnp.where(has_token, out, jnp.zeros_like(out))

@@ -3,7 +3,9 @@
 * A mailbox belongs to one mesh: a call on another mesh, the same devices in another order
   included, is refused when it is lowered, before anything runs.
 * A partial that does not vary along the mailbox's axis is refused where shard_map tracks
-  varying axes; with that check off the op trusts the caller.
+  varying axes; with that check off the op cannot tell, and warns once per mesh and axis.
+* A shard_map manual over the mailbox's axis only (``axis_names``) is checked as one manual
+  over every axis, and the kernels' FFI call is made once per device there too.
 * ``jax.vmap`` makes one call over the whole batch's tokens, on every path: the mailbox's
   capacity_m must hold them, and the results are each batch element's.
 * Scalars: a bool is no scale, size or eps; a float is no size; shape errors name both arrays.
@@ -16,12 +18,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jex_core
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
@@ -47,14 +51,19 @@ def _stacks(problems):
     return [jnp.asarray(np.stack([getattr(p, field) for p in problems])) for field in FIELDS]
 
 
-def _per_rank_step(mesh, mailbox, axis="tp"):
-    """shard_map of one call: rank r's inputs at index r of ``axis``, the all-reduce out."""
+def _one_call(mailbox):
+    """A shard's call on its [1, ...] slices of the stacked inputs."""
 
     def shard(routed, weights, indices, shared):
         return jmp.moe_finalize_publish(routed[0], weights[0], indices[0], shared[0], mailbox=mailbox,
                                         routed_scaling_factor=SCALE)
 
-    return jax.shard_map(shard, mesh=mesh, in_specs=P(axis), out_specs=P())
+    return shard
+
+
+def _per_rank_step(mesh, mailbox, axis="tp", check_vma=True):
+    """shard_map of one call: rank r's inputs at index r of ``axis``, the all-reduce out."""
+    return jax.shard_map(_one_call(mailbox), mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=check_vma)
 
 
 # --- a mailbox belongs to one mesh -------------------------------------------------------------
@@ -115,6 +124,31 @@ def test_two_dim_mesh_of_other_groups_is_refused(other_axes, order, words):
             step.lower(*stacks)
     for word in words:
         assert word in str(raised.value)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["checked", "unchecked"])
+def test_a_call_manual_over_tp_only_is_checked_against_the_mailbox_mesh(check_vma, unwarned):
+    """``axis_names={'tp'}``: the (dp, tp) mesh's devices are compared when the call is lowered
+    (another order is refused), with ``check_vma=False`` the op warns, and a mailbox on dp,
+    an axis the shard_map leaves to XLA, finds no axis to sum over."""
+    rng = np.random.default_rng()
+    stacks = _stacks(_problems(rng, 2))
+
+    def step(mesh, mailbox):
+        return jax.jit(jax.shard_map(_one_call(mailbox), mesh=mesh, in_specs=P("tp"), out_specs=P(),
+                                     axis_names={"tp"}, check_vma=check_vma))
+
+    with jmp.Mailbox(_mesh((2, 2), ("dp", "tp")), "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            step(mailbox.mesh, mailbox).lower(*stacks)
+        assert len(_unchecked_warnings(record)) == (0 if check_vma else 1)
+        with pytest.raises(ValueError, match=r"on devices \[\[0, 2\], \[1, 3\]\]"):
+            step(_mesh((2, 2), ("dp", "tp"), order=(0, 2, 1, 3)), mailbox).lower(*stacks)
+    if check_vma:
+        with jmp.Mailbox(_mesh((2, 2), ("dp", "tp")), "dp", hidden=HIDDEN, capacity_m=8) as on_dp:
+            with pytest.raises(ValueError, match="axis 'dp' is not bound"):
+                step(on_dp.mesh, on_dp).lower(*stacks)
 
 
 def test_abstract_mesh_of_the_mailbox_axes_runs():
@@ -185,10 +219,25 @@ def test_one_input_that_varies_is_enough(varying):
     numerics.assert_close(out, *numerics.expected_sum(problems, SCALE))
 
 
+@pytest.fixture
+def unwarned(monkeypatch):
+    """No (mesh, axis) warned about yet for calls without the varying-axes check."""
+    monkeypatch.setattr(op_module, "_UNCHECKED_VARYING_WARNED", set())
+
+
+UNCHECKED_WORDS = ["the shard_map does not track varying axes (check_vma=False)",
+                   "Run the shard_map with check_vma=True (its default) to have it checked",
+                   "This warns once per mesh and axis"]
+
+
+def _unchecked_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "does not track varying axes" in str(w.message)]
+
+
 @pytest.mark.parametrize("how", ["pcast", "check_vma=False"])
-def test_identical_partials_sum_tp_times_where_the_caller_says_so(how):
-    """Marked varying with pcast, or with shard_map's check off (the op then trusts the
-    caller): replicated inputs publish one partial per rank, and the result is tp times it."""
+def test_identical_partials_sum_tp_times_where_the_caller_says_so(how, unwarned):
+    """Marked varying with pcast, or with shard_map's check off (the op cannot tell then, and
+    warns): replicated inputs publish one partial per rank, and the result is tp times it."""
     rng = np.random.default_rng()
     problem = _problems(rng, 1)[0]
     mesh = _mesh((4,), ("tp",))
@@ -198,10 +247,70 @@ def test_identical_partials_sum_tp_times_where_the_caller_says_so(how):
             routed = jax.lax.pcast(routed, "tp", to="varying")
         return jmp.moe_finalize_publish(routed, *rest, mailbox=mailbox, routed_scaling_factor=SCALE)
 
-    with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
-        step = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=how == "pcast"))
-        out = step(*(jnp.asarray(getattr(problem, field)) for field in FIELDS))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
+            step = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=how == "pcast"))
+            out = step(*(jnp.asarray(getattr(problem, field)) for field in FIELDS))
     numerics.assert_close(out, *numerics.expected_sum([problem] * 4, SCALE))
+    found = _unchecked_warnings(record)
+    if how == "pcast":
+        assert found == [], "the varying-axes check is on: nothing to warn about"
+    else:
+        assert len(found) == 1 and "mailbox's axis 'tp' of the mesh {'tp': 4}" in found[0]
+        assert "the result 4 times it, without an error" in found[0]
+
+
+def test_the_wrong_axis_without_the_varying_axes_check_warns_once_per_mesh_and_axis(unwarned):
+    """A (dp, tp) mesh, the inputs sharded along tp, check_vma=False: a mailbox on dp sums
+    one partial twice, which the op cannot see. It warns when the call is traced, once for
+    (mesh, 'dp') however often and with whichever Mailbox, and again for (mesh, 'tp')."""
+    rng = np.random.default_rng()
+    problems = _problems(rng, 2)
+    mesh = _mesh((2, 2), ("dp", "tp"))
+
+    def step(mailbox):
+        return jax.jit(_per_rank_step(mesh, mailbox, axis="tp", check_vma=False))
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with jmp.Mailbox(mesh, "dp", hidden=HIDDEN, capacity_m=8) as on_dp:
+            doubled = step(on_dp)(*_stacks(problems))
+            step(on_dp).lower(*_stacks(problems))  # traced again: no second warning
+        with jmp.Mailbox(mesh, "dp", hidden=HIDDEN, capacity_m=8) as again:
+            step(again).lower(*_stacks(problems))  # another Mailbox on the same mesh and axis
+        on_dp_warnings = _unchecked_warnings(record)
+        with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=8) as on_tp:
+            out = step(on_tp)(*_stacks(problems))
+    # Device (dp 0, tp 0) sums its own partial over dp: rank 0's, twice; out_specs=P() keeps its.
+    numerics.assert_close(doubled, *numerics.expected_sum([problems[0]] * 2, SCALE), what="dp's sum of one partial")
+    numerics.assert_close(out, *numerics.expected_sum(problems, SCALE))
+    assert len(on_dp_warnings) == 1, on_dp_warnings
+    for word in UNCHECKED_WORDS + ["mailbox's axis 'dp' of the mesh {'dp': 2, 'tp': 2}", "the result 2 times it",
+                                   "a Mailbox made for another axis than the one the inputs are sharded along"]:
+        assert word in on_dp_warnings[0], f"{word!r} missing from: {on_dp_warnings[0]}"
+    found = _unchecked_warnings(record)
+    assert len(found) == 2 and "mailbox's axis 'tp' of the mesh {'dp': 2, 'tp': 2}" in found[1]
+
+
+def test_a_checked_call_and_a_group_of_one_do_not_warn(unwarned):
+    """Where shard_map tracks varying axes the op checks instead; a group of one sums nothing."""
+    rng = np.random.default_rng()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with jmp.Mailbox(_mesh((2,), ("tp",)), "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
+            jax.jit(_per_rank_step(mailbox.mesh, mailbox)).lower(*_stacks(_problems(rng, 2)))
+        mesh = _mesh((2, 1), ("dp", "tp"))
+        stacks = [x.reshape(2, 1, *x.shape[1:]) for x in _stacks(_problems(rng, 2))]
+
+        def shard(routed, weights, indices, shared):
+            return jmp.moe_finalize_publish(routed[0, 0], weights[0, 0], indices[0, 0], shared[0, 0],
+                                            mailbox=single)[None]
+
+        with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=8) as single:
+            jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp"),
+                                  check_vma=False)).lower(*stacks)
+    assert _unchecked_warnings(record) == []
 
 
 # --- jax.vmap: one call over the batch's tokens -----------------------------------------------------
@@ -380,16 +489,17 @@ def test_vmap_over_norm_weight_is_refused():
                        jnp.asarray(np.stack([norm_weight] * 2)))
 
 
-def test_vmap_reaches_the_kernels_as_one_call(monkeypatch):
-    """The kernel path, its FFI call stood in for by one without a vmap rule (jax.vmap of it
-    raises): the call that remains is one, of the batch's tokens, routed rows stacked."""
-    rng = np.random.default_rng()
-    tp, m = 2, 3
-    problems = _batch_problems(rng, tp, m, routed_batched=True)
+STAND_IN_TARGET = "jax_moe_publish_stand_in"
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    """The kernel path with its FFI call stood in for by a side-effecting call of a target that
+    no handler serves and no vmap rule batches; a Mailbox then says it is on CUDA with
+    ``monkeypatch.setattr(mailbox, "on_cuda", True)``."""
 
     def ffi_call(set_id, mailbox_id, result_type, routed, weights, indices, shared, hidden, epilogue):
-        return jax.ffi.ffi_call("jax_moe_publish_stand_in", result_type, has_side_effect=True)(
-            routed, weights, indices, shared)
+        return jax.ffi.ffi_call(STAND_IN_TARGET, result_type, has_side_effect=True)(routed, weights, indices, shared)
 
     class KernelStore:  # no cubins: the stand-in needs none
         def get(self, config):
@@ -398,12 +508,39 @@ def test_vmap_reaches_the_kernels_as_one_call(monkeypatch):
     monkeypatch.setattr(op_module, "default_store", KernelStore)
     monkeypatch.setattr(op_module._launch, "load", lambda artifact, ordinals: 1)
     monkeypatch.setattr(op_module._launch, "call", ffi_call)
+
+
+def test_vmap_reaches_the_kernels_as_one_call(stand_in_kernels, monkeypatch):
+    """The kernel path, its FFI call stood in for by one without a vmap rule (jax.vmap of it
+    raises): the call that remains is one, of the batch's tokens, routed rows stacked."""
+    rng = np.random.default_rng()
+    tp, m = 2, 3
+    problems = _batch_problems(rng, tp, m, routed_batched=True)
     with jmp.Mailbox(_mesh((tp,), ("tp",)), "tp", hidden=HIDDEN, capacity_m=12, result="reduce_scatter") as mailbox:
         monkeypatch.setattr(mailbox, "on_cuda", True)
         jaxpr = jax.make_jaxpr(_vmap_step(mailbox, True, epilogue=False))(*_vmap_inputs(problems, True)).jaxpr
     # Each element's 3 tokens padded to 4; 7 routed rows per element.
     assert _operand_shapes(jaxpr, "ffi_call") == [[(BATCH * 7, HIDDEN), (BATCH * 4, TOP_K), (BATCH * 4, TOP_K),
                                                    (BATCH * 4, HIDDEN)]]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto axes", "explicit axes"])
+def test_the_kernel_path_manual_over_tp_only_makes_one_call_per_device(stand_in_kernels, monkeypatch, axis_type):
+    """In a shard_map manual over tp only, XLA's partitioner refuses a side-effecting call that it
+    would replicate over dp ("Side-effect ops cannot be replicated"): the op's FFI call sits in
+    a nested shard_map manual over dp, once per device. Compiling the stand-in gets past the
+    partitioner and stops where no handler serves its target."""
+    rng = np.random.default_rng()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"), axis_types=(axis_type,) * 2)
+    stacks = [jax.device_put(x, jax.sharding.NamedSharding(mesh, P("tp"))) for x in _stacks(_problems(rng, 2))]
+    with jmp.Mailbox(mesh, "tp", hidden=HIDDEN, capacity_m=8) as mailbox:
+        monkeypatch.setattr(mailbox, "on_cuda", True)
+        step = jax.jit(jax.shard_map(_one_call(mailbox), mesh=mesh, in_specs=P("tp"), out_specs=P(),
+                                     axis_names={"tp"}))
+        assert _operand_shapes(jax.make_jaxpr(step)(*stacks).jaxpr, "ffi_call") == [
+            [(7, HIDDEN), (5, TOP_K), (5, TOP_K), (5, HIDDEN)]]
+        with pytest.raises(jax.errors.JaxRuntimeError, match=f"No FFI handler registered for {STAND_IN_TARGET}"):
+            step.lower(*stacks).compile()
 
 
 # --- scalars and shapes ------------------------------------------------------------------------

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 import numerics
+from jax_moe_publish import config as config_module
 
 SCALES = (1.0, 2.5)
 
@@ -79,6 +83,107 @@ def test_reference_reads_bf16_inputs_made_in_the_same_program():
         assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
 
 
+def _reference_args(m=3, hidden=64, top_k=4):
+    """Valid arguments of every public `jmp.reference` function, fresh."""
+    args = _valid_args(m=m, hidden=hidden, top_k=top_k)
+    residual, norm_weight = numerics.epilogue_inputs(np.random.default_rng(), m, hidden)
+    return dict(args, y=args["shared_output"], residual=jnp.asarray(residual), norm_weight=jnp.asarray(norm_weight))
+
+
+FINALIZE_ARGS = ("routed_output", "expert_weights", "permuted_indices", "shared_output")
+
+
+def _finalize(a, **kwargs):
+    return jmp.reference.moe_finalize(*(a[n] for n in FINALIZE_ARGS), **kwargs)
+
+
+def _add_rmsnorm(a, eps=1e-6):
+    return jmp.reference.add_rmsnorm(a["y"], a["residual"], a["norm_weight"], eps=eps)
+
+
+def _publish_in_shard_map(a, result="allreduce", **kwargs):
+    """`jmp.reference.moe_finalize_publish` on replicated inputs, inside shard_map over tp = 2."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def shard(*arrays):
+        return jmp.reference.moe_finalize_publish(*arrays, axis_name="tp", result=result, **kwargs)
+
+    return jax.shard_map(shard, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(
+        *(a[n] for n in FINALIZE_ARGS))
+
+
+BAD_REFERENCE_CALLS = [
+    # (case, call of the valid arguments, exception, words the message must contain)
+    ("publish outside shard_map", lambda a: jmp.reference.moe_finalize_publish(*(a[n] for n in FINALIZE_ARGS),
+                                                                               axis_name="tp"), ValueError,
+     ["reference.moe_finalize_publish: axis 'tp' is not bound; call it inside jax.shard_map over that axis"]),
+    ("reduce outside shard_map", lambda a: jmp.reference.reduce_over_group(a["y"], "tp", "allreduce"), ValueError,
+     ["reference.reduce_over_group: axis 'tp' is not bound"]),
+    ("rows outside shard_map", lambda a: jmp.reference.rows_with_tokens(2, 3, "tp"), ValueError,
+     ["reference.rows_with_tokens: axis 'tp' is not bound"]),
+    ("eps negative", lambda a: _add_rmsnorm(a, eps=-1e-6), ValueError,
+     ["eps=-1e-06: expected a finite float > 0 (as float32)"]),
+    ("eps zero", lambda a: jmp.reference.rms_normalize(a["y"].astype(jnp.float32), a["norm_weight"], eps=0.0),
+     ValueError, ["eps=0.0: expected a finite float > 0"]),
+    ("eps traced", lambda a: jax.jit(lambda eps: _add_rmsnorm(a, eps))(1e-6), TypeError,
+     ["eps: expected a Python float, got a traced float32[]"]),
+    ("residual rows", lambda a: jmp.reference.add_rmsnorm(a["y"], a["residual"][:2], a["norm_weight"], eps=1e-6),
+     ValueError, ["residual.shape=(2, 64): expected (3, 64) (the shape of y)"]),
+    ("norm_weight hidden", lambda a: jmp.reference.add_rmsnorm(a["y"], a["residual"], a["norm_weight"][:32], eps=1e-6),
+     ValueError, ["norm_weight.shape=(32,): expected (64,)"]),
+    ("y dtype", lambda a: jmp.reference.add_rmsnorm(a["y"].astype(jnp.float32), a["residual"], a["norm_weight"],
+                                                    eps=1e-6), TypeError, ["y.dtype=float32: expected bfloat16"]),
+    ("indices m", lambda a: _finalize(dict(a, permuted_indices=a["permuted_indices"][:2])), ValueError,
+     ["permuted_indices.shape=(2, 4): expected (3, 4), one index per weight of expert_weights.shape=(3, 4)"]),
+    ("shared hidden", lambda a: _finalize(dict(a, shared_output=a["shared_output"][:, :32])), ValueError,
+     ["shared_output.shape=(3, 32): expected (3, 64)", "of routed_output's hidden=64"]),
+    ("routed dtype", lambda a: _finalize(dict(a, routed_output=a["routed_output"].astype(jnp.float32))), TypeError,
+     ["routed_output.dtype=float32: expected bfloat16"]),
+    ("scale beyond float32", lambda a: _finalize(a, routed_scaling_factor=1e39), ValueError,
+     ["routed_scaling_factor=1e+39: expected a float that is finite in float32"]),
+    ("scale traced", lambda a: jax.jit(lambda scale: _finalize(a, routed_scaling_factor=scale))(2.5), TypeError,
+     ["routed_scaling_factor: expected a Python float, got a traced float32[]"]),
+    ("float32 part, int16 indices", lambda a: jmp.reference.moe_finalize_float32(
+        a["routed_output"].astype(jnp.float32), a["expert_weights"], a["permuted_indices"].astype(jnp.int16)),
+     TypeError, ["permuted_indices.dtype=int16: expected int32"]),
+    ("epilogue half", lambda a: _publish_in_shard_map(a, residual=a["residual"]), ValueError,
+     ["norm_weight=None: the epilogue needs both residual and norm_weight"]),
+    ("scatter residual rows", lambda a: _publish_in_shard_map(a, "reduce_scatter", residual=a["residual"],
+                                                             norm_weight=a["norm_weight"]), ValueError,
+     ["residual.shape=(3, 64): expected (2, 64) (ceil(m / tp) = ceil(3 / 2) rows, the shape of the result)"]),
+    ("eps without epilogue", lambda a: _publish_in_shard_map(a, norm_eps=1e-5), ValueError,
+     ["norm_eps=1e-05: given without the epilogue"]),
+    ("positive_zero of float32", lambda a: jmp.reference.positive_zero(a["y"].astype(jnp.float32)), TypeError,
+     ["x.dtype=float32: expected bfloat16"]),
+    ("owned_rows of 3 dimensions", lambda a: jmp.reference.owned_rows(a["y"][None], 2, 0), ValueError,
+     ["x.shape=(1, 3, 64): expected [m, n], 2 dimensions"]),
+]
+
+
+@pytest.mark.parametrize("case,call,error,words", BAD_REFERENCE_CALLS, ids=[c[0] for c in BAD_REFERENCE_CALLS])
+def test_reference_functions_check_their_arguments(case, call, error, words):
+    """`jmp.reference` is public: its functions check what the op checks, with the op's messages,
+    where a bad shape would broadcast, a bad eps give NaN and a missing axis a bare NameError."""
+    with pytest.raises(error) as raised:
+        call(_reference_args())
+    for word in words:
+        assert word in str(raised.value), f"{word!r} missing from: {raised.value}"
+
+
+def test_reference_functions_run_on_their_valid_arguments():
+    """The checks take what the op and its derivative pass: float32 rows for the float32 parts."""
+    a = _reference_args()
+    y = _finalize(a, routed_scaling_factor=2.5)
+    float32_rows = jmp.reference.moe_finalize_float32(
+        a["routed_output"].astype(jnp.float32), a["expert_weights"], a["permuted_indices"],
+        a["shared_output"].astype(jnp.float32), routed_scaling_factor=2.5)
+    assert np.array_equal(np.asarray(float32_rows.astype(jnp.bfloat16)), np.asarray(y))
+    out, residual_out = jmp.reference.add_rmsnorm(y, a["residual"], a["norm_weight"], eps=1e-6)
+    assert out.shape == residual_out.shape == (3, 64)
+    assert np.array_equal(np.asarray(_publish_in_shard_map(a, routed_scaling_factor=2.5)),
+                          np.asarray((2 * y.astype(jnp.float32)).astype(jnp.bfloat16)))
+
+
 @pytest.mark.parametrize("mesh_shape,axes", [((4,), ("tp",)), ((2, 2), ("dp", "tp"))])
 @pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
 def test_sharded_reference_matches_float64(mesh_shape, axes, result):
@@ -117,6 +222,56 @@ def test_two_dim_mesh_reduces_each_group_over_tp_only(axes, result):
     for index, group in enumerate(groups):
         expected, bound = numerics.expected_sum(group, 2.5)
         numerics.assert_group_close(out[index], expected, bound, result=result, tp=tp)
+
+
+@pytest.mark.parametrize("tokens", ["tokens replicated", "tokens along dp"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto axes", "explicit axes"])
+@pytest.mark.parametrize("epilogue", [False, True], ids=["y", "epilogue"])
+@pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
+def test_shard_map_manual_over_tp_only_matches_float64(tokens, axis_type, epilogue, result):
+    """``shard_map(..., axis_names={"tp"})`` on a (dp, tp) mesh: manual over tp, dp left to XLA
+    (Mesh's default axis type, Auto, and make_mesh's, Explicit), the tokens replicated over
+    dp or sharded along it. The body sees every token along dp, and each dp group's result
+    is the sum over its tp ranks."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"), axis_types=(axis_type,) * 2)
+    along_dp = tokens == "tokens along dp"
+    tp, m, hidden, eps = 2, 6 if along_dp else 5, 128, 1e-6  # 6 tokens split over dp; 5 not a multiple of tp
+    scatter = result == "reduce_scatter"
+    rng = np.random.default_rng()
+    problems = [numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)]
+    residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
+    ranked = [_stack(problems, field) for field in ("routed", "weights", "indices", "shared")]
+    specs = [P("tp")] * 4
+    placements = [P("tp")] + [P("tp", "dp") if along_dp else P("tp")] * 3
+    if epilogue:
+        ranked += [jnp.asarray(np.stack([numerics.owned(residual, tp, r) for r in range(tp)]) if scatter else residual),
+                   jnp.asarray(norm_weight)]
+        specs += [P("tp") if scatter else P(), P()]
+        placements += specs[4:]
+
+    def shard(routed, weights, indices, shared, residual=None, norm_weight=None):
+        if scatter and residual is not None:
+            residual = residual[0]
+        out = jmp.moe_finalize_publish(routed[0], weights[0], indices[0], shared[0], mailbox=mailbox,
+                                       routed_scaling_factor=2.5, residual=residual, norm_weight=norm_weight,
+                                       norm_eps=eps)
+        return jax.tree.map(lambda x: x[None], out) if scatter else out
+
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=8, result=result) as mailbox:
+        inputs = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x, spec in zip(ranked, placements)]
+        step = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=tuple(specs), out_specs=P("tp") if scatter else P(),
+                                     axis_names={"tp"}))
+        out = jax.tree.map(np.asarray, step(*inputs))
+    total, bound = numerics.expected_sum(problems, 2.5)
+    if not epilogue:
+        numerics.assert_group_close(out, total, bound, result=result, tp=tp)
+    elif not scatter:
+        numerics.assert_epilogue_close(*out, total, bound, residual, norm_weight, eps)
+    else:
+        for rank in range(tp):
+            numerics.assert_epilogue_close(out[0][rank], out[1][rank], numerics.owned(total, tp, rank),
+                                           numerics.owned(bound, tp, rank), numerics.owned(residual, tp, rank),
+                                           norm_weight, eps, what=f"rank {rank}")
 
 
 def test_reversed_mesh_ranks_follow_the_axis_not_the_device_id():
@@ -384,6 +539,42 @@ def test_sharded_scatter_residual_wants_the_rank_axis_first(mesh):
             )
 
 
+def test_the_docstring_names_every_algorithm_that_takes_the_epilogue():
+    """`moe_finalize_publish`'s ``config`` paragraph says which algorithms take the epilogue:
+    those of `config.EPILOGUE_ALGORITHMS`, the table the checks read."""
+    doc = inspect.getdoc(jmp.moe_finalize_publish)
+    paragraph = doc.split("config : KernelConfig")[1].split("residual :")[0]
+    after = " ".join(paragraph.split('``epilogue="rmsnorm"``')[1].split())
+    for algorithm in config_module.EPILOGUE_ALGORITHMS:
+        assert f"``{algorithm}``" in after, f"{algorithm!r} missing from: {after}"
+
+
+@pytest.mark.parametrize("algorithm", config_module.EPILOGUE_ALGORITHMS)
+def test_every_epilogue_algorithm_is_accepted_with_the_epilogue(mesh, algorithm):
+    """Each algorithm of `config.EPILOGUE_ALGORITHMS`, on the mailbox of its layout, passes the
+    op's checks with the epilogue (the reference path then runs as without the config); a
+    fused twoshot one is refused by the config itself."""
+    result = "reduce_scatter" if algorithm == "reduce_scatter" else "allreduce"
+    config = jmp.KernelConfig(hidden=64, top_k=4, tp=2, algorithm=algorithm, routed_scaling_factor=2.5,
+                              epilogue="rmsnorm")
+    rng = np.random.default_rng()
+    problems = [numerics.random_problem(rng, m=3, hidden=64, top_k=4) for _ in range(2)]
+    residual, norm_weight = numerics.epilogue_inputs(rng, 3, 64)
+    if result == "reduce_scatter":
+        residual = np.stack([numerics.owned(residual, 2, rank) for rank in range(2)])
+    stacks = [_stack(problems, field) for field in ("routed", "weights", "indices", "shared")]
+    epilogue = dict(routed_scaling_factor=2.5, impl="reference", residual=jnp.asarray(residual),
+                    norm_weight=jnp.asarray(norm_weight))
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, result=result) as mailbox:
+        configured = jmp.sharded_moe_finalize_publish(mailbox, *stacks, config=config, **epilogue)
+        plain = jmp.sharded_moe_finalize_publish(mailbox, *stacks, **epilogue)
+    for a, b in zip(configured, plain):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    if algorithm == "twoshot":
+        with pytest.raises(ValueError, match="KernelConfig.epilogue='rmsnorm': expected 'none' with a fused twoshot"):
+            config.replace(fuse_reduce=True)
+
+
 def test_twoshot_config_on_a_reduce_scatter_mailbox_is_refused(mesh):
     config = jmp.KernelConfig(hidden=64, top_k=4, tp=2, algorithm="twoshot", routed_scaling_factor=2.5)
     with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8, result="reduce_scatter") as mailbox:
@@ -412,6 +603,43 @@ def test_closed_mailbox_is_refused(mesh):
     mailbox.close()
     with pytest.raises(ValueError, match="is closed"):
         _call_in_shard_map(mesh, mailbox, _valid_args())
+
+
+@pytest.mark.parametrize("manual_over", ["tp", "every axis"])
+def test_a_function_compiled_before_close_raises_when_it_runs_again(manual_over):
+    """On CPU no kernel finds a closed mailbox halted: the compiled call asks the host each time
+    it runs, on a shard_map manual over every axis or over tp only. A call dispatched before
+    close() runs on the open mailbox; one after fails, diagnose() and check() name the close,
+    and a new Mailbox, traced again, runs."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    args = _valid_args()
+
+    def step_on(mailbox):
+        def shard(routed, weights, indices, shared):
+            routed = jax.lax.pcast(routed, "tp", to="varying")
+            return jmp.moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox)
+
+        axis_names = {"tp"} if manual_over == "tp" else {"dp", "tp"}
+        return jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=axis_names))
+
+    names = ("routed_output", "expert_weights", "permuted_indices", "shared_output")
+    mailbox = jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8)
+    step = step_on(mailbox)
+    expected = np.asarray(step(*(args[n] for n in names)))
+    in_flight = step(*(args[n] for n in names))
+    mailbox.close()
+    assert np.array_equal(np.asarray(in_flight), expected), "a call made before close() must run as before"
+    with pytest.raises(jmp.MailboxStatusError) as raised, mailbox.diagnose():
+        np.asarray(step(*(args[n] for n in names)))
+    message = str(raised.value)
+    for words in (f"mailbox {mailbox.id} is closed", "a function compiled before close() called the op on it again",
+                  "trace the function again with a new Mailbox"):
+        assert words in message, f"{words!r} missing from: {message}"
+    assert message in str(raised.value.__cause__), "XLA's error carries the host check's message"
+    with pytest.raises(jmp.MailboxStatusError, match=f"mailbox {mailbox.id} is closed"):
+        mailbox.check()
+    with jmp.Mailbox(mesh, "tp", hidden=64, capacity_m=8) as renewed:
+        assert np.array_equal(np.asarray(step_on(renewed)(*(args[n] for n in names))), expected)
 
 
 def test_not_a_mailbox_is_refused(mesh):

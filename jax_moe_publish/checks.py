@@ -1,0 +1,185 @@
+"""Checks of the public arguments, written once for the op (`op`), its pure-JAX semantics
+(`reference`) and the `Mailbox`.
+
+Each raises TypeError or ValueError naming the argument, the value received and what was
+expected, while the call is traced: before anything runs, and before a bad shape turns into
+a broadcasting error or a bad float into NaN.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_moe_publish import protocol
+from jax_moe_publish.tuning import RESULTS
+
+
+def checked_int(name: str, value) -> int:
+    """The public argument ``name`` as an int. TypeError for a bool (True is no size), for a
+    float (64.0 too: the message says to write 64) and for anything else not integral."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, bool):
+        got = "a bool"
+    elif isinstance(value, numbers.Real) and float(value).is_integer():
+        got = f"a float; write {int(value)}"
+    else:
+        got = type(value).__name__
+    raise TypeError(f"{name}={value!r}: expected an int, got {got}")
+
+
+def checked_float(name: str, value) -> float:
+    """The public argument ``name`` as a float. TypeError for a bool and for anything that is
+    not a Python or NumPy real number: a jax array has no value at trace time, where the
+    kernels are chosen."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    got = "a bool" if isinstance(value, bool) else type(value).__name__
+    raise TypeError(f"{name}={value!r}: expected a float, got {got}")
+
+
+def _in_float32(value: float) -> np.float32:
+    """``value`` as the kernels take it: rounded to float32, infinite beyond its range (no
+    overflow warning)."""
+    with np.errstate(over="ignore"):
+        return np.float32(value)
+
+
+def check_static_scalars(**scalars) -> None:
+    """The op's floats are fixed when the call is traced (the kernels are compiled for them), so
+    a traced value (under jax.grad, jax.jvp, jax.vmap or jax.jit) has no meaning, and the op
+    has no derivative with respect to them."""
+    for name, value in scalars.items():
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(
+                f"{name}: expected a Python float, got a traced {jax.typeof(value).str_short()} "
+                f"({type(value).__name__}); {name} is fixed when the call is traced, so the op has no derivative "
+                f"with respect to it and takes no traced value (jax.jit and jax.checkpoint of the op trace its "
+                f"float arguments too: bind {name} with functools.partial, or mark it static)"
+                + _STATIC_SCALAR_HINTS.get(name, "")
+            )
+
+
+_STATIC_SCALAR_HINTS = {
+    "routed_scaling_factor": "; for a learned scale, multiply expert_weights by it and pass 1.0",
+}
+
+
+def check_scale(routed_scaling_factor) -> float:
+    """``routed_scaling_factor`` as a float that stays finite in float32, where the kernels
+    and the reference multiply by it."""
+    scale = checked_float("routed_scaling_factor", routed_scaling_factor)
+    if not np.isfinite(_in_float32(scale)):
+        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a float that is finite "
+                         f"in float32 (|x| <= {np.finfo(np.float32).max:.8g}), the precision the kernels use")
+    return scale
+
+
+def check_norm_eps(norm_eps, name: str = "norm_eps") -> float:
+    """``norm_eps`` (the argument ``name``) as a float that is finite and > 0 in float32:
+    RMSNorm adds it in float32, and 0 or less gives NaN or infinity for a zero row."""
+    eps = checked_float(name, norm_eps)
+    if not (np.isfinite(_in_float32(eps)) and _in_float32(eps) > 0):
+        raise ValueError(f"{name}={norm_eps!r}: expected a finite float > 0 (as float32)")
+    return eps
+
+
+def check_result(result) -> None:
+    """``result`` names a layout of the group's sum (`tuning.RESULTS`)."""
+    if result not in RESULTS:
+        raise ValueError(f"result={result!r}: expected one of {RESULTS}")
+
+
+def check_array(name, x, ndim, dtypes, shape=None) -> None:
+    """``x`` is an array of ``ndim`` dimensions (None: any) of one of ``dtypes`` and, if given, ``shape``."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {ndim} dimensions")
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        expected = " or ".join(jnp.dtype(d).name for d in dtypes)
+        raise TypeError(f"{name}.dtype={jnp.dtype(x.dtype).name}: expected {expected}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {tuple(shape)}")
+
+
+def check_finalize_arrays(routed_output, expert_weights, permuted_indices, *, mailbox_hidden=None,
+                          row_dtypes=(jnp.bfloat16,)) -> tuple[int, int]:
+    """The finalize's routed rows, weights and indices; ``(m, top_k)``. ``mailbox_hidden``: the
+    row width a mailbox fixes (None: routed_output's own)."""
+    check_array("routed_output", routed_output, 2, row_dtypes)
+    if mailbox_hidden is not None and routed_output.shape[1] != mailbox_hidden:
+        raise ValueError(
+            f"routed_output.shape={tuple(routed_output.shape)}: hidden {routed_output.shape[1]} "
+            f"differs from the mailbox's hidden={mailbox_hidden}"
+        )
+    check_array("expert_weights", expert_weights, 2, [jnp.bfloat16, jnp.float32])
+    m, top_k = expert_weights.shape
+    check_array("permuted_indices", permuted_indices, 2, [jnp.int32])
+    if tuple(permuted_indices.shape) != (m, top_k):
+        raise ValueError(f"permuted_indices.shape={tuple(permuted_indices.shape)}: expected {(m, top_k)}, "
+                         f"one index per weight of expert_weights.shape={tuple(expert_weights.shape)}")
+    return m, top_k
+
+
+def check_shared_output(shared_output, expert_weights, hidden, *, hidden_of: str,
+                        row_dtypes=(jnp.bfloat16,)) -> None:
+    """One shared expert row per token, as wide as the rows (``hidden_of`` says whose width)."""
+    if shared_output is None:
+        return
+    check_array("shared_output", shared_output, 2, row_dtypes)
+    m = expert_weights.shape[0]
+    if tuple(shared_output.shape) != (m, hidden):
+        raise ValueError(f"shared_output.shape={tuple(shared_output.shape)}: expected {(m, hidden)}, "
+                         f"one row per token of expert_weights.shape={tuple(expert_weights.shape)}, "
+                         f"of {hidden_of}={hidden}")
+
+
+def result_rows(m: int, tp: int, result: str) -> tuple[int, str]:
+    """Rows of the result of ``m`` tokens in the layout ``result``, and the rule that says why."""
+    if result == "reduce_scatter":
+        return protocol.owned_rows(m, tp), f"ceil(m / tp) = ceil({m} / {tp}) rows"
+    return m, f"m = {m} rows"
+
+
+def check_epilogue(residual, norm_weight, norm_eps, *, default_eps, rows, rule, hidden) -> bool:
+    """Whether the call has the epilogue; raises for half of it, for bad values, and for a
+    norm_eps other than ``default_eps`` without it (nothing would read it). ``rows`` and
+    ``rule``: the result's rows and why (`result_rows`)."""
+    checked_float("norm_eps", norm_eps)
+    if residual is None and norm_weight is None:
+        if norm_eps != default_eps:
+            raise ValueError(f"norm_eps={norm_eps!r}: given without the epilogue, which alone uses it; pass "
+                             f"residual and norm_weight too, or leave norm_eps at its default {default_eps}")
+        return False
+    for name, value, other in (("residual", residual, "norm_weight"), ("norm_weight", norm_weight, "residual")):
+        if value is None:
+            raise ValueError(f"{name}=None: the epilogue needs both residual and norm_weight; "
+                             f"{other} was given, so pass {name} too (or neither)")
+    check_epilogue_arrays(residual, norm_weight, shape=(rows, hidden), why=f"{rule}, the shape of the result")
+    check_norm_eps(norm_eps)
+    return True
+
+
+def check_epilogue_arrays(residual, norm_weight, *, shape, why: str) -> None:
+    """The epilogue's bf16 residual of ``shape`` (``why`` says whose) and its norm weight, one
+    per column."""
+    check_array("residual", residual, 2, [jnp.bfloat16])
+    if tuple(residual.shape) != tuple(shape):
+        raise ValueError(f"residual.shape={tuple(residual.shape)}: expected {tuple(shape)} ({why})")
+    check_array("norm_weight", norm_weight, 1, [jnp.bfloat16], shape=(shape[1],))
+
+
+def check_axis_bound(axis_name, who: str, hint: str) -> int:
+    """The size of ``axis_name``, which a shard_map (or another named-axis transform) binds
+    around the call; ValueError naming ``who`` and ``hint`` (where to call it) if none does.
+    Without it JAX's collectives raise a bare NameError."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"{who}: axis {axis_name!r} is not bound; call it inside {hint}") from None
