@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 import numerics
-from jax_moe_publish import op as op_module
+import stand_in_kernels as stand_in_kernels_module
 from jax_moe_publish import reference
 
 HIDDEN, TOP_K, NUM_ROWS, SCALE, EPS = 32, 3, 8, 2.5, 1e-6
@@ -653,21 +653,8 @@ def test_integer_indices_have_no_derivative(rng):
 
 @pytest.fixture
 def stand_in_kernels(monkeypatch):
-    """impl="kernel" on the CPU mailbox, the kernels' FFI call stood in for by a custom call of
-    the same operands and side effect (as tests/cpu/test_misuse_cpu.py does): jaxprs only."""
-
-    def ffi_call(set_id, mailbox_id, result_type, routed, weights, indices, shared, hidden, epilogue):
-        operands = [x for x in (routed, weights, indices, shared, epilogue.get("residual"),
-                                epilogue.get("norm_weight")) if x is not None]
-        return jax.ffi.ffi_call("jax_moe_publish_stand_in", result_type, has_side_effect=True)(*operands)
-
-    class KernelStore:  # no cubins: the stand-in needs none
-        def get(self, config):
-            return config
-
-    monkeypatch.setattr(op_module, "default_store", KernelStore)
-    monkeypatch.setattr(op_module._launch, "load", lambda artifact, ordinals: 1)
-    monkeypatch.setattr(op_module._launch, "call", ffi_call)
+    """impl="kernel" on the CPU mailbox, its FFI call stood in for (`stand_in_kernels`): jaxprs only."""
+    stand_in_kernels_module.install(monkeypatch)
     return monkeypatch
 
 

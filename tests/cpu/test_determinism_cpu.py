@@ -23,10 +23,10 @@ from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 import determinism
+import stand_in_kernels
 import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import config as config_module
-from jax_moe_publish import op as op_module
 from jax_moe_publish import tuning
 from jax_moe_publish.mailbox import Mailbox
 from jax_moe_publish.testing import gpu_matrix
@@ -144,30 +144,10 @@ def test_kernel_config_is_a_function_of_the_shared_arguments():
 
 @pytest.fixture
 def traced_kernels(monkeypatch):
-    """The kernel path on the CPU mailbox, traced only: the kernel store hands out configs, the
-    loader records each load (config and device ordinals) and returns the index of the config
-    among those loaded, and the FFI call is a stand-in custom call that carries that index as
-    its ``set_id`` attribute, so that the traced program names the kernels it would launch."""
-    loads = []
-
-    class KernelStore:  # no cubins: the stand-in needs none
-        def get(self, config):
-            return config
-
-    def load(config, ordinals):
-        loads.append((config, list(ordinals)))
-        return [c for c, _ in loads].index(config)
-
-    def ffi_call(set_id, mailbox_id, result_type, routed, weights, indices, shared, hidden, epilogue):
-        operands = [x for x in (routed, weights, indices, shared, epilogue.get("residual"),
-                                epilogue.get("norm_weight")) if x is not None]
-        return jax.ffi.ffi_call("jax_moe_publish_stand_in", result_type, has_side_effect=True)(
-            *operands, set_id=np.int32(set_id))
-
-    monkeypatch.setattr(op_module, "default_store", KernelStore)
-    monkeypatch.setattr(op_module._launch, "load", load)
-    monkeypatch.setattr(op_module._launch, "call", ffi_call)
-    return monkeypatch, loads
+    """The kernel path on the CPU mailbox, traced only (`stand_in_kernels`), and the loads it
+    made: each traced call carries its set's index as ``set_id``, so that the traced program
+    names the kernels it would launch."""
+    return monkeypatch, stand_in_kernels.install(monkeypatch)
 
 
 def _kernel_sets(jaxpr) -> list[int]:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 import numerics
+import stand_in_kernels as stand_in_kernels_module
 from jax_moe_publish import mailbox as mailbox_module
 from jax_moe_publish import op as op_module
 
@@ -489,25 +490,13 @@ def test_vmap_over_norm_weight_is_refused():
                        jnp.asarray(np.stack([norm_weight] * 2)))
 
 
-STAND_IN_TARGET = "jax_moe_publish_stand_in"
+STAND_IN_TARGET = stand_in_kernels_module.TARGET
 
 
 @pytest.fixture
 def stand_in_kernels(monkeypatch):
-    """The kernel path with its FFI call stood in for by a side-effecting call of a target that
-    no handler serves and no vmap rule batches; a Mailbox then says it is on CUDA with
-    ``monkeypatch.setattr(mailbox, "on_cuda", True)``."""
-
-    def ffi_call(set_id, mailbox_id, result_type, routed, weights, indices, shared, hidden, epilogue):
-        return jax.ffi.ffi_call(STAND_IN_TARGET, result_type, has_side_effect=True)(routed, weights, indices, shared)
-
-    class KernelStore:  # no cubins: the stand-in needs none
-        def get(self, config):
-            return config
-
-    monkeypatch.setattr(op_module, "default_store", KernelStore)
-    monkeypatch.setattr(op_module._launch, "load", lambda artifact, ordinals: 1)
-    monkeypatch.setattr(op_module._launch, "call", ffi_call)
+    """The kernel path with its FFI call stood in for (`stand_in_kernels`)."""
+    stand_in_kernels_module.install(monkeypatch)
 
 
 def test_vmap_reaches_the_kernels_as_one_call(stand_in_kernels, monkeypatch):
