@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
     rank = rank_processes.current()
     # A rank process counts the group's processes as its GPUs; it never starts another group.
     available = rank.processes if rank is not None else local_gpu_count()
-    share = rank is None and rank_processes.sharing_possible()
+    share = rank is None and rank_processes.sharing_possible(available)
     for item in items:
         needs = item.get_closest_marker("gpus")
         if needs is None and item.get_closest_marker("gpu") is None:

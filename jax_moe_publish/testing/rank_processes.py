@@ -82,9 +82,14 @@ def join(timeout_s: float = 120.0) -> RankProcess | None:
     return rank
 
 
-def sharing_possible() -> bool:
-    """True where ranks can run as processes here: a GPU to share, or the CPU switch."""
-    return local_processes.local_gpu_count() > 0 or bool(os.environ.get(ON_CPU_ENV))
+def _on_cpu() -> bool:
+    return bool(os.environ.get(ON_CPU_ENV))
+
+
+def sharing_possible(gpus: int) -> bool:
+    """True where ranks can run as processes on a machine of ``gpus`` GPUs (as the caller
+    counted them): a GPU to share, or the CPU switch."""
+    return gpus > 0 or _on_cpu()
 
 
 def launch(command: list[str], processes: int, *, deadline_s: float, seed: int | None = None,
@@ -98,7 +103,7 @@ def launch(command: list[str], processes: int, *, deadline_s: float, seed: int |
         with tempfile.TemporaryDirectory(prefix="jax-moe-publish-ranks-") as temporary:
             return launch(command, processes, deadline_s=deadline_s, seed=seed, folder=temporary,
                           extra_env=extra_env, echo=echo, grace_s=grace_s)
-    gpus = 0 if os.environ.get(ON_CPU_ENV) else local_processes.local_gpu_count()
+    gpus = 0 if _on_cpu() else local_processes.local_gpu_count()
     seed = secrets.randbits(62) if seed is None else seed
     port = local_processes.free_port()
     envs = []
