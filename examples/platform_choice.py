@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 
 
 def gpu_present() -> bool:
@@ -84,16 +83,7 @@ def run(main, args, deadline_s: float = 1800.0) -> int:
     from jax_moe_publish.testing import local_processes, rank_processes
 
     if rank_processes.join() is not None:
-        try:
-            code = main(args) or 0
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 1
-            if not isinstance(stop.code, int):
-                print(stop.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        local_processes.leave(code)
+        local_processes.run_and_leave(main, args)
     if not args.rank_processes:
         return main(args) or 0
     outcomes = rank_processes.launch([sys.executable, *sys.argv], args.rank_processes, deadline_s=deadline_s,

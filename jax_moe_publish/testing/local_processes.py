@@ -201,11 +201,17 @@ def leave(code: int = 0, *, wait_for_peers: bool = True, timeout_s: float = 60.0
 
 
 def run_and_leave(program, *args) -> NoReturn:
-    """Call ``program(*args)``, then `leave`: with 0 if it returned, with 1 after printing the
-    traceback if it raised."""
+    """Call ``program(*args)``, then `leave` with its exit status: what it returned (None: 0),
+    the code of a `SystemExit` it raised (a message is printed, and is 1), or 1 after printing
+    the traceback of anything else it raised."""
     try:
-        program(*args)
+        code = program(*args) or 0
+    except SystemExit as stop:
+        code = stop.code or 0
+        if not isinstance(code, int):  # sys.exit(message)
+            print(code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
-        leave(1)
-    leave(0)
+        code = 1
+    leave(code)
