@@ -7,6 +7,8 @@
 # for spills and local memory (tools/kernel_resources.py: the cubins, with this machine's cuobjdump),
 # and runs the GPU tests. It fails if either fails, and if no GPU test ran: CUDA found no GPU,
 # the selection holds none, or every one skipped (JAX_MOE_PUBLISH_REQUIRE_GPU, tests/conftest.py).
+# JAX_MOE_PUBLISH_INSTALLED=1 skips the install, for checks run side by side on one machine
+# after one install (several pip installs of one package at once can corrupt it).
 # Build the folder first where CuTe DSL is installed:
 #   python -m jax_moe_publish.aot build --preset tests --out kernels-prebuilt
 set -euo pipefail
@@ -19,7 +21,7 @@ export JAX_MOE_PUBLISH_REQUIRE_GPU=1
 # none may take most of a GPU's memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 [ -d "$JAX_MOE_PUBLISH_KERNEL_DIR" ] || { echo "no prebuilt kernels at $JAX_MOE_PUBLISH_KERNEL_DIR" >&2; exit 2; }
-"$PYTHON" -m pip install --quiet --no-build-isolation --no-deps .
+[ "${JAX_MOE_PUBLISH_INSTALLED:-0}" = 1 ] || "$PYTHON" -m pip install --quiet --no-build-isolation --no-deps .
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 # The resource check needs no GPU: it runs beside the tests.
 report=$(mktemp)

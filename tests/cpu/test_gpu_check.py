@@ -63,7 +63,8 @@ def test_stand_in_that_skips_inside_its_body(needs):
 
 
 def _environment(tmp_path, **variables) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_MOE_PUBLISH_REQUIRE_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JAX_MOE_PUBLISH_REQUIRE_") and k != "JAX_MOE_PUBLISH_INSTALLED"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     env.update({k: str(v) for k, v in variables.items()})
     return env
@@ -124,14 +125,14 @@ def test_with_the_switch_a_test_that_needs_more_gpus_still_skips(tmp_path):
     assert "needs 2 NVIDIA GPU(s), found 1" in run.stdout, _output(run)
 
 
-def _gpu_check(tmp_path, *args, gpus: int) -> subprocess.CompletedProcess:
-    """``bash tools/gpu_check.sh args`` with stand-ins for pip, nvidia-smi and the resource check
-    (they need the GPU machine), and pytest run by this Python."""
+def _gpu_check(tmp_path, *args, gpus: int, **variables) -> subprocess.CompletedProcess:
+    """``bash tools/gpu_check.sh args`` with stand-ins for pip (which leaves ``pip-ran`` behind),
+    nvidia-smi and the resource check (they need the GPU machine), and pytest run by this Python."""
     (tmp_path / "fake_gpus.py").write_text(FAKE_GPUS)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     python = bin_dir / "python"
-    python.write_text(f'#!/usr/bin/env bash\ncase "$1 ${{2:-}}" in "-m pip") exit 0;; esac\n'
+    python.write_text(f'#!/usr/bin/env bash\ncase "$1 ${{2:-}}" in "-m pip") touch {tmp_path}/pip-ran; exit 0;; esac\n'
                       f'case "$1" in */kernel_resources.py) exit 0;; esac\nexec {sys.executable} "$@"\n')
     smi = bin_dir / "nvidia-smi"
     smi.write_text("#!/bin/sh\necho '0, a stand-in GPU, 0'\n")
@@ -139,7 +140,7 @@ def _gpu_check(tmp_path, *args, gpus: int) -> subprocess.CompletedProcess:
         program.chmod(0o755)
     (tmp_path / "kernels").mkdir()
     env = _environment(tmp_path, FAKE_GPUS=gpus, PYTHON=python, JAX_MOE_PUBLISH_KERNEL_DIR=tmp_path / "kernels",
-                       PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+                       PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **variables)
     return subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "-p", "fake_gpus", "-p", "no:cacheprovider",
                            *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
@@ -153,6 +154,14 @@ def test_gpu_check_fails_where_no_gpu_test_can_run(tmp_path):
 def test_gpu_check_passes_where_a_gpu_test_ran(tmp_path):
     run = _gpu_check(tmp_path, STAND_IN, gpus=1)
     assert run.returncode == 0 and "1 passed, 1 skipped" in run.stdout, _output(run)
+    assert (tmp_path / "pip-ran").exists(), "gpu_check.sh did not install the package"
+
+
+def test_gpu_check_leaves_the_install_to_the_caller_when_told(tmp_path):
+    """Checks run side by side after one install must not install again."""
+    run = _gpu_check(tmp_path, STAND_IN, gpus=1, JAX_MOE_PUBLISH_INSTALLED=1)
+    assert run.returncode == 0 and "1 passed, 1 skipped" in run.stdout, _output(run)
+    assert not (tmp_path / "pip-ran").exists(), "gpu_check.sh installed although told not to"
 
 
 def _compile_tier_run(tmp_path, *, cutlass: str, require: bool) -> subprocess.CompletedProcess:
