@@ -42,6 +42,7 @@ GATHER_TIMEOUT_S = 300.0
 
 _joined: "RankProcess | None" = None
 _gathers = itertools.count()
+_barriers = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +158,16 @@ def gather(array) -> dict:
         data = np.frombuffer((folder / f"gather-{n}-{device.id}.bin").read_bytes(), dtype=dtype)
         shards[device] = data.reshape(shape)
     return shards
+
+
+def barrier(timeout_s: float = GATHER_TIMEOUT_S) -> None:
+    """Wait until every rank process gets here (each must call it as often); nothing in a
+    single process. Before a call whose wait timeout is short: the processes compile at
+    different speeds, and that skew must not count as a late rank."""
+    rank = current()
+    if rank is None:
+        return
+    _client().wait_at_barrier(f"{_KEY}/barrier/{next(_barriers)}", max(1, int(timeout_s * 1000)))
 
 
 def to_host(array) -> np.ndarray:

@@ -43,11 +43,12 @@ def test_each_verdict_follows_the_rank_processes(tmp_path):
     verdicts, output = _verdicts(tmp_path)
     assert verdicts["test_each_rank_sees_every_rank_output"][0] == "passed", output
     assert verdicts["test_the_processes_draw_the_same_data"][0] == "passed", output
+    assert verdicts["test_a_barrier_waits_for_the_slowest_process"][0] == "passed", output
     verdict, message = verdicts["test_a_failure_in_one_rank_process_fails_the_test"]
     assert verdict == "failure" and "rank process 1" in message and "rank process 0" not in message, output
     verdict, message = verdicts["test_a_skip_inside_the_body_skips"]
     assert verdict == "skipped" and "planted skip" in message, output
-    assert "4 test(s) as 2 rank processes" in output, output
+    assert "5 test(s) as 2 rank processes" in output, output
 
 
 @pytest.mark.parametrize("benchmark", ["bench_moe_publish.py", "bench_moe_block.py", "bench_multiprocess.py"])

@@ -692,9 +692,13 @@ def api_timeout(args) -> None:
 
     rng = np.random.default_rng(args.seed)
     mailbox = _api_mailbox(jmp, mesh, timeout_s=FAULT_TIMEOUT_NS / 1e9)
-    healthy = _api_step(jax, jmp, mailbox)
     problems = _api_problems(rng, tp)
-    healthy_failure = _api_failure(rank_processes.to_host(healthy(*_api_args(jax, mesh, problems))), problems)
+    healthy_inputs = _api_args(jax, mesh, problems)
+    healthy = _api_step(jax, jmp, mailbox).lower(*healthy_inputs).compile()
+    # Rank processes compile at different speeds: with a 200 ms timeout, the first to finish
+    # would time out waiting for the slowest, not for the silent rank.
+    rank_processes.barrier()
+    healthy_failure = _api_failure(rank_processes.to_host(healthy(*healthy_inputs)), problems)
 
     def shard(routed, weights, indices, shared):
         def publish():
@@ -712,6 +716,7 @@ def api_timeout(args) -> None:
     faulty = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
     inputs = _api_args(jax, mesh, _api_problems(rng, tp))
     compiled = faulty.lower(*inputs).compile()
+    rank_processes.barrier()
 
     def step():
         with mailbox.diagnose():

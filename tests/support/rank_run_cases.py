@@ -6,6 +6,8 @@ Each needs two "GPUs", so that on a machine without them it runs as two rank pro
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,16 @@ def test_the_processes_draw_the_same_data(rng):
     copies = rank_processes.to_host(rank_processes.place(mesh, P("tp"), np.stack([drawn] * mesh.size)[:, None]))
     for rank in range(mesh.size):
         np.testing.assert_array_equal(copies[rank, 0], copies[0, 0], err_msg=f"rank {rank} drew other data")
+
+
+def test_a_barrier_waits_for_the_slowest_process():
+    """Process 1 arrives 2 s late and leaves a mark first: no process passes before the mark."""
+    client = rank_processes._client()
+    if jax.process_index() == 1:
+        time.sleep(2.0)
+        client.key_value_set("rank_run_cases/late", "arrived")
+    rank_processes.barrier()
+    assert client.key_value_try_get("rank_run_cases/late") == "arrived", "passed the barrier before process 1"
 
 
 def test_a_failure_in_one_rank_process_fails_the_test():
