@@ -24,13 +24,13 @@ and two more programs per side:
   finalize nor hoist them (``x`` changes every layer). Its step, the same for both paths,
   is the router, the sort, the finalize + reduce, the epilogue and the loop's own cost;
 * ``op``: the finalize + reduce + epilogue alone at the same m and tp
-  (`bench_moe_publish.make_chain`, its 32 chained calls per iteration, both sides'
+  (`chains.make_chain`, its 32 chained calls per iteration, both sides'
   finalize kept in the timed loop: XLA's tied to the loop carry, ours our kernels' custom
   call, or on CPU the reference path tied like XLA's): what the op saves by itself.
 
 Time per step = ``(T(MANY iterations) - T(FEW)) / (MANY - FEW)``, one program per count,
 so that host dispatch cancels, ours and XLA's programs timed interleaved and paired by run
-(`bench_moe_publish.paired_estimates`, ``--reps`` repetitions after a warm-up): each
+(`timing.paired_estimates`, ``--reps`` repetitions after a warm-up): each
 estimate is one run less the adjacent one. Before timing, a one-layer program of each
 side and variant runs on the same inputs: ours and XLA's outputs must agree (relative
 difference at most 1e-2). The environment records our side's ``op_impl``. Per (problem,
@@ -125,10 +125,14 @@ import jax  # noqa: E402  (XLA_FLAGS must be set first)
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-import bench_moe_publish as bench  # noqa: E402
+import chains  # noqa: E402
+import floors  # noqa: E402
 import jax_moe_publish as jmp  # noqa: E402
 from jax_moe_publish.testing import rank_processes  # noqa: E402
+import kernel_builds  # noqa: E402
 import moe_block as mb  # noqa: E402
+import records  # noqa: E402
+import timing  # noqa: E402
 
 
 def problem_config(name):
@@ -139,7 +143,7 @@ def problem_config(name):
 
 
 def op_spec(config):
-    """The op's problem in `bench_moe_publish`'s terms, with the epilogue."""
+    """The op's problem as a `chains.problem_spec` value, with the epilogue."""
     return dict(hidden=config.hidden, top_k=config.top_k, shared=config.shared,
                 scale=config.routed_scaling_factor, epilogue=True)
 
@@ -172,7 +176,7 @@ def op_impl():
 
 
 def step_us(config, mesh, mailbox, variant, inputs, layers):
-    """`bench_moe_publish.summarize` of one round of per-step estimates of ``variant``'s stack,
+    """`timing.summarize` of one round of per-step estimates of ``variant``'s stack,
     per side, the sides timed interleaved."""
     few, many = ARGS.iterations
     programs = {}
@@ -181,8 +185,8 @@ def step_us(config, mesh, mailbox, variant, inputs, layers):
         # The timing helpers wait for one array: the final out, which the residual stream feeds.
         programs[side] = {n: jax.jit(lambda *a, n=n, fn=fn: mb.make_decode(config, mesh, fn, layers, steps=n)(*a)[0])
                           for n in (few, many)}
-    estimates = bench.paired_estimates(programs, inputs, ARGS.reps, 1, (few, many))
-    return {side: bench.summarize([estimates[side]]) for side in mb.FINALIZES}
+    estimates = timing.paired_estimates(programs, inputs, ARGS.reps, 1, (few, many))
+    return {side: timing.summarize([estimates[side]]) for side in mb.FINALIZES}
 
 
 def check_outputs(config, mesh, mailbox, params, x, residual, variants):
@@ -210,21 +214,21 @@ def check_outputs(config, mesh, mailbox, params, x, residual, variants):
 
 
 def op_programs(mailbox, config, layers, counts, impl):
-    """The op-alone chains of both sides (`bench_moe_publish.make_chain`), ``{side: {n: program}}``
+    """The op-alone chains of both sides (`chains.make_chain`), ``{side: {n: program}}``
     for each ``n`` in ``counts``, ours through ``impl``."""
     spec = op_spec(config)
-    return {side: {n: bench.make_chain(side, mailbox, spec, None, n, layers=layers, op_impl=impl) for n in counts}
+    return {side: {n: chains.make_chain(side, mailbox, spec, None, n, layers=layers, op_impl=impl) for n in counts}
             for side in mb.FINALIZES}
 
 
 def op_alone(mailbox, mesh, config, m, key):
-    """Per-call time of the op alone, ours and XLA's, in `bench_moe_publish`'s chains, timed interleaved."""
+    """Per-call time of the op alone, ours and XLA's, in `chains`' chains, timed interleaved."""
     iterations = tuple(ARGS.iterations)
-    layers = ARGS.op_layers or bench.LAYERS
-    inputs = bench.chain_inputs(mesh, m, op_spec(config), key, layers)
+    layers = ARGS.op_layers or timing.LAYERS
+    inputs = chains.chain_inputs(mesh, m, op_spec(config), key, layers)
     programs = op_programs(mailbox, config, layers, iterations, op_impl())
-    estimates = bench.paired_estimates(programs, inputs, ARGS.reps, layers, iterations)
-    result = {"layers": layers, **{side: bench.summarize([estimates[side]]) for side in mb.FINALIZES}}
+    estimates = timing.paired_estimates(programs, inputs, ARGS.reps, layers, iterations)
+    result = {"layers": layers, **{side: timing.summarize([estimates[side]]) for side in mb.FINALIZES}}
     result["saved_us"] = result["xla"]["us"] - result["ours"]["us"]
     return result
 
@@ -282,7 +286,7 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
 
 def kernel_configs(configs, tp):
     """The op's kernel configs of every case (the tuning table's choice for the kernels)."""
-    return list(dict.fromkeys(bench.spec_config(op_spec(config), tp, None, m) for config in configs for m in ARGS.m))
+    return list(dict.fromkeys(chains.spec_config(op_spec(config), tp, None, m) for config in configs for m in ARGS.m))
 
 
 def print_table(results):
@@ -340,7 +344,7 @@ def main() -> int:
     if ARGS.build_kernels:
         if not tp:
             raise SystemExit("--build-kernels without GPUs here: give --tp")
-        bench.build_kernels(kernel_configs(configs, tp), ARGS.build_kernels)
+        kernel_builds.build_kernels(kernel_configs(configs, tp), ARGS.build_kernels)
         return 0
     if not 0 < tp <= len(devices):
         raise SystemExit(f"tp={tp}: {len(devices)} {platform.upper()} device(s) here")
@@ -350,13 +354,13 @@ def main() -> int:
               "mean nothing", flush=True)
         copy_rate = None
     else:
-        bench.check_kernels(kernel_configs(configs, tp), "python benchmarks/bench_moe_block.py --build-kernels DIR "
-                                                         f"--problems {' '.join(ARGS.problems)} --m "
-                                                         f"{' '.join(map(str, ARGS.m))}")
-        copy_rate = bench.xla_copy_bytes_per_s(devices[0], ARGS.reps)
+        kernel_builds.check_kernels(kernel_configs(configs, tp),
+                                    "python benchmarks/bench_moe_block.py --build-kernels DIR "
+                                    f"--problems {' '.join(ARGS.problems)} --m {' '.join(map(str, ARGS.m))}")
+        copy_rate = floors.xla_copy_bytes_per_s(devices[0], ARGS.reps)
         print(f"copy bandwidth {copy_rate / 1e9:.0f} GB/s (read + write)", flush=True)
     results = []
-    data = {"environment": {**bench.machine_environment(), "platform": platform, "plumbing_check": ARGS.cpu,
+    data = {"environment": {**records.machine_environment(), "platform": platform, "plumbing_check": ARGS.cpu,
                             "tp": tp, "layers": ARGS.layers, "iterations": list(ARGS.iterations),
                             "reps": ARGS.reps, "paths": ARGS.paths, "op_impl": op_impl()},
             "copy_bytes_per_s": copy_rate, "problems": {}, "results": results}
@@ -377,10 +381,10 @@ def main() -> int:
                 results.extend(case)
                 print_table(case)
                 # After every case, so that a run cut short keeps what it measured.
-                bench.write_json(data, ARGS.out)
+                records.write_json(data, ARGS.out)
             mailbox.check()
         del params
-    bench.write_json(data, ARGS.out)
+    records.write_json(data, ARGS.out)
     print(f"wrote {ARGS.out}")
     if ARGS.plot:
         environment = data["environment"]

@@ -18,8 +18,8 @@ each layer with its own inputs and its output fed into the next layer's
 shared input (XLA's tied to the loop carry); per call = (T(164 iterations) -
 T(36 iterations)) / (128 * layers) (``--iterations``), from ``--reps`` timed
 runs of each program, ours and XLA's interleaved within each repetition
-(`bench_moe_publish.paired_estimates`): ``us`` the median of the per-call
-estimates and ``p10``/``p90`` their percentiles (`bench_moe_publish.summarize`),
+(`timing.paired_estimates`): ``us`` the median of the per-call
+estimates and ``p10``/``p90`` their percentiles (`timing.summarize`),
 ``paired_ratio`` ours over XLA per repetition, from adjacent runs. The two
 processes time their own runs of the same programs; a
 call is done when both ranks have its output, so the two-process figure is
@@ -48,7 +48,11 @@ import os
 import re
 import sys
 
-import bench_moe_publish as bench  # benchmarks/ is on sys.path when this file runs as a script
+# benchmarks/ is on sys.path when this file runs as a script.
+import chains
+import kernel_builds
+import records
+import timing
 from jax_moe_publish.testing import local_processes, rank_processes
 
 TP = 2
@@ -62,12 +66,12 @@ def parse(argv=None):
                                       "on GPUs, none on CPU")
     parser.add_argument("--m", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--algorithms", nargs="+", default=["oneshot", "twoshot"], choices=["oneshot", "twoshot"])
-    parser.add_argument("--problem", default="deepseek-v3", choices=sorted(bench.PROBLEMS))
+    parser.add_argument("--problem", default="deepseek-v3", choices=sorted(chains.PROBLEMS))
     parser.add_argument("--hidden", type=int, help="replace the problem's hidden size (a smoke run)")
-    parser.add_argument("--layers", type=int, default=bench.LAYERS, help="calls per loop iteration")
+    parser.add_argument("--layers", type=int, default=timing.LAYERS, help="calls per loop iteration")
     parser.add_argument("--reps", type=int, default=30, help="timed runs of each program")
     parser.add_argument("--iterations", nargs=2, type=int, metavar=("FEW", "MANY"),
-                        default=[bench.SHORT, bench.LONG],
+                        default=[timing.SHORT, timing.LONG],
                         help="loop iterations of the two timed programs (bench_moe_publish.py's by default)")
     parser.add_argument("--cpu", action="store_true",
                         help="the plumbing check on CPU, also where there are GPUs")
@@ -86,7 +90,7 @@ def parse(argv=None):
 
 
 def problem_spec(args):
-    return {**bench.problem_spec(args.problem), **({"hidden": args.hidden} if args.hidden else {})}
+    return {**chains.problem_spec(args.problem), **({"hidden": args.hidden} if args.hidden else {})}
 
 
 def problem_name(args):
@@ -100,7 +104,7 @@ def case_flags(args):
 
 
 def needed_configs(args):
-    return list(dict.fromkeys(bench.spec_config(problem_spec(args), TP, algorithm, m)
+    return list(dict.fromkeys(chains.spec_config(problem_spec(args), TP, algorithm, m)
                               for algorithm in args.algorithms for m in args.m))
 
 
@@ -116,12 +120,12 @@ def measure_cases(args, mesh):
     for algorithm in args.algorithms:
         for m in args.m:
             key, sub = jax.random.split(key)
-            config = bench.spec_config(spec, TP, algorithm, m)
+            config = chains.spec_config(spec, TP, algorithm, m)
             with jmp.Mailbox(mesh, "tp", hidden=spec["hidden"], capacity_m=m) as mailbox:
-                inputs = bench.chain_inputs(mesh, m, spec, sub, args.layers)
-                timed = bench.time_ours_and_xla(mailbox, spec, config, inputs, args.reps, f"{algorithm} m={m}",
-                                                layers=args.layers, op_impl="reference" if args.cpu else "kernel",
-                                                iterations=tuple(args.iterations))
+                inputs = chains.chain_inputs(mesh, m, spec, sub, args.layers)
+                timed = chains.time_ours_and_xla(mailbox, spec, config, inputs, args.reps, f"{algorithm} m={m}",
+                                                 layers=args.layers, op_impl="reference" if args.cpu else "kernel",
+                                                 iterations=tuple(args.iterations))
                 mailbox.check()
             print(f"{algorithm} m={m}: ours {timed['ours']['us']:.2f} us, xla {timed['xla']['us']:.2f} us per call",
                   flush=True)
@@ -152,7 +156,7 @@ def single(args):
     if len(devices) < TP:
         raise SystemExit(f"{len(devices)} device(s): the one-process case needs {TP}")
     results = measure_cases(args, jax.sharding.Mesh(np.array(devices), ("tp",)))
-    local_processes.report({"environment": bench.machine_environment(), "devices": list(map(str, devices)),
+    local_processes.report({"environment": records.machine_environment(), "devices": list(map(str, devices)),
                             "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": results})
 
 
@@ -247,7 +251,7 @@ def main(argv=None):
     if args.role == "single":
         local_processes.run_and_leave(single, args)
     if args.build_kernels:
-        bench.build_kernels(needed_configs(args), args.build_kernels)
+        kernel_builds.build_kernels(needed_configs(args), args.build_kernels)
         return 0
     gpus = local_processes.local_gpu_count()
     args.cpu = args.cpu or gpus == 0
@@ -257,15 +261,15 @@ def main(argv=None):
     elif gpus < TP:
         raise SystemExit(f"{gpus} GPU(s): this benchmark needs {TP} (--cpu for the plumbing check)")
     else:
-        bench.check_kernels(needed_configs(args), "python benchmarks/bench_multiprocess.py --build-kernels DIR "
-                            + " ".join(case_flags(args)))
+        kernel_builds.check_kernels(needed_configs(args), "python benchmarks/bench_multiprocess.py --build-kernels DIR "
+                                    + " ".join(case_flags(args)))
     workers = run_phase(args, "two_processes")
     (single_result,) = run_phase(args, "one_process")
     data = {"environment": environment(args, workers, single_result),
             "results": combine(args, workers, single_result)}
     out = args.out or (None if args.cpu else default_out(data["environment"]))
     if out:
-        bench.write_json(data, out)
+        records.write_json(data, out)
         print(f"wrote {out}")
     print()
     if args.cpu:

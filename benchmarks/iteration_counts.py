@@ -3,7 +3,7 @@
     python benchmarks/iteration_counts.py --out results.json [--m 16 64] [--counts 4 36 132 260]
 
 For each problem (DeepSeek-V3, with and without the epilogue) and m, at tp = 2,
-oneshot, both paths' chains (`bench_moe_publish.make_chain`) run at every
+oneshot, both paths' chains (`chains.make_chain`) run at every
 iteration count, each T the median of ``--reps`` runs, in ``--rounds`` rounds
 of freshly compiled programs. The JSON keeps every T and, per round, the
 least-squares slope and intercept over all counts and the per-call estimate of
@@ -49,25 +49,27 @@ import jax_moe_publish as jmp  # noqa: E402
 from jax_moe_publish import _extension  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_moe_publish as bench  # noqa: E402
+import chains  # noqa: E402
+import records  # noqa: E402
+import timing  # noqa: E402
 
 TP = 2
-PROBLEMS = ("deepseek-v3", "deepseek-v3" + bench.EPILOGUE_SUFFIX)
+PROBLEMS = ("deepseek-v3", "deepseek-v3" + chains.EPILOGUE_SUFFIX)
 
 
 def time_counts(impl, mailbox, problem, config, inputs, counts, reps):
     """Median run time in ms of ``impl``'s chain at each of ``counts`` iterations, and the fit."""
-    programs = {n: bench.make_chain(impl, mailbox, problem, config, n) for n in counts}
+    programs = {n: chains.make_chain(impl, mailbox, problem, config, n) for n in counts}
     ms, executes = {}, {}
     for n in counts:
         before = _extension.execute_counts()
-        ms[n] = float(np.median(bench.time_runs(programs[n], inputs, reps))) * 1e3
+        ms[n] = float(np.median(timing.time_runs(programs[n], inputs, reps))) * 1e3
         runs = reps + 1  # time_runs' warm-up run, then the timed ones
         executes[str(n)] = {kind: (after - start) / runs for kind, after, start
                             in zip(("captured", "direct"), _extension.execute_counts(), before)}
-    calls = np.array(counts) * bench.LAYERS
+    calls = np.array(counts) * timing.LAYERS
     slope, intercept = np.polyfit(calls, np.array([ms[n] for n in counts]), 1)
-    pairs = {f"{a}-{b}": (ms[b] - ms[a]) / ((b - a) * bench.LAYERS) * 1e3
+    pairs = {f"{a}-{b}": (ms[b] - ms[a]) / ((b - a) * timing.LAYERS) * 1e3
              for a, b in itertools.combinations(sorted(counts), 2)}
     return {"ms": {str(n): ms[n] for n in counts}, "fit_us_per_call": float(slope * 1e3),
             "fit_intercept_ms": float(intercept), "pair_us_per_call": pairs,
@@ -80,15 +82,15 @@ def main():
         raise SystemExit(f"needs {TP} GPUs, found {len(gpus)}")
     mesh = jax.sharding.Mesh(np.array(gpus[:TP]), ("tp",))
     counts = sorted(set(ARGS.counts))
-    data = {"environment": {**bench.machine_environment(), "layers": bench.LAYERS, "counts": counts,
+    data = {"environment": {**records.machine_environment(), "layers": timing.LAYERS, "counts": counts,
                             "reps": ARGS.reps, "rounds": ARGS.rounds},
             "results": []}
     for name in PROBLEMS:
-        problem = bench.problem_spec(name)
+        problem = chains.problem_spec(name)
         for m in ARGS.m:
-            config = bench.case_config(name, TP, "oneshot", m)
+            config = chains.case_config(name, TP, "oneshot", m)
             with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
-                inputs = bench.chain_inputs(mesh, m, problem, jax.random.key(m))
+                inputs = chains.chain_inputs(mesh, m, problem, jax.random.key(m))
                 for impl in ("ours", "xla"):
                     for round_index in range(ARGS.rounds):
                         row = {"problem": name, "m": m, "impl": impl, "round": round_index,
@@ -101,7 +103,7 @@ def main():
                               f"+ {row['fit_intercept_ms']:.2f} ms; pairs (us/call) {pairs}; "
                               f"handler runs per run: {handler}", flush=True)
                 mailbox.check()
-    bench.write_json(data, ARGS.out)
+    records.write_json(data, ARGS.out)
     print(f"wrote {ARGS.out}")
     return 0
 

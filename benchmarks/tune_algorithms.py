@@ -9,7 +9,7 @@
     python benchmarks/tune_algorithms.py --measure --cpu --tp 2 --m 1 2 --out /tmp/sweep.json \
         --table /tmp/algorithms.json
 
-``--model`` (no GPU) rewrites the entries marked ``model`` from `tuning.LinkModel` and the
+``--model`` (no GPU) rewrites the entries marked ``model`` from `link_model.LinkModel` and the
 constants in the file's ``model`` section, at the DeepSeek-V3 shape: for every tp > 1 whose
 entries are all the model's, one-shot up to the largest m at which it is no slower than
 two-shot, two-shot beyond.
@@ -88,7 +88,7 @@ if ARGS is not None and ARGS.cpu:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CPU_DEVICES}"
 
-from jax_moe_publish import tuning  # noqa: E402
+from jax_moe_publish import link_model, tuning  # noqa: E402
 from jax_moe_publish.aot.presets import DEEPSEEK_V3  # noqa: E402
 
 CASES = (("allreduce", "none"), ("allreduce", "rmsnorm"))
@@ -103,7 +103,7 @@ def measured_cases(tp: int):
     return CASES, ("oneshot", "twoshot")
 
 
-def model_entries(model: tuning.LinkModel, problem: tuning.Problem, tp: int, epilogue: str) -> list[dict]:
+def model_entries(model: link_model.LinkModel, problem: tuning.Problem, tp: int, epilogue: str) -> list[dict]:
     """The model's entries for one tp: one-shot up to the crossover, two-shot beyond."""
     crossover = model.crossover_m(problem, tp, epilogue)
     where = (f"at hidden {problem.hidden}, top-k {problem.top_k}, with {model.p2p_bytes_per_s / 1e9:g} GB/s "
@@ -123,7 +123,7 @@ def model_entries(model: tuning.LinkModel, problem: tuning.Problem, tp: int, epi
 def rewrite_model(data: dict) -> None:
     """Replace every tp > 1 whose entries are all ``model`` by the model's entries (tp = 1 has
     one kernel algorithm: nothing to model); every other entry stays as it is."""
-    model = tuning.LinkModel(**{name: data["model"][name] for name in tuning.LinkModel.__dataclass_fields__})
+    model = link_model.LinkModel(**{name: data["model"][name] for name in link_model.LinkModel.__dataclass_fields__})
     for result, epilogue in CASES:
         by_tp = data["tables"][f"{result}/{epilogue}"]
         for tp, entries in by_tp.items():
@@ -161,7 +161,7 @@ def measured_entries(timings: list[dict], tp: int, hidden: int, shared_expert: b
 
 
 SWEEP_PROBLEM = "deepseek-v3"
-"""The problem a sweep times (`bench_moe_publish.PROBLEMS`); its cases add the epilogue."""
+"""The problem a sweep times (`chains.PROBLEMS`); its cases add the epilogue."""
 
 
 def measure(tp: int, ms: list[int], reps: int, cpu: bool, out: str) -> dict:
@@ -175,37 +175,39 @@ def measure(tp: int, ms: list[int], reps: int, cpu: bool, out: str) -> dict:
     import numpy as np
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    import bench_moe_publish as bench
+    import chains
     import jax_moe_publish as jmp
+    import records
+    import timing
 
-    chains = CPU_CHAINS if cpu else dict(layers=bench.LAYERS, iterations=(bench.SHORT, bench.LONG))
+    chain_options = CPU_CHAINS if cpu else dict(layers=timing.LAYERS, iterations=(timing.SHORT, timing.LONG))
     devices = jax.devices()
     if tp > len(devices):
         raise SystemExit(f"--tp {tp}: needs {tp} devices, found {len(devices)}")
     mesh = jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
-    refused = bench.probe_xla_columns(mesh, bench.XLA_COLUMNS)
-    columns = [column for column in bench.XLA_COLUMNS if column not in refused]
-    spec = bench.problem_spec(SWEEP_PROBLEM)
+    refused = chains.probe_xla_columns(mesh, chains.XLA_COLUMNS)
+    columns = [column for column in chains.XLA_COLUMNS if column not in refused]
+    spec = chains.problem_spec(SWEEP_PROBLEM)
     part = {"tp": tp, "m": list(ms),
             "problem": {"name": SWEEP_PROBLEM, "hidden": spec["hidden"], "shared_expert": spec["shared"]},
-            "environment": {**bench.machine_environment(), "plumbing_check": cpu, **chains, "reps": reps,
+            "environment": {**records.machine_environment(), "plumbing_check": cpu, **chain_options, "reps": reps,
                             "xla_columns_refused": refused},
             "results": []}
     cases, algorithms = measured_cases(tp)
     for m in ms:
         for result, epilogue in cases:
-            name = SWEEP_PROBLEM + (bench.EPILOGUE_SUFFIX if epilogue != "none" else "")
-            problem = bench.problem_spec(name)
+            name = SWEEP_PROBLEM + (chains.EPILOGUE_SUFFIX if epilogue != "none" else "")
+            problem = chains.problem_spec(name)
             row = {"tp": tp, "m": m, "case": f"{result}/{epilogue}", "us": {}, "xla": {}}
             with jmp.Mailbox(mesh, "tp", hidden=problem["hidden"], capacity_m=m) as mailbox:
-                inputs = bench.chain_inputs(mesh, m, problem, jax.random.key(m), chains["layers"])
+                inputs = chains.chain_inputs(mesh, m, problem, jax.random.key(m), chain_options["layers"])
                 for algorithm in algorithms:
-                    timed = bench.time_ours_and_xla(
-                        mailbox, problem, bench.case_config(name, tp, algorithm, m), inputs, reps,
+                    timed = chains.time_ours_and_xla(
+                        mailbox, problem, chains.case_config(name, tp, algorithm, m), inputs, reps,
                         f"{name} tp={tp} {algorithm} m={m}", op_impl="reference" if cpu else "kernel",
-                        xla=bench.xla_columns(tp, columns), **chains)
+                        xla=chains.xla_columns(tp, columns), **chain_options)
                     row["us"][algorithm] = timed["ours"]["us"]
-                    for column in bench.xla_columns(tp, columns):
+                    for column in chains.xla_columns(tp, columns):
                         row["xla"].setdefault(column, []).append(timed[column])
                 mailbox.check()
             # The op's jnp path runs XLA's default column: the fastest of its programs (one
@@ -214,7 +216,7 @@ def measure(tp: int, ms: list[int], reps: int, cpu: bool, out: str) -> dict:
             part["results"].append(row)
             print(f"tp={tp} {result}/{epilogue} m={m}: " + ", ".join(
                 f"{path} {us:.2f}" for path, us in row["us"].items()), flush=True)
-        bench.write_json(part, out)
+        records.write_json(part, out)
     return part
 
 

@@ -1,7 +1,8 @@
-// The values a kernel of the op can receive, with their PTX parameter types, and the launch
-// limits: the C++ side of the launch contract in jax_moe_publish/_abi.py. The sidecar names each
-// kernel's parameters from this list, and the handler fills them by name. A CPU test
-// keeps the two lists equal (the module's launch_values()).
+// The C++ side of the launch contract in jax_moe_publish/_abi.py: the values a kernel of the op can
+// receive (with their PTX parameter types and where the handler takes each from), the FFI targets,
+// the operand dtypes and the launch limits. The sidecar names each kernel's parameters and each
+// operand of a call from these lists, and the handler fills them by name. CPU tests keep them equal
+// to _abi's (the module's launch_values(), launch_limits(), operand_dtypes() and registrations()).
 
 #ifndef JAX_MOE_PUBLISH_FFI_LAUNCH_VALUES_H_
 #define JAX_MOE_PUBLISH_FFI_LAUNCH_VALUES_H_
@@ -9,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+
+#include "xla/ffi/api/ffi.h"
 
 namespace jax_moe_publish {
 
@@ -33,23 +36,112 @@ enum class Value {
   kEps,
 };
 
+// Where the handler takes a value from (FillValues in moe_publish_handler.cc).
+enum class Source {
+  kOperand,    // the address of the call's operand of the same name
+  kRows,       // num_rows or m, from the rows rules of the operands
+  kMailbox,    // this device's mailbox registration; 0 without a mailbox (tp = 1)
+  kAttribute,  // the call's norm_eps; 0 for a target without it
+};
+
 struct ValueInfo {
   std::string_view name;
   std::string_view ptx_type;  // "u64", "u32" or "f32"
+  Source source;
 };
 
 // In the order of Value.
 inline constexpr ValueInfo kValues[] = {
-    {"routed", "u64"},       {"weights", "u64"},     {"indices", "u64"},     {"shared", "u64"},
-    {"mailbox", "u64"},      {"peer_table", "u64"},  {"stage_state", "u64"}, {"status", "u64"},
-    {"out", "u64"},          {"residual", "u64"},    {"norm_weight", "u64"}, {"residual_out", "u64"},
-    {"timeout_ns", "u64"},   {"num_rows", "u32"},    {"m", "u32"},           {"capacity_m", "u32"},
-    {"rank", "u32"},         {"eps", "f32"},
+    {"routed", "u64", Source::kOperand},       {"weights", "u64", Source::kOperand},
+    {"indices", "u64", Source::kOperand},      {"shared", "u64", Source::kOperand},
+    {"mailbox", "u64", Source::kMailbox},      {"peer_table", "u64", Source::kMailbox},
+    {"stage_state", "u64", Source::kMailbox},  {"status", "u64", Source::kMailbox},
+    {"out", "u64", Source::kOperand},          {"residual", "u64", Source::kOperand},
+    {"norm_weight", "u64", Source::kOperand},  {"residual_out", "u64", Source::kOperand},
+    {"timeout_ns", "u64", Source::kMailbox},   {"num_rows", "u32", Source::kRows},
+    {"m", "u32", Source::kRows},               {"capacity_m", "u32", Source::kMailbox},
+    {"rank", "u32", Source::kMailbox},         {"eps", "f32", Source::kAttribute},
 };
 inline constexpr size_t kValueCount = sizeof(kValues) / sizeof(kValues[0]);
-static_assert(kValueCount == static_cast<size_t>(Value::kEps) + 1, "kValues must list every Value");
 
-// The launch limits (_abi.py's); the module's launch_limits() lets a CPU test compare them.
+constexpr const ValueInfo& Info(Value value) { return kValues[static_cast<size_t>(value)]; }
+
+// Each Value's name, written apart from kValues so that the compiler checks the table's order;
+// -Wswitch-enum makes a Value without a case a build error. Empty past the last Value.
+constexpr std::string_view ValueName(Value value) {
+  switch (value) {
+    case Value::kRouted: return "routed";
+    case Value::kWeights: return "weights";
+    case Value::kIndices: return "indices";
+    case Value::kShared: return "shared";
+    case Value::kMailbox: return "mailbox";
+    case Value::kPeerTable: return "peer_table";
+    case Value::kStageState: return "stage_state";
+    case Value::kStatus: return "status";
+    case Value::kOut: return "out";
+    case Value::kResidual: return "residual";
+    case Value::kNormWeight: return "norm_weight";
+    case Value::kResidualOut: return "residual_out";
+    case Value::kTimeoutNs: return "timeout_ns";
+    case Value::kNumRows: return "num_rows";
+    case Value::kM: return "m";
+    case Value::kCapacityM: return "capacity_m";
+    case Value::kRank: return "rank";
+    case Value::kEps: return "eps";
+  }
+  return {};
+}
+
+// The index of the first kValues row that is not its Value's; kValueCount when every row is.
+constexpr size_t FirstValueOutOfOrder() {
+  for (size_t i = 0; i < kValueCount; ++i) {
+    if (kValues[i].name != ValueName(static_cast<Value>(i))) return i;
+  }
+  return kValueCount;
+}
+static_assert(FirstValueOutOfOrder() == kValueCount, "kValues must list the Values in enum order");
+static_assert(ValueName(static_cast<Value>(kValueCount)).empty(), "kValues must list every Value");
+
+// The FFI targets (_abi.TARGETS). Each handler takes its operands as RemainingArgs and
+// RemainingRets, so a target's arity is this table's, checked against the sidecar at load.
+enum class Target { kPublish, kPublishRmsNorm };
+
+struct TargetInfo {
+  Target target;
+  std::string_view name;
+  size_t args;
+  size_t rets;
+  bool norm_eps;  // Takes the float attribute norm_eps, which gives the value eps.
+};
+
+inline constexpr TargetInfo kTargets[] = {
+    {Target::kPublish, "jax_moe_publish", 4, 1, false},
+    {Target::kPublishRmsNorm, "jax_moe_publish_rmsnorm", 6, 2, true},
+};
+
+constexpr const TargetInfo& Info(Target target) { return kTargets[static_cast<size_t>(target)]; }
+
+constexpr bool TargetsInEnumOrder() {
+  for (size_t i = 0; i < sizeof(kTargets) / sizeof(kTargets[0]); ++i) {
+    if (kTargets[i].target != static_cast<Target>(i)) return false;
+  }
+  return true;
+}
+static_assert(TargetsInEnumOrder(), "kTargets must list the Targets in enum order");
+
+// The dtypes an operand may have, by the sidecar's name (_abi.DTYPES).
+struct DtypeInfo {
+  std::string_view name;
+  xla::ffi::DataType type;
+};
+
+inline constexpr DtypeInfo kDtypes[] = {
+    {"bf16", xla::ffi::DataType::BF16},
+    {"f32", xla::ffi::DataType::F32},
+    {"s32", xla::ffi::DataType::S32},
+};
+
+// The launch limits (_abi.py's).
 inline constexpr int64_t kMaxThreads = 1024;
 inline constexpr int64_t kPortableClusterCtas = 8;  // beyond it, opt in per function
 inline constexpr int64_t kMaxClusterCtas = 16;      // Hopper's largest

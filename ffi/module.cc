@@ -1,12 +1,15 @@
-// Python module jax_moe_publish._ffi: the FFI handler as a capsule, and the
-// setup calls that fill the registry before the first call. jax_moe_publish/_extension.py
-// wraps it; see there for the documentation of each function.
+// Python module jax_moe_publish._ffi: the FFI handlers as capsules (registrations()), the
+// setup calls that fill the registry before the first call, and the contract's tables for the
+// tests that keep them equal to _abi's. jax_moe_publish/_extension.py wraps it; see there for
+// the documentation of each function.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -39,14 +42,24 @@ T Field(const nb::dict& record, const std::string& name, const char* key, const 
   return value;
 }
 
+// The records of `list`, which must be dicts; `name` names the list in messages.
+std::vector<nb::dict> Records(const nb::list& list, const std::string& name) {
+  std::vector<nb::dict> records;
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (!nb::isinstance<nb::dict>(list[i])) {
+      throw nb::type_error((name + "[" + std::to_string(i) + "]: expected a dict").c_str());
+    }
+    records.push_back(nb::borrow<nb::dict>(list[i]));
+  }
+  return records;
+}
+
 std::vector<KernelSpec> ParseKernels(const nb::list& kernels) {
   std::vector<KernelSpec> specs;
-  for (size_t i = 0; i < kernels.size(); ++i) {
+  const std::vector<nb::dict> records = Records(kernels, "kernels");
+  for (size_t i = 0; i < records.size(); ++i) {
     const std::string name = "kernels[" + std::to_string(i) + "]";
-    if (!nb::isinstance<nb::dict>(kernels[i])) {
-      throw nb::type_error((name + ": expected a dict").c_str());
-    }
-    nb::dict record = nb::borrow<nb::dict>(kernels[i]);
+    const nb::dict& record = records[i];
     specs.push_back(KernelSpec{
         Field<std::string>(record, name, "role", "a str"),
         Field<std::string>(record, name, "symbol", "a str"),
@@ -66,16 +79,45 @@ std::vector<KernelSpec> ParseKernels(const nb::list& kernels) {
 
 CallSpec ParseCall(const nb::dict& call) {
   const std::string name = "call";
-  return CallSpec{
+  CallSpec spec{
+      Field<std::string>(call, name, "target", "a str"),
       Field<int64_t>(call, name, "tp", "an int"),
       Field<int64_t>(call, name, "hidden", "an int"),
-      Field<int64_t>(call, name, "top_k", "an int"),
-      Field<std::string>(call, name, "weights", "a str"),
-      Field<bool>(call, name, "shared_expert", "a bool"),
-      Field<std::string>(call, name, "out_rows", "a str"),
       Field<bool>(call, name, "pdl", "a bool"),
+      {},
   };
+  const std::vector<nb::dict> operands =
+      Records(Field<nb::list>(call, name, "operands", "a list of dicts"), "call['operands']");
+  for (size_t i = 0; i < operands.size(); ++i) {
+    const std::string operand = "call['operands'][" + std::to_string(i) + "]";
+    const nb::dict& record = operands[i];
+    spec.operands.push_back(OperandSpec{
+        Field<std::string>(record, operand, "name", "a str"),
+        Field<std::string>(record, operand, "io", "a str"),
+        Field<std::string>(record, operand, "dtype", "a str"),
+        Field<std::optional<std::string>>(record, operand, "rows", "a str or None"),
+        Field<int64_t>(record, operand, "cols", "an int"),
+    });
+  }
+  return spec;
 }
+
+// The word of each Source, as launch_values() reports it.
+const char* SourceWord(Source source) {
+  switch (source) {
+    case Source::kOperand:
+      return "operand";
+    case Source::kRows:
+      return "rows";
+    case Source::kMailbox:
+      return "mailbox";
+    case Source::kAttribute:
+      return "attribute";
+  }
+  return "";
+}
+
+nb::str Str(std::string_view text) { return nb::str(text.data(), text.size()); }
 
 }  // namespace
 }  // namespace jax_moe_publish
@@ -83,9 +125,14 @@ CallSpec ParseCall(const nb::dict& call) {
 NB_MODULE(_ffi, m) {
   using jax_moe_publish::Registry;
 
-  m.def("handler_capsule", []() { return nb::capsule(reinterpret_cast<void*>(&MoePublish)); });
-  m.def("rmsnorm_handler_capsule",
-        []() { return nb::capsule(reinterpret_cast<void*>(&MoePublishRmsNorm)); });
+  m.def("registrations", []() {
+    nb::dict registrations;
+    for (const jax_moe_publish::TargetInfo& target : jax_moe_publish::kTargets) {
+      registrations[jax_moe_publish::Str(target.name)] =
+          nb::capsule(reinterpret_cast<void*>(jax_moe_publish::TargetHandler(target.target)));
+    }
+    return registrations;
+  });
 
   m.def(
       "load_kernel_set",
@@ -99,13 +146,31 @@ NB_MODULE(_ffi, m) {
       nb::arg("kernel_set_id"), nb::arg("device_ordinal"), nb::arg("cubin"), nb::arg("kernels"),
       nb::arg("call"));
 
-  // The C++ list of the launch contract's values, for the test that keeps it equal to Python's.
+  m.def(
+      "validate_kernel_set",
+      [](nb::list kernels, nb::dict call) {
+        jax_moe_publish::ValidateKernelSet("validate_kernel_set",
+                                           jax_moe_publish::ParseKernels(kernels),
+                                           jax_moe_publish::ParseCall(call));
+      },
+      nb::arg("kernels"), nb::arg("call"));
+
+  // The C++ tables of the launch contract, for the tests that keep them equal to Python's.
   m.def("launch_values", []() {
     nb::list values;
     for (const jax_moe_publish::ValueInfo& value : jax_moe_publish::kValues) {
-      values.append(nb::make_tuple(std::string(value.name), std::string(value.ptx_type)));
+      values.append(nb::make_tuple(jax_moe_publish::Str(value.name),
+                                   jax_moe_publish::Str(value.ptx_type),
+                                   jax_moe_publish::SourceWord(value.source)));
     }
     return values;
+  });
+  m.def("operand_dtypes", []() {
+    nb::dict dtypes;
+    for (const jax_moe_publish::DtypeInfo& dtype : jax_moe_publish::kDtypes) {
+      dtypes[jax_moe_publish::Str(dtype.name)] = xla::ffi::ByteWidth(dtype.type);
+    }
+    return dtypes;
   });
   m.def("launch_limits", []() {
     nb::dict limits;

@@ -1,8 +1,9 @@
-// XLA FFI handlers "jax_moe_publish" (one call of the MoE finalize and its TP
-// reduction) and "jax_moe_publish_rmsnorm" (the same, with the residual add +
-// RMSNorm epilogue fused into the reduce). They check the call against its
-// kernel set and this device's mailbox, then launch the set's kernels in order
-// on XLA's stream, each with the values its sidecar names (launch_values.h).
+// XLA FFI handlers of the targets in kTargets (launch_values.h): "jax_moe_publish" (one call of
+// the MoE finalize and its TP reduction) and "jax_moe_publish_rmsnorm" (the same, with the
+// residual add + RMSNorm epilogue fused into the reduce). One body serves both: it checks the
+// call's operands against its kernel set's operand records (the sidecar's call record) and this
+// device's mailbox, fills every value of the launch contract, and launches the set's kernels in
+// order on XLA's stream, each with the values its sidecar names.
 //
 // It is command-buffer compatible: execute reads only host state registered
 // before the first call and launches, with no allocation, synchronisation or
@@ -16,10 +17,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "cuda_driver.h"
 #include "launch_values.h"
@@ -27,6 +31,15 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+// Returns the ffi::Error of `expr` from the enclosing function if it is a failure, as jaxlib's
+// FFI_RETURN_IF_ERROR does, so that a handler reads as a list of checks.
+#define JMP_RETURN_IF_ERROR(expr)                                    \
+  do {                                                               \
+    if (::xla::ffi::Error jmp_error = (expr); jmp_error.failure()) { \
+      return jmp_error;                                              \
+    }                                                                \
+  } while (false)
 
 namespace jax_moe_publish {
 namespace {
@@ -38,53 +51,252 @@ ffi::Error FailedPrecondition(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
 }
 
-// Checks that `buffer` is dtype[rows, cols]; rows < 0 accepts any row count.
-// `rule` says where the expected shape comes from.
-ffi::Error CheckMatrix(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
-                       int64_t rows, int64_t cols, const char* rule, int64_t kernel_set_id) {
-  ffi::AnyBuffer::Dimensions dims = buffer.dimensions();
-  if (buffer.element_type() == dtype && dims.size() == 2 && (rows < 0 || dims[0] == rows) &&
-      dims[1] == cols) {
-    return ffi::Error::Success();
-  }
-  std::ostringstream message;
-  message << name << ": got " << buffer.element_type() << "[";
-  for (size_t i = 0; i < dims.size(); ++i) message << (i ? ", " : "") << dims[i];
-  message << "], expected " << dtype << "[";
-  if (rows < 0) {
-    message << "num_rows";
-  } else {
-    message << rows;
-  }
-  message << ", " << cols << "] (" << rule << " of kernel set " << kernel_set_id << ")";
-  return ffi::Error::InvalidArgument(message.str());
-}
+std::string OfSet(int64_t kernel_set_id) { return "kernel set " + std::to_string(kernel_set_id); }
 
-// Checks that `buffer` is bf16[cols] (norm_weight).
-ffi::Error CheckVector(const char* name, const ffi::AnyBuffer& buffer, int64_t cols,
-                       int64_t kernel_set_id) {
-  ffi::AnyBuffer::Dimensions dims = buffer.dimensions();
-  if (buffer.element_type() == ffi::DataType::BF16 && dims.size() == 1 && dims[0] == cols) {
-    return ffi::Error::Success();
-  }
-  std::ostringstream message;
-  message << name << ": got " << buffer.element_type() << "[";
-  for (size_t i = 0; i < dims.size(); ++i) message << (i ? ", " : "") << dims[i];
-  message << "], expected " << ffi::DataType::BF16 << "[" << cols << "] (hidden of kernel set "
-          << kernel_set_id << ")";
-  return ffi::Error::InvalidArgument(message.str());
-}
-
-// The operands of the epilogue: given exactly when the target is jax_moe_publish_rmsnorm.
-struct NormOperands {
-  ffi::AnyBuffer residual;
-  ffi::AnyBuffer norm_weight;
-  ffi::AnyBuffer residual_out;
-  float eps;
+// What the operands of one call give the kernels.
+struct CallOperands {
+  uint64_t addresses[kValueCount] = {};  // By Value: each operand's; 0 where no operand has it.
+  int64_t num_rows = 0;
+  int64_t m = 0;
+  int64_t owned = 0;        // ceil(m / tp): the rows this rank owns.
+  std::string_view m_from;  // The operand that fixed m; empty before it.
 };
 
-ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel, bool pdl,
-                  int64_t rows, ValueSlot* values) {
+uint64_t Address(const ffi::AnyBuffer& buffer) {
+  return reinterpret_cast<uintptr_t>(buffer.untyped_data());
+}
+
+// The sidecar's name of `type`, or XLA's in lower case for a dtype that no operand has.
+std::string DtypeName(ffi::DataType type) {
+  for (const DtypeInfo& dtype : kDtypes) {
+    if (dtype.type == type) return std::string(dtype.name);
+  }
+  std::ostringstream name;
+  name << type;
+  std::string text = name.str();
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
+// Why `operand` must have the rows it must, for messages.
+std::string RowsRule(const Operand& operand, const CallOperands& call, int64_t tp) {
+  switch (operand.rows) {
+    case Rows::kNumRows:
+      return "any rows: their count is num_rows";
+    case Rows::kM:
+      return call.m_from.empty() ? "m >= 1 rows: this operand fixes m"
+                                 : "m from " + std::string(call.m_from);
+    case Rows::kOwned:
+      return "ceil(m / tp) rows this rank owns, m=" + std::to_string(call.m) + " from " +
+             std::string(call.m_from) + ", tp=" + std::to_string(tp);
+    case Rows::kZero:
+      return "a placeholder of 0 rows";
+    case Rows::kVector:
+      return "a vector";
+  }
+  return {};
+}
+
+// A count of rows that the kernels take as a u32 and read as an int32.
+ffi::Error CheckRowCount(std::string_view operand, const char* value, int64_t count, int64_t low,
+                         int64_t kernel_set_id) {
+  const std::string got =
+      std::string(operand) + ": " + value + "=" + std::to_string(count) + " rows";
+  if (count < low) {
+    return ffi::Error::InvalidArgument(got + ", expected " + value + " >= " + std::to_string(low) +
+                                       " (" + OfSet(kernel_set_id) + ")");
+  }
+  if (count > std::numeric_limits<int32_t>::max()) {
+    return ffi::Error::InvalidArgument(got + ", expected at most 2**31 - 1 (the kernels count rows "
+                                       "in 32-bit ints; " + OfSet(kernel_set_id) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+// Checks one operand against its record. The operand with rows num_rows, and the first with
+// rows m, set those counts.
+ffi::Error CheckOperand(const Operand& operand, const ffi::AnyBuffer& buffer, int64_t tp,
+                        int64_t kernel_set_id, CallOperands* call) {
+  const std::string_view name = Info(operand.value).name;
+  const ffi::AnyBuffer::Dimensions dims = buffer.dimensions();
+  const bool vector = operand.rows == Rows::kVector;
+  int64_t rows = -1;  // Any count.
+  switch (operand.rows) {
+    case Rows::kNumRows:
+    case Rows::kVector:
+      break;
+    case Rows::kM:
+      if (!call->m_from.empty()) rows = call->m;
+      break;
+    case Rows::kOwned:
+      rows = call->owned;
+      break;
+    case Rows::kZero:
+      rows = 0;
+      break;
+  }
+  const bool fits = buffer.element_type() == operand.dtype.type &&
+                    dims.size() == (vector ? 1u : 2u) && dims[dims.size() - 1] == operand.cols &&
+                    (vector || rows < 0 || dims[0] == rows);
+  if (!fits) {
+    std::ostringstream message;
+    message << name << ": got " << DtypeName(buffer.element_type()) << "[";
+    for (size_t i = 0; i < dims.size(); ++i) message << (i ? ", " : "") << dims[i];
+    message << "], expected " << operand.dtype.name << "[";
+    if (!vector) {
+      if (rows >= 0) {
+        message << rows;
+      } else {
+        message << (operand.rows == Rows::kNumRows ? "num_rows" : "m");
+      }
+      message << ", ";
+    }
+    message << operand.cols << "] (" << RowsRule(operand, *call, tp) << "; "
+            << OfSet(kernel_set_id) << ")";
+    return ffi::Error::InvalidArgument(message.str());
+  }
+  call->addresses[static_cast<size_t>(operand.value)] = Address(buffer);
+  if (operand.rows == Rows::kNumRows) {
+    JMP_RETURN_IF_ERROR(CheckRowCount(name, "num_rows", dims[0], 0, kernel_set_id));
+    call->num_rows = dims[0];
+  } else if (operand.rows == Rows::kM && call->m_from.empty()) {
+    JMP_RETURN_IF_ERROR(CheckRowCount(name, "m", dims[0], 1, kernel_set_id));
+    call->m = dims[0];
+    call->owned = (call->m + tp - 1) / tp;
+    call->m_from = name;
+  }
+  return ffi::Error::Success();
+}
+
+// The operand at FFI position `index`: the args, then the rets.
+ffi::ErrorOr<ffi::AnyBuffer> OperandBuffer(const ffi::RemainingArgs& args,
+                                           const ffi::RemainingRets& rets, size_t index) {
+  if (index < args.size()) return args.get<ffi::AnyBuffer>(index);
+  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(index - args.size());
+  if (ret.has_error()) return ffi::Unexpected<ffi::Error>(std::move(ret.error()));
+  return **ret;
+}
+
+// Checks the call's operands against the set's operand records, and gathers what they give the
+// kernels.
+ffi::Error CheckOperands(const KernelSet& set, int64_t kernel_set_id,
+                         const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                         CallOperands* call) {
+  const TargetInfo& target = Info(set.target);
+  if (args.size() != target.args || rets.size() != target.rets) {
+    std::string names[2];  // The set's args, then its rets.
+    for (size_t i = 0; i < set.operands.size(); ++i) {
+      std::string& list = names[i < target.args ? 0 : 1];
+      list += (list.empty() ? "" : ", ") + std::string(Info(set.operands[i].value).name);
+    }
+    return ffi::Error::InvalidArgument(
+        OfSet(kernel_set_id) + " (target " + std::string(target.name) + ") takes " +
+        std::to_string(target.args) + " args (" + names[0] + ") and " +
+        std::to_string(target.rets) + " rets (" + names[1] + "), but the call gives " +
+        std::to_string(args.size()) + " args and " + std::to_string(rets.size()) + " rets");
+  }
+  for (size_t i = 0; i < set.operands.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> buffer = OperandBuffer(args, rets, i);
+    if (buffer.has_error()) return std::move(buffer.error());
+    JMP_RETURN_IF_ERROR(CheckOperand(set.operands[i], *buffer, set.tp, kernel_set_id, call));
+  }
+  return ffi::Error::Success();
+}
+
+// This device's part of the set's mailbox, checked against the set and m; left zero for a set
+// without a mailbox (tp = 1).
+ffi::Error CheckMailbox(const Registry& registry, const KernelSet& set, int64_t kernel_set_id,
+                        int32_t device, int64_t mailbox_id, int64_t m, MailboxDevice* mailbox) {
+  if (!set.uses_mailbox) {
+    if (mailbox_id == 0) return ffi::Error::Success();
+    return ffi::Error::InvalidArgument("mailbox_id=" + std::to_string(mailbox_id) +
+                                       ": expected 0, " + OfSet(kernel_set_id) +
+                                       " uses no mailbox");
+  }
+  const std::string name = "mailbox " + std::to_string(mailbox_id);
+  switch (registry.FindMailbox(mailbox_id, device, mailbox)) {
+    case MailboxState::kClosed:
+      return FailedPrecondition(name +
+                                " is closed: its memory may be freed, so calls on it are "
+                                "refused; use a new Mailbox");
+    case MailboxState::kUnregistered:
+      return FailedPrecondition(name + " is not registered on device " + std::to_string(device) +
+                                ": register_mailbox_device must be called for this device "
+                                "before the first call");
+    case MailboxState::kRegistered:
+      break;
+  }
+  const std::string of_set = " of " + OfSet(kernel_set_id);
+  if (m > mailbox->capacity_m) {
+    return ffi::Error::InvalidArgument("m=" + std::to_string(m) + " exceeds capacity_m=" +
+                                       std::to_string(mailbox->capacity_m) + " of " + name);
+  }
+  if (mailbox->hidden != set.hidden) {
+    return ffi::Error::InvalidArgument(name + " has hidden=" + std::to_string(mailbox->hidden) +
+                                       ", expected the hidden=" + std::to_string(set.hidden) +
+                                       of_set);
+  }
+  if (mailbox->tp != set.tp) {
+    return ffi::Error::InvalidArgument(name + " has tp=" + std::to_string(mailbox->tp) +
+                                       ", expected the tp=" + std::to_string(set.tp) + of_set);
+  }
+  return ffi::Error::Success();
+}
+
+// Every value of the launch contract for one call; each kernel takes the ones its sidecar names.
+// No default: -Wswitch-enum makes a Value without a fill a build error.
+void FillValues(const CallOperands& call, const MailboxDevice& mailbox, float eps,
+                ValueSlot* values) {
+  for (size_t i = 0; i < kValueCount; ++i) {
+    ValueSlot& slot = values[i];
+    switch (static_cast<Value>(i)) {
+      case Value::kRouted:
+      case Value::kWeights:
+      case Value::kIndices:
+      case Value::kShared:
+      case Value::kOut:
+      case Value::kResidual:
+      case Value::kNormWeight:
+      case Value::kResidualOut:
+        slot.u64 = call.addresses[i];
+        break;
+      case Value::kMailbox:
+        slot.u64 = mailbox.mailbox;
+        break;
+      case Value::kPeerTable:
+        slot.u64 = mailbox.peer_table;
+        break;
+      case Value::kStageState:
+        slot.u64 = mailbox.stage_state;
+        break;
+      case Value::kStatus:
+        slot.u64 = mailbox.status;
+        break;
+      case Value::kTimeoutNs:
+        slot.u64 = mailbox.timeout_ns;
+        break;
+      case Value::kNumRows:
+        slot.u32 = static_cast<uint32_t>(call.num_rows);
+        break;
+      case Value::kM:
+        slot.u32 = static_cast<uint32_t>(call.m);
+        break;
+      case Value::kCapacityM:
+        slot.u32 = static_cast<uint32_t>(mailbox.capacity_m);
+        break;
+      case Value::kRank:
+        slot.u32 = static_cast<uint32_t>(mailbox.rank);
+        break;
+      case Value::kEps:
+        slot.f32 = eps;
+        break;
+    }
+  }
+}
+
+ffi::Error LaunchKernel(const CudaDriver& cuda, CUstream stream, const Kernel& kernel, bool pdl,
+                        int64_t rows, ValueSlot* values) {
   void* params[kValueCount];
   for (size_t i = 0; i < kernel.params.size(); ++i) {
     params[i] = &values[static_cast<size_t>(kernel.params[i])];
@@ -115,147 +327,9 @@ ffi::Error Launch(const CudaDriver& cuda, CUstream stream, const Kernel& kernel,
   return ffi::Error::Success();
 }
 
-uint64_t Address(const ffi::AnyBuffer& buffer) {
-  return reinterpret_cast<uintptr_t>(buffer.untyped_data());
-}
-
-// One call of either target; `norm` is null for jax_moe_publish.
-ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer& routed,
-                          const ffi::AnyBuffer& weights, const ffi::AnyBuffer& indices,
-                          const ffi::AnyBuffer& shared, const ffi::AnyBuffer& out,
-                          int64_t kernel_set_id, int64_t mailbox_id, const NormOperands* norm) {
-  const Registry& registry = Registry::Get();
-  const KernelSet* set = registry.FindKernelSet(kernel_set_id, device);
-  if (set == nullptr) {
-    return FailedPrecondition("kernel set " + std::to_string(kernel_set_id) +
-                              " is not loaded on device " + std::to_string(device) +
-                              ": load_kernel_set must be called for this device before the "
-                              "first call");
-  }
-  if (set->epilogue != (norm != nullptr)) {
-    return ffi::Error::InvalidArgument(
-        "kernel set " + std::to_string(kernel_set_id) +
-        (set->epilogue ? " has the epilogue" : " has no epilogue") + ": call it through target " +
-        (set->epilogue ? "jax_moe_publish_rmsnorm" : "jax_moe_publish"));
-  }
-
-  MailboxDevice mailbox;  // Stays zero for a set without a mailbox (tp = 1).
-  if (!set->uses_mailbox) {
-    if (mailbox_id != 0) {
-      return ffi::Error::InvalidArgument("mailbox_id=" + std::to_string(mailbox_id) +
-                                         ": expected 0, kernel set " +
-                                         std::to_string(kernel_set_id) + " uses no mailbox");
-    }
-  } else {
-    switch (registry.FindMailbox(mailbox_id, device, &mailbox)) {
-      case MailboxState::kClosed:
-        return FailedPrecondition("mailbox " + std::to_string(mailbox_id) +
-                                  " is closed: its memory may be freed, so calls on it are "
-                                  "refused; use a new Mailbox");
-      case MailboxState::kUnregistered:
-        return FailedPrecondition("mailbox " + std::to_string(mailbox_id) +
-                                  " is not registered on device " + std::to_string(device) +
-                                  ": register_mailbox_device must be called for this device "
-                                  "before the first call");
-      case MailboxState::kRegistered:
-        break;
-    }
-  }
-
-  // weights fixes m; every other argument is checked against it.
-  const ffi::DataType weights_dtype = set->fp32_weights ? ffi::DataType::F32 : ffi::DataType::BF16;
-  if (ffi::Error error = CheckMatrix("weights", weights, weights_dtype, -1, set->top_k,
-                                     "dtype from the set's weights, top_k", kernel_set_id);
-      error.failure()) {
-    return error;
-  }
-  const int64_t m = weights.dimensions()[0];
-  if (m < 1) {
-    return ffi::Error::InvalidArgument("weights: m=" + std::to_string(m) +
-                                       " rows, expected m >= 1");
-  }
-  const int64_t owned = (m + set->tp - 1) / set->tp;
-  const bool scatter = set->out_owned;
-  const ffi::Error errors[] = {
-      CheckMatrix("routed", routed, ffi::DataType::BF16, -1, set->hidden, "hidden",
-                  kernel_set_id),
-      CheckMatrix("indices", indices, ffi::DataType::S32, m, set->top_k,
-                  "m from weights, top_k", kernel_set_id),
-      CheckMatrix("shared", shared, ffi::DataType::BF16, set->shared_expert ? m : 0,
-                  set->hidden,
-                  set->shared_expert
-                      ? "m from weights, hidden"
-                      : "a [0, hidden] placeholder, since the set has no shared expert,",
-                  kernel_set_id),
-      CheckMatrix("out", out, ffi::DataType::BF16, scatter ? owned : m, set->hidden,
-                  scatter ? "ceil(m / tp) rows of a reduce-scatter, hidden" : "m from weights, hidden",
-                  kernel_set_id),
-  };
-  for (const ffi::Error& error : errors) {
-    if (error.failure()) return error;
-  }
-  if (norm != nullptr) {
-    const char* rows_rule =
-        scatter ? "ceil(m / tp) rows of a reduce-scatter, hidden" : "m from weights, hidden";
-    const ffi::Error norm_errors[] = {
-        CheckMatrix("residual", norm->residual, ffi::DataType::BF16, scatter ? owned : m,
-                    set->hidden, rows_rule, kernel_set_id),
-        CheckVector("norm_weight", norm->norm_weight, set->hidden, kernel_set_id),
-        CheckMatrix("residual_out", norm->residual_out, ffi::DataType::BF16, scatter ? owned : m,
-                    set->hidden, rows_rule, kernel_set_id),
-    };
-    for (const ffi::Error& error : norm_errors) {
-      if (error.failure()) return error;
-    }
-    if (!(std::isfinite(norm->eps) && norm->eps > 0.0f)) {
-      return ffi::Error::InvalidArgument("norm_eps=" + std::to_string(norm->eps) +
-                                         ": expected a finite float32 > 0");
-    }
-  }
-  if (set->uses_mailbox) {
-    const std::string name = "mailbox " + std::to_string(mailbox_id);
-    const std::string of_set = " of kernel set " + std::to_string(kernel_set_id);
-    if (m > mailbox.capacity_m) {
-      return ffi::Error::InvalidArgument("m=" + std::to_string(m) + " exceeds capacity_m=" +
-                                         std::to_string(mailbox.capacity_m) + " of " + name);
-    }
-    if (mailbox.hidden != set->hidden) {
-      return ffi::Error::InvalidArgument(name + " has hidden=" + std::to_string(mailbox.hidden) +
-                                         ", expected the hidden=" + std::to_string(set->hidden) +
-                                         of_set);
-    }
-    if (mailbox.tp != set->tp) {
-      return ffi::Error::InvalidArgument(name + " has tp=" + std::to_string(mailbox.tp) +
-                                         ", expected the tp=" + std::to_string(set->tp) + of_set);
-    }
-  }
-
-  // Every value of the launch contract; each kernel takes the ones its sidecar names. Without
-  // a mailbox its values are 0.
-  ValueSlot values[kValueCount] = {};
-  auto set_u64 = [&values](Value value, uint64_t x) { values[static_cast<size_t>(value)].u64 = x; };
-  auto set_u32 = [&values](Value value, uint32_t x) { values[static_cast<size_t>(value)].u32 = x; };
-  set_u64(Value::kRouted, Address(routed));
-  set_u64(Value::kWeights, Address(weights));
-  set_u64(Value::kIndices, Address(indices));
-  set_u64(Value::kShared, Address(shared));
-  set_u64(Value::kMailbox, mailbox.mailbox);
-  set_u64(Value::kPeerTable, mailbox.peer_table);
-  set_u64(Value::kStageState, mailbox.stage_state);
-  set_u64(Value::kStatus, mailbox.status);
-  set_u64(Value::kOut, Address(out));
-  set_u64(Value::kTimeoutNs, mailbox.timeout_ns);
-  set_u32(Value::kNumRows, static_cast<uint32_t>(routed.dimensions()[0]));
-  set_u32(Value::kM, static_cast<uint32_t>(m));
-  set_u32(Value::kCapacityM, static_cast<uint32_t>(mailbox.capacity_m));
-  set_u32(Value::kRank, static_cast<uint32_t>(mailbox.rank));
-  if (norm != nullptr) {
-    set_u64(Value::kResidual, Address(norm->residual));
-    set_u64(Value::kNormWeight, Address(norm->norm_weight));
-    set_u64(Value::kResidualOut, Address(norm->residual_out));
-    values[static_cast<size_t>(Value::kEps)].f32 = norm->eps;
-  }
-
+// Launches the set's kernels in order on `stream`, each over the rows of its grid.
+ffi::Error LaunchKernels(CUstream stream, const KernelSet& set, const CallOperands& call,
+                         ValueSlot* values) {
   // A kernel set exists on this device, so the driver is loaded.
   const CudaDriver& cuda = GetCudaDriver();
   // Counted so that tests can tell whether XLA captured the call in a graph.
@@ -265,32 +339,55 @@ ffi::Error MoePublishCall(CUstream stream, int32_t device, const ffi::AnyBuffer&
   }
   (capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? captured_executes : direct_executes)
       .fetch_add(1, std::memory_order_relaxed);
-  for (const Kernel& kernel : set->kernels) {
-    const int64_t rows = kernel.rows == Rows::kM ? m : owned;
-    if (ffi::Error error = Launch(cuda, stream, kernel, set->pdl, rows, values); error.failure()) {
-      return error;
-    }
+  for (const Kernel& kernel : set.kernels) {
+    const int64_t rows = kernel.rows == Rows::kOwned ? call.owned : call.m;  // kM or kOwned
+    JMP_RETURN_IF_ERROR(LaunchKernel(cuda, stream, kernel, set.pdl, rows, values));
   }
   return ffi::Error::Success();
 }
 
-ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed,
-                          ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer shared,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t kernel_set_id,
-                          int64_t mailbox_id) {
-  return MoePublishCall(stream, device, routed, weights, indices, shared, *out, kernel_set_id,
-                        mailbox_id, nullptr);
+// One call of `target`; `eps` is its norm_eps, 0 for a target without it.
+ffi::Error MoePublishCall(Target target, CUstream stream, int32_t device,
+                          const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                          int64_t kernel_set_id, int64_t mailbox_id, float eps) {
+  const Registry& registry = Registry::Get();
+  const KernelSet* set = registry.FindKernelSet(kernel_set_id, device);
+  if (set == nullptr) {
+    return FailedPrecondition(OfSet(kernel_set_id) + " is not loaded on device " +
+                              std::to_string(device) +
+                              ": load_kernel_set must be called for this device before the "
+                              "first call");
+  }
+  if (set->target != target) {
+    return ffi::Error::InvalidArgument(
+        OfSet(kernel_set_id) + " is called through target " + std::string(Info(target).name) +
+        ", but its sidecar's call is for target " + std::string(Info(set->target).name));
+  }
+  CallOperands call;
+  JMP_RETURN_IF_ERROR(CheckOperands(*set, kernel_set_id, args, rets, &call));
+  MailboxDevice mailbox;  // Stays zero for a set without a mailbox (tp = 1).
+  JMP_RETURN_IF_ERROR(
+      CheckMailbox(registry, *set, kernel_set_id, device, mailbox_id, call.m, &mailbox));
+  if (Info(target).norm_eps && !(std::isfinite(eps) && eps > 0.0f)) {
+    return ffi::Error::InvalidArgument("norm_eps=" + std::to_string(eps) +
+                                       ": expected a finite float32 > 0");
+  }
+  ValueSlot values[kValueCount] = {};
+  FillValues(call, mailbox, eps, values);
+  return LaunchKernels(stream, *set, call, values);
 }
 
-ffi::Error MoePublishRmsNormImpl(CUstream stream, int32_t device, ffi::AnyBuffer routed,
-                                 ffi::AnyBuffer weights, ffi::AnyBuffer indices,
-                                 ffi::AnyBuffer shared, ffi::AnyBuffer residual,
-                                 ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> out,
-                                 ffi::Result<ffi::AnyBuffer> residual_out, int64_t kernel_set_id,
+ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets, int64_t kernel_set_id, int64_t mailbox_id) {
+  return MoePublishCall(Target::kPublish, stream, device, args, rets, kernel_set_id, mailbox_id,
+                        0.0f);
+}
+
+ffi::Error MoePublishRmsNormImpl(CUstream stream, int32_t device, ffi::RemainingArgs args,
+                                 ffi::RemainingRets rets, int64_t kernel_set_id,
                                  int64_t mailbox_id, float norm_eps) {
-  const NormOperands norm{residual, norm_weight, *residual_out, norm_eps};
-  return MoePublishCall(stream, device, routed, weights, indices, shared, *out, kernel_set_id,
-                        mailbox_id, &norm);
+  return MoePublishCall(Target::kPublishRmsNorm, stream, device, args, rets, kernel_set_id,
+                        mailbox_id, norm_eps);
 }
 
 }  // namespace
@@ -302,15 +399,14 @@ ExecuteCounts GetExecuteCounts() {
 
 }  // namespace jax_moe_publish
 
+// The operands are the kernel set's (its sidecar's call record, in FFI order), so both targets
+// take them as they come and CheckOperands checks them.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePublish, jax_moe_publish::MoePublishImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<CUstream>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()             // device
-                                  .Arg<xla::ffi::AnyBuffer>()                 // routed
-                                  .Arg<xla::ffi::AnyBuffer>()                 // weights
-                                  .Arg<xla::ffi::AnyBuffer>()                 // indices
-                                  .Arg<xla::ffi::AnyBuffer>()                 // shared
-                                  .Ret<xla::ffi::AnyBuffer>()                 // out
+                                  .RemainingArgs()                            // the set's args
+                                  .RemainingRets()                            // the set's rets
                                   .Attr<int64_t>("kernel_set_id")
                                   .Attr<int64_t>("mailbox_id"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -319,15 +415,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePublishRmsNorm, jax_moe_publish::MoePublishRmsN
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<CUstream>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()             // device
-                                  .Arg<xla::ffi::AnyBuffer>()                 // routed
-                                  .Arg<xla::ffi::AnyBuffer>()                 // weights
-                                  .Arg<xla::ffi::AnyBuffer>()                 // indices
-                                  .Arg<xla::ffi::AnyBuffer>()                 // shared
-                                  .Arg<xla::ffi::AnyBuffer>()                 // residual
-                                  .Arg<xla::ffi::AnyBuffer>()                 // norm_weight
-                                  .Ret<xla::ffi::AnyBuffer>()                 // out
-                                  .Ret<xla::ffi::AnyBuffer>()                 // residual_out
+                                  .RemainingArgs()                            // the set's args
+                                  .RemainingRets()                            // the set's rets
                                   .Attr<int64_t>("kernel_set_id")
                                   .Attr<int64_t>("mailbox_id")
                                   .Attr<float>("norm_eps"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+
+namespace jax_moe_publish {
+
+XLA_FFI_Handler* TargetHandler(Target target) {
+  switch (target) {
+    case Target::kPublish:
+      return MoePublish;
+    case Target::kPublishRmsNorm:
+      return MoePublishRmsNorm;
+  }
+  return nullptr;
+}
+
+}  // namespace jax_moe_publish

@@ -1,18 +1,17 @@
-// The XLA FFI handlers of targets "jax_moe_publish" and "jax_moe_publish_rmsnorm"
-// (see moe_publish_handler.cc).
+// The XLA FFI handlers of the targets in kTargets (see moe_publish_handler.cc).
 
 #ifndef JAX_MOE_PUBLISH_FFI_MOE_PUBLISH_HANDLER_H_
 #define JAX_MOE_PUBLISH_FFI_MOE_PUBLISH_HANDLER_H_
 
 #include <cstdint>
 
-#include "xla/ffi/api/api.h"
-
-XLA_FFI_DECLARE_HANDLER_SYMBOL(MoePublish);
-// Target "jax_moe_publish_rmsnorm": the same call with the residual add + RMSNorm epilogue.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(MoePublishRmsNorm);
+#include "launch_values.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace jax_moe_publish {
+
+// The handler of `target`, for registration with JAX (the module's registrations()).
+XLA_FFI_Handler* TargetHandler(Target target);
 
 // Calls that launched their kernels since the process started: `captured`
 // while XLA recorded a CUDA graph (command buffer), `direct` on a live stream.

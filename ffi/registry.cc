@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "cuda_driver.h"
@@ -12,7 +15,7 @@
 namespace jax_moe_publish {
 namespace {
 
-std::string Quote(const std::string& text) { return "'" + text + "'"; }
+std::string Quote(std::string_view text) { return "'" + std::string(text) + "'"; }
 
 std::string ListRepr(const std::vector<std::string>& items) {
   std::string text = "[";
@@ -24,23 +27,48 @@ void Require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument(message);
 }
 
-// The value named `name` of the launch contract (launch_values.h).
-Value ParseValue(const std::string& where, const std::string& name) {
+std::optional<Value> FindValue(std::string_view name) {
   for (size_t i = 0; i < kValueCount; ++i) {
     if (kValues[i].name == name) return static_cast<Value>(i);
   }
-  std::vector<std::string> known;
-  for (const ValueInfo& value : kValues) known.emplace_back(value.name);
-  throw std::invalid_argument(where + ": parameter " + Quote(name) +
-                              " is not a value of the launch contract " + ListRepr(known));
+  return std::nullopt;
+}
+
+// The names of the contract's values that `keep` selects.
+template <typename Keep>
+std::vector<std::string> ValueNames(Keep keep) {
+  std::vector<std::string> names;
+  for (const ValueInfo& value : kValues) {
+    if (keep(value)) names.emplace_back(value.name);
+  }
+  return names;
+}
+
+// The value named `name` of the launch contract (launch_values.h).
+Value ParseValue(const std::string& where, const std::string& name) {
+  std::optional<Value> value = FindValue(name);
+  Require(value.has_value(),
+          where + ": parameter " + Quote(name) + " is not a value of the launch contract " +
+              ListRepr(ValueNames([](const ValueInfo&) { return true; })));
+  return *value;
+}
+
+// The sidecar's word of each rows rule but Rows::kVector, which it writes as None.
+constexpr std::pair<std::string_view, Rows> kRowsWords[] = {
+    {"num_rows", Rows::kNumRows}, {"m", Rows::kM}, {"owned", Rows::kOwned}, {"zero", Rows::kZero}};
+
+std::optional<Rows> FindRows(std::string_view word) {
+  for (const auto& [name, rows] : kRowsWords) {
+    if (name == word) return rows;
+  }
+  return std::nullopt;
 }
 
 bool Takes(const std::vector<Value>& params, Value value) {
   return std::find(params.begin(), params.end(), value) != params.end();
 }
 
-// Checks one kernel record against the launch contract before any CUDA call, so that a
-// bad record is refused the same way on machines without a GPU.
+// Checks one kernel record against the launch contract.
 Kernel ValidateKernel(const std::string& name, const KernelSpec& spec) {
   Require(!spec.symbol.empty(), name + ": symbol is empty");
   Require(spec.params.size() == spec.param_types.size(),
@@ -50,7 +78,7 @@ Kernel ValidateKernel(const std::string& name, const KernelSpec& spec) {
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const Value value = ParseValue(name, spec.params[i]);
     Require(!Takes(kernel.params, value), name + ": parameter " + Quote(spec.params[i]) + " twice");
-    const std::string expected(kValues[static_cast<size_t>(value)].ptx_type);
+    const std::string expected(Info(value).ptx_type);
     Require(spec.param_types[i] == expected,
             name + ": parameter " + std::to_string(i) + " (" + spec.params[i] + ") of " +
                 Quote(spec.symbol) + " has type " + Quote(spec.param_types[i]) +
@@ -63,7 +91,8 @@ Kernel ValidateKernel(const std::string& name, const KernelSpec& spec) {
           name + ": smem=" + std::to_string(spec.smem) + ": expected a byte count >= 0");
   Require(spec.ctas_per_row >= 1 && spec.ctas_per_row <= std::numeric_limits<int>::max(),
           name + ": ctas_per_row=" + std::to_string(spec.ctas_per_row) + ": expected >= 1");
-  Require(spec.rows == "m" || spec.rows == "owned",
+  const std::optional<Rows> rows = FindRows(spec.rows);
+  Require(rows == Rows::kM || rows == Rows::kOwned,
           name + ": rows=" + Quote(spec.rows) + ": expected 'm' or 'owned'");
   Require(spec.waves >= 1 && spec.waves <= std::numeric_limits<int>::max(),
           name + ": waves=" + std::to_string(spec.waves) + ": expected >= 1");
@@ -81,48 +110,105 @@ Kernel ValidateKernel(const std::string& name, const KernelSpec& spec) {
   kernel.smem = static_cast<unsigned>(spec.smem);
   kernel.ctas_per_row = static_cast<unsigned>(spec.ctas_per_row);
   kernel.cluster = static_cast<unsigned>(spec.cluster);
-  kernel.rows = spec.rows == "m" ? Rows::kM : Rows::kOwned;
+  kernel.rows = *rows;
   kernel.waves = static_cast<unsigned>(spec.waves);
   return kernel;
 }
 
-// Checks the set against the contract before any CUDA call.
-KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSpec>& specs,
-                            const CallSpec& call) {
-  Require(call.tp >= 1, where + ": tp=" + std::to_string(call.tp) + ": expected >= 1");
-  Require(call.hidden >= 1, where + ": hidden=" + std::to_string(call.hidden) + ": expected >= 1");
-  Require(call.top_k >= 1, where + ": top_k=" + std::to_string(call.top_k) + ": expected >= 1");
-  Require(call.weights == "bf16" || call.weights == "f32",
-          where + ": weights=" + Quote(call.weights) + ": expected 'bf16' or 'f32'");
-  Require(call.out_rows == "m" || call.out_rows == "owned",
-          where + ": out_rows=" + Quote(call.out_rows) + ": expected 'm' or 'owned'");
-  Require(!specs.empty(), where + ": kernels is empty");
-  KernelSet set{call.tp, call.hidden, call.top_k, call.weights == "f32", call.shared_expert,
-                call.out_rows == "owned", call.pdl, false, false, {}};
-  const Value epilogue[] = {Value::kResidual, Value::kNormWeight, Value::kResidualOut, Value::kEps};
-  for (size_t i = 0; i < specs.size(); ++i) {
-    Kernel kernel = ValidateKernel(where + ": kernels[" + std::to_string(i) + "] (" + specs[i].role + ")",
-                                   specs[i]);
-    set.uses_mailbox = set.uses_mailbox || Takes(kernel.params, Value::kMailbox) ||
-                       Takes(kernel.params, Value::kPeerTable);
-    for (Value value : epilogue) set.epilogue = set.epilogue || Takes(kernel.params, value);
-    set.kernels.push_back(std::move(kernel));
+std::string Count(size_t count, const char* noun) {
+  return std::to_string(count) + " " + noun + (count == 1 ? "" : "s");
+}
+
+// Checks one operand record, the `index`th of the call; `seen` are the operands before it.
+Operand ValidateOperand(const std::string& where, size_t index, const OperandSpec& spec,
+                        const std::vector<Operand>& seen, bool after_ret) {
+  const std::string at = where + "operands[" + std::to_string(index) + "]";
+  const std::optional<Value> value = FindValue(spec.name);
+  auto is_operand = [](const ValueInfo& info) { return info.source == Source::kOperand; };
+  Require(value.has_value() && is_operand(Info(*value)),
+          at + ": name=" + Quote(spec.name) + ": expected one of the launch contract's operands " +
+              ListRepr(ValueNames(is_operand)));
+  const std::string name = at + " (" + spec.name + ")";
+  for (const Operand& operand : seen) {
+    Require(operand.value != *value, name + ": a second operand " + Quote(spec.name));
   }
-  Require(set.uses_mailbox == (call.tp > 1),
-          where + ": tp=" + std::to_string(call.tp) + (set.uses_mailbox ? " with" : " without") +
-              " a kernel that takes the mailbox: expected one exactly when tp > 1");
-  if (set.epilogue) {
-    // The epilogue's operands come together: a kernel takes all four or none of them.
-    for (const Kernel& kernel : set.kernels) {
-      size_t taken = 0;
-      for (Value value : epilogue) taken += Takes(kernel.params, value);
-      Require(taken == 0 || taken == 4,
-              where + ": the " + kernel.role +
-                  " kernel takes some of residual, norm_weight, residual_out and eps: expected "
-                  "all four or none");
+  Require(spec.io == "arg" || spec.io == "ret",
+          name + ": io=" + Quote(spec.io) + ": expected 'arg' or 'ret'");
+  Require(spec.io == "ret" || !after_ret,
+          name + ": io='arg' after a 'ret': expected every arg before every ret (the FFI order)");
+  const DtypeInfo* dtype = nullptr;
+  std::vector<std::string> dtypes;
+  for (const DtypeInfo& known : kDtypes) {
+    if (known.name == spec.dtype) dtype = &known;
+    dtypes.emplace_back(known.name);
+  }
+  Require(dtype != nullptr,
+          name + ": dtype=" + Quote(spec.dtype) + ": expected one of " + ListRepr(dtypes));
+  const std::optional<Rows> rows = spec.rows ? FindRows(*spec.rows) : Rows::kVector;
+  Require(rows.has_value(), name + ": rows=" + Quote(spec.rows.value_or("")) +
+                                ": expected 'num_rows', 'm', 'owned', 'zero' or None (a vector)");
+  const bool m_fixed = std::any_of(seen.begin(), seen.end(),
+                                   [](const Operand& operand) { return operand.rows == Rows::kM; });
+  Require(*rows != Rows::kOwned || m_fixed,
+          name + ": rows='owned' before any operand with rows 'm': expected the operand that "
+                 "fixes m first, since ceil(m / tp) needs it");
+  Require(spec.cols >= 1, name + ": cols=" + std::to_string(spec.cols) + ": expected >= 1");
+  return Operand{*value, *dtype, *rows, spec.cols};
+}
+
+// Checks the call record: its target, shape and operands (in FFI order, with the target's arity).
+void ValidateCall(const std::string& where, const CallSpec& call, KernelSet* set) {
+  const std::string at = where + ": call: ";
+  const TargetInfo* target = nullptr;
+  std::vector<std::string> targets;
+  for (const TargetInfo& known : kTargets) {
+    if (known.name == call.target) target = &known;
+    targets.emplace_back(known.name);
+  }
+  Require(target != nullptr,
+          at + "target=" + Quote(call.target) + ": expected one of " + ListRepr(targets));
+  Require(call.tp >= 1, at + "tp=" + std::to_string(call.tp) + ": expected >= 1");
+  Require(call.hidden >= 1, at + "hidden=" + std::to_string(call.hidden) + ": expected >= 1");
+  set->target = target->target;
+  set->tp = call.tp;
+  set->hidden = call.hidden;
+  set->pdl = call.pdl;
+  size_t args = 0;
+  size_t num_rows = 0;
+  size_t m = 0;
+  for (size_t i = 0; i < call.operands.size(); ++i) {
+    Operand operand = ValidateOperand(at, i, call.operands[i], set->operands, args < i);
+    args += call.operands[i].io == "arg";
+    num_rows += operand.rows == Rows::kNumRows;
+    m += operand.rows == Rows::kM;
+    set->operands.push_back(operand);
+  }
+  const size_t rets = call.operands.size() - args;
+  Require(num_rows == 1, at + Count(num_rows, "operand") +
+                             " with rows 'num_rows': expected exactly one (it gives num_rows)");
+  Require(m >= 1, at + "no operand with rows 'm': expected at least one (the first fixes m)");
+  Require(args == target->args && rets == target->rets,
+          at + "target " + Quote(call.target) + " takes " + Count(target->args, "arg") + " and " +
+              Count(target->rets, "ret") + ", but operands lists " + Count(args, "arg") + " and " +
+              Count(rets, "ret"));
+}
+
+// Checks that the call gives every value `kernel` takes from an operand or an attribute.
+void CheckKernelValues(const std::string& name, const Kernel& kernel, const KernelSet& set) {
+  for (Value value : kernel.params) {
+    const std::string param = name + ": parameter " + Quote(Info(value).name);
+    if (Info(value).source == Source::kOperand) {
+      const bool given =
+          std::any_of(set.operands.begin(), set.operands.end(),
+                      [value](const Operand& operand) { return operand.value == value; });
+      Require(given, param + " is the address of an operand, but the call has no operand " +
+                         Quote(Info(value).name));
+    } else if (Info(value).source == Source::kAttribute) {
+      Require(Info(set.target).norm_eps,
+              param + " comes from the attribute norm_eps, which target " +
+                  Quote(Info(set.target).name) + " does not take");
     }
   }
-  return set;
 }
 
 void CheckCuda(const CudaDriver& cuda, const std::string& where, const char* call,
@@ -178,6 +264,25 @@ int64_t ResidentCtas(const CudaDriver& cuda, const std::string& where, int devic
 }
 
 }  // namespace
+
+KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSpec>& specs,
+                            const CallSpec& call) {
+  KernelSet set{Target::kPublish, 0, 0, false, false, {}, {}};
+  ValidateCall(where, call, &set);
+  Require(!specs.empty(), where + ": kernels is empty");
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const std::string name = where + ": kernels[" + std::to_string(i) + "] (" + specs[i].role + ")";
+    Kernel kernel = ValidateKernel(name, specs[i]);
+    CheckKernelValues(name, kernel, set);
+    set.uses_mailbox = set.uses_mailbox || Takes(kernel.params, Value::kMailbox) ||
+                       Takes(kernel.params, Value::kPeerTable);
+    set.kernels.push_back(std::move(kernel));
+  }
+  Require(set.uses_mailbox == (call.tp > 1),
+          where + ": tp=" + std::to_string(call.tp) + (set.uses_mailbox ? " with" : " without") +
+              " a kernel that takes the mailbox: expected one exactly when tp > 1");
+  return set;
+}
 
 CUlaunchConfig LaunchConfig(const Kernel& kernel, unsigned ctas) {
   CUlaunchConfig config = {};

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -24,8 +25,11 @@
 
 namespace jax_moe_publish {
 
-// Grid rows of a kernel: m, or the ceil(m / tp) rows this rank owns.
-enum class Rows { kM, kOwned };
+// The rows rule of an operand (or of a kernel's grid: kM or kOwned), by the sidecar's word:
+// "num_rows" (any count, passed to the kernels as num_rows), "m" (the first such operand fixes
+// m, later ones equal it), "owned" (the ceil(m / tp) rows this rank owns), "zero" (a [0, cols]
+// placeholder) or None, for a vector of cols elements.
+enum class Rows { kNumRows, kM, kOwned, kZero, kVector };
 
 // One kernel record of a sidecar ("kernels"), as Python gives it: the role names it in
 // messages; params and param_types are the values it takes, in .entry order.
@@ -43,15 +47,31 @@ struct KernelSpec {
   int64_t cluster = 1;
 };
 
-// The shape of a call of a kernel set (a sidecar's "call"), as Python gives it.
+// One operand record of a sidecar's call, as Python gives it (_abi.call_operands); rows is
+// nullopt for a vector.
+struct OperandSpec {
+  std::string name;
+  std::string io;
+  std::string dtype;
+  std::optional<std::string> rows;
+  int64_t cols = 0;
+};
+
+// The call of a kernel set (a sidecar's "call"), as Python gives it.
 struct CallSpec {
+  std::string target;
   int64_t tp = 0;
   int64_t hidden = 0;
-  int64_t top_k = 0;
-  std::string weights;  // "bf16" or "f32"
-  bool shared_expert = false;
-  std::string out_rows;  // "m" or "owned"
   bool pdl = false;
+  std::vector<OperandSpec> operands;  // In FFI order: the args, then the rets.
+};
+
+// One checked operand of a call.
+struct Operand {
+  Value value;  // The value that carries its address, whose name it has.
+  DtypeInfo dtype;
+  Rows rows;
+  int64_t cols;
 };
 
 struct Kernel {
@@ -63,7 +83,7 @@ struct Kernel {
   unsigned ctas_per_row;
   // CTAs of one thread block cluster (consecutive CTAs); 1 for none.
   unsigned cluster;
-  Rows rows;
+  Rows rows;  // The rows of its grid: kM or kOwned.
   // Passes of a persistent kernel's grid over the rows: its grid is the CTAs of
   // ceil(rows / waves) rows. 1 for the other kernels.
   unsigned waves;
@@ -81,17 +101,20 @@ CUlaunchConfig LaunchConfig(const Kernel& kernel, unsigned ctas);
 CUlaunchAttribute ClusterDimension(unsigned ctas);
 
 struct KernelSet {
+  Target target;
   int64_t tp;
   int64_t hidden;
-  int64_t top_k;
-  bool fp32_weights;
-  bool shared_expert;
-  bool out_owned;  // The output has the ceil(m / tp) rows this rank owns.
   bool pdl;
   bool uses_mailbox;  // Some kernel takes the mailbox or the peer table (tp > 1).
-  bool epilogue;      // The kernels take residual, norm_weight, residual_out and eps.
-  std::vector<Kernel> kernels;  // In launch order.
+  std::vector<Operand> operands;  // In FFI order: Info(target).args args, then the rets.
+  std::vector<Kernel> kernels;    // In launch order.
 };
+
+// Checks a sidecar's records against the launch contract, with no CUDA call, and returns the set
+// they describe (its kernels' functions unset). `where` starts each message. Throws
+// std::invalid_argument for records that do not match.
+KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSpec>& kernels,
+                            const CallSpec& call);
 
 // One device's part of a mailbox. Addresses are device pointers.
 struct MailboxDevice {
@@ -112,9 +135,9 @@ class Registry {
  public:
   static Registry& Get();
 
-  // Loads `cubin` in the device's primary context. A set already loaded on
-  // that device is left as it is. Throws std::invalid_argument for records
-  // that do not match the launch contract, std::runtime_error for CUDA failures.
+  // Loads `cubin` in the device's primary context, after ValidateKernelSet. A set already
+  // loaded on that device is left as it is. Throws std::invalid_argument for records that
+  // do not match the launch contract, std::runtime_error for CUDA failures.
   void LoadKernelSet(int64_t kernel_set_id, int device, std::string_view cubin,
                      const std::vector<KernelSpec>& kernels, const CallSpec& call);
 

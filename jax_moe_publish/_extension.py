@@ -1,8 +1,8 @@
 """The C++ extension ``jax_moe_publish._ffi``: its FFI targets, registered with JAX at import, and
 checked wrappers of its setup calls.
 
-The extension holds the XLA FFI handlers of targets :data:`TARGET_NAME` and
-:data:`RMSNORM_TARGET_NAME` and the per-device state that they read:
+The extension holds the XLA FFI handlers of the targets `_abi.TARGETS` (:data:`TARGET_NAME` and
+:data:`RMSNORM_TARGET_NAME`) and the per-device state that they read:
 
 * *kernel sets*: one cubin's kernels, loaded into a device's primary CUDA context
   with the launch plan and parameter names of its sidecar (`aot.artifact`);
@@ -12,7 +12,13 @@ The extension holds the XLA FFI handlers of targets :data:`TARGET_NAME` and
 Both must be in place on a device before the first call there, and both are
 filled here, at trace time and outside any CUDA graph capture: the handler
 itself only checks its arguments and launches, so that XLA can capture it in a
-command buffer. The FFI target is registered with JAX once, at import.
+command buffer. Every target of the extension's ``registrations()`` is registered with JAX once,
+at import.
+
+A call of either target passes the operands of its kernel set's call record
+(`_abi.call_operands`), in that order, and the ``np.int64`` attributes ``kernel_set_id`` and
+``mailbox_id`` (0 for tp = 1, which has no mailbox); the handler checks every operand against
+its record.
 
 The extension resolves the CUDA driver at run time, so this module imports and
 registers on machines without a GPU or ``libcuda``; only the functions that
@@ -26,27 +32,15 @@ from collections.abc import Mapping, Sequence
 
 import jax
 
+from jax_moe_publish import _abi
 from jax_moe_publish.aot.artifact import cubin_problem
 
-TARGET_NAME = "jax_moe_publish"
-"""Name of the FFI target (platform CUDA, API version 1).
+TARGET_NAME = _abi.TARGETS["none"]
+"""Name of the FFI target of kernel sets without an epilogue (platform CUDA, API version 1)."""
 
-Its call takes ``routed`` (bf16 ``[num_rows, hidden]``), ``weights`` (bf16 or
-f32 ``[m, top_k]``), ``indices`` (int32 ``[m, top_k]``) and ``shared`` (bf16
-``[m, hidden]``, or ``[0, hidden]`` without a shared expert), returns ``out``
-(bf16 ``[m, hidden]``, or ``[ceil(m / tp), hidden]`` for a set whose
-``out_rows`` is ``"owned"``: a reduce-scatter), and has the attributes ``kernel_set_id`` and
-``mailbox_id``, both ``np.int64`` (``mailbox_id`` is 0 for tp = 1, which has none).
-"""
-
-RMSNORM_TARGET_NAME = "jax_moe_publish_rmsnorm"
-"""Name of the FFI target of kernel sets with ``epilogue="rmsnorm"`` (platform CUDA, API version 1).
-
-Its call takes the arguments of :data:`TARGET_NAME`, then ``residual`` (bf16,
-the shape of ``out``) and ``norm_weight`` (bf16 ``[hidden]``); returns ``out``
-and ``residual_out`` (both bf16, the shape of ``out`` of :data:`TARGET_NAME`);
-and has the attributes of :data:`TARGET_NAME` and ``norm_eps`` (``np.float32``).
-"""
+RMSNORM_TARGET_NAME = _abi.TARGETS["rmsnorm"]
+"""Name of the FFI target of kernel sets with ``epilogue="rmsnorm"`` (platform CUDA, API version 1),
+whose call also has the attribute ``norm_eps`` (``np.float32``)."""
 
 try:
     from jax_moe_publish import _ffi
@@ -55,10 +49,8 @@ except ImportError as error:  # Not built: the pure-Python modules stay usable.
     _IMPORT_ERROR: ImportError | None = error
 else:
     _IMPORT_ERROR = None
-    jax.ffi.register_ffi_target(TARGET_NAME, _ffi.handler_capsule(), platform="CUDA", api_version=1)
-    jax.ffi.register_ffi_target(
-        RMSNORM_TARGET_NAME, _ffi.rmsnorm_handler_capsule(), platform="CUDA", api_version=1
-    )
+    for _target, _capsule in _ffi.registrations().items():
+        jax.ffi.register_ffi_target(_target, _capsule, platform="CUDA", api_version=1)
 
 _INT64_MAX = 2**63 - 1
 _INT32_MAX = 2**31 - 1
@@ -97,16 +89,70 @@ def _address(name: str, value) -> int:
     return _int(name, value, 1, _UINT64_MAX, "a non-null device address in [1, 2**64)")
 
 
+def _records(name: str, records) -> list[dict]:
+    """``records``, a sequence of mappings, as the list of dicts that the extension takes."""
+    if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Sequence):
+        raise TypeError(f"{name}={records!r}: expected a sequence of mappings")
+    dicts = []
+    for i, record in enumerate(records):
+        if not isinstance(record, Mapping):
+            raise TypeError(f"{name}[{i}]={record!r}: expected a mapping")
+        dicts.append(dict(record))
+    return dicts
+
+
+def _sidecar_records(kernels: Sequence[Mapping], call: Mapping) -> tuple[list[dict], dict]:
+    """A sidecar's ``kernels`` and ``call`` as the extension takes them; it checks their fields."""
+    kernels = _records("kernels", kernels)
+    if not isinstance(call, Mapping):
+        raise TypeError(f"call={call!r}: expected a mapping")
+    call = dict(call)
+    if "operands" in call:
+        call["operands"] = _records("call['operands']", call["operands"])
+    return kernels, call
+
+
+def validate_kernel_set(kernels: Sequence[Mapping], call: Mapping) -> None:
+    """Check a kernel set's sidecar records as `load_kernel_set` does, without a cubin or CUDA.
+
+    It runs the extension's whole load-time validation, the same code as `load_kernel_set`'s,
+    so that a machine without a GPU can tell whether a sidecar would load. Beyond each field's
+    type and range, the records must fit the launch contract (`_abi`):
+
+    * each kernel's ``params`` are `_abi.VALUES` names, each once, with their ``param_types``;
+      a kernel that takes the mailbox exists exactly when ``tp > 1``;
+    * ``call["target"]`` is an `_abi.TARGETS` name; each operand's ``name`` is a value that an
+      operand carries (`_abi.OPERANDS`), each once; ``io`` is ``"arg"`` or ``"ret"``, every arg
+      before every ret, as many of each as the target takes; ``dtype`` is an `_abi.DTYPES` name;
+      ``rows`` is ``"num_rows"``, ``"m"``, ``"owned"``, ``"zero"`` or None; ``cols >= 1``;
+    * exactly one operand has rows ``"num_rows"`` and at least one ``"m"``, the first of which
+      comes before any ``"owned"`` one (it fixes m, and ``ceil(m / tp)`` needs it);
+    * every operand value a kernel takes is an operand of the call, and a kernel takes ``eps``
+      only through a target with ``norm_eps``.
+
+    Parameters
+    ----------
+    kernels, call : as for `load_kernel_set`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For records that do not fit the contract; the message names the field, its value and
+        what was expected.
+    """
+    _extension().validate_kernel_set(*_sidecar_records(kernels, call))
+
+
 def load_kernel_set(kernel_set_id: int, device_ordinal: int, cubin: bytes, kernels: Sequence[Mapping],
                     call: Mapping) -> None:
     """Load a kernel set's cubin on one device, for the FFI targets to launch.
 
-    The cubin is loaded with ``cuModuleLoadData`` in the device's primary
-    context, which stays retained; kernels that use more than 48 KiB of
-    dynamic shared memory, or clusters of more than 8 CTAs, are opted in to
-    them. Loading an id that is already loaded on the device does nothing.
-    Thread-safe. Call it before the first call of the op on the device,
-    outside any CUDA graph capture.
+    The records are checked first, with no CUDA call (`validate_kernel_set`). The cubin is
+    loaded with ``cuModuleLoadData`` in the device's primary context, which stays retained;
+    kernels that use more than 48 KiB of dynamic shared memory, or clusters of more than 8
+    CTAs, are opted in to them. Loading an id that is already loaded on the device does
+    nothing. Thread-safe. Call it before the first call of the op on the device, outside any
+    CUDA graph capture.
 
     A call launches the kernels in the order given, each with the values its
     ``params`` name (`_abi.VALUES`), on a 1-D grid of ``rows(m) * ctas_per_row``
@@ -132,11 +178,13 @@ def load_kernel_set(kernel_set_id: int, device_ordinal: int, cubin: bytes, kerne
         (``"m"`` or ``"owned"``), ``waves``, ``persistent`` and ``cluster`` (CTAs
         per thread block cluster, 1 for none).
     call : mapping
-        The sidecar's ``call``: ``tp``, ``hidden``, ``top_k``, ``weights``
-        (``"bf16"`` or ``"f32"``), ``shared_expert``, ``out_rows`` (``"m"`` or
-        ``"owned"``) and ``pdl``; calls are checked against it. A set whose kernels
-        take ``residual``, ``norm_weight``, ``residual_out`` and ``eps`` is called
-        through :data:`RMSNORM_TARGET_NAME`.
+        The sidecar's call record: ``target`` (the `_abi.TARGETS` name that calls of the set
+        must use), ``tp``, ``hidden``, ``pdl`` and ``operands``, the set's operand records
+        (`_abi.call_operands`) in FFI order: ``name``, ``io``, ``dtype``, ``rows`` and
+        ``cols``. Each call's operands are checked against them: ``rows`` ``"num_rows"`` takes
+        any count (the kernels' num_rows), the first ``"m"`` fixes m (>= 1) and later ones
+        equal it, ``"owned"`` is ``ceil(m / tp)``, ``"zero"`` is 0, and None is a vector of
+        ``cols`` elements.
 
     Raises
     ------
@@ -152,21 +200,13 @@ def load_kernel_set(kernel_set_id: int, device_ordinal: int, cubin: bytes, kerne
     problem = cubin_problem(cubin)
     if problem is not None:
         raise ValueError(f"cubin of {len(cubin)} bytes: expected a CUDA cubin, but {problem}")
-    if isinstance(kernels, (str, bytes, Mapping)) or not isinstance(kernels, Sequence):
-        raise TypeError(f"kernels={kernels!r}: expected a sequence of mappings")
-    records = []
-    for i, record in enumerate(kernels):
-        if not isinstance(record, Mapping):
-            raise TypeError(f"kernels[{i}]={record!r}: expected a mapping")
-        records.append(dict(record))
-    if not isinstance(call, Mapping):
-        raise TypeError(f"call={call!r}: expected a mapping")
+    kernels, call = _sidecar_records(kernels, call)
     ffi.load_kernel_set(
         _int("kernel_set_id", kernel_set_id, -_INT64_MAX - 1, _INT64_MAX),
         _int("device_ordinal", device_ordinal, 0, _DEVICE_ORDINAL_MAX),
         cubin,
-        records,
-        dict(call),
+        kernels,
+        call,
     )
 
 
@@ -243,11 +283,18 @@ def execute_counts() -> tuple[int, int]:
     return tuple(_extension().execute_counts())
 
 
-def launch_values() -> list[tuple[str, str]]:
-    """The launch contract's values as the C++ launcher lists them: (name, PTX type), in order."""
+def launch_values() -> list[tuple[str, str, str]]:
+    """The launch contract's values as the C++ launcher lists them, in order: (name, PTX type,
+    source), the source being where the handler takes the value from: ``"operand"`` (the address
+    of the call's operand of that name), ``"rows"``, ``"mailbox"`` or ``"attribute"``."""
     return [tuple(value) for value in _extension().launch_values()]
 
 
 def launch_limits() -> dict[str, int]:
     """The launch limits as the C++ launcher holds them (`_abi`'s names)."""
     return dict(_extension().launch_limits())
+
+
+def operand_dtypes() -> dict[str, int]:
+    """The operand dtypes as the C++ handler knows them: name -> bytes per element (`_abi.DTYPES`)."""
+    return dict(_extension().operand_dtypes())

@@ -14,21 +14,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_publish import _extension
-from jax_moe_publish.aot.artifact import KernelArtifact
+from jax_moe_publish.aot.store import default_store
+from jax_moe_publish.config import KernelConfig
 
 _set_ids: dict[str, int] = {}
+_targets: dict[int, str] = {}  # kernel set id -> the FFI target its sidecar names
 _next_set_id = itertools.count(1)
 _loaded: set[tuple[str, int]] = set()  # (kernel set key, device ordinal)
 _lock = threading.Lock()
 
 
-def load(artifact: KernelArtifact, ordinals: list[int]) -> int:
-    """Load ``artifact``'s cubin on the devices ``ordinals`` of this process (once each); returns
-    the process-wide id of its kernel set, shared by every mailbox that uses it."""
+def load(config: KernelConfig, ordinals: list[int]) -> int:
+    """Load the kernel set of ``config`` (from the kernel store) on the devices ``ordinals`` of
+    this process (once each); returns the process-wide id of the set, shared by every mailbox
+    that uses it."""
+    artifact = default_store().get(config)
     key = artifact.metadata["key"]
     with _lock:
         if key not in _set_ids:
             _set_ids[key] = next(_next_set_id)
+            _targets[_set_ids[key]] = artifact.metadata["call"]["target"]
         set_id = _set_ids[key]
         for ordinal in ordinals:
             if (key, ordinal) not in _loaded:
@@ -55,16 +60,16 @@ def forget_mailbox(mailbox_id: int) -> None:
 
 def call(set_id: int, mailbox_id: int, result_type, routed, weights, indices, shared, hidden: int,
          epilogue: dict):
-    """The FFI call of a loaded kernel set on one shard. ``result_type`` is the reference's
+    """The FFI call of a loaded kernel set on one shard, through the target its sidecar names,
+    with the operands in `_abi.OPERANDS` order. ``result_type`` is the reference's
     (varying-axes marking included); ``epilogue`` holds residual, norm_weight and norm_eps,
     or is empty."""
     if shared is None:
         # Not read by kernels built without the shared expert; the handler checks its shape.
         shared = jnp.zeros((0, hidden), jnp.bfloat16)
-    ids = dict(kernel_set_id=np.int64(set_id), mailbox_id=np.int64(mailbox_id))
-    if not epilogue:
-        target = jax.ffi.ffi_call(_extension.TARGET_NAME, result_type, has_side_effect=True)
-        return target(routed, weights, indices, shared, **ids)
-    target = jax.ffi.ffi_call(_extension.RMSNORM_TARGET_NAME, result_type, has_side_effect=True)
-    return target(routed, weights, indices, shared, epilogue["residual"], epilogue["norm_weight"], **ids,
-                  norm_eps=np.float32(epilogue["norm_eps"]))
+    attributes = dict(kernel_set_id=np.int64(set_id), mailbox_id=np.int64(mailbox_id))
+    operands = [routed, weights, indices, shared]
+    if epilogue:
+        operands += [epilogue["residual"], epilogue["norm_weight"]]
+        attributes["norm_eps"] = np.float32(epilogue["norm_eps"])
+    return jax.ffi.ffi_call(_targets[set_id], result_type, has_side_effect=True)(*operands, **attributes)

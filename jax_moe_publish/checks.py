@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from jax_moe_publish import protocol
-from jax_moe_publish.tuning import RESULTS
+from jax_moe_publish._abi import RESULTS
 
 
 def checked_int(name: str, value) -> int:
@@ -90,7 +90,7 @@ def check_norm_eps(norm_eps, name: str = "norm_eps") -> float:
 
 
 def check_result(result) -> None:
-    """``result`` names a layout of the group's sum (`tuning.RESULTS`)."""
+    """``result`` names a layout of the group's sum (`_abi.RESULTS`)."""
     if result not in RESULTS:
         raise ValueError(f"result={result!r}: expected one of {RESULTS}")
 

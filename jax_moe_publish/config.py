@@ -12,19 +12,27 @@ import dataclasses
 import hashlib
 import math
 import numbers
-from typing import Literal
 
 from jax_moe_publish import _abi, protocol
 
-Algorithm = Literal["direct", "oneshot", "twoshot", "reduce_scatter"]
-Epilogue = Literal["none", "rmsnorm"]
-
-ALGORITHMS = ("direct", "oneshot", "twoshot", "reduce_scatter")
-EPILOGUES = ("none", "rmsnorm")
-EPILOGUE_ALGORITHMS = ("oneshot", "twoshot", "reduce_scatter")
+ALGORITHMS = tuple(_abi.ALGORITHMS)
+EPILOGUES = _abi.EPILOGUES
+EPILOGUE_ALGORITHMS = tuple(name for name, spec in _abi.ALGORITHMS.items() if spec.has_epilogue("rmsnorm"))
 """Algorithms with the residual + RMSNorm epilogue (twoshot's owner fans both outputs out)."""
-FUSED_ALGORITHMS = ("oneshot", "twoshot")
+FUSED_ALGORITHMS = tuple(name for name, spec in _abi.ALGORITHMS.items() if spec.fuses)
 """Algorithms with a one-kernel form (``fuse_reduce``)."""
+GROUP_ALGORITHMS = tuple(name for name, spec in _abi.ALGORITHMS.items() if spec.group)
+"""The algorithms of a group (tp > 1)."""
+SINGLE_ALGORITHMS = tuple(name for name, spec in _abi.ALGORITHMS.items() if not spec.group)
+"""The algorithms of tp = 1."""
+_OWN_PARTIAL_ALGORITHMS = tuple(name for name, spec in _abi.ALGORITHMS.items() if spec.own_partial)
+
+
+def result_of(algorithm: str) -> str:
+    """The mailbox result layout an algorithm serves."""
+    return _abi.ALGORITHMS[algorithm].result
+
+
 MAX_NORM_FRAGMENTS_PER_THREAD = 8
 """Register budget of the fused epilogue: 16-byte fragments of a row per reduce thread."""
 OWN_PARTIAL_BYTES = 16 * 1024
@@ -90,7 +98,7 @@ class KernelConfig:
         tiles to their owners, reduces and fans out the rows this rank owns,
         then gathers the others. The grid is persistent, capped at the CTAs the
         GPU holds at once: each CTA publishes all of its tiles before it waits.
-        With the epilogue a row's ``ctas_per_token`` CTAs (at most 16) form a
+        With the epilogue a row's ``ctas_per_row`` CTAs (at most 16) form a
         thread block cluster: each thread publishes and then reduces one
         fragment (``threads == reduce_threads``), and the cluster sums the
         row's squares through distributed shared memory.
@@ -118,7 +126,7 @@ class KernelConfig:
     hidden: int
     top_k: int
     tp: int
-    algorithm: Algorithm = "oneshot"
+    algorithm: str = "oneshot"
     routed_scaling_factor: float = 1.0
     include_shared_expert: bool = True
     fp32_weights: bool = False
@@ -131,13 +139,14 @@ class KernelConfig:
     fuse_reduce: bool = False
     keep_own_partial: bool | None = None
     waves: int = 1
-    epilogue: Epilogue = "none"
+    epilogue: str = "none"
     arch: str = "sm_90a"
 
     def __post_init__(self) -> None:
         # Normalize types first, so that equal configs have equal keys.
         if self.keep_own_partial is None:
-            object.__setattr__(self, "keep_own_partial", self.fuse_reduce is True and self.algorithm == "oneshot")
+            object.__setattr__(self, "keep_own_partial",
+                               self.fuse_reduce is True and self.algorithm in _OWN_PARTIAL_ALGORITHMS)
         for field in _INT_FIELDS:
             value = getattr(self, field)
             _require(
@@ -158,10 +167,11 @@ class KernelConfig:
         _require(1 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k, f"an int in [1, {MAX_TOP_K}]")
         _require(1 <= self.tp <= protocol.MAX_TP, "tp", self.tp, f"an int in [1, {protocol.MAX_TP}]")
         _require(self.algorithm in ALGORITHMS, "algorithm", self.algorithm, f"one of {ALGORITHMS}")
+        spec = _abi.ALGORITHMS[self.algorithm]
         if self.tp == 1:
-            _require(self.algorithm == "direct", "algorithm", self.algorithm, "'direct' when tp == 1")
+            _require(not spec.group, "algorithm", self.algorithm, f"one of {SINGLE_ALGORITHMS} when tp == 1")
         else:
-            _require(self.algorithm != "direct", "algorithm", self.algorithm, "not 'direct' when tp > 1")
+            _require(spec.group, "algorithm", self.algorithm, f"not one of {SINGLE_ALGORITHMS} when tp > 1")
         _require(
             self.elements_per_thread in (4, 8),
             "elements_per_thread", self.elements_per_thread, "4 or 8",
@@ -196,10 +206,10 @@ class KernelConfig:
                 f"the {self.reduce_fragments} of a row per thread)",
             )
         if self.fuse_reduce:
-            _require(self.algorithm in FUSED_ALGORITHMS, "algorithm", self.algorithm,
-                     f"one of {FUSED_ALGORITHMS} with fuse_reduce=True")
-            if self.algorithm == "twoshot":
-                _require(self.epilogue == "none", "epilogue", self.epilogue, "'none' with a fused twoshot")
+            _require(spec.fuses, "algorithm", self.algorithm, f"one of {FUSED_ALGORITHMS} with fuse_reduce=True")
+            fused_epilogues = tuple(e for fused, e in spec.roles if fused)
+            _require(self.epilogue in fused_epilogues, "epilogue", self.epilogue,
+                     f"{' or '.join(map(repr, fused_epilogues))} with a fused {self.algorithm}")
             if self.epilogue != "none":
                 # Each thread publishes the one fragment of the row that it then normalizes,
                 # and a row's CTAs form one cluster. The reduce thread's limit of
@@ -209,8 +219,8 @@ class KernelConfig:
                          f"reduce_threads={self.reduce_threads} with fuse_reduce and "
                          f"epilogue={self.epilogue!r}")
         if self.keep_own_partial:
-            _require(self.fuse_reduce and self.algorithm == "oneshot", "keep_own_partial", True,
-                     "False unless fuse_reduce is True and the algorithm 'oneshot'")
+            _require(self.fuse_reduce and self.algorithm in _OWN_PARTIAL_ALGORITHMS, "keep_own_partial", True,
+                     f"False unless fuse_reduce is True and the algorithm one of {_OWN_PARTIAL_ALGORITHMS}")
         _require(self.waves >= 1, "waves", self.waves, "an int >= 1")
         if self.waves > 1:
             _require(self.fuse_reduce, "waves", self.waves, "1 unless fuse_reduce is True")
@@ -226,6 +236,23 @@ class KernelConfig:
             )
         _require(self.arch in ARCHS, "arch", self.arch, f"one of {ARCHS}")
 
+    # What the kernels branch on: the algorithm's facts (`_abi.ALGORITHMS`), never its name.
+
+    @property
+    def owned_rows(self) -> bool:
+        """The reduce covers only the rows this rank owns (token ``t`` is rank ``t % tp``'s)."""
+        return _abi.ALGORITHMS[self.algorithm].owned_rows
+
+    @property
+    def out_owned(self) -> bool:
+        """The result holds only this rank's owned rows."""
+        return _abi.ALGORITHMS[self.algorithm].out_owned
+
+    @property
+    def fans_out(self) -> bool:
+        """An owner stores its rows' sums into every peer's gather area; the gather ends the call."""
+        return _abi.ALGORITHMS[self.algorithm].fans_out
+
     # Derived launch geometry: the single place it is computed.
 
     @property
@@ -234,7 +261,7 @@ class KernelConfig:
         return self.hidden // self.elements_per_thread
 
     @property
-    def ctas_per_token(self) -> int:
+    def ctas_per_row(self) -> int:
         """Publish CTAs per token."""
         return -(-self.fragments // self.threads)
 
@@ -244,7 +271,7 @@ class KernelConfig:
         return self.hidden // protocol.REDUCE_ELEMENTS
 
     @property
-    def reduce_ctas_per_token(self) -> int:
+    def reduce_ctas_per_row(self) -> int:
         """Reduce CTAs per token: one with the epilogue, which needs the whole row."""
         if self.epilogue != "none":
             return 1

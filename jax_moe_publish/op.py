@@ -13,139 +13,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_publish import _launch, checks, derivatives, protocol, reference, tuning
-from jax_moe_publish.aot.store import default_store
-from jax_moe_publish.config import MAX_TOP_K, KernelConfig
+from jax_moe_publish import _launch, batching, checks, derivatives, op_checks, reference, tuning
+from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.mailbox import Mailbox
-
-IMPLS = ("auto", "kernel", "reference")
-
-
-def _check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
-                  routed_scaling_factor):
-    if not isinstance(mailbox, Mailbox):
-        raise TypeError(f"mailbox: expected a jax_moe_publish.Mailbox, got {type(mailbox).__name__}")
-    mailbox.check_open()
-    m, top_k = checks.check_finalize_arrays(routed_output, expert_weights, permuted_indices,
-                                            mailbox_hidden=mailbox.hidden)
-    if routed_output.shape[0] >= 2**31:
-        raise ValueError(f"routed_output.shape[0]={routed_output.shape[0]}: expected fewer than 2**31 rows")
-    if not 1 <= m <= mailbox.capacity_m:
-        raise ValueError(
-            f"m={m} (expert_weights.shape[0]): expected 1 <= m <= capacity_m={mailbox.capacity_m}"
-        )
-    if not 1 <= top_k <= MAX_TOP_K:
-        raise ValueError(f"top_k={top_k} (expert_weights.shape[1]): expected 1 <= top_k <= {MAX_TOP_K}")
-    checks.check_shared_output(shared_output, expert_weights, mailbox.hidden, hidden_of="the mailbox's hidden")
-    checks.check_scale(routed_scaling_factor)
-
-
-def _check_epilogue(residual, norm_weight, norm_eps, mailbox, m) -> bool:
-    """Whether the call has the epilogue (`checks.check_epilogue`), whose residual has the
-    shape of the mailbox's result."""
-    rows, rule = checks.result_rows(m, mailbox.tp, mailbox.result)
-    default = inspect.signature(moe_finalize_publish).parameters["norm_eps"].default
-    return checks.check_epilogue(residual, norm_weight, norm_eps, default_eps=default, rows=rows, rule=rule,
-                                 hidden=mailbox.hidden)
-
-
-def _check_stacks(mailbox, arrays: dict) -> None:
-    """`sharded_moe_finalize_publish`'s arguments: a Mailbox, a call outside any shard_map (it
-    makes its own), arrays (None where optional), the per-rank ones ``[tp, ...]``; the
-    per-shard op checks the rest."""
-    if not isinstance(mailbox, Mailbox):
-        raise TypeError(f"mailbox: expected a jax_moe_publish.Mailbox, got {type(mailbox).__name__}")
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    if manual:
-        raise ValueError(
-            f"sharded_moe_finalize_publish: called inside a jax.shard_map (over {', '.join(map(repr, manual))}), "
-            "but it makes its own shard_map over mailbox.mesh from global [tp, ...] arrays; inside a "
-            "shard_map, call moe_finalize_publish on this rank's arrays instead"
-        )
-    tp = mailbox.tp
-    # The layout of each [tp, ...] argument; a reduce-scatter residual is one too.
-    layouts = dict.fromkeys(["routed_output", "expert_weights", "permuted_indices", "shared_output"],
-                            f"[tp={tp}, ...] with the TP rank leading")
-    if mailbox.result == "reduce_scatter":
-        layouts["residual"] = f"[tp={tp}, ceil(m/tp), hidden], the layout of the reduce-scatter result"
-    for name, x in arrays.items():
-        if x is None:
-            continue
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            hint = "; convert it with jnp.asarray" if isinstance(x, (list, tuple)) else ""
-            layout = f" {layouts[name]}" if name in layouts else ""
-            raise TypeError(f"{name}: expected an array{layout}, got {type(x).__name__}{hint}")
-        if name in layouts and (len(x.shape) != 3 or x.shape[0] != tp):
-            raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {layouts[name]}")
-
-
-def _check_axis(mailbox: Mailbox) -> None:
-    """The call is traced inside shard_map over the mailbox's axis (manual over it, and over
-    other axes or not), on a mesh of the mailbox's axes (its devices are compared when the call
-    is lowered: `_on_mailbox_mesh_p`)."""
-    checks.check_axis_bound(mailbox.axis_name, "moe_finalize_publish",
-                            "jax.shard_map manual over the mailbox's axis (or use sharded_moe_finalize_publish)")
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        raise ValueError(f"moe_finalize_publish: axis {mailbox.axis_name!r} is bound, but not by jax.shard_map "
-                         "(jax.vmap's axis_name?); call it inside jax.shard_map over the mailbox's mesh")
-    mailbox.check_mesh(mesh)
-
-
-def _varying_axes(x) -> frozenset:
-    """The mesh axes along which ``x`` (a traced array) differs between shards, as shard_map's
-    varying-axes check tracks them (none where that check is off)."""
-    return jax.typeof(x).mat.varying
-
-
-def _tracks_varying_axes(axis: str) -> bool:
-    """Whether the enclosing shard_map tracks varying axes (``check_vma=True``): axis_index
-    varies along its axis exactly then. Read from the ShapeDtypeStruct itself, which
-    jax.typeof cannot rebuild in a shard_map manual over some axes only."""
-    index = jax.eval_shape(lambda: lax.axis_index(axis)).manual_axis_type
-    return index is not None and axis in index.varying
-
-
-_UNCHECKED_VARYING_WARNED: set = set()
-"""(mesh, axis) pairs whose calls without the varying-axes check have been warned about."""
-
-
-def _check_varying(mailbox: Mailbox, partial_inputs: dict) -> None:
-    """This rank's partial differs along the mailbox's axis: the sum of one partial published by
-    every rank is ``tp`` times it. Only shard_map's varying-axes check (``check_vma=True``)
-    knows; without it the op cannot tell and warns once per mesh and axis."""
-    axis = mailbox.axis_name
-    if mailbox.tp == 1:
-        return
-    if not _tracks_varying_axes(axis):
-        if (mailbox.mesh, axis) not in _UNCHECKED_VARYING_WARNED:
-            _UNCHECKED_VARYING_WARNED.add((mailbox.mesh, axis))
-            warnings.warn(
-                f"moe_finalize_publish: the shard_map does not track varying axes (check_vma=False), so the op "
-                f"cannot check that this rank's partial varies along the mailbox's axis {axis!r} of the mesh "
-                f"{dict(mailbox.mesh.shape)}: inputs replicated along {axis!r}, or a Mailbox made for another "
-                f"axis than the one the inputs are sharded along, make every rank publish the same partial and "
-                f"the result {mailbox.tp} times it, without an error. Run the shard_map with check_vma=True "
-                f"(its default) to have it checked. This warns once per mesh and axis.",
-                UserWarning, stacklevel=3,
-            )
-        return
-    varying = {name: _varying_axes(x) for name, x in partial_inputs.items() if x is not None}
-    if not any(axis in axes for axes in varying.values()):
-        found = ", ".join(f"{name} varies along {' and '.join(map(repr, sorted(axes))) or 'no axis'}"
-                          for name, axes in varying.items())
-        raise ValueError(
-            f"moe_finalize_publish: no input of the partial varies along the mailbox's axis {axis!r} "
-            f"({found}), so all {mailbox.tp} ranks would publish the same partial and the result would "
-            f"be {mailbox.tp} times it; expected at least one input sharded along {axis!r} (or, for that "
-            f"sum, marked with jax.lax.pcast(x, {axis!r}, to='varying'))"
-        )
-
 
 def _manual_over_every_axis(fn, *args):
     """``fn(*args)`` in a region manual over every mesh axis. XLA's partitioner refuses an op
@@ -210,20 +84,6 @@ def _problem(mailbox, expert_weights, shared_output, scale) -> tuning.Problem:
 def _table_epilogue(mailbox, fused_norm) -> str:
     """The epilogue the kernels fuse: with tp = 1 it runs in jnp after the direct kernel."""
     return "rmsnorm" if fused_norm and mailbox.tp > 1 else "none"
-
-
-def _check_config(config, mailbox, problem, epilogue) -> None:
-    """An explicit ``config`` fits these inputs, the mailbox and its result layout."""
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
-    expected = {**vars(problem), "tp": mailbox.tp, "epilogue": epilogue}
-    for field, value in expected.items():
-        if getattr(config, field) != value:
-            raise ValueError(f"config.{field}={getattr(config, field)!r}: expected {value!r} for these inputs")
-    allowed = {"allreduce": ("oneshot", "twoshot"), "reduce_scatter": ("reduce_scatter",)}[mailbox.result]
-    if mailbox.tp > 1 and config.algorithm not in allowed:
-        raise ValueError(f"config.algorithm={config.algorithm!r}: expected one of {allowed} for a "
-                         f"result={mailbox.result!r} mailbox")
 
 
 def moe_finalize_publish(
@@ -324,22 +184,22 @@ def moe_finalize_publish(
     in rows of no token.
     """
     checks.check_static_scalars(routed_scaling_factor=routed_scaling_factor, norm_eps=norm_eps)
-    _check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
+    op_checks.check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
                   routed_scaling_factor)
-    fused_norm = _check_epilogue(residual, norm_weight, norm_eps, mailbox, expert_weights.shape[0])
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-    _check_axis(mailbox)
-    _check_varying(mailbox, dict(routed_output=routed_output, expert_weights=expert_weights,
+    fused_norm = op_checks.check_epilogue(residual, norm_weight, norm_eps, mailbox, expert_weights.shape[0],
+                                          default_eps=inspect.signature(moe_finalize_publish).parameters["norm_eps"].default)
+    op_checks.check_impl(impl)
+    op_checks.check_axis(mailbox)
+    op_checks.check_varying(mailbox, dict(routed_output=routed_output, expert_weights=expert_weights,
                                  permuted_indices=permuted_indices, shared_output=shared_output))
     problem = _problem(mailbox, expert_weights, shared_output, routed_scaling_factor)
     if config is not None:
-        _check_config(config, mailbox, problem, _table_epilogue(mailbox, fused_norm))
+        op_checks.check_config(config, mailbox, problem, _table_epilogue(mailbox, fused_norm))
     scale, norm_eps = float(routed_scaling_factor), float(norm_eps)
     path = _resolve_impl(impl, mailbox)
     if not mailbox.on_cuda:
         _check_open_when_run(mailbox)
-    publish = _folding_vmap_batches(mailbox, functools.partial(
+    publish = batching.folding_vmap_batches(mailbox, functools.partial(
         _publish, mailbox=mailbox, impl=path, config=config, problem=problem,
         scale=scale, norm_eps=norm_eps,
         # Where XLA's own path is faster (the table's "xla"), auto takes it, on every device.
@@ -360,106 +220,29 @@ def _publish(routed_output, expert_weights, permuted_indices, shared_output, res
     m = expert_weights.shape[0]
     fused_norm = residual is not None
     table_epilogue = _table_epilogue(mailbox, fused_norm)
-    if table_may_choose_xla and tuning.algorithm_for(problem, mailbox.tp, m, mailbox.result,
-                                                     table_epilogue).algorithm == "xla":
-        impl = "reference"
+    if impl == "kernel" and config is None:
+        # The table's one answer for this call: XLA's path (taken where auto may take it) or
+        # the kernels' algorithm.
+        choice = tuning.algorithm_for(problem, mailbox.tp, m, mailbox.result, table_epilogue,
+                                      kernels_only=not table_may_choose_xla)
+        if choice.algorithm == "xla":
+            impl = "reference"
+        else:
+            config = tuning.kernel_config(problem, tp=mailbox.tp, m=m, result=mailbox.result,
+                                          epilogue=table_epilogue, algorithm=choice.algorithm)
     epilogue = dict(residual=residual, norm_weight=norm_weight, norm_eps=norm_eps)
     if impl == "reference":
         return reference.moe_finalize_publish(
             routed_output, expert_weights, permuted_indices, shared_output,
             axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
         )
-    if config is None:
-        config = tuning.kernel_config(problem, tp=mailbox.tp, m=m, result=mailbox.result, epilogue=table_epilogue)
-    set_id = _launch.load(default_store().get(config), mailbox.local_ordinals)
+    set_id = _launch.load(config, mailbox.local_ordinals)
     if fused_norm and mailbox.tp == 1:
         y = _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
                           scale, {})
         return reference.add_rmsnorm(y, residual, norm_weight, eps=norm_eps)
     return _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
                          scale, epilogue if fused_norm else {})
-
-
-def _folding_vmap_batches(mailbox: Mailbox, publish):
-    """``publish`` (of the six array arguments) under ``jax.vmap``: one call whose tokens are
-    the whole batch's (`_fold_batch`), on every path, so the kernels' FFI call never sees a
-    batch."""
-
-    @jax.custom_batching.custom_vmap
-    def call(*arrays):
-        return publish(*arrays)
-
-    @call.def_vmap
-    def fold(batch, batched, *arrays):
-        folded, unfold = _fold_batch(mailbox, batch, batched, *arrays)
-        out = unfold(call(*folded))
-        return out, jax.tree.map(lambda _: True, out)
-
-    return call
-
-
-def _fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_indices, shared_output,
-                residual, norm_weight):
-    """A jax.vmap batch of ``batch`` calls as the arguments of one call, and the function that
-    splits that call's result into the batch's results.
-
-    Batch element b's tokens follow element b - 1's. With a reduce_scatter mailbox each
-    element's m tokens are padded to a multiple of tp with tokens that read nothing, so that
-    rank r's rows of every element stay in order (row i: token ``i * tp + r``); with the
-    epilogue the rows of padding tokens are zeroed, as the rows of no token are. Batched
-    routed rows are stacked and each element's valid indices moved to its block."""
-    if batch == 0:
-        raise ValueError("jax.vmap over an empty batch: expected at least one batch element")
-    if batched[5]:
-        raise ValueError("norm_weight: under jax.vmap it differs between batch elements, but one call "
-                         "takes one norm weight; expected the same norm_weight for the whole batch "
-                         "(in_axes=None for it)")
-    tp, m, hidden = mailbox.tp, expert_weights.shape[-2], mailbox.hidden
-    scatter = mailbox.result == "reduce_scatter"
-    tokens = protocol.owned_rows(m, tp) * tp if scatter else m
-    if batch * tokens > mailbox.capacity_m:
-        padded = f", padded to a multiple of tp={tp}" if tokens != m else ""
-        raise ValueError(
-            f"jax.vmap over a batch of {batch}: one call takes the batch's tokens, {batch} x {tokens} "
-            f"(m={m}{padded}) = {batch * tokens}, but the mailbox holds capacity_m={mailbox.capacity_m}; "
-            f"expected a Mailbox with capacity_m >= {batch * tokens}, or a smaller batch"
-        )
-
-    def per_element(x, is_batched):
-        return x if is_batched else jnp.broadcast_to(x, (batch, *x.shape))
-
-    def as_tokens(x, fill):  # [batch, m, ...] -> [batch * tokens, ...]
-        x = jnp.pad(x, [(0, 0), (0, tokens - m)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return x.reshape(batch * tokens, *x.shape[2:])
-
-    routed_batched, weights_batched, indices_batched, shared_batched, residual_batched, _ = batched
-    indices = per_element(permuted_indices, indices_batched)
-    if routed_batched:
-        num_rows = routed_output.shape[1]
-        if batch * num_rows >= 2**31:
-            raise ValueError(f"jax.vmap over a batch of {batch} with routed_output batched: one call takes "
-                             f"{batch} x {num_rows} = {batch * num_rows} routed rows; expected fewer than 2**31")
-        valid = (indices >= 0) & (indices < num_rows)
-        block = (jnp.arange(batch, dtype=jnp.int32) * num_rows)[:, None, None]
-        indices = jnp.where(valid, indices + block, -1)
-        routed_output = routed_output.reshape(batch * num_rows, hidden)
-    folded = (
-        routed_output,
-        as_tokens(per_element(expert_weights, weights_batched), 0),
-        as_tokens(indices, -1),
-        None if shared_output is None else as_tokens(per_element(shared_output, shared_batched), 0),
-        None if residual is None else per_element(residual, residual_batched).reshape(-1, hidden),
-        norm_weight,
-    )
-
-    def unfold(out):
-        out = jax.tree.map(lambda x: x.reshape(batch, -1, hidden), out)
-        if residual is None or tokens == m:
-            return out
-        has_token = reference.rows_with_tokens(protocol.owned_rows(m, tp), m, mailbox.axis_name)[None]
-        return jax.tree.map(lambda x: jnp.where(has_token, x, jnp.zeros_like(x)), out)
-
-    return folded, unfold
 
 
 def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
@@ -538,7 +321,7 @@ def sharded_moe_finalize_publish(
     rank r's rows (tokens ``i * tp + r``).
     With the epilogue, ``(out, residual_out)``, each of that layout.
     """
-    _check_stacks(mailbox, dict(routed_output=routed_output, expert_weights=expert_weights,
+    op_checks.check_stacks(mailbox, dict(routed_output=routed_output, expert_weights=expert_weights,
                                 permuted_indices=permuted_indices, shared_output=shared_output,
                                 residual=residual, norm_weight=norm_weight))
     axis = mailbox.axis_name

@@ -4,9 +4,11 @@ benchmarks' floors and of the link model of `jax_moe_publish.tuning`.
 
 from __future__ import annotations
 
-BF16_BYTES = 2
-INDEX_BYTES = 4  # int32 permuted indices
-ALGORITHMS = ("direct", "oneshot", "twoshot")
+from jax_moe_publish import _abi
+
+BF16_BYTES = _abi.DTYPES["bf16"]
+INDEX_BYTES = _abi.DTYPES["s32"]  # int32 permuted indices
+ALGORITHMS = tuple(_abi.ALGORITHMS)
 
 
 def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, shared_expert: bool,
@@ -53,9 +55,17 @@ def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, 
           hbm = inputs + 3 * row + outputs * (row / tp + 4 * others)
           nvlink = others + outputs * others    (publish, then fan-out)
 
+    * ``reduce_scatter``: the same owners and slots, without the fan-out: each
+      rank writes only its ``row / tp`` of each output::
+
+          hbm = inputs + 3 * row + outputs * row / tp,    nvlink = others
+
+    The algorithm's facts (`_abi.ALGORITHMS`) choose the formula: a group or
+    not, the reduce over every row or the owned ones, a fan-out or not.
+
     Parameters
     ----------
-    algorithm : {"direct", "oneshot", "twoshot"}
+    algorithm : {"direct", "oneshot", "twoshot", "reduce_scatter"}
     tp, m, hidden, top_k : int
     shared_expert : bool
     weight_bytes : int
@@ -71,8 +81,9 @@ def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, 
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: expected one of {ALGORITHMS}")
-    if (tp == 1) != (algorithm == "direct"):
-        raise ValueError(f"algorithm={algorithm!r} with tp={tp}: expected 'direct' exactly when tp == 1")
+    spec = _abi.ALGORITHMS[algorithm]
+    if (tp > 1) != spec.group:
+        raise ValueError(f"algorithm={algorithm!r} with tp={tp}: expected a group algorithm exactly when tp > 1")
     if weight_bytes not in (2, 4):
         raise ValueError(f"weight_bytes={weight_bytes!r}: expected 2 (bf16) or 4 (float32)")
     row = m * hidden * BF16_BYTES
@@ -81,11 +92,13 @@ def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, 
         inputs += row
     outputs = 2 if residual_norm else 1
     if residual_norm:
-        inputs += hidden * BF16_BYTES + (row / tp if algorithm == "twoshot" else row)
-    if algorithm == "direct":
+        inputs += hidden * BF16_BYTES + (row / tp if spec.owned_rows else row)
+    if not spec.group:
         return {"hbm": float(inputs + outputs * row), "nvlink": 0.0}
-    if algorithm == "oneshot":
+    if not spec.owned_rows:
         slots = tp if own_slot else tp - 1
         return {"hbm": float(inputs + 3 * slots * row + outputs * row), "nvlink": float((tp - 1) * row)}
     others = (tp - 1) / tp * row
+    if not spec.fans_out:
+        return {"hbm": inputs + 3 * row + outputs * row / tp, "nvlink": others}
     return {"hbm": inputs + 3 * row + outputs * (row / tp + 4 * others), "nvlink": others + outputs * others}

@@ -4,7 +4,7 @@ A call is a `Problem` on a group of ``tp`` ranks, with ``m`` tokens, the mailbox
 result layout and, or not, the residual + RMSNorm epilogue. `kernel_config` maps it to
 the `KernelConfig` that the op compiles and launches, in two steps:
 
-1. the algorithm, by result layout, epilogue, tp and the partial's size (`ALGORITHMS`,
+1. the algorithm, by result layout, epilogue, tp and the partial's size (`CHOICES`,
    data in ``algorithms.json``), which may be ``xla``: the op then runs the ``jnp`` path;
 2. whether the call is one persistent kernel (`FUSED`), and the launch shape of its
    kernels for ``m`` (`SHAPES`), by ranges of m.
@@ -22,11 +22,11 @@ import dataclasses
 import json
 import pathlib
 
-from jax_moe_publish import _abi, protocol, traffic
+from jax_moe_publish import _abi, protocol
 from jax_moe_publish.config import ALGORITHMS as KERNEL_ALGORITHMS
 from jax_moe_publish.config import KernelConfig
 
-RESULTS = ("allreduce", "reduce_scatter")
+RESULTS = _abi.RESULTS
 """The result layouts of a mailbox: the group's sum on every rank, or each owner's tokens."""
 
 
@@ -43,7 +43,8 @@ class Problem:
 
 SOURCES = {
     "measured": "a benchmark run timed the choice: the reason cites its result file and rows",
-    "model": "`LinkModel`'s at algorithms.json's constants (tune_algorithms.py --model writes those of tp > 1)",
+    "model": "`link_model.LinkModel`'s at algorithms.json's constants (tune_algorithms.py --model writes those of "
+             "tp > 1)",
     "argument": "the reason's argument (the only algorithm, or a cost nobody timed); no run or model chose it",
 }
 """Where an algorithm entry comes from. A label may qualify its kind in parentheses, as
@@ -71,74 +72,21 @@ class AlgorithmChoice:
                              "maybe followed by a qualifier in parentheses")
 
 
-@dataclasses.dataclass(frozen=True)
-class LinkModel:
-    """The byte and latency model behind the algorithm entries marked ``model``.
-
-    A call of ``algorithm`` costs its exchanges (one-shot waits once, two-shot twice: for
-    the owners' sums), the slower of its HBM and NVLink bytes (`traffic.bytes_per_rank`) at
-    the measured bandwidths, and a launch per kernel beyond the first; the work both
-    algorithms share (the finalize's compute, the first launch) is left out, so only the
-    difference of two calls means something.
-
-    The constants are algorithms.json's ``model`` section, each with its source there:
-    the bandwidths and ``launch_s`` from one committed 2x H200 run; ``exchange_s`` is the
-    fused tp = 2 call at m = 1 of that run less a tp = 1 direct call from a run whose JSON
-    was not committed (one H200 at 88649f0), an upper bound of the exchange until
-    ``benchmarks/nvlink_pingpong.cu`` measures it.
-    """
-
-    p2p_bytes_per_s: float
-    hbm_bytes_per_s: float
-    exchange_s: float
-    launch_s: float
-
-    EXCHANGES = {"oneshot": 1, "twoshot": 2}
-    MAX_M = 1 << 16
-    """The largest m the crossover search considers."""
-
-    def call_s(self, problem: Problem, algorithm: str, tp: int, m: int, epilogue: str = "none") -> float:
-        config = kernel_config(problem, tp=tp, m=m, epilogue=epilogue, algorithm=algorithm)
-        moved = traffic.bytes_per_rank(
-            algorithm=algorithm, tp=tp, m=m, hidden=problem.hidden, top_k=problem.top_k,
-            shared_expert=problem.include_shared_expert, weight_bytes=4 if problem.fp32_weights else 2,
-            residual_norm=epilogue != "none", own_slot=not config.keep_own_partial)
-        return (self.EXCHANGES[algorithm] * self.exchange_s
-                + max(moved["hbm"] / self.hbm_bytes_per_s, moved["nvlink"] / self.p2p_bytes_per_s)
-                + (len(_abi.call_roles(config)) - 1) * self.launch_s)
-
-    def crossover_m(self, problem: Problem, tp: int, epilogue: str = "none") -> int | None:
-        """The largest m up to `MAX_M` at which one-shot is no slower than two-shot (None: every
-        such m), by bisection: two-shot's saving grows with m."""
-        def oneshot_wins(m):
-            return self.call_s(problem, "oneshot", tp, m, epilogue) <= self.call_s(problem, "twoshot", tp, m, epilogue)
-
-        if oneshot_wins(self.MAX_M):
-            return None
-        low, high = 0, self.MAX_M  # one-shot wins at low (or low = 0), loses at high
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if oneshot_wins(middle) else (low, middle)
-        return low
-
-
 TABLE_FILE = pathlib.Path(__file__).with_name("algorithms.json")
 """The algorithm entries as data, which ``benchmarks/tune_algorithms.py`` writes."""
 
 
 def _load_table(path: pathlib.Path):
     data = json.loads(path.read_text())
-    model = LinkModel(**{field.name: data["model"][field.name] for field in dataclasses.fields(LinkModel)})
-    tables = {
+    return {
         tuple(case.split("/")): {int(tp): tuple(AlgorithmChoice(**entry) for entry in entries)
                                  for tp, entries in by_tp.items()}
         for case, by_tp in data["tables"].items()
     }
-    return model, tables
 
 
-MODEL, ALGORITHMS = _load_table(TABLE_FILE)
-"""`ALGORITHMS[(result, epilogue)][tp]`: the entries of a call, the first that covers it applies.
+CHOICES = _load_table(TABLE_FILE)
+"""`CHOICES[(result, epilogue)][tp]`: the entries of a call, the first that covers it applies.
 A tp without entries takes those of the largest listed tp below it."""
 
 
@@ -201,6 +149,19 @@ SHAPES: dict[tuple[str, str], tuple[Shape, ...]] = {
     ),
 }
 
+TUNING_GRID: dict[str, tuple] = {
+    "threads": (128, 256),
+    "elements_per_thread": (4, 8),
+    "prefetch_group": (4, 8),
+    "reduce_threads": (128, 256),
+    "enable_pdl": (True, False),
+    "fuse_reduce": (False, True),
+    "keep_own_partial": (True, False),
+    "waves": (1, 2),
+}
+"""The launch shapes that ``benchmarks/bench_moe_publish.py --configs`` tries around the table's
+(its ``tuning_variants`` keeps the valid ones per case): the search space of `SHAPES`."""
+
 FUSED: dict[tuple[str, str], str] = {
     ("oneshot", "none"): "one persistent kernel at every m: 0.70-0.81 of two kernels' time at m = 256 to 1024, "
                          "within the noise at m = 8 and 64",
@@ -214,11 +175,11 @@ FUSED: dict[tuple[str, str], str] = {
 
 def algorithm_for(problem: Problem, tp: int, m: int | None, result: str, epilogue: str = "none", *,
                   kernels_only: bool = False) -> AlgorithmChoice:
-    """The algorithm entry of a call (`ALGORITHMS`); ``m`` None means larger than every range.
+    """The algorithm entry of a call (`CHOICES`); ``m`` None means larger than every range.
     ``kernels_only`` skips ``xla`` entries: the kernel path's own choice."""
     if result not in RESULTS:
         raise ValueError(f"result={result!r}: expected one of {RESULTS}")
-    by_tp = ALGORITHMS[result, epilogue]
+    by_tp = CHOICES[result, epilogue]
     entries = by_tp[max(t for t in by_tp if t <= tp)]
     nbytes = None if m is None else m * problem.hidden * 2
     for entry in entries:

@@ -1,8 +1,9 @@
 """Test setup: virtual CPU devices for the sharded CPU tests, and GPU discovery for ``gpu`` tests.
 
 The tiers are folders: ``cpu/`` (CI), ``compile/`` (needs CuTe DSL, no GPU), ``gpu/``
-(marked ``gpu``); ``support/`` holds the modules and child programs they share, importable
-by name from every test.
+(marked ``gpu``); ``support/`` holds the modules they share, importable by name from every
+test, and ``programs/`` the child programs that tests and tools run in processes of their own
+(no ``test_`` file names: pytest collects nothing there).
 
 GPU tests are marked ``@pytest.mark.gpu`` and declare how many GPUs they need
 with the ``gpus`` fixture's parameter (``@pytest.mark.gpus(2)``); they skip,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over every kernel role on two GPUs:
 #   bash tools/sanitize.sh [REPORT_DIR]
-# The workload is `tests/support/fault_programs.py sanitize`: healthy calls with m = 1, 5 and 16 of
+# The workload is `tests/programs/fault_programs.py sanitize`: healthy calls with m = 1, 5 and 16 of
 # each of its configs through the kernel harness (no JAX on the GPUs), every output checked.
 # It runs once per tool (SANITIZE_TOOLS, default "memcheck racecheck"; synccheck and
 # initcheck also work), saves each tool's report, the program's stdout and stderr in
@@ -26,17 +26,18 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     # Instrumented kernels are slow; the workload's own waits time out after 120 s.
     timeout "${SANITIZE_TIMEOUT_S:-1800}" "$SANITIZER" --tool "$tool" --error-exitcode 3 \
         --print-limit 200 --log-file "$out/$tool.log" \
-        "$PYTHON" tests/support/fault_programs.py sanitize >"$out/$tool.stdout" 2>"$out/$tool.stderr"
+        "$PYTHON" tests/programs/fault_programs.py sanitize >"$out/$tool.stdout" 2>"$out/$tool.stderr"
     rc=$?
     summary=$(grep -hE "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$out/$tool.log" 2>/dev/null \
         | sed 's/^=* *//' | paste -sd ';' -)
     verdict=$("$PYTHON" - "$out/$tool.stdout" <<'EOF'
-import json, sys
-lines = [line for line in open(sys.argv[1]) if line.startswith("RESULT ")]
-if not lines:
+import sys
+from jax_moe_publish.testing.local_processes import read_result
+result = read_result(open(sys.argv[1]).read())
+if result is None:
     print("the workload printed no result")
 else:
-    wrong = {mode: r["failures"] for mode, r in json.loads(lines[-1][len("RESULT "):]).items() if r["failures"]}
+    wrong = {mode: r["failures"] for mode, r in result.items() if r["failures"]}
     print(f"wrong outputs: {wrong}" if wrong else "outputs correct")
 EOF
 )

@@ -20,7 +20,7 @@ import time
 from jax_moe_publish import protocol, tuning
 from jax_moe_publish.aot import compile as aot_compile
 from jax_moe_publish.aot import presets
-from jax_moe_publish.config import ALGORITHMS, EPILOGUES, KernelConfig
+from jax_moe_publish.config import ALGORITHMS, EPILOGUES, KernelConfig, result_of
 from jax_moe_publish.testing import gpu_matrix
 
 PRESETS = {"tests": gpu_matrix.all_configs, "deepseek-v3": presets.deepseek_v3, "qwen3-moe": presets.qwen3_moe}
@@ -73,7 +73,7 @@ def _configs(args) -> list[KernelConfig]:
         algorithm = given.get("algorithm")
         # The tuning table's shape for large m, then the flags given.
         base = tuning.kernel_config(tuning.Problem(given["hidden"], given["top_k"]), tp=given["tp"], m=None,
-                                    result=presets.result_of(algorithm), epilogue=epilogue,
+                                    result=result_of(algorithm) if algorithm else "allreduce", epilogue=epilogue,
                                     algorithm=algorithm, arch=arch)
         configs.append(base.replace(**given))
     if not configs:

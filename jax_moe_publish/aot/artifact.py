@@ -27,9 +27,10 @@ from jax_moe_publish.config import KernelConfig
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 # The files whose text decides what a cubin contains.
 _FINGERPRINTED = ("config.py", "protocol.py", "_abi.py", "kernels")
-SIDECAR_VERSION = 2
+SIDECAR_VERSION = 3
 """Version 2: each kernel's parameter names and launch plan (persistent, cluster) are recorded,
-and the call's shape checks in ``call``."""
+and the call's shape checks in ``call``. Version 3: ``call`` names the FFI target and lists the
+call's operands with their dtype and rows rules (`_abi.call_operands`)."""
 
 
 SIDECAR_FIELDS = ("sidecar_version", "key", "config", "arch", "dsl_version", "source_fingerprint", "call",
@@ -237,7 +238,7 @@ class KernelArtifact:
                     f"kernel {kernel['symbol']} ({kernel['role']}) of {key} takes {kernel['params']} of types "
                     f"{kernel['param_types']}, expected {params} of types {types}"
                 )
-            if kernel["persistent"] != role.persistent or (kernel["cluster"] > 1 and not role.cluster):
+            if kernel["persistent"] != role.persistent or (kernel["cluster"] > 1 and not role.clustered):
                 raise RuntimeError(f"kernel {kernel['symbol']} ({kernel['role']}) of {key} has persistent="
                                    f"{kernel['persistent']} cluster={kernel['cluster']}, against its role's "
                                    f"{role}")

@@ -78,9 +78,8 @@ def compile_config(config: KernelConfig) -> KernelArtifact:
         "dsl_version": dsl_version(),
         "source_fingerprint": source_fingerprint(),
         "call": {
-            "tp": config.tp, "hidden": config.hidden, "top_k": config.top_k,
-            "weights": "f32" if config.fp32_weights else "bf16", "shared_expert": config.include_shared_expert,
-            "out_rows": "owned" if config.algorithm == "reduce_scatter" else "m", "pdl": config.enable_pdl,
+            "target": _abi.TARGETS[config.epilogue], "tp": config.tp, "hidden": config.hidden,
+            "pdl": config.enable_pdl, "operands": _abi.call_operands(config),
         },
         "kernels": kernels,
     }

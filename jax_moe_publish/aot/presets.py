@@ -8,19 +8,13 @@ model runs it fused.
 from __future__ import annotations
 
 from jax_moe_publish import tuning
-from jax_moe_publish.config import EPILOGUE_ALGORITHMS, KernelConfig
+from jax_moe_publish.config import (EPILOGUE_ALGORITHMS, GROUP_ALGORITHMS, SINGLE_ALGORITHMS, KernelConfig,
+                                    result_of)
 
 TP_SIZES = (1, 2, 4, 8)
-GROUP_ALGORITHMS = ("oneshot", "twoshot", "reduce_scatter")
-"""The algorithms of a group (tp > 1)."""
 
 DEEPSEEK_V3 = tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5, include_shared_expert=True)
 QWEN3_MOE = tuning.Problem(hidden=4096, top_k=8, routed_scaling_factor=1.0, include_shared_expert=False)
-
-
-def result_of(algorithm: str) -> str:
-    """The mailbox result layout an algorithm serves."""
-    return "reduce_scatter" if algorithm == "reduce_scatter" else "allreduce"
 
 
 def model(problem: tuning.Problem, arch: str = "sm_90a", epilogue_tp: tuple[int, ...] = ()) -> list[KernelConfig]:
@@ -31,7 +25,7 @@ def model(problem: tuning.Problem, arch: str = "sm_90a", epilogue_tp: tuple[int,
     for fp32_weights in (False, True):
         weighted = tuning.Problem(**{**vars(problem), "fp32_weights": fp32_weights})
         for tp in TP_SIZES:
-            variants = [(algorithm, "none") for algorithm in (("direct",) if tp == 1 else GROUP_ALGORITHMS)]
+            variants = [(algorithm, "none") for algorithm in (SINGLE_ALGORITHMS if tp == 1 else GROUP_ALGORITHMS)]
             if tp in epilogue_tp:
                 variants += [(algorithm, "rmsnorm") for algorithm in EPILOGUE_ALGORITHMS]
             for algorithm, epilogue in variants:

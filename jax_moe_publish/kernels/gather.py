@@ -17,7 +17,7 @@ from jax_moe_publish.kernels.lamport import EMPTY, FRAGMENT_BYTES, Lamport
 
 
 class GatherKernel:
-    """``reduce_ctas_per_token`` CTAs per token of ``reduce_threads`` threads."""
+    """``reduce_ctas_per_row`` CTAs per token of ``reduce_threads`` threads."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config

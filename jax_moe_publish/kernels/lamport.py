@@ -46,8 +46,8 @@ class Lamport:
         cfg = self.config
         block, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        row = block // cfg.reduce_ctas_per_token
-        fragment = (block % cfg.reduce_ctas_per_token) * cfg.reduce_threads + tidx
+        row = block // cfg.reduce_ctas_per_row
+        fragment = (block % cfg.reduce_ctas_per_row) * cfg.reduce_threads + tidx
         return row, fragment
 
     def contribution_offset(self, stage, src, slot, capacity_m) -> Int64:

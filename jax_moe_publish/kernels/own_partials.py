@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
 from jax_moe_publish.config import KernelConfig
-from jax_moe_publish.kernels.finalize import BF16_BYTES, Finalizer
+from jax_moe_publish.kernels.finalizer import BF16_BYTES, Finalizer
 
 OWN_PARTIAL_ALIGNMENT = 16
 

@@ -18,7 +18,7 @@ from cutlass import Float32, Int32, Int64
 
 from jax_moe_publish import _abi
 from jax_moe_publish.config import KernelConfig
-from jax_moe_publish.kernels.direct import FinalizeKernel
+from jax_moe_publish.kernels.finalize import FinalizeKernel
 from jax_moe_publish.kernels.gather import GatherKernel
 from jax_moe_publish.kernels.gather_norm import GatherNormKernel
 from jax_moe_publish.kernels.own_partials import OwnPartials
@@ -72,23 +72,23 @@ class KernelLaunch:
 def launch_plan(config: KernelConfig) -> list[KernelLaunch]:
     """The launches of one call of ``config``, in order (`_abi.call_roles`)."""
     cfg = config
-    owner_rows = "m" if cfg.algorithm == "oneshot" else "owned"
+    owner_rows = _abi.ALGORITHMS[cfg.algorithm].reduce_rows
     own_bytes = OwnPartials.shared_bytes(cfg)
     plans = {
-        "finalize": lambda: KernelLaunch("finalize", cfg.threads, 0, cfg.ctas_per_token, "m"),
-        "publish": lambda: KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_token, "m"),
-        "reduce": lambda: KernelLaunch("reduce", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, owner_rows),
+        "finalize": lambda: KernelLaunch("finalize", cfg.threads, 0, cfg.ctas_per_row, "m"),
+        "publish": lambda: KernelLaunch("publish", cfg.threads, 0, cfg.ctas_per_row, "m"),
+        "reduce": lambda: KernelLaunch("reduce", cfg.reduce_threads, 0, cfg.reduce_ctas_per_row, owner_rows),
         "reduce_norm": lambda: KernelLaunch("reduce_norm", cfg.reduce_threads, RowSums.shared_bytes(cfg) + own_bytes,
-                                            cfg.reduce_ctas_per_token, owner_rows),
-        "gather": lambda: KernelLaunch("gather", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, "m"),
-        "gather_norm": lambda: KernelLaunch("gather_norm", cfg.reduce_threads, 0, cfg.reduce_ctas_per_token, "m"),
-        "publish_reduce": lambda: KernelLaunch("publish_reduce", cfg.threads, own_bytes, cfg.ctas_per_token, "m",
+                                            cfg.reduce_ctas_per_row, owner_rows),
+        "gather": lambda: KernelLaunch("gather", cfg.reduce_threads, 0, cfg.reduce_ctas_per_row, "m"),
+        "gather_norm": lambda: KernelLaunch("gather_norm", cfg.reduce_threads, 0, cfg.reduce_ctas_per_row, "m"),
+        "publish_reduce": lambda: KernelLaunch("publish_reduce", cfg.threads, own_bytes, cfg.ctas_per_row, "m",
                                                cfg.waves),
-        "publish_reduce_gather": lambda: KernelLaunch("publish_reduce_gather", cfg.threads, 0, cfg.ctas_per_token,
+        "publish_reduce_gather": lambda: KernelLaunch("publish_reduce_gather", cfg.threads, 0, cfg.ctas_per_row,
                                                       "m", cfg.waves),
         # A row's CTAs form one thread block cluster.
         "publish_reduce_norm": lambda: KernelLaunch("publish_reduce_norm", cfg.threads,
-                                                    RowSums.shared_bytes(cfg) + own_bytes, cfg.ctas_per_token, "m",
+                                                    RowSums.shared_bytes(cfg) + own_bytes, cfg.ctas_per_row, "m",
                                                     cfg.waves, cluster_ctas(cfg)),
     }
     return [plans[role]() for role in _abi.call_roles(cfg)]
@@ -125,7 +125,8 @@ class MoePublishProgram:
         eps: Float32,
         stream: cuda.CUstream,
     ) -> None:
-        """Launch the call's kernels: the parameters are `_abi.VALUES`, in order, then the stream."""
+        """Launch the call's kernels: the parameters are `_abi.VALUES`, in order, then the stream.
+        (``tests/compile/test_abi.py`` checks that the tuple below names them in that order.)"""
         values = dict(zip(_abi.VALUES, (routed, weights, indices, shared, mailbox, peer_table, stage_state, status,
                                         out, residual, norm_weight, residual_out, timeout_ns, num_rows, m,
                                         capacity_m, rank, eps)))

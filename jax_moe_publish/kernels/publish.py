@@ -11,11 +11,11 @@ from cutlass import Int32, Int64
 
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
-from jax_moe_publish.kernels.finalize import Finalizer
+from jax_moe_publish.kernels.finalizer import Finalizer
 
 
 class PublishKernel:
-    """``ctas_per_token`` CTAs per token, one fragment per thread (`Finalizer`)."""
+    """``ctas_per_row`` CTAs per token, one fragment per thread (`Finalizer`)."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.finalizer = Finalizer(config)

@@ -6,7 +6,7 @@ rank order, writes the output and re-arms the slots it consumed (`Lamport`). Thi
 own fragment stays in shared memory (`OwnPartials`) for a CTA's first tiles.
 
 The grid is persistent: the launcher caps it at the CTAs the GPU holds at once, and CTA
-``b`` takes the tiles (publish CTA positions, ``ctas_per_token`` per token) ``b``,
+``b`` takes the tiles (publish CTA positions, ``ctas_per_row`` per token) ``b``,
 ``b + grid``, ... . It publishes all of its tiles before it waits for any, so every rank
 publishes every tile whatever the peers' grids. A CTA counts itself in the stage's
 arrivals once it has published (`Lamport.arrive`), so that the atomic overlaps its waits.
@@ -23,13 +23,13 @@ from cutlass import Int32, Int64
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
-from jax_moe_publish.kernels.finalize import BF16_BYTES, Finalizer
+from jax_moe_publish.kernels.finalizer import BF16_BYTES, Finalizer
 from jax_moe_publish.kernels.lamport import Lamport
 from jax_moe_publish.kernels.own_partials import OwnPartials
 
 
 class PublishReduceKernel:
-    """``threads`` per CTA, ``ctas_per_token`` CTA positions (tiles) per token."""
+    """``threads`` per CTA, ``ctas_per_row`` CTA positions (tiles) per token."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
@@ -61,7 +61,7 @@ class PublishReduceKernel:
     ) -> None:
         block, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        tiles = m * self.config.ctas_per_token
+        tiles = m * self.config.ctas_per_row
         sOwn = self.own.allocate()
         token, fragment_offset, in_range = self.finalizer.position(block)
         shared_words = self.finalizer.begin_call(shared, token, fragment_offset, in_range)

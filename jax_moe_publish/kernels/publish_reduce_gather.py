@@ -1,6 +1,6 @@
 """Two-shot in one persistent kernel (role ``publish_reduce_gather``: ``fuse_reduce``, twoshot).
 
-A CTA goes through three phases over its tiles (publish CTA positions, ``ctas_per_token``
+A CTA goes through three phases over its tiles (publish CTA positions, ``ctas_per_row``
 per row), ``b``, ``b + grid``, ...:
 
 1. publish: each thread finalizes its fragment of a token (`Finalizer`) and stores it into
@@ -28,12 +28,12 @@ from cutlass import Int32, Int64, Uint32
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
-from jax_moe_publish.kernels.finalize import BF16_BYTES, Finalizer
+from jax_moe_publish.kernels.finalizer import BF16_BYTES, Finalizer
 from jax_moe_publish.kernels.lamport import Lamport
 
 
 class PublishReduceGatherKernel:
-    """``threads`` per CTA, ``ctas_per_token`` CTA positions (tiles) per row."""
+    """``threads`` per CTA, ``ctas_per_row`` CTA positions (tiles) per row."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
@@ -66,8 +66,8 @@ class PublishReduceGatherKernel:
         block, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         tidx, _, _ = cute.arch.thread_idx()
-        tiles = m * cfg.ctas_per_token
-        owned_tiles = (m + cfg.tp - 1) // cfg.tp * cfg.ctas_per_token
+        tiles = m * cfg.ctas_per_row
+        owned_tiles = (m + cfg.tp - 1) // cfg.tp * cfg.ctas_per_row
         token, fragment_offset, in_range = self.finalizer.position(block)
         shared_words = self.finalizer.begin_call(shared, token, fragment_offset, in_range)
         stage, halt = self.finalizer.read_stage(stage_state)

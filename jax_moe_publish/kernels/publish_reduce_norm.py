@@ -1,7 +1,7 @@
 """The whole epilogue call in one persistent kernel (role ``publish_reduce_norm``: ``fuse_reduce``,
 oneshot, the residual add + RMSNorm).
 
-A row's ``ctas_per_token`` CTAs form a thread block cluster, so that the row's expert
+A row's ``ctas_per_row`` CTAs form a thread block cluster, so that the row's expert
 loads spread over as many SMs as the plain publish's. Cluster ``c`` first publishes each
 thread's fragment of rows ``c``, ``c + clusters``, ... (as `PublishReduceKernel` does; the
 launcher caps the grid at the resident clusters), then waits for, sums and normalizes
@@ -20,14 +20,14 @@ from cutlass import Float32, Int32, Int64
 
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
-from jax_moe_publish.kernels.finalize import Finalizer
+from jax_moe_publish.kernels.finalizer import Finalizer
 from jax_moe_publish.kernels.own_partials import OwnPartials
 from jax_moe_publish.kernels.row_norm import RowNorm, cluster_ctas
 
 
 class PublishReduceNormKernel:
     """``threads`` (= ``reduce_threads``) per CTA, one fragment each; a cluster of
-    ``ctas_per_token`` CTAs per row."""
+    ``ctas_per_row`` CTAs per row."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config

@@ -22,7 +22,7 @@ from jax_moe_publish.kernels.lamport import FRAGMENT_BYTES, WORDS, Lamport
 
 
 class ReduceKernel:
-    """``reduce_ctas_per_token`` CTAs per row of ``reduce_threads`` threads."""
+    """``reduce_ctas_per_row`` CTAs per row of ``reduce_threads`` threads."""
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
@@ -48,13 +48,13 @@ class ReduceKernel:
         stage, halt = self.lamport.start_call(stage_state)
         fragment_offset = Int64(fragment) * FRAGMENT_BYTES
         if fragment < cfg.reduce_fragments:
-            if cutlass.const_expr(cfg.algorithm == "oneshot"):
+            if cutlass.const_expr(not cfg.owned_rows):
                 token = row
                 slot = row
             else:
                 token = row * cfg.tp + rank
                 slot = row
-            if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
+            if cutlass.const_expr(cfg.out_owned):
                 destination = out + Int64(row) * self.lamport.row_bytes + fragment_offset
             else:
                 destination = out + Int64(token) * self.lamport.row_bytes + fragment_offset
@@ -65,11 +65,11 @@ class ReduceKernel:
                     mailbox, stage, slot, fragment_offset, capacity_m, token, stage_state, status, timeout_ns
                 )
                 total = self.lamport.sum_sources(sources)
-                if cutlass.const_expr(cfg.algorithm == "twoshot"):
+                if cutlass.const_expr(cfg.fans_out):
                     # The owner's row and the peers' gathered copies must carry the same bits.
                     total = [ptx.positive_zero_bf16x2(word) for word in total]
                 ptx.store_words(destination, total)
-                if cutlass.const_expr(cfg.algorithm == "twoshot"):
+                if cutlass.const_expr(cfg.fans_out):
                     gather_slot = self.lamport.gather_offset(stage, token, capacity_m) + fragment_offset
                     for step in cutlass.range_constexpr(cfg.tp - 1):
                         peer = (rank + (step + 1)) % cfg.tp
@@ -77,8 +77,8 @@ class ReduceKernel:
                             ptx.load_u64(peer_table + Int64(peer) * 8) + gather_slot, total
                         )
                 self.lamport.rearm(slots, skipped)
-            if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
+            if cutlass.const_expr(cfg.out_owned):
                 if token >= m:
                     ptx.store_words(destination, [Uint32(0)] * WORDS)
-        # In twoshot the gather ends the call and advances the stage.
-        self.lamport.finish_call(stage, stage_state, advance=cfg.algorithm != "twoshot", waited=False)
+        # Where the owners fan out, the gather ends the call and advances the stage.
+        self.lamport.finish_call(stage, stage_state, advance=not cfg.fans_out, waited=False)

@@ -48,12 +48,12 @@ class ReduceNormKernel:
         cfg = self.config
         block, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        if cutlass.const_expr(cfg.algorithm == "oneshot"):
+        if cutlass.const_expr(not cfg.owned_rows):
             token = block
         else:
             token = block * cfg.tp + rank
         # The residual has the result's layout: every token's row, or reduce_scatter's own rows.
-        residual_row = block if cutlass.const_expr(cfg.algorithm == "reduce_scatter") else token
+        residual_row = block if cutlass.const_expr(cfg.out_owned) else token
         # The residual and the weight are read before the mailbox wait, although this
         # kernel never waits for its predecessor: it starts only once every publish CTA
         # has passed its griddepcontrol.wait (the publish releases it after that wait),
@@ -66,5 +66,5 @@ class ReduceNormKernel:
         self.norm.norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, tidx,
                            self.norm.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
                            capacity_m, residual_out, eps, None, (peer_table, rank))
-        # In twoshot the gather ends the call and advances the stage.
-        self.norm.lamport.finish_call(stage, stage_state, advance=cfg.algorithm != "twoshot", waited=False)
+        # Where the owners fan out, the gather ends the call and advances the stage.
+        self.norm.lamport.finish_call(stage, stage_state, advance=not cfg.fans_out, waited=False)

@@ -31,8 +31,8 @@ SMEM_ALIGNMENT = 16
 
 
 def cluster_ctas(config: KernelConfig) -> int:
-    """CTAs of the cluster that holds a row: ``ctas_per_token`` when fused, else 1."""
-    return config.ctas_per_token if config.fuse_reduce else 1
+    """CTAs of the cluster that holds a row: ``ctas_per_row`` when fused, else 1."""
+    return config.ctas_per_row if config.fuse_reduce else 1
 
 
 def _aligned(nbytes: int) -> int:
@@ -180,7 +180,7 @@ class RowNorm:
         empty marker)."""
         cfg = self.config
         row_offset = Int64(row) * self.lamport.row_bytes
-        if cutlass.const_expr(cfg.algorithm == "twoshot"):
+        if cutlass.const_expr(cfg.fans_out):
             row_offset = Int64(token) * self.lamport.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
         rResidualOut = self._fragment_registers()
@@ -222,12 +222,12 @@ class RowNorm:
                             ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high)
                         )
                     sums_out = [rResidualOut[j, w] for w in range(self.fragment_words)]
-                    if cutlass.const_expr(cfg.algorithm == "twoshot"):
+                    if cutlass.const_expr(cfg.fans_out):
                         normed = [ptx.positive_zero_bf16x2(word) for word in normed]
                         sums_out = [ptx.positive_zero_bf16x2(word) for word in sums_out]
                     ptx.store_words(residual_out + row_offset + offset, sums_out)
                     ptx.store_words(out + row_offset + offset, normed)
-                    if cutlass.const_expr(cfg.algorithm == "twoshot"):
+                    if cutlass.const_expr(cfg.fans_out):
                         peer_table, rank = fan_out
                         # A halted mailbox may be freed: its rows (NaN) stay here.
                         if halt == protocol.HALT_RUNNING:
@@ -238,7 +238,7 @@ class RowNorm:
                                 ptx.store_words(peer + gathered, normed)
                                 ptx.store_words(peer + gathered_residual, sums_out)
                 else:
-                    if cutlass.const_expr(cfg.algorithm == "reduce_scatter"):
+                    if cutlass.const_expr(cfg.out_owned):
                         # Rows of no token: both outputs are +0.0, like the plain reduce's.
                         ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
                         ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)

@@ -7,8 +7,8 @@ the GPU tests run on a machine without CuTe DSL.
 from __future__ import annotations
 
 from jax_moe_publish import tuning
-from jax_moe_publish.aot.presets import GROUP_ALGORITHMS, result_of
-from jax_moe_publish.config import EPILOGUE_ALGORITHMS, FUSED_ALGORITHMS, KernelConfig
+from jax_moe_publish.config import (EPILOGUE_ALGORITHMS, FUSED_ALGORITHMS, GROUP_ALGORITHMS, SINGLE_ALGORITHMS,
+                                    KernelConfig, result_of)
 
 GROUP_TPS = (2, 4, 8)
 """The group sizes the GPU tests run (on one GPU with virtual ranks)."""
@@ -73,7 +73,7 @@ def variants(tp: int) -> list[KernelConfig]:
         if tp == 1 and variant.get("fuse_reduce"):
             continue
         if tp == 1:
-            algorithms = ("direct",)
+            algorithms = SINGLE_ALGORITHMS
         elif index < 2:
             algorithms = GROUP_ALGORITHMS
         elif variant.get("fuse_reduce"):
@@ -86,7 +86,7 @@ def variants(tp: int) -> list[KernelConfig]:
 
 def defaults(tp: int) -> list[KernelConfig]:
     """The tuning table's configs that the op tests reach through the public API."""
-    algorithms = ("direct",) if tp == 1 else GROUP_ALGORITHMS
+    algorithms = SINGLE_ALGORITHMS if tp == 1 else GROUP_ALGORITHMS
     return [
         tuning.kernel_config(problem, tp=tp, m=m, result=result_of(algorithm), algorithm=algorithm)
         for problem in DEFAULT_PROBLEMS

@@ -9,8 +9,9 @@ A module's skip becomes a collection error where
 
 Elsewhere (the GPU machine has no CuTe DSL) the tier skips, with the reason.
 
-The tier's modules share one build of each config per session (`builds`): the PTX checks of
-``test_aot.py`` and the manifest check of ``test_ptx_manifest.py`` read the same sets.
+The tier's modules share one build of each config per session (`builds`): the sidecar checks
+of ``test_metadata.py``, the PTX checks of ``test_ptx_contents.py`` and the manifest check of
+``test_ptx_manifest.py`` read the same sets.
 """
 
 from __future__ import annotations

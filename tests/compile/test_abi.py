@@ -6,7 +6,9 @@ parameter types in ``tests/compile``.
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 
 import pytest
 
@@ -53,6 +55,17 @@ def test_every_call_launches_roles_of_the_contract(result, tp, epilogue, fuse_re
     for launch in plan:
         role = _abi.ROLES[launch.role]
         assert launch.persistent == role.persistent
-        assert (launch.cluster > 1) == (role.cluster and config.ctas_per_token > 1)
+        assert (launch.cluster > 1) == (role.clustered and config.ctas_per_row > 1)
         assert launch.cluster <= _abi.MAX_CLUSTER_CTAS and launch.block <= _abi.MAX_THREADS
         assert launch.waves == 1 or role.persistent
+
+
+def test_the_program_passes_every_value_under_its_own_name():
+    """The ``dict(zip(_abi.VALUES, (...)))`` of ``__call__`` lists its parameters in contract order:
+    two swapped values of one type would pass every type check and every other test on CPU."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(program.MoePublishProgram.__call__)))
+    zipped = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "zip"]
+    assert len(zipped) == 1, "expected one zip of the contract's values in MoePublishProgram.__call__"
+    names, values = zipped[0].args
+    assert ast.unparse(names) == "_abi.VALUES"
+    assert [element.id for element in values.elts] == list(_abi.VALUES)

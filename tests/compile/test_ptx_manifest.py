@@ -1,7 +1,7 @@
 """Compile tier (CPU, CI): every preset compiles to what ``tests/compile/ptx_manifest.json``
 records (``python tools/compare_ptx.py manifest``), and the check names what changed.
 
-The sets are the session's builds (`builds`), which ``test_aot.py`` has already compiled in a
+The sets are the session's builds (`builds`), which ``test_metadata.py`` and ``test_ptx_contents.py`` have already compiled in a
 run of the whole tier; the tool reads them from that folder and compiles nothing.
 """
 

@@ -1,6 +1,6 @@
-"""`benchmarks/bench_moe_publish.py` on CPU: the all-reduce reader of the optimized HLO, the
-XLA chain's finalize inside its timed loop (read from the optimized HLO), and a ``--cpu``
-plumbing run of every case at tp = 1, 2, 4 and 8 (times meaningless)."""
+"""`benchmarks/bench_moe_publish.py` on CPU: the all-reduce reader of the optimized HLO
+(`hlo_text`), the XLA chain's finalize inside its timed loop (`chains`, read from the optimized
+HLO), and a ``--cpu`` plumbing run of every case at tp = 1, 2, 4 and 8 (times meaningless)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ import pytest
 
 import jax_moe_publish as jmp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))  # its sibling imports
-import bench_moe_publish as bench  # noqa: E402
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import chains  # noqa: E402
+import hlo_text  # noqa: E402
+import report  # noqa: E402
+import timing  # noqa: E402
 
-BENCHMARK = pathlib.Path(bench.__file__)
+BENCHMARK = BENCHMARKS / "bench_moe_publish.py"
 LAYERS = 2
 
 # Lines shaped like XLA's optimized HLO text (written here, not captured from a GPU).
@@ -39,13 +43,13 @@ ENTRY %main {
 
 
 def test_all_reduce_implementations_reads_each_strategy():
-    assert bench.all_reduce_implementations(HLO) == {
+    assert hlo_text.all_reduce_implementations(HLO) == {
         "all-reduce-start: KERNEL_STRATEGY_TRITON_ONE_SHOT": 1,
         "all-reduce-start: default": 1,
         "all-reduce: default": 1,
         "fusion: KERNEL_STRATEGY_TRITON_TWO_SHOT": 1,
     }
-    assert bench.all_reduce_implementations("ENTRY %main {\n  %a = f32[2] add(f32[2] %x, f32[2] %y)\n}") == {}
+    assert hlo_text.all_reduce_implementations("ENTRY %main {\n  %a = f32[2] add(f32[2] %x, f32[2] %y)\n}") == {}
 
 
 @pytest.mark.parametrize("problem", ["deepseek-v3", "qwen3-moe", "deepseek-v3+rmsnorm"])
@@ -58,13 +62,13 @@ def test_chain_runs_its_finalize_in_the_timed_loop(side, problem, tp):
     of a token and a psum, per layer. Untied, XLA hoists both sides' gathers out of the loop
     (tests/conftest.py gives 4 virtual CPU devices)."""
     layers, m = 3, 3
-    spec = bench.problem_spec(problem)
+    spec = chains.problem_spec(problem)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
     with jmp.Mailbox(mesh, "tp", hidden=spec["hidden"], capacity_m=m) as mailbox:
-        inputs = bench.chain_inputs(mesh, m, spec, jax.random.key(0), layers)
-        program = bench.make_chain(side, mailbox, spec, None, bench.SHORT, layers=layers, op_impl="reference")
+        inputs = chains.chain_inputs(mesh, m, spec, jax.random.key(0), layers)
+        program = chains.make_chain(side, mailbox, spec, None, timing.SHORT, layers=layers, op_impl="reference")
         hlo = program.lower(*inputs).compile().as_text()
-    inside, outside = bench.loop_body_opcodes(hlo)
+    inside, outside = hlo_text.loop_body_opcodes(hlo)
     if side == "xla":
         finalize = {"gather": layers, "dot": layers, "all-reduce": layers if tp > 1 else 0}
     else:
@@ -98,13 +102,13 @@ ENTRY %main (x.1: f32[4]) -> f32[4] {
   ROOT %o = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %w), index=1
 }
 """
-    inside, outside = bench.loop_body_opcodes(hlo)
+    inside, outside = hlo_text.loop_body_opcodes(hlo)
     # Each call of the fused computation counts, the one before the loop outside.
     assert inside == {"get-tuple-element": 1, "fusion": 2, "call": 1, "tuple": 1, "gather": 2, "negate": 2}
     assert outside == {"fusion": 1, "gather": 1, "negate": 1, "while": 1, "get-tuple-element": 1}
     # The body's fusion kernels: its own and the command buffer's, not what they fuse.
-    assert bench.loop_body_fusions(hlo) == 2
-    assert bench.loop_body_fusions(hlo.replace(" while(", " call(")) is None
+    assert hlo_text.loop_body_fusions(hlo) == 2
+    assert hlo_text.loop_body_fusions(hlo.replace(" while(", " call(")) is None
 
 
 def test_cpu_run_covers_every_tp_algorithm_and_xla_column(tmp_path):
@@ -148,6 +152,6 @@ def test_report_names_the_cases_where_xla_fused_layers():
                 "xla": {"us": 1.0, "fusions_per_layer": per_layer}}
 
     data = {"results": [case(1, 7 / 32), case(64, 2.0), case(128, None)]}
-    note = bench.report.fused_layers_note(data)
+    note = report.fused_layers_note(data)
     assert "deepseek-v3 tp=1 m=1 xla (0.22)" in note and "m=64" not in note and "m=128" not in note
-    assert bench.report.fused_layers_note({"results": [case(64, 2.0)]}) == ""
+    assert report.fused_layers_note({"results": [case(64, 2.0)]}) == ""

@@ -1,5 +1,5 @@
-"""The benchmark's timing (`bench_moe_publish.paired_estimates`, on a fake machine) and its summary
-(`bench_moe_publish.summarize`, on synthetic estimates)."""
+"""The benchmarks' timing (`timing.paired_estimates`, on a fake machine) and its summary
+(`timing.summarize`, on synthetic estimates)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))  # its sibling imports
-import bench_moe_publish as bench  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+import timing  # noqa: E402
 
 
 def test_one_round_is_the_median_and_spread_of_its_estimates():
     rng = np.random.default_rng(0)
     estimates = rng.normal(5.0, 0.2, 30)
-    figure = bench.summarize([estimates])
+    figure = timing.summarize([estimates])
     assert figure == {"us": pytest.approx(np.median(estimates)), "p10": pytest.approx(np.percentile(estimates, 10)),
                       "p90": pytest.approx(np.percentile(estimates, 90))}
 
@@ -24,7 +24,7 @@ def test_one_round_is_the_median_and_spread_of_its_estimates():
 def test_rounds_pool_their_estimates_and_keep_each_round():
     rng = np.random.default_rng(1)
     rounds = [rng.normal(median, 0.1, 20) for median in (7.4, 5.6, 8.2)]
-    figure = bench.summarize(rounds)
+    figure = timing.summarize(rounds)
     pooled = np.concatenate(rounds)
     assert figure["us"] == pytest.approx(np.median(pooled))
     assert figure["p10"] == pytest.approx(np.percentile(pooled, 10))
@@ -38,7 +38,7 @@ def test_the_figure_lies_inside_its_own_spread(seed):
     rng = np.random.default_rng(seed)
     rounds = [rng.lognormal(rng.uniform(0, 2), rng.uniform(0.01, 1.0), rng.integers(1, 8))
               for _ in range(rng.integers(1, 5))]
-    figure = bench.summarize(rounds)
+    figure = timing.summarize(rounds)
     assert figure["p10"] <= figure["us"] <= figure["p90"], figure
 
 
@@ -46,7 +46,7 @@ class FakeMachine:
     """Chain programs on a fake clock: a run of ``n`` iterations of ``layers`` calls of a side
     takes ``fixed_s[rep] + n * layers * per_call_us[side] * 1e-6 * slowdown[rep]`` seconds,
     the machine's state ``rep`` moving between the repetitions of
-    `bench_moe_publish.paired_estimates` (one short and one long run per side each, after
+    `timing.paired_estimates` (one short and one long run per side each, after
     one warm-up run per program)."""
 
     def __init__(self, per_call_us, fixed_s, slowdown, layers, iterations):
@@ -91,10 +91,10 @@ def test_paired_estimates_pair_by_run_under_drift():
     less the i-th fastest short run, from the same runs, mixes the repetitions."""
     per_call_us = {"ours": 1.0, "xla": 4.0}
     machine = FakeMachine(per_call_us, FIXED_S, SLOWDOWN, LAYERS, ITERATIONS)
-    estimates = bench.paired_estimates(machine.sides, (), len(FIXED_S), LAYERS, ITERATIONS, clock=machine.clock)
+    estimates = timing.paired_estimates(machine.sides, (), len(FIXED_S), LAYERS, ITERATIONS, clock=machine.clock)
     for side, us in per_call_us.items():
         assert estimates[side] == pytest.approx(us * np.array(SLOWDOWN))
-    assert bench.paired_ratio([estimates["ours"]], [estimates["xla"]]) == pytest.approx(
+    assert timing.paired_ratio([estimates["ours"]], [estimates["xla"]]) == pytest.approx(
         {"ratio": 0.25, "p10": 0.25, "p90": 0.25})
     # Pairing by quantile, the same runs would have given other figures.
     few, many = ITERATIONS
@@ -108,14 +108,14 @@ def test_paired_estimates_pair_by_run_under_drift():
 def test_paired_estimates_alternate_the_order_of_the_sides():
     """Warm-up runs first, then every repetition's runs back to back, every other one backwards."""
     machine = FakeMachine({"ours": 1.0, "xla": 2.0, "xla_nccl": 3.0}, [0.0] * 3, [1.0] * 3, LAYERS, ITERATIONS)
-    bench.paired_estimates(machine.sides, (), 3, LAYERS, ITERATIONS, clock=machine.clock)
+    timing.paired_estimates(machine.sides, (), 3, LAYERS, ITERATIONS, clock=machine.clock)
     forwards = [(side, n) for side in ("ours", "xla", "xla_nccl") for n in ITERATIONS]
     assert [(side, n) for side, n, _ in machine.log] == forwards * 2 + forwards[::-1] + forwards
 
 
 def test_call_estimates_are_one_side_paired_by_run(monkeypatch):
     machine = FakeMachine({"programs": 2.0}, FIXED_S, SLOWDOWN, LAYERS, ITERATIONS)
-    paired = bench.paired_estimates
-    monkeypatch.setattr(bench, "paired_estimates", lambda *args: paired(*args, clock=machine.clock))
-    estimates = bench.call_estimates(machine.sides["programs"], (), len(FIXED_S), LAYERS, ITERATIONS)
+    paired = timing.paired_estimates
+    monkeypatch.setattr(timing, "paired_estimates", lambda *args: paired(*args, clock=machine.clock))
+    estimates = timing.call_estimates(machine.sides["programs"], (), len(FIXED_S), LAYERS, ITERATIONS)
     assert estimates == pytest.approx(2.0 * np.array(SLOWDOWN))

@@ -137,10 +137,10 @@ def test_fused_epilogue_cluster_beyond_the_portable_size():
     # 8-byte fragments double a row's fragments: 1792 over 128-thread CTAs, 14 CTAs in one
     # cluster, beyond the portable 8 (the launcher opts the kernel in).
     narrow = KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4)
-    assert narrow.ctas_per_token == 14 and narrow.own_partial_tiles == 16
+    assert narrow.ctas_per_row == 14 and narrow.own_partial_tiles == 16
     wide = KernelConfig(hidden=7168, top_k=8, tp=2, fuse_reduce=True, epilogue="rmsnorm", elements_per_thread=4,
                         threads=256, reduce_threads=256)
-    assert wide.ctas_per_token == 7 and wide.own_partial_tiles == 8
+    assert wide.ctas_per_row == 7 and wide.own_partial_tiles == 8
     # At most 8 16-byte fragments per reduce thread keep a row within Hopper's 16 CTAs.
     with pytest.raises(ValueError, match=re.escape(
             "KernelConfig.reduce_threads=128: expected at least 256 with epilogue='rmsnorm' "
@@ -156,7 +156,7 @@ def test_fused_epilogue_cluster_beyond_the_portable_size():
                 except ValueError:
                     continue
                 accepted += 1
-                assert config.ctas_per_token <= MAX_CLUSTER_CTAS, config
+                assert config.ctas_per_row <= MAX_CLUSTER_CTAS, config
     assert accepted > 100
 
 
@@ -263,11 +263,11 @@ def _covers(ctas: int, span: int, hidden: int) -> bool:
 
 @given(valid_configs())
 def test_grid_covers_a_row(config):
-    assert _covers(config.ctas_per_token, config.threads * config.elements_per_thread, config.hidden)
+    assert _covers(config.ctas_per_row, config.threads * config.elements_per_thread, config.hidden)
     if config.epilogue != "none":
         # One CTA holds the row, with fewer than a thread's fragments to spare.
-        assert config.reduce_ctas_per_token == 1
+        assert config.reduce_ctas_per_row == 1
         assert _covers(config.norm_fragments_per_thread, config.reduce_threads * 8, config.hidden)
     elif config.tp > 1:
         # 8 bf16 per 16-byte reduce fragment.
-        assert _covers(config.reduce_ctas_per_token, config.reduce_threads * 8, config.hidden)
+        assert _covers(config.reduce_ctas_per_row, config.reduce_threads * 8, config.hidden)

@@ -1,8 +1,10 @@
-"""CPU tests of the C++ extension: it builds, imports and registers without a GPU or libcuda, its
-list of launch values is the contract's, and both validation layers (the Python wrappers and
-the C++ registry) refuse bad arguments with messages that name them.
+"""CPU tests of the C++ extension: it builds, imports and registers every target without a GPU or
+libcuda, its tables (launch values, limits, operand dtypes, targets) are the contract's, and both
+validation layers (the Python wrappers and the C++ registry) refuse bad arguments with messages
+that name them.
 
-Nothing here launches a kernel; the registry checks run before any CUDA call.
+Nothing here launches a kernel; the registry checks run before any CUDA call, the same code in
+`validate_kernel_set` and `load_kernel_set`.
 """
 
 import ctypes
@@ -12,6 +14,7 @@ import types
 import pytest
 
 from jax_moe_publish import _abi, _extension
+from jax_moe_publish.config import KernelConfig
 
 # Mailbox ids are process-wide and closed ids stay closed, so every test takes fresh ones.
 _mailbox_ids = itertools.count(1_000_001)
@@ -49,16 +52,51 @@ def _kernel(role: str, **changes) -> dict:
         "rows": "m",
         "waves": 1,
         "persistent": contract.persistent,
-        "cluster": 7 if contract.cluster else 1,
+        "cluster": 7 if contract.clustered else 1,
     }
     record.update(changes)
     return record
 
 
-def _call(**changes) -> dict:
-    call = {"tp": 2, "hidden": 7168, "top_k": 8, "weights": "bf16", "shared_expert": True, "out_rows": "m",
-            "pdl": True}
+HIDDEN, TOP_K = 7168, 8
+
+
+def _operand(name: str, io: str, dtype: str, rows: str | None, cols: int) -> dict:
+    return {"name": name, "io": io, "dtype": dtype, "rows": rows, "cols": cols}
+
+
+def _call(epilogue=False, weights="bf16", shared="m", out_rows="m", **changes) -> dict:
+    """A sidecar's call record, written out by hand: ``shared`` is "m" or "zero" (no shared
+    expert), ``out_rows`` "m" or "owned" (a reduce-scatter)."""
+    operands = [
+        _operand("routed", "arg", "bf16", "num_rows", HIDDEN),
+        _operand("weights", "arg", weights, "m", TOP_K),
+        _operand("indices", "arg", "s32", "m", TOP_K),
+        _operand("shared", "arg", "bf16", shared, HIDDEN),
+    ]
+    if epilogue:
+        operands += [_operand("residual", "arg", "bf16", out_rows, HIDDEN),
+                     _operand("norm_weight", "arg", "bf16", None, HIDDEN)]
+    operands.append(_operand("out", "ret", "bf16", out_rows, HIDDEN))
+    if epilogue:
+        operands.append(_operand("residual_out", "ret", "bf16", out_rows, HIDDEN))
+    call = {"target": "jax_moe_publish_rmsnorm" if epilogue else "jax_moe_publish", "tp": 2, "hidden": HIDDEN,
+            "pdl": True, "operands": operands}
     call.update(changes)
+    return call
+
+
+def _with_operand(index: int, **changes) -> dict:
+    """The default call record with ``changes`` to its operand ``index``."""
+    call = _call()
+    call["operands"][index].update(changes)
+    return call
+
+
+def _with_operands(change) -> dict:
+    """The default call record with its operand list replaced by ``change(operands)``."""
+    call = _call()
+    call["operands"] = change(call["operands"])
     return call
 
 
@@ -97,11 +135,24 @@ def test_extension_imports():
     # after a non-editable install): the source tree has no built _ffi.
     assert _extension.is_available(), _extension._IMPORT_ERROR
     assert isinstance(_extension._ffi, types.ModuleType)
-    assert type(_extension._ffi.handler_capsule()).__name__ == "PyCapsule"
+    registrations = _extension._ffi.registrations()
+    assert all(type(capsule).__name__ == "PyCapsule" for capsule in registrations.values())
+
+
+def test_the_cpp_targets_are_the_contract():
+    assert sorted(_extension._ffi.registrations()) == sorted(_abi.TARGETS.values())
+    assert (_extension.TARGET_NAME, _extension.RMSNORM_TARGET_NAME) == (_abi.TARGETS["none"], _abi.TARGETS["rmsnorm"])
 
 
 def test_the_cpp_launch_values_are_the_contract():
-    assert _extension.launch_values() == list(_abi.VALUES.items())
+    values = _extension.launch_values()
+    assert [(name, ptx_type) for name, ptx_type, _ in values] == list(_abi.VALUES.items())
+    # The handler takes the address of each of these from the call's operand of that name.
+    assert {name for name, _, source in values if source == "operand"} == {o.name for o in _abi.OPERANDS}
+
+
+def test_the_cpp_operand_dtypes_are_the_contract():
+    assert _extension.operand_dtypes() == _abi.DTYPES
 
 
 def test_the_cpp_launch_limits_are_the_contract():
@@ -109,7 +160,7 @@ def test_the_cpp_launch_limits_are_the_contract():
     assert _extension.launch_limits() == {name: getattr(_abi, name) for name in names}
 
 
-@pytest.mark.parametrize("target", [_extension.TARGET_NAME, _extension.RMSNORM_TARGET_NAME])
+@pytest.mark.parametrize("target", _abi.TARGETS.values())
 def test_target_registered(target):
     # On a jaxlib without a CUDA backend, registrations for CUDA wait in a
     # queue until a CUDA plugin appears; with one, they go straight to XLA.
@@ -131,25 +182,69 @@ def test_load_kernel_set_without_libcuda_raises():
         _extension.load_kernel_set(**_load_args())
 
 
+VALID_SETS = [
+    (1, ["finalize"], {}),
+    (4, ["publish", "reduce"], {}),
+    (4, ["publish", "reduce"], dict(out_rows="owned")),
+    (8, ["publish", "reduce", "gather"], {}),
+    (2, ["publish", "reduce_norm"], dict(epilogue=True, weights="f32")),
+    (8, ["publish", "reduce_norm"], dict(epilogue=True, out_rows="owned", shared="zero")),
+    (2, ["publish_reduce"], {}),
+    (4, ["publish_reduce_norm"], dict(epilogue=True, pdl=False)),
+]
+
+
+@pytest.mark.parametrize("tp, roles, call", VALID_SETS)
+def test_valid_kernel_sets_validate(tp, roles, call):
+    _extension.validate_kernel_set([_kernel(role) for role in roles], _call(tp=tp, **call))
+
+
 @pytest.mark.skipif(_libcuda_loadable(), reason="libcuda.so.1 is present on this machine")
-@pytest.mark.parametrize(
-    "tp, roles, call",
-    [
-        (1, ["finalize"], {}),
-        (4, ["publish", "reduce"], {}),
-        (4, ["publish", "reduce"], dict(out_rows="owned")),
-        (8, ["publish", "reduce", "gather"], {}),
-        (2, ["publish", "reduce_norm"], dict(weights="f32")),
-        (8, ["publish", "reduce_norm"], dict(out_rows="owned", shared_expert=False)),
-        (2, ["publish_reduce"], {}),
-        (4, ["publish_reduce_norm"], dict(pdl=False)),
-    ],
-)
+@pytest.mark.parametrize("tp, roles, call", VALID_SETS)
 def test_valid_kernel_sets_reach_the_driver(tp, roles, call):
     with pytest.raises(RuntimeError, match="libcuda"):
         _extension.load_kernel_set(**_load_args(kernels=[_kernel(role) for role in roles], call=_call(tp=tp, **call)))
 
 
+CALL_FORMS = [(algorithm, fused, epilogue) for algorithm, record in _abi.ALGORITHMS.items()
+              for fused, epilogue in record.roles]
+
+
+@pytest.mark.parametrize("algorithm, fused, epilogue", CALL_FORMS)
+def test_the_call_record_of_every_algorithm_validates(algorithm, fused, epilogue):
+    # The call record as the compile step writes it (_abi.call_operands), of every kernel form;
+    # the shared expert and the weight dtype vary with `fused`, so that both of each are seen.
+    config = KernelConfig(hidden=HIDDEN, top_k=TOP_K, tp=1 if algorithm == "direct" else 4, algorithm=algorithm,
+                          fuse_reduce=fused, epilogue=epilogue, include_shared_expert=fused,
+                          fp32_weights=not fused)
+    call = {"target": _abi.TARGETS[epilogue], "tp": config.tp, "hidden": HIDDEN, "pdl": True,
+            "operands": _abi.call_operands(config)}
+    _extension.validate_kernel_set([_kernel(role) for role in _abi.call_roles(config)], call)
+
+
+def test_the_hand_written_call_records_are_the_compile_step_s():
+    config = KernelConfig(hidden=HIDDEN, top_k=TOP_K, tp=2, algorithm="reduce_scatter", epilogue="rmsnorm",
+                          include_shared_expert=False, fp32_weights=True)
+    assert _call(epilogue=True, weights="f32", shared="zero", out_rows="owned")["operands"] == _abi.call_operands(config)
+    assert _call()["operands"] == _abi.call_operands(config.replace(algorithm="oneshot", epilogue="none",
+                                                                    include_shared_expert=True, fp32_weights=False))
+
+
+def _validate(kernels, call):
+    _extension.validate_kernel_set(kernels, call)
+
+
+def _load(kernels, call):
+    _extension.load_kernel_set(**_load_args(kernels=kernels, call=call))
+
+
+# Both run the same checks, before any CUDA call.
+CHECKS = pytest.mark.parametrize("check", [_validate, _load], ids=["validate_kernel_set", "load_kernel_set"])
+
+DEFAULT_KERNELS = [_kernel("publish"), _kernel("reduce")]
+
+
+@CHECKS
 @pytest.mark.parametrize(
     "changes, match",
     [
@@ -166,16 +261,50 @@ def test_valid_kernel_sets_reach_the_driver(tp, roles, call):
         ({"kernels": []}, "kernels is empty"),
         ({"call": _call(tp=1)}, "tp=1 with a kernel that takes the mailbox: expected one exactly when tp > 1"),
         ({"kernels": [_kernel("finalize")]}, "tp=2 without a kernel that takes the mailbox"),
-        ({"kernels": [_kernel("publish"), _kernel("reduce", params=["residual", "eps"],
-                                                     param_types=["u64", "f32"])]},
-         "the reduce kernel takes some of residual, norm_weight, residual_out and eps: expected all four or none"),
-        ({"call": _call(weights="fp8")}, r"weights='fp8': expected 'bf16' or 'f32'"),
-        ({"call": _call(out_rows="all")}, r"out_rows='all': expected 'm' or 'owned'"),
-        ({"call": _call(tp=0)}, "tp=0"),
-        ({"call": _call(hidden=0)}, "hidden=0"),
-        ({"call": _call(top_k=0)}, "top_k=0"),
+        ({"kernels": [_kernel("publish"), _kernel("reduce_norm")]},
+         r"kernels\[1\] \(reduce_norm\): parameter 'residual' is the address of an operand, but the call has no "
+         r"operand 'residual'"),
+        ({"kernels": [_kernel("publish"), _kernel("reduce", params=[*_abi.ROLES["reduce"].params, "eps"],
+                                                     param_types=[*_kernel("reduce")["param_types"], "f32"])]},
+         r"kernels\[1\] \(reduce\): parameter 'eps' comes from the attribute norm_eps, which target "
+         r"'jax_moe_publish' does not take"),
+        # The call record.
+        ({"call": _call(target="jax_moe_publish_layernorm")},
+         r"call: target='jax_moe_publish_layernorm': expected one of \['jax_moe_publish', 'jax_moe_publish_rmsnorm'\]"),
+        ({"call": _call(tp=0)}, "call: tp=0: expected >= 1"),
+        ({"call": _call(hidden=0)}, "call: hidden=0: expected >= 1"),
+        ({"call": _with_operand(1, name="gates")},
+         r"call: operands\[1\]: name='gates': expected one of the launch contract's operands \['routed', 'weights'"),
+        # A value of the contract, but not one an operand carries.
+        ({"call": _with_operand(3, name="mailbox")}, r"operands\[3\]: name='mailbox': expected one of"),
+        ({"call": _with_operand(2, name="weights")}, r"operands\[2\] \(weights\): a second operand 'weights'"),
+        ({"call": _with_operand(0, io="in")}, r"operands\[0\] \(routed\): io='in': expected 'arg' or 'ret'"),
+        ({"call": _with_operand(1, dtype="f16")},
+         r"operands\[1\] \(weights\): dtype='f16': expected one of \['bf16', 'f32', 's32'\]"),
+        ({"call": _with_operand(3, rows="all")},
+         r"operands\[3\] \(shared\): rows='all': expected 'num_rows', 'm', 'owned', 'zero' or None \(a vector\)"),
+        ({"call": _with_operand(0, cols=0)}, r"operands\[0\] \(routed\): cols=0: expected >= 1"),
+        ({"call": _with_operand(0, rows="m")},
+         "call: 0 operands with rows 'num_rows': expected exactly one"),
+        ({"call": _with_operand(1, rows="num_rows")},
+         "call: 2 operands with rows 'num_rows': expected exactly one"),
+        ({"call": _with_operands(lambda ops: [ops[0]] + [dict(op, rows="zero") for op in ops[1:]])},
+         "call: no operand with rows 'm': expected at least one"),
+        # ceil(m / tp) needs m, which the first operand with rows m fixes.
+        ({"call": _with_operand(1, rows="owned")},
+         r"operands\[1\] \(weights\): rows='owned' before any operand with rows 'm'"),
+        # The FFI order: every arg, then every ret.
+        ({"call": _with_operands(lambda ops: [ops[-1], *ops[:-1]])},
+         r"operands\[1\] \(routed\): io='arg' after a 'ret': expected every arg before every ret"),
+        ({"call": _with_operands(lambda ops: ops[:3] + ops[4:])},
+         "call: target 'jax_moe_publish' takes 4 args and 1 ret, but operands lists 3 args and 1 ret"),
+        ({"call": _call(epilogue=True, target="jax_moe_publish")},
+         "call: target 'jax_moe_publish' takes 4 args and 1 ret, but operands lists 6 args and 2 rets"),
+        ({"call": {"target": "jax_moe_publish", "tp": 2}}, r"call: missing key 'hidden'"),
+        ({"call": _call(operands=[{"name": "routed"}])}, r"call\['operands'\]\[0\]: missing key 'io'"),
         # A kernel's launch plan.
-        ({"kernels": [_kernel("publish", rows="all"), _kernel("reduce")]}, r"rows='all'"),
+        ({"kernels": [_kernel("publish", rows="all"), _kernel("reduce")]}, r"rows='all': expected 'm' or 'owned'"),
+        ({"kernels": [_kernel("publish", rows="num_rows"), _kernel("reduce")]}, r"rows='num_rows'"),
         ({"kernels": [_kernel("publish", block=0), _kernel("reduce")]}, r"block=0"),
         ({"kernels": [_kernel("publish", block=2048), _kernel("reduce")]}, r"block=2048"),
         ({"kernels": [_kernel("publish", ctas_per_row=0), _kernel("reduce")]}, r"ctas_per_row=0"),
@@ -185,13 +314,22 @@ def test_valid_kernel_sets_reach_the_driver(tp, roles, call):
         ({"kernels": [_kernel("publish", waves=2), _kernel("reduce")]},
          r"kernels\[0\] \(publish\): waves=2: expected 1 for a kernel that is not persistent"),
         # A cluster: at most Hopper's 16 CTAs, a whole number of them per row.
-        ({"kernels": [_kernel("publish_reduce_norm", ctas_per_row=17, cluster=17)]},
+        ({"kernels": [_kernel("publish_reduce_norm", ctas_per_row=17, cluster=17)], "call": _call(epilogue=True)},
          r"cluster=17: expected 1 to 16 CTAs"),
-        ({"kernels": [_kernel("publish_reduce_norm", ctas_per_row=14, cluster=4)]},
+        ({"kernels": [_kernel("publish_reduce_norm", ctas_per_row=14, cluster=4)], "call": _call(epilogue=True)},
          r"cluster=4 does not divide ctas_per_row=14"),
         ({"kernels": [_kernel("publish", symbol=""), _kernel("reduce")]}, "symbol is empty"),
         ({"kernels": [{"role": "publish"}, _kernel("reduce")]}, r"kernels\[0\]: missing key 'symbol'"),
-        ({"call": {"tp": 2}}, r"call: missing key 'hidden'"),
+    ],
+)
+def test_kernel_set_record_value_errors(check, changes, match):
+    with pytest.raises(ValueError, match=match):
+        check(changes.get("kernels", DEFAULT_KERNELS), changes.get("call", _call()))
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
         ({"cubin": b""}, "cubin of 0 bytes: expected a CUDA cubin, but it is empty"),
         # PTX text, a file cut inside its header, a 32-bit ELF and an x86-64 object: refused
         # before cuModuleLoadData sees them.
@@ -213,6 +351,17 @@ def test_load_kernel_set_value_errors(changes, match):
         ({"kernel_set_id": "1"}, "kernel_set_id='1': expected an int"),
         ({"kernel_set_id": 1.0}, "kernel_set_id=1.0: expected an int"),
         ({"cubin": "cubin"}, "cubin: expected bytes"),
+    ],
+)
+def test_load_kernel_set_type_errors(changes, match):
+    with pytest.raises(TypeError, match=match):
+        _extension.load_kernel_set(**_load_args(**changes))
+
+
+@CHECKS
+@pytest.mark.parametrize(
+    "changes, match",
+    [
         ({"kernels": _kernel("publish")}, "kernels=.*: expected a sequence of mappings"),
         ({"kernels": ["publish"]}, r"kernels\[0\]='publish': expected a mapping"),
         ({"kernels": [_kernel("publish", block=128.0), _kernel("reduce")]}, r"\['block'\]=128.0"),
@@ -222,11 +371,17 @@ def test_load_kernel_set_value_errors(changes, match):
         ({"call": "oneshot"}, "call='oneshot': expected a mapping"),
         ({"call": _call(pdl=1)}, r"call\['pdl'\]=1: expected a bool"),
         ({"call": _call(tp=True)}, r"call\['tp'\]=True: expected an int"),
+        ({"call": _call(target=None)}, r"call\['target'\]=None: expected a str"),
+        ({"call": _call(operands={"name": "routed"})}, r"call\['operands'\]=.*: expected a sequence of mappings"),
+        ({"call": _call(operands=["routed"])}, r"call\['operands'\]\[0\]='routed': expected a mapping"),
+        ({"call": _with_operand(0, rows=7)}, r"call\['operands'\]\[0\]\['rows'\]=7: expected a str or None"),
+        ({"call": _with_operand(0, cols="7168")}, r"call\['operands'\]\[0\]\['cols'\]='7168': expected an int"),
+        ({"call": _with_operand(0, cols=True)}, r"call\['operands'\]\[0\]\['cols'\]=True: expected an int"),
     ],
 )
-def test_load_kernel_set_type_errors(changes, match):
+def test_kernel_set_record_type_errors(check, changes, match):
     with pytest.raises(TypeError, match=match):
-        _extension.load_kernel_set(**_load_args(**changes))
+        check(changes.get("kernels", DEFAULT_KERNELS), changes.get("call", _call()))
 
 
 def test_register_and_close_mailbox():
@@ -281,6 +436,16 @@ def test_registry_checks_mailbox_id_behind_the_glue():
         _extension._ffi.register_mailbox_device(**_mailbox_args(rank=2))
     with pytest.raises(ValueError, match="status is a null device pointer"):
         _extension._ffi.register_mailbox_device(**_mailbox_args(status=0))
+
+
+def test_registry_checks_records_behind_the_glue():
+    # The C++ layer refuses what the glue would have caught, for direct callers.
+    with pytest.raises(TypeError, match=r"call\['operands'\]\[0\]: expected a dict"):
+        _extension._ffi.validate_kernel_set(DEFAULT_KERNELS, _call(operands=["routed"]))
+    with pytest.raises(TypeError, match=r"call\['operands'\]=.*: expected a list of dicts"):
+        _extension._ffi.validate_kernel_set(DEFAULT_KERNELS, _call(operands=("routed",)))
+    with pytest.raises(TypeError, match=r"kernels\[1\]: expected a dict"):
+        _extension._ffi.validate_kernel_set([_kernel("publish"), "reduce"], _call())
 
 
 def test_execute_counts_start_at_zero_without_calls():

@@ -173,7 +173,7 @@ def _compile_tier_run(tmp_path, *, cutlass: str, require: bool) -> subprocess.Co
     driver.write_text(HIDE_CUTE_DSL)
     env = _environment(tmp_path, **({"JAX_MOE_PUBLISH_REQUIRE_CUTE_DSL": 1} if require else {}))
     return subprocess.run([sys.executable, str(driver), str(tmp_path), "-p", "no:cacheprovider", "-q", "-rs",
-                           "tests/compile/test_aot.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                           "tests/compile/test_metadata.py"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
 
 

@@ -32,7 +32,7 @@ import jax_moe_publish as jmp
 import numerics
 import stand_in_kernels as stand_in_kernels_module
 from jax_moe_publish import mailbox as mailbox_module
-from jax_moe_publish import op as op_module
+from jax_moe_publish import op_checks
 
 HIDDEN, TOP_K, SCALE = 64, 3, 2.5
 FIELDS = ("routed", "weights", "indices", "shared")
@@ -223,7 +223,7 @@ def test_one_input_that_varies_is_enough(varying):
 @pytest.fixture
 def unwarned(monkeypatch):
     """No (mesh, axis) warned about yet for calls without the varying-axes check."""
-    monkeypatch.setattr(op_module, "_UNCHECKED_VARYING_WARNED", set())
+    monkeypatch.setattr(op_checks, "_UNCHECKED_VARYING_WARNED", set())
 
 
 UNCHECKED_WORDS = ["the shard_map does not track varying axes (check_vma=False)",

@@ -23,9 +23,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_moe_block as block  # noqa: E402
-import bench_moe_publish as bench  # noqa: E402
+import chains  # noqa: E402
+import hlo_text  # noqa: E402
 import moe_block as mb  # noqa: E402
 import moe_block_model as bm  # noqa: E402
+import timing  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
 from jax_moe_publish import tuning  # noqa: E402
@@ -198,14 +200,14 @@ def test_block_benchmark_times_our_op_with_its_finalize_in_the_loop(monkeypatch)
         for variant in (*mb.PATHS, "no_gemm"):
             step = mb.make_decode(config, mesh, block.layer_fn(config, variant, "ours", mailbox, impl), 1)
             step.lower(params, x, residual)
-        programs = block.op_programs(mailbox, config, layers, (bench.SHORT,), impl)
-        inputs = bench.chain_inputs(mesh, m, block.op_spec(config), chain_key, layers)
-        hlo = {side: programs[side][bench.SHORT].lower(*inputs).compile().as_text() for side in mb.FINALIZES}
+        programs = block.op_programs(mailbox, config, layers, (timing.SHORT,), impl)
+        inputs = chains.chain_inputs(mesh, m, block.op_spec(config), chain_key, layers)
+        hlo = {side: programs[side][timing.SHORT].lower(*inputs).compile().as_text() for side in mb.FINALIZES}
     assert impls == [impl] * (len(mb.PATHS) + 1 + layers), impls
     expected = {"ours": {"gather": layers * config.top_k, "all-reduce": layers},
                 "xla": {"gather": layers, "dot": layers}}
     for side, finalize in expected.items():
-        inside, outside = bench.loop_body_opcodes(hlo[side])
+        inside, outside = hlo_text.loop_body_opcodes(hlo[side])
         assert {op: inside.get(op, 0) for op in finalize} == finalize, (side, inside)
         assert not {op: outside[op] for op in ("gather", "dot", "all-reduce") if op in outside}, (side, outside)
 

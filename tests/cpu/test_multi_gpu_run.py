@@ -44,12 +44,12 @@ import sys
 import zlib
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
-os.environ["JAX_PLATFORMS"] = "cpu"  # before bench_moe_publish imports JAX
+os.environ["JAX_PLATFORMS"] = "cpu"  # before chains imports JAX
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={tune_algorithms.CPU_DEVICES}"
 sys.path.insert(0, os.path.dirname(script))
-import bench_moe_publish as bench
+import chains
 
-timed_for_real = bench.time_ours_and_xla
+timed_for_real = chains.time_ours_and_xla
 
 
 def fixed_figures(mailbox, problem, config, inputs, reps, what, **options):
@@ -59,7 +59,7 @@ def fixed_figures(mailbox, problem, config, inputs, reps, what, **options):
     return timed
 
 
-bench.time_ours_and_xla = fixed_figures
+chains.time_ours_and_xla = fixed_figures
 runpy.run_path(script, run_name="__main__")
 '''
 NVIDIA_SMI_STAND_IN = '''#!/bin/sh

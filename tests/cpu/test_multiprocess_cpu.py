@@ -91,8 +91,11 @@ def test_kernels_load_only_on_this_processes_devices(monkeypatch):
     assert mailbox.local_ordinals == [0, 1]
     loaded = []
     monkeypatch.setattr(_extension, "load_kernel_set", lambda set_id, ordinal, *args: loaded.append(ordinal))
-    artifact = types.SimpleNamespace(cubin=b"cubin", metadata={"key": f"k-{uuid.uuid4()}", "kernels": [], "call": {}})
-    set_id = _launch.load(artifact, mailbox.local_ordinals)
+    artifact = types.SimpleNamespace(cubin=b"cubin", metadata={"key": f"k-{uuid.uuid4()}", "kernels": [],
+                                                                "call": {"target": "a-target"}})
+    store = types.SimpleNamespace(get=lambda config: artifact)
+    monkeypatch.setattr(_launch, "default_store", lambda: store)
+    set_id = _launch.load("a config", mailbox.local_ordinals)
     # Once per device, under one id.
-    assert _launch.load(artifact, [1, 0]) == set_id
+    assert _launch.load("a config", [1, 0]) == set_id
     assert loaded == [0, 1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jax_moe_publish import tuning
 from jax_moe_publish.aot import presets
-from jax_moe_publish.config import EPILOGUE_ALGORITHMS
+from jax_moe_publish.config import EPILOGUE_ALGORITHMS, GROUP_ALGORITHMS, result_of
 from jax_moe_publish.testing import gpu_matrix
 
 
@@ -13,14 +13,14 @@ def test_presets_hold_the_table_choice_of_every_m():
     table's config of every m: a prebuilt folder serves any call without CuTe DSL."""
     tests = set(gpu_matrix.all_configs())
     calls = [(problem, algorithm, "none") for problem in gpu_matrix.DEFAULT_PROBLEMS
-             for algorithm in presets.GROUP_ALGORITHMS]
+             for algorithm in GROUP_ALGORITHMS]
     calls += [(problem, algorithm, "rmsnorm")
               for problem in gpu_matrix.EPILOGUE_PROBLEMS + gpu_matrix.WIDE_EPILOGUE_PROBLEMS
               for algorithm in EPILOGUE_ALGORITHMS]
     deepseek = set(presets.deepseek_v3())
     for m in range(1, 4 * tuning.SMALL_M):
         for problem, algorithm, epilogue in calls:
-            config = tuning.kernel_config(problem, tp=2, m=m, result=presets.result_of(algorithm),
+            config = tuning.kernel_config(problem, tp=2, m=m, result=result_of(algorithm),
                                           epilogue=epilogue, algorithm=algorithm)
             assert config in tests, (m, problem, algorithm, epilogue)
         for tp in presets.TP_SIZES:

@@ -38,14 +38,14 @@ def kernel_set(config=CONFIG, code: bytes = b"") -> artifact.KernelArtifact:
         kernels.append({
             "role": role, "symbol": f"kernel_cutlass_{role}_jax_moe_publish", "params": list(contract.params),
             "param_types": [_abi.VALUES[name] for name in contract.params], "block": config.threads, "smem": 0,
-            "ctas_per_row": config.ctas_per_token, "rows": "m", "waves": config.waves,
-            "persistent": contract.persistent, "cluster": config.ctas_per_token if contract.cluster else 1,
+            "ctas_per_row": config.ctas_per_row, "rows": "m", "waves": config.waves,
+            "persistent": contract.persistent, "cluster": config.ctas_per_row if contract.clustered else 1,
         })
     metadata = {
         "sidecar_version": artifact.SIDECAR_VERSION, "key": config.key, "config": config.to_dict(),
         "arch": config.arch, "dsl_version": artifact.dsl_version(), "source_fingerprint": artifact.source_fingerprint(),
-        "call": {"tp": config.tp, "hidden": config.hidden, "top_k": config.top_k, "weights": "bf16",
-                 "shared_expert": config.include_shared_expert, "out_rows": "m", "pdl": config.enable_pdl},
+        "call": {"target": _abi.TARGETS[config.epilogue], "tp": config.tp, "hidden": config.hidden,
+                 "pdl": config.enable_pdl, "operands": _abi.call_operands(config)},
         "kernels": kernels,
     }
     return artifact.KernelArtifact(cubin=elf_header() + code, ptx="// ptx", metadata=metadata)

@@ -70,8 +70,23 @@ def test_bytes_per_rank_bf16_weights():
     assert moved["hbm"] == 114.0
 
 
+def test_bytes_per_rank_reduce_scatter_by_hand():
+    # The twoshot problem without the fan-out: inputs 224; contributions landing 64, read 64,
+    # re-arm 64, owned output 32 -> 448. NVLink: half the publish (32).
+    moved = traffic.bytes_per_rank(algorithm="reduce_scatter", tp=2, m=2, hidden=16, top_k=2, shared_expert=True)
+    assert moved == {"hbm": 448.0, "nvlink": 32.0}
+
+
+def test_bytes_per_rank_reduce_scatter_epilogue_by_hand():
+    # With the residual add + RMSNorm: the owned residual (32) and the norm weight (32) read,
+    # residual_out of the owned row (32) written -> 448 + 96.
+    moved = traffic.bytes_per_rank(algorithm="reduce_scatter", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
+                                   residual_norm=True)
+    assert moved == {"hbm": 544.0, "nvlink": 32.0}
+
+
 @pytest.mark.parametrize("algorithm, tp, message", [
-    ("reduce_scatter", 2, "algorithm='reduce_scatter'"),
+    ("allgather", 2, "algorithm='allgather'"),
     ("oneshot", 1, "tp=1"),
     ("direct", 2, "tp=2"),
 ])

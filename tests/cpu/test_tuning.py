@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jax_moe_publish import _abi, tuning
+from jax_moe_publish import _abi, link_model, tuning
 from jax_moe_publish.aot.presets import DEEPSEEK_V3
 from jax_moe_publish.config import ALGORITHMS as KERNEL_ALGORITHMS
 from jax_moe_publish.config import KernelConfig
@@ -22,7 +22,7 @@ DEEPSEEK = tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5)
 QWEN3 = tuning.Problem(hidden=4096, top_k=8, include_shared_expert=False)
 TABLES = {f"shapes[{k}]": t for k, t in tuning.SHAPES.items()}
 ALGORITHM_TABLES = {f"{result}/{epilogue} tp={tp}": entries
-                    for (result, epilogue), by_tp in tuning.ALGORITHMS.items() for tp, entries in by_tp.items()}
+                    for (result, epilogue), by_tp in tuning.CHOICES.items() for tp, entries in by_tp.items()}
 
 
 @pytest.mark.parametrize("name", ALGORITHM_TABLES)
@@ -63,7 +63,7 @@ def test_the_model_entries_are_the_models():
     for result, epilogue in tune_algorithms.CASES:
         for tp, entries in data["tables"][f"{result}/{epilogue}"].items():
             if all(entry.get("source") == "model" for entry in entries):
-                assert entries == tune_algorithms.model_entries(tuning.MODEL, DEEPSEEK_V3, int(tp), epilogue)
+                assert entries == tune_algorithms.model_entries(link_model.MODEL, DEEPSEEK_V3, int(tp), epilogue)
 
 
 def test_the_link_model_by_hand():
@@ -73,7 +73,7 @@ def test_the_link_model_by_hand():
     the 7 others, after two exchanges. With the epilogue one-shot is one kernel; two-shot is
     three (publish, reduce_norm, gather_norm), and its owners send both outputs, the
     normalized rows and residual_out."""
-    model = tuning.LinkModel(p2p_bytes_per_s=1e11, hbm_bytes_per_s=1e14, exchange_s=1e-6, launch_s=5e-7)
+    model = link_model.LinkModel(p2p_bytes_per_s=1e11, hbm_bytes_per_s=1e14, exchange_s=1e-6, launch_s=5e-7)
     row = 64 * 7168 * 2  # one rank's bf16 [m, hidden] partial
     owned_rows = 64 // 8 * 7168 * 2  # the 8 tokens a rank owns
     publish = row - owned_rows  # partials of the tokens others own, one to each owner
@@ -105,7 +105,7 @@ def test_the_algorithm_follows_the_table():
     assert algorithm(QWEN3, 1, 1) == "direct"
     assert algorithm(DEEPSEEK, 2, 4096) == "oneshot" and algorithm(DEEPSEEK, 3, 4096) == "oneshot"  # tp 2's
     for tp in (4, 8):
-        crossover = tuning.ALGORITHMS["allreduce", "none"][tp][0].max_bytes
+        crossover = tuning.CHOICES["allreduce", "none"][tp][0].max_bytes
         m = crossover // (DEEPSEEK.hidden * 2)
         assert algorithm(DEEPSEEK, tp, m) == "oneshot" and algorithm(DEEPSEEK, tp, m + 1) == "twoshot"
         assert algorithm(DEEPSEEK, tp, None) == "twoshot"
@@ -157,7 +157,7 @@ def test_every_call_gets_a_valid_config_of_its_range(result, tp, epilogue):
             assert config.prefetch_group == min(shape.prefetch_group, 8)
             assert config.waves == (shape.waves if config.fuse_reduce else 1)
             if config.fuse_reduce and epilogue != "none":
-                assert config.ctas_per_token <= shape.cluster_ctas <= _abi.MAX_CLUSTER_CTAS
+                assert config.ctas_per_row <= shape.cluster_ctas <= _abi.MAX_CLUSTER_CTAS
 
 
 @pytest.mark.parametrize("most, top_k, group", [(4, 8, 4), (4, 6, 3), (4, 10, 4), (4, 5, 3), (4, 3, 3), (4, 1, 1),
@@ -166,7 +166,7 @@ def test_prefetch_groups_are_as_even_as_top_k_allows(most, top_k, group):
     assert tuning._prefetch_group(most, top_k) == group
 
 
-# (problem, tp, kwargs, algorithm, elements_per_thread, prefetch_group, ctas_per_token, reduce_ctas_per_token)
+# (problem, tp, kwargs, algorithm, elements_per_thread, prefetch_group, ctas_per_row, reduce_ctas_per_row)
 LARGE_M_CALLS = [
     (dict(hidden=7168, top_k=8), 1, {}, "direct", 8, 4, 7, 7),
     (dict(hidden=7168, top_k=8), 2, {}, "oneshot", 8, 4, 7, 7),
@@ -188,7 +188,7 @@ def test_large_m_shape(problem, tp, kwargs, algorithm, elements, prefetch, ctas,
     assert (config.elements_per_thread, config.prefetch_group) == (elements, prefetch)
     assert (config.threads, config.reduce_threads, config.enable_pdl) == (128, 128, True)
     assert not config.load_shared_expert_before_pdl
-    assert (config.ctas_per_token, config.reduce_ctas_per_token) == (ctas, reduce_ctas)
+    assert (config.ctas_per_row, config.reduce_ctas_per_row) == (ctas, reduce_ctas)
 
 
 @pytest.mark.parametrize("problem, tp, kwargs, field", [
@@ -233,12 +233,12 @@ def test_epilogue_shape(hidden, threads, per_thread, result, m):
     if config.fuse_reduce:
         narrow = m is not None and m <= tuning.ONE_PASS_M
         shapes = NARROW_FUSED_EPILOGUE_SHAPES if narrow else FUSED_EPILOGUE_SHAPES
-        assert (config.threads, config.ctas_per_token) == shapes[hidden]
+        assert (config.threads, config.ctas_per_row) == shapes[hidden]
         assert (config.reduce_threads, config.elements_per_thread) == (config.threads, 4 if narrow else 8)
     else:
         assert config == unfused
     assert (unfused.reduce_threads, unfused.norm_fragments_per_thread) == (threads, per_thread)
-    assert unfused.reduce_ctas_per_token == 1
+    assert unfused.reduce_ctas_per_row == 1
     # Unfused, the publish is the one without the epilogue.
     plain = tuning.kernel_config(problem, tp=2, m=m, result=result, fuse_reduce=False)
     assert unfused.replace(epilogue="none", reduce_threads=plain.reduce_threads) == plain
@@ -279,4 +279,4 @@ def test_waves(epilogue, other):
 def test_a_fused_epilogue_on_request_has_a_cluster_per_row():
     fused = tuning.kernel_config(DEEPSEEK, tp=2, m=1, epilogue="rmsnorm", fuse_reduce=True)
     assert fused.fuse_reduce and (fused.threads, fused.reduce_threads, fused.elements_per_thread) == (128, 128, 4)
-    assert fused.ctas_per_token == 14
+    assert fused.ctas_per_row == 14

@@ -39,7 +39,7 @@ import determinism
 import numerics
 from kernel_checks import check_protocol_state, open_test_group
 from jax_moe_publish import protocol, tuning
-from jax_moe_publish.aot.presets import GROUP_ALGORITHMS, result_of
+from jax_moe_publish.config import GROUP_ALGORITHMS, result_of
 from jax_moe_publish.testing import gpu_matrix
 
 CAPACITY_M = 96  # above the last range bound of the table (tuning.range_ms)
@@ -68,7 +68,7 @@ def _row_sum_order(config) -> tuple:
     the 32-bit words of each fragment a thread holds, the fragments per thread, the threads
     per CTA and the CTAs of the row's cluster."""
     if config.fuse_reduce:
-        return config.elements_per_thread // 2, 1, config.reduce_threads, config.ctas_per_token
+        return config.elements_per_thread // 2, 1, config.reduce_threads, config.ctas_per_row
     return protocol.REDUCE_ELEMENTS // 2, config.norm_fragments_per_thread, config.reduce_threads, 1
 
 

@@ -273,7 +273,7 @@ def test_epilogue_op_matches_model(problem, result, tp, rng):
 def test_epilogue_op_with_a_cluster_beyond_the_portable_size(rng):
     """The launcher's opt-in for a cluster of more than 8 CTAs: 8-byte fragments at 128
     threads, 14 CTAs per row of hidden 7168, through the FFI target."""
-    config = next(c for c in CONFIGS if c.fuse_reduce and c.ctas_per_token > PORTABLE_CLUSTER_CTAS)
+    config = next(c for c in CONFIGS if c.fuse_reduce and c.ctas_per_row > PORTABLE_CLUSTER_CTAS)
     with jmp.Mailbox(_mesh(2), "tp", hidden=config.hidden, capacity_m=CAPACITY_M) as mailbox:
         for m in M_VALUES:
             problems, residual, norm_weight = _epilogue_problem(config, m, rng)

@@ -44,7 +44,6 @@ What the protocol guarantees, and what it does not:
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -54,13 +53,11 @@ import sys
 import pytest
 
 from jax_moe_publish import protocol
-from jax_moe_publish.testing import gpu_matrix, rank_processes
-from jax_moe_publish.testing.local_processes import local_gpu_count
+from jax_moe_publish.testing import gpu_matrix, local_processes, rank_processes
 
 pytestmark = pytest.mark.gpus(1)  # virtual ranks or rank processes where there are fewer GPUs than ranks
 
-PROGRAMS = pathlib.Path(__file__).resolve().parents[1] / "support" / "fault_programs.py"
-RESULT_PREFIX = "RESULT "
+PROGRAMS = pathlib.Path(__file__).resolve().parents[1] / "programs" / "fault_programs.py"
 CHILD_TIMEOUT_S = 300
 TIME_TO_ERROR_S = 5.0
 """A fault must be reported within the kernel timeout plus this."""
@@ -84,15 +81,16 @@ def run_program(program: str, *options: str, env: dict | None = None) -> dict:
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"{program} {' '.join(options)} hung: killed after {CHILD_TIMEOUT_S} s\n"
                     f"stdout: {error.stdout}\nstderr: {error.stderr}")
-    lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert child.returncode == 0 and lines, _no_result(program, options, child.returncode, child.stdout, child.stderr)
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    result = local_processes.read_result(child.stdout)
+    assert child.returncode == 0 and result is not None, _no_result(
+        program, options, child.returncode, child.stdout, child.stderr)
+    return result
 
 
 def run_api_program(program: str, tp: int, *options: str, env: dict | None = None) -> list[dict]:
     """A public-API program of a group of ``tp``: in one process on tp GPUs, or as tp rank
     processes on the GPUs there are; each process's result (each reports its own ranks)."""
-    if local_gpu_count() >= tp:
+    if local_processes.local_gpu_count() >= tp:
         return [run_program(program, *options, env=env)]
     outcomes = rank_processes.launch([sys.executable, str(PROGRAMS), program, *options], tp,
                                      deadline_s=CHILD_TIMEOUT_S, extra_env=env)

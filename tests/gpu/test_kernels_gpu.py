@@ -25,7 +25,7 @@ from kernel_checks import (
     seeded_rng,
 )
 from jax_moe_publish import protocol
-from jax_moe_publish.aot.presets import GROUP_ALGORITHMS
+from jax_moe_publish.config import GROUP_ALGORITHMS
 from jax_moe_publish.config import FUSED_ALGORITHMS
 from jax_moe_publish.testing import gpu_matrix
 

@@ -20,7 +20,7 @@ import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import _extension, protocol
 from jax_moe_publish import tuning
-from jax_moe_publish.aot.presets import result_of
+from jax_moe_publish.config import result_of
 from jax_moe_publish.testing import gpu_matrix, rank_processes
 
 pytestmark = pytest.mark.rank_processes

@@ -300,18 +300,17 @@ class RankBuffers:
         self.config = config
         self.max_m = max_m
         self.max_rows = max_rows
-        row_bytes = config.hidden * 2
-        weight_bytes = 4 if config.fp32_weights else 2
-        self.routed = Buffer(device, max_rows * row_bytes)
-        self.weights = Buffer(device, max_m * config.top_k * weight_bytes)
-        self.indices = Buffer(device, max_m * config.top_k * 4)
-        self.shared = Buffer(device, max_m * row_bytes) if config.include_shared_expert else None
-        self.out = Buffer(device, max_m * row_bytes)
-        # The epilogue's: residual and residual_out in the layout of out, and the weight.
+        # One buffer per operand of the call, as the sidecar's call record lists them
+        # (`_abi.call_operands`): None where the config has none (shared without a shared
+        # expert, the epilogue's without the epilogue). Owned rows fit in max_m.
+        rows = {"num_rows": max_rows, "m": max_m, "owned": max_m, None: 1}
+        present = {
+            operand["name"]: Buffer(device, rows[operand["rows"]] * operand["cols"] * _abi.DTYPES[operand["dtype"]])
+            for operand in _abi.call_operands(config) if operand["rows"] != "zero"
+        }
+        for operand in _abi.OPERANDS:
+            setattr(self, operand.name, present.get(operand.name))
         self.epilogue = config.epilogue != "none"
-        self.residual = Buffer(device, max_m * row_bytes) if self.epilogue else None
-        self.norm_weight = Buffer(device, row_bytes) if self.epilogue else None
-        self.residual_out = Buffer(device, max_m * row_bytes) if self.epilogue else None
         self.eps = 0.0
         self.num_rows = 0
 
@@ -348,8 +347,8 @@ class RankBuffers:
         return self.residual_out.download(np.uint16, (self.max_m, self.config.hidden))
 
     def free(self) -> None:
-        for buffer in (self.routed, self.weights, self.indices, self.shared, self.out, self.residual,
-                       self.norm_weight, self.residual_out):
+        for operand in _abi.OPERANDS:
+            buffer = getattr(self, operand.name)
             if buffer is not None:
                 buffer.free()
 

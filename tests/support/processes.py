@@ -1,6 +1,8 @@
-"""Run a program of `process_programs` in several processes joined by ``jax.distributed`` on localhost.
+"""Run a program of ``tests/programs/process_programs.py`` in several processes joined by
+``jax.distributed`` on localhost.
 
-Each process prints one ``RESULT {json}`` line. Every run has a deadline: a
+Each process reports one result (`local_processes.report`), read back here through
+`local_processes.Outcome.result`. Every run has a deadline: a
 process still running at it is killed, and the test fails with the output of
 every process, so that a hang never stalls pytest.
 """
@@ -14,7 +16,7 @@ import pytest
 
 from jax_moe_publish.testing import local_processes
 
-PROGRAMS = pathlib.Path(__file__).with_name("process_programs.py")
+PROGRAMS = pathlib.Path(__file__).resolve().parents[1] / "programs" / "process_programs.py"
 DEADLINE_S = 300
 
 

@@ -1,6 +1,7 @@
 """The kernel path on CPU devices for tests that only trace or lower it: the kernels' FFI call
 stood in for by a side-effecting custom call of a target that no handler serves and no vmap
-rule batches, with the same operands; no cubins are looked up or loaded. A Mailbox then says
+rule batches, with the same operands; no cubins are looked up or loaded (`_launch.load` takes the
+config). A Mailbox then says
 it is on CUDA with ``monkeypatch.setattr(mailbox, "on_cuda", True)``."""
 
 from __future__ import annotations
@@ -11,11 +12,6 @@ import numpy as np
 from jax_moe_publish import op as op_module
 
 TARGET = "jax_moe_publish_stand_in"
-
-
-class _KernelStore:  # no cubins: the stand-in needs none
-    def get(self, config):
-        return config
 
 
 def install(monkeypatch) -> list:
@@ -33,7 +29,6 @@ def install(monkeypatch) -> list:
                                 epilogue.get("norm_weight")) if x is not None]
         return jax.ffi.ffi_call(TARGET, result_type, has_side_effect=True)(*operands, set_id=np.int32(set_id))
 
-    monkeypatch.setattr(op_module, "default_store", _KernelStore)
     monkeypatch.setattr(op_module._launch, "load", load)
     monkeypatch.setattr(op_module._launch, "call", ffi_call)
     return loads

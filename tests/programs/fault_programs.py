@@ -4,11 +4,12 @@ A kernel that traps (a timed-out mailbox wait) loses its device's CUDA
 context for the rest of the process, so each fault runs in a process of its
 own::
 
-    python tests/support/fault_programs.py PROGRAM [options]
+    python tests/programs/fault_programs.py PROGRAM [options]
 
-A program prints one line ``RESULT {json}`` on stdout, the last of its output.
-After a fault no memory is freed (every free would fail): the program prints
-its result and leaves with ``os._exit``.
+A program reports one result (`local_processes.report`, read back with
+`local_processes.read_result`), the last line of its output. After a fault no
+memory is freed (every free would fail): the program reports its result and
+leaves with ``os._exit``.
 
 Programs on the kernel harness (`gpu_harness`, one prebuilt ``tests``-preset
 config per algorithm, the ranks' kernels launched role by role or one rank at a time):
@@ -50,8 +51,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
+import pathlib
 import sys
 import time
 import traceback
@@ -60,16 +61,16 @@ import warnings
 import numpy as np
 from cuda.bindings import driver
 
-import gpu_harness
-import numerics
-from jax_moe_publish import protocol, tuning
-from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS
-from jax_moe_publish.aot.presets import GROUP_ALGORITHMS
-from jax_moe_publish.aot.store import default_store
-from jax_moe_publish.memory.driver import CudaError, check
-from jax_moe_publish.testing import gpu_matrix, local_processes, rank_processes
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "support"))  # as tests/conftest.py does for tests
+import gpu_harness  # noqa: E402
+import numerics  # noqa: E402
+from jax_moe_publish import protocol, tuning  # noqa: E402
+from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS  # noqa: E402
+from jax_moe_publish.config import GROUP_ALGORITHMS  # noqa: E402
+from jax_moe_publish.aot.store import default_store  # noqa: E402
+from jax_moe_publish.memory.driver import CudaError, check  # noqa: E402
+from jax_moe_publish.testing import gpu_matrix, local_processes, rank_processes  # noqa: E402
 
-RESULT_PREFIX = "RESULT "
 ALGORITHMS = GROUP_ALGORITHMS
 CAPACITY_M = 16
 ROUTED_ROWS = 16
@@ -82,9 +83,9 @@ EPILOGUE_EPS = 1e-6
 
 
 def finish(result: dict) -> None:
-    """Print the result and leave at once: after a fault, no cleanup can succeed (a rank process
+    """Report the result and leave at once: after a fault, no cleanup can succeed (a rank process
     first waits for the others at a last barrier, which needs no GPU)."""
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    local_processes.report(result)
     sys.stderr.flush()
     if rank_processes.current() is not None:
         local_processes.leave(0)
@@ -548,8 +549,8 @@ def sanitize_configs() -> dict:
         "fused-own-slot": next(c for c in fused if not c.keep_own_partial),
         "fused-4-elements": next(c for c in fused if c.elements_per_thread == 4),
         "rmsnorm": next(c for c in epilogues if not c.fuse_reduce),
-        "rmsnorm-fused": next(c for c in epilogues if c.fuse_reduce and c.ctas_per_token <= PORTABLE_CLUSTER_CTAS),
-        "rmsnorm-fused-14-ctas": next(c for c in epilogues if c.fuse_reduce and c.ctas_per_token == 14),
+        "rmsnorm-fused": next(c for c in epilogues if c.fuse_reduce and c.ctas_per_row <= PORTABLE_CLUSTER_CTAS),
+        "rmsnorm-fused-14-ctas": next(c for c in epilogues if c.fuse_reduce and c.ctas_per_row == 14),
     }
 
 
@@ -895,7 +896,7 @@ def main(argv=None) -> None:
         os._exit(1)
     # Only `sanitize` returns (the others leave through `finish`): a normal exit, so the
     # sanitizer sees every allocation freed.
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    local_processes.report(result)
 
 
 if __name__ == "__main__":

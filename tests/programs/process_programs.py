@@ -1,14 +1,15 @@
 """Child programs of the multi-process tests: one device per process, joined by ``jax.distributed``.
 
-    python tests/support/process_programs.py PROGRAM --process-id I --num-processes N --port P [--gpu ORDINAL]
+    python tests/programs/process_programs.py PROGRAM --process-id I --num-processes N --port P [--gpu ORDINAL]
 
 With ``--gpu`` a process owns that GPU and calls the kernels (``impl="kernel"``);
 without it, one CPU device (gloo collectives) and ``impl="auto"``, which runs
 the reference. Every process draws every rank's inputs from the same seed, so
 each checks its own output against the float64 model of `numerics`; the
 parent compares the processes' output hashes for bitwise equality. Each
-prints ``RESULT {json}`` and leaves through `local_processes.leave`: a last
-barrier (so that the coordinator, process 0, outlives the others), then
+reports its result (`local_processes.report`, which the parent reads back with
+`local_processes.read_result`) and leaves through `local_processes.leave`: a
+last barrier (so that the coordinator, process 0, outlives the others), then
 ``os._exit``. A program that raises leaves the same way, with exit code 1.
 
 * ``match``: for each of ``--results`` and ``--problems``, a mailbox and calls
@@ -29,13 +30,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import pathlib
+import sys
 import time
 import warnings
 
 import numpy as np
 
-import numerics
-from jax_moe_publish.testing import local_processes
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "support"))  # as tests/conftest.py does for tests
+import numerics  # noqa: E402
+from jax_moe_publish.testing import local_processes  # noqa: E402
 
 CAPACITY = 64
 M_VALUES = (1, 3, 37, CAPACITY)
