@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The whole tests/gpu tier on one GPU, in four parts of at most 10 minutes each, at one commit
+# (docs/testing.md, "On the GPU machine"):
+#   bash tools/gpu_tier.sh 1|2|3|4 [LOG_DIR]    run one part, each step's output in LOG_DIR/STEP.log
+#   bash tools/gpu_tier.sh --list               the steps, one per line: part, name, gpu_check.sh arguments
+# 1: the kernel harness (virtual ranks) in three pytest processes side by side, and determinism;
+# 2: the op and mesh tests as rank processes; 3: the kernel and epilogue files' JAX-level tests
+# as rank processes, derivatives, multi-process; 4: faults.
+# Rank-process tests never run beside other processes: their kernels starved the harness's
+# (docs/testing.md). Each step is stopped after STEP_TIMEOUT_S (570) seconds; the part fails if a step does.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HARNESS="tests/gpu/test_kernels_gpu.py tests/gpu/test_epilogue_gpu.py"
+NOT_RANKS="gpu and not rank_processes"
+STEPS=(
+    "1|harness-tp1-tp2|-m|$NOT_RANKS|-k|not tp4 and not tp8|$HARNESS"
+    "1|harness-tp4|-m|$NOT_RANKS|-k|tp4|$HARNESS"
+    "1|harness-tp8|-m|$NOT_RANKS|-k|tp8|$HARNESS"
+    "1|determinism|tests/gpu/test_determinism_gpu.py"
+    "2|op-mesh|tests/gpu/test_op_gpu.py tests/gpu/test_mesh_gpu.py"
+    "3|harness-files-rank-processes|-m|gpu and rank_processes|$HARNESS"
+    "3|derivatives-processes|tests/gpu/test_derivatives_gpu.py tests/gpu/test_multiprocess_gpu.py"
+    "4|faults|tests/gpu/test_faults_gpu.py"
+)
+# Parts whose steps run side by side; the others run their steps one after the other.
+SIDE_BY_SIDE=1
+
+arguments() {  # the gpu_check.sh arguments of a step: fields 3.. split on |, paths split on spaces
+    local IFS='|'
+    read -r -a fields <<< "$1"
+    args=()
+    for field in "${fields[@]:2}"; do
+        if [[ "$field" == tests/* ]]; then read -r -a paths <<< "${field// /|}"; args+=("${paths[@]}"); else args+=("$field"); fi
+    done
+}
+
+if [ "${1:-}" = "--list" ]; then
+    for step in "${STEPS[@]}"; do
+        arguments "$step"
+        printf '%s\t%s' "${step%%|*}" "$(cut -d'|' -f2 <<< "$step")"
+        printf '\t%s' "${args[@]}"
+        printf '\n'
+    done
+    exit 0
+fi
+part=${1:?usage: bash tools/gpu_tier.sh 1|2|3|4 [LOG_DIR], or --list}
+[[ "$part" =~ ^[1234]$ ]] || { echo "part $part: expected 1, 2, 3 or 4" >&2; exit 2; }
+logs=${2:-gpu-tier-logs}
+mkdir -p "$logs"
+"${PYTHON:-python3}" -m pip install --quiet --no-build-isolation --no-deps .
+export JAX_MOE_PUBLISH_INSTALLED=1
+
+run_step() {  # name, then gpu_check.sh arguments; prints one summary line
+    local name=$1 start status=0
+    shift
+    start=$(date +%s)
+    timeout "${STEP_TIMEOUT_S:-570}" bash tools/gpu_check.sh -v "$@" > "$logs/$name.log" 2>&1 || status=$?
+    echo "$name: exit $status after $(( $(date +%s) - start )) s: $(grep -E '^=+ .* in [0-9.]+s' "$logs/$name.log" | tail -1)"
+    return "$status"
+}
+
+pids=()
+failed=0
+for step in "${STEPS[@]}"; do
+    [ "${step%%|*}" = "$part" ] || continue
+    arguments "$step"
+    name=$(cut -d'|' -f2 <<< "$step")
+    if [ "$part" = "$SIDE_BY_SIDE" ]; then
+        run_step "$name" "${args[@]}" & pids+=($!)
+    else
+        run_step "$name" "${args[@]}" || failed=1
+    fi
+done
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+exit "$failed"
