@@ -419,17 +419,16 @@ class GroupLauncher:
         def address(buffer):
             return 0 if buffer is None else buffer.address
 
-        values = dict(routed=buffers.routed.address, weights=buffers.weights.address,
-                      indices=buffers.indices.address, shared=address(buffers.shared), out=buffers.out.address,
-                      residual=address(buffers.residual), norm_weight=address(buffers.norm_weight),
-                      residual_out=address(buffers.residual_out), num_rows=buffers.num_rows, m=m, eps=buffers.eps,
-                      mailbox=0, peer_table=0, stage_state=0, status=0, timeout_ns=0, capacity_m=0, rank=0)
+        values = {operand.name: address(getattr(buffers, operand.name)) for operand in _abi.OPERANDS}
+        values.update(num_rows=buffers.num_rows, m=m, eps=buffers.eps, mailbox=0, peer_table=0, stage_state=0,
+                      status=0, timeout_ns=0, capacity_m=0, rank=0)
         if self.memory is not None:
             memory = self.memory.ranks[rank]
             values.update(mailbox=memory.mailbox, peer_table=memory.peer_table, stage_state=memory.stage_state,
                           status=memory.status, timeout_ns=self.timeout_ns, capacity_m=self.memory.capacity_m,
                           rank=rank)
-        assert values.keys() == _abi.VALUES.keys()
+        missing, unknown = _abi.VALUES.keys() - values.keys(), values.keys() - _abi.VALUES.keys()
+        assert not missing and not unknown, f"the harness fills no {sorted(missing)}, and unknown {sorted(unknown)}"
         return values
 
     def synchronize(self) -> None:
