@@ -236,7 +236,7 @@ def measure_case(args, mesh, name, m, algorithm, key, floor_limits, tune, column
     # The op's own traffic only.
     moved = traffic.bytes_per_rank(algorithm=algorithm, tp=tp, m=m, hidden=problem["hidden"],
                                    top_k=problem["top_k"], shared_expert=problem["shared"],
-                                   weight_bytes=chains.WEIGHT_BYTES, residual_norm=problem["epilogue"],
+                                   weight_bytes=chains.WEIGHT_BYTES, epilogue="rmsnorm" if problem["epilogue"] else "none",
                                    own_slot=not config.keep_own_partial)
     result["floor"] = report.case_floor(moved, floor_limits)
     result["ours_over_floor"] = result["ours"]["us"] / result["floor"]["us"]

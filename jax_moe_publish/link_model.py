@@ -41,7 +41,7 @@ class LinkModel:
         moved = traffic.bytes_per_rank(
             algorithm=algorithm, tp=tp, m=m, hidden=problem.hidden, top_k=problem.top_k,
             shared_expert=problem.include_shared_expert, weight_bytes=4 if problem.fp32_weights else 2,
-            residual_norm=epilogue != "none", own_slot=not config.keep_own_partial)
+            epilogue=epilogue, own_slot=not config.keep_own_partial)
         return (_abi.ALGORITHMS[algorithm].exchanges * self.exchange_s
                 + max(moved["hbm"] / self.hbm_bytes_per_s, moved["nvlink"] / self.p2p_bytes_per_s)
                 + (len(_abi.call_roles(config)) - 1) * self.launch_s)

@@ -81,9 +81,9 @@ def _problem(mailbox, expert_weights, shared_output, scale) -> tuning.Problem:
     )
 
 
-def _table_epilogue(mailbox, fused_norm) -> str:
+def _table_epilogue(mailbox, with_epilogue) -> str:
     """The epilogue the kernels fuse: with tp = 1 it runs in jnp after the direct kernel."""
-    return "rmsnorm" if fused_norm and mailbox.tp > 1 else "none"
+    return "rmsnorm" if with_epilogue and mailbox.tp > 1 else "none"
 
 
 def moe_finalize_publish(
@@ -186,7 +186,7 @@ def moe_finalize_publish(
     checks.check_static_scalars(routed_scaling_factor=routed_scaling_factor, norm_eps=norm_eps)
     op_checks.check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
                   routed_scaling_factor)
-    fused_norm = op_checks.check_epilogue(residual, norm_weight, norm_eps, mailbox, expert_weights.shape[0],
+    with_epilogue = op_checks.check_epilogue(residual, norm_weight, norm_eps, mailbox, expert_weights.shape[0],
                                           default_eps=inspect.signature(moe_finalize_publish).parameters["norm_eps"].default)
     op_checks.check_impl(impl)
     op_checks.check_axis(mailbox)
@@ -194,7 +194,7 @@ def moe_finalize_publish(
                                  permuted_indices=permuted_indices, shared_output=shared_output))
     problem = _problem(mailbox, expert_weights, shared_output, routed_scaling_factor)
     if config is not None:
-        op_checks.check_config(config, mailbox, problem, _table_epilogue(mailbox, fused_norm))
+        op_checks.check_config(config, mailbox, problem, _table_epilogue(mailbox, with_epilogue))
     scale, norm_eps = float(routed_scaling_factor), float(norm_eps)
     path = _resolve_impl(impl, mailbox)
     if not mailbox.on_cuda:
@@ -218,8 +218,8 @@ def _publish(routed_output, expert_weights, permuted_indices, shared_output, res
     """One checked call, unbatched: under jax.vmap it holds the tokens of the whole batch."""
     permuted_indices = _on_mailbox_mesh_p.bind(permuted_indices, mailbox=mailbox)
     m = expert_weights.shape[0]
-    fused_norm = residual is not None
-    table_epilogue = _table_epilogue(mailbox, fused_norm)
+    with_epilogue = residual is not None
+    table_epilogue = _table_epilogue(mailbox, with_epilogue)
     if impl == "kernel" and config is None:
         # The table's one answer for this call: XLA's path (taken where auto may take it) or
         # the kernels' algorithm.
@@ -237,12 +237,12 @@ def _publish(routed_output, expert_weights, permuted_indices, shared_output, res
             axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
         )
     set_id = _launch.load(config, mailbox.local_ordinals)
-    if fused_norm and mailbox.tp == 1:
+    if with_epilogue and mailbox.tp == 1:
         y = _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
                           scale, {})
         return reference.add_rmsnorm(y, residual, norm_weight, eps=norm_eps)
     return _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
-                         scale, epilogue if fused_norm else {})
+                         scale, epilogue if with_epilogue else {})
 
 
 def _resolve_impl(impl: str, mailbox: Mailbox) -> str:

@@ -12,7 +12,7 @@ ALGORITHMS = tuple(_abi.ALGORITHMS)
 
 
 def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, shared_expert: bool,
-                   weight_bytes: int = 4, residual_norm: bool = False, own_slot: bool = True) -> dict[str, float]:
+                   weight_bytes: int = 4, epilogue: str = "none", own_slot: bool = True) -> dict[str, float]:
     """HBM and NVLink bytes that one rank moves in one call of the op.
 
     With ``row = m * hidden * 2`` (one bf16 [m, hidden] array), every algorithm
@@ -70,8 +70,8 @@ def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, 
     shared_expert : bool
     weight_bytes : int
         Bytes per router weight: 4 (float32) or 2 (bf16).
-    residual_norm : bool
-        The call has the epilogue (with any algorithm).
+    epilogue : {"none", "rmsnorm"}
+        ``rmsnorm``: the call has the residual add + RMSNorm epilogue (with any algorithm).
     own_slot : bool
         Oneshot: this rank's own contribution goes through its mailbox slot.
 
@@ -90,8 +90,10 @@ def bytes_per_rank(*, algorithm: str, tp: int, m: int, hidden: int, top_k: int, 
     inputs = m * top_k * hidden * BF16_BYTES + m * top_k * (INDEX_BYTES + weight_bytes)
     if shared_expert:
         inputs += row
-    outputs = 2 if residual_norm else 1
-    if residual_norm:
+    if epilogue not in _abi.EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r}: expected one of {_abi.EPILOGUES}")
+    outputs = 1 if epilogue == "none" else 2
+    if epilogue != "none":
         inputs += hidden * BF16_BYTES + (row / tp if spec.owned_rows else row)
     if not spec.group:
         return {"hbm": float(inputs + outputs * row), "nvlink": 0.0}

@@ -34,7 +34,7 @@ def test_bytes_per_rank_epilogue_by_hand():
     # The oneshot problem with the residual add + RMSNorm: residual 64 and residual_out 64
     # bytes, norm weight 16*2 = 32 -> 672 + 160.
     moved = traffic.bytes_per_rank(algorithm="oneshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
-                                   residual_norm=True)
+                                   epilogue="rmsnorm")
     assert moved == {"hbm": 832.0, "nvlink": 64.0}
 
 
@@ -59,7 +59,7 @@ def test_bytes_per_rank_twoshot_epilogue_by_hand():
     hbm = 224 + (64 + 64 + 64) + (32 + 32 + 64) + (64 + 64 + 64 + 64)
     nvlink = 32 + 2 * 32
     moved = traffic.bytes_per_rank(algorithm="twoshot", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
-                                   residual_norm=True)
+                                   epilogue="rmsnorm")
     assert moved == {"hbm": hbm, "nvlink": nvlink}
 
 
@@ -81,7 +81,7 @@ def test_bytes_per_rank_reduce_scatter_epilogue_by_hand():
     # With the residual add + RMSNorm: the owned residual (32) and the norm weight (32) read,
     # residual_out of the owned row (32) written -> 448 + 96.
     moved = traffic.bytes_per_rank(algorithm="reduce_scatter", tp=2, m=2, hidden=16, top_k=2, shared_expert=True,
-                                   residual_norm=True)
+                                   epilogue="rmsnorm")
     assert moved == {"hbm": 544.0, "nvlink": 32.0}
 
 
@@ -93,3 +93,9 @@ def test_bytes_per_rank_reduce_scatter_epilogue_by_hand():
 def test_bytes_per_rank_rejects(algorithm, tp, message):
     with pytest.raises(ValueError, match=message):
         traffic.bytes_per_rank(algorithm=algorithm, tp=tp, m=1, hidden=16, top_k=1, shared_expert=False)
+
+
+def test_bytes_per_rank_rejects_an_unknown_epilogue():
+    with pytest.raises(ValueError, match="epilogue='layernorm'"):
+        traffic.bytes_per_rank(algorithm="oneshot", tp=2, m=1, hidden=16, top_k=1, shared_expert=False,
+                               epilogue="layernorm")
