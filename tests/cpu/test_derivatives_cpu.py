@@ -117,7 +117,7 @@ def _linearization_point(arrays, indices):
     routed = np.broadcast_to(arrays["routed_output"], (*indices.shape[:2], *arrays["routed_output"].shape[-2:]))
     points = []
     for g in range(indices.shape[0]):
-        problems = [numerics.Problem(routed[g, r], weights_in[g, r], indices[g, r],
+        problems = [numerics.RankInputs(routed[g, r], weights_in[g, r], indices[g, r],
                                      arrays["shared_output"][g, r] if "shared_output" in arrays else None)
                     for r in range(indices.shape[1])]
         points.append(numerics.expected_residual_out(*numerics.expected_sum(problems, SCALE), arrays["residual"][g]))

@@ -205,7 +205,7 @@ def test_one_input_that_varies_is_enough(varying):
     """The other inputs replicated, ``varying`` sharded: the ranks' partials differ."""
     rng = np.random.default_rng()
     base, other = _problems(rng, 2)
-    problems = [base, numerics.Problem(**{field: getattr(other if field == varying else base, field)
+    problems = [base, numerics.RankInputs(**{field: getattr(other if field == varying else base, field)
                                           for field in FIELDS})]
     mesh = _mesh((2,), ("tp",))
 

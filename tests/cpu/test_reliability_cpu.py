@@ -27,7 +27,7 @@ from jax_moe_publish import protocol
 
 @st.composite
 def problems(draw):
-    """A valid call of the public API: (tp, result, scale, per-rank `numerics.Problem`s)."""
+    """A valid call of the public API: (tp, result, scale, per-rank `numerics.RankInputs`s)."""
     tp = draw(st.sampled_from((1, 2, 4)))
     result = draw(st.sampled_from(("allreduce", "reduce_scatter"))) if tp > 1 else "allreduce"
     m = draw(st.integers(1, 40))
@@ -41,7 +41,7 @@ def problems(draw):
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     ranks = []
     for pattern in patterns:
-        ranks.append(numerics.Problem(
+        ranks.append(numerics.RankInputs(
             routed=rng.standard_normal((num_rows, hidden), dtype=np.float32).astype(numerics.BF16),
             weights=rng.uniform(-1.0, 1.0, (m, top_k)).astype(np.float32 if fp32_weights else numerics.BF16),
             indices=numerics.pattern_indices(rng, pattern, m, top_k, num_rows),

@@ -343,7 +343,7 @@ def test_epilogue_chain_feeds_residual_out_forward(rng):
                         f"rank {rank}'s {name} differs in bits from rank 0's")
             previous_out, previous_residual = None, residual
             for layer in range(layers):
-                problems = [numerics.Problem(routed[r, layer], weights[r, layer], indices[r, layer],
+                problems = [numerics.RankInputs(routed[r, layer], weights[r, layer], indices[r, layer],
                                              shared[r] if layer == 0 else previous_out) for r in range(tp)]
                 total, bound = numerics.expected_sum(problems, scale)
                 numerics.assert_epilogue_close(outs[0, layer], residuals[0, layer], total, bound, previous_residual,

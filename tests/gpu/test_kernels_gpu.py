@@ -97,7 +97,7 @@ def _check_outputs(config, outputs: list[np.ndarray], problems, m: int) -> None:
             )
 
 
-def _negative_zero_problems(config, m: int, rng) -> list[numerics.Problem]:
+def _negative_zero_problems(config, m: int, rng) -> list[numerics.RankInputs]:
     """Inputs whose partials are bf16 -0.0 (or zero) before the publish sanitizes them."""
     return numerics.make_negative_zero(random_problems(config, m, rng, routed_rows(config, m)), rng)
 

@@ -162,7 +162,7 @@ def _check_chain(out, inputs, scale):
     for rank in range(1, tp):
         assert np.array_equal(out[rank].view(np.uint16), out[0].view(np.uint16)), f"rank {rank} differs from rank 0"
     for layer in range(out.shape[1]):
-        problems = [numerics.Problem(routed[r, layer], weights[r, layer], indices[r, layer],
+        problems = [numerics.RankInputs(routed[r, layer], weights[r, layer], indices[r, layer],
                                      shared[r] if layer == 0 else out[0, layer - 1]) for r in range(tp)]
         expected, bound = numerics.expected_sum(problems, scale)
         numerics.assert_close(out[0, layer], expected, bound, what=f"layer {layer}")
@@ -283,7 +283,7 @@ def _drawn_calls(draw, tp):
         problem = numerics.random_problem(rng, m=m, hidden=config.hidden, top_k=config.top_k,
                                           num_rows=num_rows, fp32_weights=config.fp32_weights,
                                           shared=config.include_shared_expert)
-        problems.append(numerics.Problem(
+        problems.append(numerics.RankInputs(
             problem.routed, problem.weights,
             numerics.pattern_indices(rng, pattern, m, config.top_k, num_rows), problem.shared,
         ))

@@ -114,7 +114,7 @@ def group(algorithm: str, timeout_ns: int, on_timeout: int = protocol.ON_TIMEOUT
     pool.close()
 
 
-def random_problem(config, rng, m: int) -> numerics.Problem:
+def random_problem(config, rng, m: int) -> numerics.RankInputs:
     return numerics.random_problem(
         rng, m=m, hidden=config.hidden, top_k=config.top_k, num_rows=ROUTED_ROWS,
         fp32_weights=config.fp32_weights, shared=config.include_shared_expert,
@@ -210,10 +210,10 @@ def status(launcher, rank: int) -> dict:
     }
 
 
-def truncated(problem: numerics.Problem, m: int) -> numerics.Problem:
+def truncated(problem: numerics.RankInputs, m: int) -> numerics.RankInputs:
     """The first m tokens of ``problem``."""
     shared = None if problem.shared is None else problem.shared[:m]
-    return numerics.Problem(problem.routed, problem.weights[:m], problem.indices[:m], shared)
+    return numerics.RankInputs(problem.routed, problem.weights[:m], problem.indices[:m], shared)
 
 
 def output_failure(config, bits: np.ndarray, problems, m: int, rank: int) -> str | None:
@@ -420,7 +420,7 @@ def mismatched_m(args) -> None:
         finish(result)
 
 
-def _nonfinite_problems(config, rng, m: int) -> list[numerics.Problem]:
+def _nonfinite_problems(config, rng, m: int) -> list[numerics.RankInputs]:
     """Two ranks' inputs with NaN and Inf placed so that each token tests one rule.
 
     Rows 1-3 of ``routed`` hold NaN (columns 0-15), +Inf and -Inf (columns
@@ -486,7 +486,7 @@ def _nonfinite_failure(config, bits: np.ndarray, problems, m: int, rank: int) ->
     return None
 
 
-def _negative_zero_problems(config, rng, m: int) -> list[numerics.Problem]:
+def _negative_zero_problems(config, rng, m: int) -> list[numerics.RankInputs]:
     """Inputs whose partials round to bf16 -0.0 before the publish turns them into +0.0."""
     return numerics.make_negative_zero([random_problem(config, rng, m) for _ in range(config.tp)], rng)
 
@@ -623,7 +623,7 @@ def _api_config(tp: int = 2):
     return tuning.kernel_config(API_PROBLEM, tp=tp, m=API_M)
 
 
-def _api_problems(rng, tp: int) -> list[numerics.Problem]:
+def _api_problems(rng, tp: int) -> list[numerics.RankInputs]:
     """Fresh inputs of one call for every rank, different on each."""
     config = _api_config(tp)
     return [random_problem(config, rng, API_M) for _ in range(tp)]
@@ -825,7 +825,7 @@ def closed_chain(args) -> None:
                 return f"rank {rank}'s outputs differ in bits from rank 0's"
         previous = None
         for layer in range(CHAIN_LAYERS):
-            problems = [numerics.Problem(layers[r][layer].routed, layers[r][layer].weights, layers[r][layer].indices,
+            problems = [numerics.RankInputs(layers[r][layer].routed, layers[r][layer].weights, layers[r][layer].indices,
                                          layers[r][0].shared if layer == 0 else previous) for r in range(tp)]
             expected, bound = numerics.expected_sum(problems, scale)
             try:

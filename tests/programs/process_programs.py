@@ -77,7 +77,7 @@ class Process:
         self.rank = devices.index(self.device)
         self.problem = PROBLEMS[args.problems[0]]
 
-    def random_problems(self, rng, m: int) -> list[numerics.Problem]:
+    def random_problems(self, rng, m: int) -> list[numerics.RankInputs]:
         p = self.problem
         return [numerics.random_problem(rng, m=m, hidden=p["hidden"], top_k=p["top_k"],
                                         fp32_weights=p["fp32_weights"], shared=p["shared"])
@@ -91,7 +91,7 @@ class Process:
         return self.jax.make_array_from_callback(full.shape, NamedSharding(self.mesh, P("tp")),
                                                  lambda index: full[index])
 
-    def inputs(self, problems: list[numerics.Problem]) -> list:
+    def inputs(self, problems: list[numerics.RankInputs]) -> list:
         fields = ["routed", "weights", "indices"] + (["shared"] if problems[0].shared is not None else [])
         return [self.stacked([getattr(p, f) for p in problems]) for f in fields]
 

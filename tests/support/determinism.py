@@ -41,7 +41,7 @@ class Call:
 
     m: int
     offset: int
-    problems: list[numerics.Problem]
+    problems: list[numerics.RankInputs]
     residual: np.ndarray | None
 
     @property
@@ -68,7 +68,7 @@ def call_places(capacity_m: int) -> list[tuple[int, int]]:
     return [(PROBE_TOKENS, 0), *((m, places[i % len(places)](m)) for i, m in enumerate(ms))]
 
 
-def probe_problems(rng, tp: int, problem: tuning.Problem, num_rows: int) -> list[numerics.Problem]:
+def probe_problems(rng, tp: int, problem: tuning.Problem, num_rows: int) -> list[numerics.RankInputs]:
     """Every rank's fresh inputs for the probe's tokens, over ``num_rows`` routed rows (at least
     top-k), with the `ZERO_TOKENS`: the first top-k rows are near -1e-38 (any token may read
     them), and `NEGATIVE_ZERO_TOKEN` reads each of them."""
@@ -96,7 +96,7 @@ def probe_residual(rng, hidden: int) -> tuple[np.ndarray, np.ndarray]:
     return residual, norm_weight
 
 
-def calls(rng, probes: list[numerics.Problem], capacity_m: int, residual: np.ndarray | None = None) -> list[Call]:
+def calls(rng, probes: list[numerics.RankInputs], capacity_m: int, residual: np.ndarray | None = None) -> list[Call]:
     """A `Call` for each of `call_places`, its other tokens (and residual rows) fresh."""
     return [_embed(rng, probes, m, offset, residual) for m, offset in call_places(capacity_m)]
 

@@ -314,7 +314,7 @@ class RankBuffers:
         self.eps = 0.0
         self.num_rows = 0
 
-    def upload(self, problem: numerics.Problem) -> None:
+    def upload(self, problem: numerics.RankInputs) -> None:
         weights_dtype = np.float32 if self.config.fp32_weights else numerics.BF16
         if problem.weights.dtype != weights_dtype:
             raise TypeError(

@@ -35,7 +35,7 @@ def routed_rows(config, m: int) -> int:
     return max(1, m * config.top_k // 2)
 
 
-def random_problems(config, m: int, rng, num_rows: int) -> list[numerics.Problem]:
+def random_problems(config, m: int, rng, num_rows: int) -> list[numerics.RankInputs]:
     """Fresh inputs for every rank, with -1 and out-of-range indices."""
     return [
         numerics.random_problem(

@@ -14,7 +14,7 @@ POISON_BF16 = np.uint16(0x7FC1)  # a NaN pattern no computation here produces
 
 
 @dataclasses.dataclass
-class Problem:
+class RankInputs:
     """One rank's inputs (NumPy) of a finalize."""
 
     routed: np.ndarray  # bf16 [num_rows, hidden]
@@ -24,7 +24,7 @@ class Problem:
 
 
 def random_problem(rng, *, m, hidden, top_k, num_rows=None, fp32_weights=False, shared=True,
-                   invalid_fraction=0.2) -> Problem:
+                   invalid_fraction=0.2) -> RankInputs:
     """Fresh random inputs; about ``invalid_fraction`` of the indices are -1 or out of range."""
     num_rows = num_rows or max(1, m * top_k // 2)
     routed = rng.standard_normal((num_rows, hidden), dtype=np.float32).astype(BF16)
@@ -34,10 +34,10 @@ def random_problem(rng, *, m, hidden, top_k, num_rows=None, fp32_weights=False, 
     bad_values = rng.choice(np.array([-1, -7, num_rows, num_rows + 5, 2**31 - 1], np.int32), (m, top_k))
     indices = np.where(invalid, bad_values, indices).astype(np.int32)
     shared_out = rng.standard_normal((m, hidden), dtype=np.float32).astype(BF16) if shared else None
-    return Problem(routed, weights, indices, shared_out)
+    return RankInputs(routed, weights, indices, shared_out)
 
 
-def finalize_f64(problem: Problem, scale: float):
+def finalize_f64(problem: RankInputs, scale: float):
     """(exact partial, sum of |terms|) in float64, per element."""
     routed = problem.routed.astype(np.float64)
     num_rows = routed.shape[0]
@@ -60,7 +60,7 @@ def finalize_f64(problem: Problem, scale: float):
     return exact, magnitude
 
 
-def expected_sum(problems: list[Problem], scale: float):
+def expected_sum(problems: list[RankInputs], scale: float):
     """(float64 sum over ranks of the exact partials, element-wise error bound of a bf16 result).
 
     The bound covers float32 accumulation of each partial, its bf16 rounding,
@@ -134,7 +134,7 @@ def owned(x: np.ndarray, tp: int, rank: int) -> np.ndarray:
     return out
 
 
-def make_negative_zero(problems: list[Problem], rng) -> list[Problem]:
+def make_negative_zero(problems: list[RankInputs], rng) -> list[RankInputs]:
     """Turn ``problems`` (in place) into inputs whose partials round to bf16 -0.0.
 
     Routed values near -1e-38 times weights near 1e-5 (scale <= 2.5, top-k <= 10)
@@ -162,7 +162,7 @@ def epilogue_inputs(rng, rows: int, hidden: int, *, residual_scale: float = 64.0
     return residual, weight
 
 
-def silence_token(problems: list[Problem], token: int) -> None:
+def silence_token(problems: list[RankInputs], token: int) -> None:
     """Make every rank's partial of ``token`` exactly zero (in place): no valid index, zero shared row."""
     for problem in problems:
         problem.indices[token] = -1
