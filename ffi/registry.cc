@@ -27,11 +27,27 @@ void Require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument(message);
 }
 
-std::optional<Value> FindValue(std::string_view name) {
-  for (size_t i = 0; i < kValueCount; ++i) {
-    if (kValues[i].name == name) return static_cast<Value>(i);
+// The entry of a contract table (kValues, kDtypes, kTargets) named `name`, or nullptr.
+template <typename Entry, size_t N>
+const Entry* FindNamed(const Entry (&table)[N], std::string_view name) {
+  for (const Entry& entry : table) {
+    if (entry.name == name) return &entry;
   }
-  return std::nullopt;
+  return nullptr;
+}
+
+// Every name of a contract table, for a message.
+template <typename Entry, size_t N>
+std::vector<std::string> NamesOf(const Entry (&table)[N]) {
+  std::vector<std::string> names;
+  for (const Entry& entry : table) names.emplace_back(entry.name);
+  return names;
+}
+
+std::optional<Value> FindValue(std::string_view name) {
+  const ValueInfo* value = FindNamed(kValues, name);
+  if (value == nullptr) return std::nullopt;
+  return static_cast<Value>(value - kValues);
 }
 
 // The names of the contract's values that `keep` selects.
@@ -49,7 +65,7 @@ Value ParseValue(const std::string& where, const std::string& name) {
   std::optional<Value> value = FindValue(name);
   Require(value.has_value(),
           where + ": parameter " + Quote(name) + " is not a value of the launch contract " +
-              ListRepr(ValueNames([](const ValueInfo&) { return true; })));
+              ListRepr(NamesOf(kValues)));
   return *value;
 }
 
@@ -136,14 +152,9 @@ Operand ValidateOperand(const std::string& where, size_t index, const OperandSpe
           name + ": io=" + Quote(spec.io) + ": expected 'arg' or 'ret'");
   Require(spec.io == "ret" || !after_ret,
           name + ": io='arg' after a 'ret': expected every arg before every ret (the FFI order)");
-  const DtypeInfo* dtype = nullptr;
-  std::vector<std::string> dtypes;
-  for (const DtypeInfo& known : kDtypes) {
-    if (known.name == spec.dtype) dtype = &known;
-    dtypes.emplace_back(known.name);
-  }
+  const DtypeInfo* dtype = FindNamed(kDtypes, spec.dtype);
   Require(dtype != nullptr,
-          name + ": dtype=" + Quote(spec.dtype) + ": expected one of " + ListRepr(dtypes));
+          name + ": dtype=" + Quote(spec.dtype) + ": expected one of " + ListRepr(NamesOf(kDtypes)));
   const std::optional<Rows> rows = spec.rows ? FindRows(*spec.rows) : Rows::kVector;
   Require(rows.has_value(), name + ": rows=" + Quote(spec.rows.value_or("")) +
                                 ": expected 'num_rows', 'm', 'owned', 'zero' or None (a vector)");
@@ -159,14 +170,9 @@ Operand ValidateOperand(const std::string& where, size_t index, const OperandSpe
 // Checks the call record: its target, shape and operands (in FFI order, with the target's arity).
 void ValidateCall(const std::string& where, const CallSpec& call, KernelSet* set) {
   const std::string at = where + ": call: ";
-  const TargetInfo* target = nullptr;
-  std::vector<std::string> targets;
-  for (const TargetInfo& known : kTargets) {
-    if (known.name == call.target) target = &known;
-    targets.emplace_back(known.name);
-  }
+  const TargetInfo* target = FindNamed(kTargets, call.target);
   Require(target != nullptr,
-          at + "target=" + Quote(call.target) + ": expected one of " + ListRepr(targets));
+          at + "target=" + Quote(call.target) + ": expected one of " + ListRepr(NamesOf(kTargets)));
   Require(call.tp >= 1, at + "tp=" + std::to_string(call.tp) + ": expected >= 1");
   Require(call.hidden >= 1, at + "hidden=" + std::to_string(call.hidden) + ": expected >= 1");
   set->target = target->target;
