@@ -3,7 +3,7 @@
 # (docs/testing.md, "On the GPU machine"):
 #   bash tools/gpu_tier.sh 1|2|3|4 [LOG_DIR]    run one part, each step's output in LOG_DIR/STEP.log
 #   bash tools/gpu_tier.sh --list               the steps, one per line: part, name, gpu_check.sh arguments
-# 1: the kernel harness (virtual ranks) in three pytest processes side by side, and determinism;
+# 1: the kernel harness (virtual ranks) in four pytest processes side by side, and determinism;
 # 2: the op and mesh tests as rank processes; 3: the kernel and epilogue files' JAX-level tests
 # as rank processes, derivatives, multi-process; 4: faults.
 # Rank-process tests never run beside other processes: their kernels starved the harness's
@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 HARNESS="tests/gpu/test_kernels_gpu.py tests/gpu/test_epilogue_gpu.py"
 NOT_RANKS="gpu and not rank_processes"
 STEPS=(
-    "1|harness-tp1-tp2|-m|$NOT_RANKS|-k|not tp4 and not tp8|$HARNESS"
+    "1|harness-tp1-tp2-oneshot|-m|$NOT_RANKS|-k|not tp4 and not tp8 and oneshot|$HARNESS"
+    "1|harness-tp1-tp2-others|-m|$NOT_RANKS|-k|not tp4 and not tp8 and not oneshot|$HARNESS"
     "1|harness-tp4|-m|$NOT_RANKS|-k|tp4|$HARNESS"
     "1|harness-tp8|-m|$NOT_RANKS|-k|tp8|$HARNESS"
     "1|determinism|tests/gpu/test_determinism_gpu.py"
