@@ -2,10 +2,12 @@
 # The whole tests/gpu tier on one GPU, in four parts of at most 10 minutes each, at one commit
 # (docs/testing.md, "On the GPU machine"):
 #   bash tools/gpu_tier.sh 1|2|3|4 [LOG_DIR]    run one part, each step's output in LOG_DIR/STEP.log
+#   bash tools/gpu_tier.sh STEP[,STEP...] [LOG_DIR]  run the named steps one after the other
 #   bash tools/gpu_tier.sh --list               the steps, one per line: part, name, gpu_check.sh arguments
 # 1: the kernel harness (virtual ranks) in four pytest processes side by side, and determinism;
 # 2: the op and mesh tests as rank processes; 3: the kernel and epilogue files' JAX-level tests
-# as rank processes, derivatives, multi-process; 4: faults.
+# as rank processes, the tp = 8 epilogue harness (beside part 1's four it ran past 10 minutes),
+# derivatives, multi-process; 4: faults.
 # Rank-process tests never run beside other processes: their kernels starved the harness's
 # (docs/testing.md). Each step is stopped after STEP_TIMEOUT_S (570) seconds; the part fails if a step does.
 set -euo pipefail
@@ -16,10 +18,11 @@ STEPS=(
     "1|harness-tp1-tp2-oneshot|-m|$NOT_RANKS|-k|not tp4 and not tp8 and oneshot|$HARNESS"
     "1|harness-tp1-tp2-others|-m|$NOT_RANKS|-k|not tp4 and not tp8 and not oneshot|$HARNESS"
     "1|harness-tp4|-m|$NOT_RANKS|-k|tp4|$HARNESS"
-    "1|harness-tp8|-m|$NOT_RANKS|-k|tp8|$HARNESS"
+    "1|harness-tp8-kernels|-m|$NOT_RANKS|-k|tp8|tests/gpu/test_kernels_gpu.py"
     "1|determinism|tests/gpu/test_determinism_gpu.py"
     "2|op-mesh|tests/gpu/test_op_gpu.py tests/gpu/test_mesh_gpu.py"
     "3|harness-files-rank-processes|-m|gpu and rank_processes|$HARNESS"
+    "3|harness-tp8-epilogue|-m|$NOT_RANKS|-k|tp8|tests/gpu/test_epilogue_gpu.py"
     "3|derivatives-processes|tests/gpu/test_derivatives_gpu.py tests/gpu/test_multiprocess_gpu.py"
     "4|faults|tests/gpu/test_faults_gpu.py"
 )
@@ -44,8 +47,13 @@ if [ "${1:-}" = "--list" ]; then
     done
     exit 0
 fi
-part=${1:?usage: bash tools/gpu_tier.sh 1|2|3|4 [LOG_DIR], or --list}
-[[ "$part" =~ ^[1234]$ ]] || { echo "part $part: expected 1, 2, 3 or 4" >&2; exit 2; }
+part=${1:?usage: bash tools/gpu_tier.sh 1|2|3|4|STEP[,STEP...] [LOG_DIR], or --list}
+if ! [[ "$part" =~ ^[1234]$ ]]; then
+    known=$(for step in "${STEPS[@]}"; do cut -d'|' -f2 <<< "$step"; done)
+    for name in ${part//,/ }; do
+        grep -qx -- "$name" <<< "$known" || { echo "$name: expected a part (1 to 4) or a step: $(echo $known)" >&2; exit 2; }
+    done
+fi
 logs=${2:-gpu-tier-logs}
 mkdir -p "$logs"
 "${PYTHON:-python3}" -m pip install --quiet --no-build-isolation --no-deps .
@@ -63,9 +71,9 @@ run_step() {  # name, then gpu_check.sh arguments; prints one summary line
 pids=()
 failed=0
 for step in "${STEPS[@]}"; do
-    [ "${step%%|*}" = "$part" ] || continue
-    arguments "$step"
     name=$(cut -d'|' -f2 <<< "$step")
+    [ "${step%%|*}" = "$part" ] || [[ ",$part," == *",$name,"* ]] || continue
+    arguments "$step"
     if [ "$part" = "$SIDE_BY_SIDE" ]; then
         run_step "$name" "${args[@]}" & pids+=($!)
     else

@@ -38,3 +38,10 @@ def test_the_parts_hold_every_gpu_test_once():
     missing = sorted(set(everything) - set(seen))
     assert not missing, f"{len(missing)} GPU tests in no step, e.g. {missing[:5]}"
     assert set(seen) <= set(everything)
+
+
+def test_an_unknown_step_is_refused_before_anything_runs():
+    run = subprocess.run(["bash", str(REPO / "tools" / "gpu_tier.sh"), "faults,no-such-step"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run
+    assert "no-such-step: expected a part (1 to 4) or a step" in run.stderr and "faults" in run.stderr
