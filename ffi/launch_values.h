@@ -1,8 +1,9 @@
-// The C++ side of the launch contract in jax_moe_publish/_abi.py: the values a kernel of the op can
-// receive (with their PTX parameter types and where the handler takes each from), the FFI targets,
-// the operand dtypes and the launch limits. The sidecar names each kernel's parameters and each
-// operand of a call from these lists, and the handler fills them by name. CPU tests keep them equal
-// to _abi's (the module's launch_values(), launch_limits(), operand_dtypes() and registrations()).
+// The C++ side of the launch contracts in jax_moe_publish/_abi.py: the values a kernel of either op
+// can receive (with their PTX parameter types, where the handler takes each from, and the ops that
+// have it), the FFI targets, the operand dtypes and the launch limits. The sidecar names each
+// kernel's parameters and each operand of a call from these lists, and the handler fills them by
+// name. CPU tests keep them equal to _abi's (the module's launch_values(), launch_limits(),
+// operand_dtypes() and registrations()).
 
 #ifndef JAX_MOE_PUBLISH_FFI_LAUNCH_VALUES_H_
 #define JAX_MOE_PUBLISH_FFI_LAUNCH_VALUES_H_
@@ -34,7 +35,30 @@ enum class Value {
   kCapacityM,
   kRank,
   kEps,
+  kX,
+  kExpertIds,
+  kGateUp,
+  kGate,
+  kUp,
+  kDown,
+  kActivations,
 };
+
+// The ops of the package (_abi.CONTRACTS); a value belongs to one or both.
+enum class Op { kPublish, kExperts };
+inline constexpr Op kOps[] = {Op::kPublish, Op::kExperts};
+constexpr unsigned OpBit(Op op) { return 1u << static_cast<unsigned>(op); }
+
+// Each Op's name, as _abi.CONTRACTS has it; -Wswitch-enum makes an Op without one a build error.
+constexpr std::string_view OpName(Op op) {
+  switch (op) {
+    case Op::kPublish: return "publish";
+    case Op::kExperts: return "experts";
+  }
+  return {};
+}
+inline constexpr unsigned kPublishOp = OpBit(Op::kPublish);
+inline constexpr unsigned kExpertsOp = OpBit(Op::kExperts);
 
 // Where the handler takes a value from (FillValues in moe_publish_handler.cc).
 enum class Source {
@@ -48,19 +72,37 @@ struct ValueInfo {
   std::string_view name;
   std::string_view ptx_type;  // "u64", "u32" or "f32"
   Source source;
+  unsigned ops;  // OpBit of each op whose kernels can take it
 };
 
-// In the order of Value.
+// In the order of Value: the publish op's values (_abi.VALUES), then the experts op's that it
+// does not share (_abi.ALL_VALUES).
 inline constexpr ValueInfo kValues[] = {
-    {"routed", "u64", Source::kOperand},       {"weights", "u64", Source::kOperand},
-    {"indices", "u64", Source::kOperand},      {"shared", "u64", Source::kOperand},
-    {"mailbox", "u64", Source::kMailbox},      {"peer_table", "u64", Source::kMailbox},
-    {"stage_state", "u64", Source::kMailbox},  {"status", "u64", Source::kMailbox},
-    {"out", "u64", Source::kOperand},          {"residual", "u64", Source::kOperand},
-    {"norm_weight", "u64", Source::kOperand},  {"residual_out", "u64", Source::kOperand},
-    {"timeout_ns", "u64", Source::kMailbox},   {"num_rows", "u32", Source::kRows},
-    {"m", "u32", Source::kRows},               {"capacity_m", "u32", Source::kMailbox},
-    {"rank", "u32", Source::kMailbox},         {"eps", "f32", Source::kAttribute},
+    {"routed", "u64", Source::kOperand, kPublishOp},
+    {"weights", "u64", Source::kOperand, kPublishOp},
+    {"indices", "u64", Source::kOperand, kPublishOp},
+    {"shared", "u64", Source::kOperand, kPublishOp},
+    {"mailbox", "u64", Source::kMailbox, kPublishOp},
+    {"peer_table", "u64", Source::kMailbox, kPublishOp},
+    {"stage_state", "u64", Source::kMailbox, kPublishOp},
+    {"status", "u64", Source::kMailbox, kPublishOp},
+    {"out", "u64", Source::kOperand, kPublishOp | kExpertsOp},
+    {"residual", "u64", Source::kOperand, kPublishOp},
+    {"norm_weight", "u64", Source::kOperand, kPublishOp},
+    {"residual_out", "u64", Source::kOperand, kPublishOp},
+    {"timeout_ns", "u64", Source::kMailbox, kPublishOp},
+    {"num_rows", "u32", Source::kRows, kPublishOp},
+    {"m", "u32", Source::kRows, kPublishOp | kExpertsOp},
+    {"capacity_m", "u32", Source::kMailbox, kPublishOp},
+    {"rank", "u32", Source::kMailbox, kPublishOp},
+    {"eps", "f32", Source::kAttribute, kPublishOp},
+    {"x", "u64", Source::kOperand, kExpertsOp},
+    {"expert_ids", "u64", Source::kOperand, kExpertsOp},
+    {"gate_up", "u64", Source::kOperand, kExpertsOp},
+    {"gate", "u64", Source::kOperand, kExpertsOp},
+    {"up", "u64", Source::kOperand, kExpertsOp},
+    {"down", "u64", Source::kOperand, kExpertsOp},
+    {"activations", "u64", Source::kOperand, kExpertsOp},
 };
 inline constexpr size_t kValueCount = sizeof(kValues) / sizeof(kValues[0]);
 
@@ -88,6 +130,13 @@ constexpr std::string_view ValueName(Value value) {
     case Value::kCapacityM: return "capacity_m";
     case Value::kRank: return "rank";
     case Value::kEps: return "eps";
+    case Value::kX: return "x";
+    case Value::kExpertIds: return "expert_ids";
+    case Value::kGateUp: return "gate_up";
+    case Value::kGate: return "gate";
+    case Value::kUp: return "up";
+    case Value::kDown: return "down";
+    case Value::kActivations: return "activations";
   }
   return {};
 }
@@ -102,21 +151,23 @@ constexpr size_t FirstValueOutOfOrder() {
 static_assert(FirstValueOutOfOrder() == kValueCount, "kValues must list the Values in enum order");
 static_assert(ValueName(static_cast<Value>(kValueCount)).empty(), "kValues must list every Value");
 
-// The FFI targets (_abi.TARGETS). Each handler takes its operands as RemainingArgs and
-// RemainingRets, so a target's arity is this table's, checked against the sidecar at load.
-enum class Target { kPublish, kPublishRmsNorm };
+// The FFI targets (_abi.ALL_TARGETS). Each handler takes its operands as RemainingArgs and
+// RemainingRets: a call's operands are its kernel set's (the sidecar's call record), checked
+// at load to be values of the target's op.
+enum class Target { kPublish, kPublishRmsNorm, kExperts };
 
 struct TargetInfo {
   Target target;
   std::string_view name;
-  size_t args;
-  size_t rets;
+  Op op;
+  bool mailbox;   // Takes the int64 attribute mailbox_id.
   bool norm_eps;  // Takes the float attribute norm_eps, which gives the value eps.
 };
 
 inline constexpr TargetInfo kTargets[] = {
-    {Target::kPublish, "jax_moe_publish", 4, 1, false},
-    {Target::kPublishRmsNorm, "jax_moe_publish_rmsnorm", 6, 2, true},
+    {Target::kPublish, "jax_moe_publish", Op::kPublish, true, false},
+    {Target::kPublishRmsNorm, "jax_moe_publish_rmsnorm", Op::kPublish, true, true},
+    {Target::kExperts, "jax_moe_publish_experts", Op::kExperts, false, false},
 };
 
 constexpr const TargetInfo& Info(Target target) { return kTargets[static_cast<size_t>(target)]; }

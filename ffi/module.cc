@@ -83,6 +83,8 @@ CallSpec ParseCall(const nb::dict& call) {
       Field<std::string>(call, name, "target", "a str"),
       Field<int64_t>(call, name, "tp", "an int"),
       Field<int64_t>(call, name, "hidden", "an int"),
+      Field<int64_t>(call, name, "top_k", "an int"),
+      Field<int64_t>(call, name, "max_m", "an int"),
       Field<bool>(call, name, "pdl", "a bool"),
       {},
   };
@@ -96,7 +98,7 @@ CallSpec ParseCall(const nb::dict& call) {
         Field<std::string>(record, operand, "io", "a str"),
         Field<std::string>(record, operand, "dtype", "a str"),
         Field<std::optional<std::string>>(record, operand, "rows", "a str or None"),
-        Field<int64_t>(record, operand, "cols", "an int"),
+        Field<std::vector<int64_t>>(record, operand, "shape", "a list of ints"),
     });
   }
   return spec;
@@ -159,9 +161,13 @@ NB_MODULE(_ffi, m) {
   m.def("launch_values", []() {
     nb::list values;
     for (const jax_moe_publish::ValueInfo& value : jax_moe_publish::kValues) {
+      nb::list ops;
+      for (const jax_moe_publish::Op op : jax_moe_publish::kOps) {
+        if ((value.ops & jax_moe_publish::OpBit(op)) != 0) ops.append(jax_moe_publish::Str(jax_moe_publish::OpName(op)));
+      }
       values.append(nb::make_tuple(jax_moe_publish::Str(value.name),
                                    jax_moe_publish::Str(value.ptx_type),
-                                   jax_moe_publish::SourceWord(value.source)));
+                                   jax_moe_publish::SourceWord(value.source), ops));
     }
     return values;
   });

@@ -1,9 +1,10 @@
 // XLA FFI handlers of the targets in kTargets (launch_values.h): "jax_moe_publish" (one call of
-// the MoE finalize and its TP reduction) and "jax_moe_publish_rmsnorm" (the same, with the
-// residual add + RMSNorm epilogue fused into the reduce). One body serves both: it checks the
-// call's operands against its kernel set's operand records (the sidecar's call record) and this
-// device's mailbox, fills every value of the launch contract, and launches the set's kernels in
-// order on XLA's stream, each with the values its sidecar names.
+// the MoE finalize and its TP reduction), "jax_moe_publish_rmsnorm" (the same, with the residual
+// add + RMSNorm epilogue fused into the reduce) and "jax_moe_publish_experts" (the routed experts'
+// decode GEMM). One body serves all: it checks the call's operands against its kernel set's
+// operand records (the sidecar's call record) and, for the publish op, this device's mailbox,
+// fills every value of the launch contract, and launches the set's kernels in order on XLA's
+// stream, each with the values its sidecar names.
 //
 // It is command-buffer compatible: execute reads only host state registered
 // before the first call and launches, with no allocation, synchronisation or
@@ -59,6 +60,7 @@ struct CallOperands {
   int64_t num_rows = 0;
   int64_t m = 0;
   int64_t owned = 0;        // ceil(m / tp): the rows this rank owns.
+  int64_t pairs = 0;        // m * top_k: the token-expert pairs.
   std::string_view m_from;  // The operand that fixed m; empty before it.
 };
 
@@ -80,7 +82,7 @@ std::string DtypeName(ffi::DataType type) {
 }
 
 // Why `operand` must have the rows it must, for messages.
-std::string RowsRule(const Operand& operand, const CallOperands& call, int64_t tp) {
+std::string RowsRule(const Operand& operand, const CallOperands& call, const KernelSet& set) {
   switch (operand.rows) {
     case Rows::kNumRows:
       return "any rows: their count is num_rows";
@@ -89,11 +91,15 @@ std::string RowsRule(const Operand& operand, const CallOperands& call, int64_t t
                                  : "m from " + std::string(call.m_from);
     case Rows::kOwned:
       return "ceil(m / tp) rows this rank owns, m=" + std::to_string(call.m) + " from " +
-             std::string(call.m_from) + ", tp=" + std::to_string(tp);
+             std::string(call.m_from) + ", tp=" + std::to_string(set.tp);
+    case Rows::kPairs:
+      return "m * top_k rows, one per token-expert pair, m=" + std::to_string(call.m) + " from " +
+             std::string(call.m_from) + ", top_k=" + std::to_string(set.top_k);
     case Rows::kZero:
       return "a placeholder of 0 rows";
-    case Rows::kVector:
-      return "a vector";
+    case Rows::kFixed:
+    case Rows::kResident:
+      return "a fixed shape";
   }
   return {};
 }
@@ -116,15 +122,16 @@ ffi::Error CheckRowCount(std::string_view operand, const char* value, int64_t co
 
 // Checks one operand against its record. The operand with rows num_rows, and the first with
 // rows m, set those counts.
-ffi::Error CheckOperand(const Operand& operand, const ffi::AnyBuffer& buffer, int64_t tp,
+ffi::Error CheckOperand(const Operand& operand, const ffi::AnyBuffer& buffer, const KernelSet& set,
                         int64_t kernel_set_id, CallOperands* call) {
   const std::string_view name = Info(operand.value).name;
   const ffi::AnyBuffer::Dimensions dims = buffer.dimensions();
-  const bool vector = operand.rows == Rows::kVector;
+  const bool leading = operand.rows != Rows::kFixed;
   int64_t rows = -1;  // Any count.
   switch (operand.rows) {
     case Rows::kNumRows:
-    case Rows::kVector:
+    case Rows::kFixed:
+    case Rows::kResident:
       break;
     case Rows::kM:
       if (!call->m_from.empty()) rows = call->m;
@@ -132,28 +139,34 @@ ffi::Error CheckOperand(const Operand& operand, const ffi::AnyBuffer& buffer, in
     case Rows::kOwned:
       rows = call->owned;
       break;
+    case Rows::kPairs:
+      rows = call->pairs;
+      break;
     case Rows::kZero:
       rows = 0;
       break;
   }
-  const bool fits = buffer.element_type() == operand.dtype.type &&
-                    dims.size() == (vector ? 1u : 2u) && dims[dims.size() - 1] == operand.cols &&
-                    (vector || rows < 0 || dims[0] == rows);
+  const size_t first = leading ? 1 : 0;
+  bool fits = buffer.element_type() == operand.dtype.type &&
+              dims.size() == first + operand.shape.size() &&
+              (!leading || rows < 0 || dims[0] == rows);
+  for (size_t i = 0; fits && i < operand.shape.size(); ++i) fits = dims[first + i] == operand.shape[i];
   if (!fits) {
     std::ostringstream message;
     message << name << ": got " << DtypeName(buffer.element_type()) << "[";
     for (size_t i = 0; i < dims.size(); ++i) message << (i ? ", " : "") << dims[i];
     message << "], expected " << operand.dtype.name << "[";
-    if (!vector) {
+    if (leading) {
       if (rows >= 0) {
         message << rows;
       } else {
         message << (operand.rows == Rows::kNumRows ? "num_rows" : "m");
       }
-      message << ", ";
     }
-    message << operand.cols << "] (" << RowsRule(operand, *call, tp) << "; "
-            << OfSet(kernel_set_id) << ")";
+    for (size_t i = 0; i < operand.shape.size(); ++i) {
+      message << (leading || i ? ", " : "") << operand.shape[i];
+    }
+    message << "] (" << RowsRule(operand, *call, set) << "; " << OfSet(kernel_set_id) << ")";
     return ffi::Error::InvalidArgument(message.str());
   }
   call->addresses[static_cast<size_t>(operand.value)] = Address(buffer);
@@ -162,8 +175,15 @@ ffi::Error CheckOperand(const Operand& operand, const ffi::AnyBuffer& buffer, in
     call->num_rows = dims[0];
   } else if (operand.rows == Rows::kM && call->m_from.empty()) {
     JMP_RETURN_IF_ERROR(CheckRowCount(name, "m", dims[0], 1, kernel_set_id));
+    if (dims[0] > set.max_m) {
+      return ffi::Error::InvalidArgument(
+          std::string(name) + ": m=" + std::to_string(dims[0]) + " rows, expected at most " +
+          std::to_string(set.max_m) + ", the most tokens the kernels take (" +
+          OfSet(kernel_set_id) + ")");
+    }
     call->m = dims[0];
-    call->owned = (call->m + tp - 1) / tp;
+    call->owned = (call->m + set.tp - 1) / set.tp;
+    call->pairs = call->m * set.top_k;
     call->m_from = name;
   }
   return ffi::Error::Success();
@@ -184,22 +204,23 @@ ffi::Error CheckOperands(const KernelSet& set, int64_t kernel_set_id,
                          const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
                          CallOperands* call) {
   const TargetInfo& target = Info(set.target);
-  if (args.size() != target.args || rets.size() != target.rets) {
+  const size_t set_rets = set.operands.size() - set.args;
+  if (args.size() != set.args || rets.size() != set_rets) {
     std::string names[2];  // The set's args, then its rets.
     for (size_t i = 0; i < set.operands.size(); ++i) {
-      std::string& list = names[i < target.args ? 0 : 1];
+      std::string& list = names[i < set.args ? 0 : 1];
       list += (list.empty() ? "" : ", ") + std::string(Info(set.operands[i].value).name);
     }
     return ffi::Error::InvalidArgument(
         OfSet(kernel_set_id) + " (target " + std::string(target.name) + ") takes " +
-        std::to_string(target.args) + " args (" + names[0] + ") and " +
-        std::to_string(target.rets) + " rets (" + names[1] + "), but the call gives " +
-        std::to_string(args.size()) + " args and " + std::to_string(rets.size()) + " rets");
+        std::to_string(set.args) + " args (" + names[0] + ") and " + std::to_string(set_rets) +
+        " rets (" + names[1] + "), but the call gives " + std::to_string(args.size()) +
+        " args and " + std::to_string(rets.size()) + " rets");
   }
   for (size_t i = 0; i < set.operands.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> buffer = OperandBuffer(args, rets, i);
     if (buffer.has_error()) return std::move(buffer.error());
-    JMP_RETURN_IF_ERROR(CheckOperand(set.operands[i], *buffer, set.tp, kernel_set_id, call));
+    JMP_RETURN_IF_ERROR(CheckOperand(set.operands[i], *buffer, set, kernel_set_id, call));
   }
   return ffi::Error::Success();
 }
@@ -259,6 +280,13 @@ void FillValues(const CallOperands& call, const MailboxDevice& mailbox, float ep
       case Value::kResidual:
       case Value::kNormWeight:
       case Value::kResidualOut:
+      case Value::kX:
+      case Value::kExpertIds:
+      case Value::kGateUp:
+      case Value::kGate:
+      case Value::kUp:
+      case Value::kDown:
+      case Value::kActivations:
         slot.u64 = call.addresses[i];
         break;
       case Value::kMailbox:
@@ -312,8 +340,10 @@ ffi::Error LaunchKernel(const CudaDriver& cuda, CUstream stream, const Kernel& k
   }
   if (kernel.cluster > 1) attributes[count++] = ClusterDimension(kernel.cluster);
   // A persistent grid covers its rows in `waves` passes, and its CTAs wait on each other's
-  // peers, so all must run at once. (Both limits are whole numbers of clusters.)
+  // peers, so all must run at once; a resident one loops over work only the device knows.
+  // (Both limits are whole numbers of clusters.)
   int64_t ctas = (rows + kernel.waves - 1) / kernel.waves * kernel.ctas_per_row;
+  if (kernel.rows == Rows::kResident) ctas = kernel.max_resident_ctas;
   if (kernel.persistent) ctas = std::min(ctas, kernel.max_resident_ctas);
   CUlaunchConfig config = LaunchConfig(kernel, static_cast<unsigned>(ctas));
   config.hStream = stream;  // The launch runs in the stream's context.
@@ -340,16 +370,17 @@ ffi::Error LaunchKernels(CUstream stream, const KernelSet& set, const CallOperan
   (capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? captured_executes : direct_executes)
       .fetch_add(1, std::memory_order_relaxed);
   for (const Kernel& kernel : set.kernels) {
-    const int64_t rows = kernel.rows == Rows::kOwned ? call.owned : call.m;  // kM or kOwned
+    // kM, kOwned or kResident (which ignores it).
+    const int64_t rows = kernel.rows == Rows::kOwned ? call.owned : call.m;
     JMP_RETURN_IF_ERROR(LaunchKernel(cuda, stream, kernel, set.pdl, rows, values));
   }
   return ffi::Error::Success();
 }
 
-// One call of `target`; `eps` is its norm_eps, 0 for a target without it.
-ffi::Error MoePublishCall(Target target, CUstream stream, int32_t device,
-                          const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                          int64_t kernel_set_id, int64_t mailbox_id, float eps) {
+// One call of `target`; `mailbox_id` and `eps` are its attributes, 0 for a target without them.
+ffi::Error Call(Target target, CUstream stream, int32_t device, const ffi::RemainingArgs& args,
+                const ffi::RemainingRets& rets, int64_t kernel_set_id, int64_t mailbox_id,
+                float eps) {
   const Registry& registry = Registry::Get();
   const KernelSet* set = registry.FindKernelSet(kernel_set_id, device);
   if (set == nullptr) {
@@ -365,9 +396,11 @@ ffi::Error MoePublishCall(Target target, CUstream stream, int32_t device,
   }
   CallOperands call;
   JMP_RETURN_IF_ERROR(CheckOperands(*set, kernel_set_id, args, rets, &call));
-  MailboxDevice mailbox;  // Stays zero for a set without a mailbox (tp = 1).
-  JMP_RETURN_IF_ERROR(
-      CheckMailbox(registry, *set, kernel_set_id, device, mailbox_id, call.m, &mailbox));
+  MailboxDevice mailbox;  // Stays zero for a set without a mailbox (tp = 1, the experts op).
+  if (Info(target).mailbox) {
+    JMP_RETURN_IF_ERROR(
+        CheckMailbox(registry, *set, kernel_set_id, device, mailbox_id, call.m, &mailbox));
+  }
   if (Info(target).norm_eps && !(std::isfinite(eps) && eps > 0.0f)) {
     return ffi::Error::InvalidArgument("norm_eps=" + std::to_string(eps) +
                                        ": expected a finite float32 > 0");
@@ -379,15 +412,19 @@ ffi::Error MoePublishCall(Target target, CUstream stream, int32_t device,
 
 ffi::Error MoePublishImpl(CUstream stream, int32_t device, ffi::RemainingArgs args,
                           ffi::RemainingRets rets, int64_t kernel_set_id, int64_t mailbox_id) {
-  return MoePublishCall(Target::kPublish, stream, device, args, rets, kernel_set_id, mailbox_id,
-                        0.0f);
+  return Call(Target::kPublish, stream, device, args, rets, kernel_set_id, mailbox_id, 0.0f);
 }
 
 ffi::Error MoePublishRmsNormImpl(CUstream stream, int32_t device, ffi::RemainingArgs args,
                                  ffi::RemainingRets rets, int64_t kernel_set_id,
                                  int64_t mailbox_id, float norm_eps) {
-  return MoePublishCall(Target::kPublishRmsNorm, stream, device, args, rets, kernel_set_id,
-                        mailbox_id, norm_eps);
+  return Call(Target::kPublishRmsNorm, stream, device, args, rets, kernel_set_id, mailbox_id,
+              norm_eps);
+}
+
+ffi::Error ExpertsImpl(CUstream stream, int32_t device, ffi::RemainingArgs args,
+                       ffi::RemainingRets rets, int64_t kernel_set_id) {
+  return Call(Target::kExperts, stream, device, args, rets, kernel_set_id, 0, 0.0f);
 }
 
 }  // namespace
@@ -399,8 +436,8 @@ ExecuteCounts GetExecuteCounts() {
 
 }  // namespace jax_moe_publish
 
-// The operands are the kernel set's (its sidecar's call record, in FFI order), so both targets
-// take them as they come and CheckOperands checks them.
+// The operands are the kernel set's (its sidecar's call record, in FFI order), so every target
+// takes them as they come and CheckOperands checks them.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePublish, jax_moe_publish::MoePublishImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<CUstream>>()  // stream
@@ -422,6 +459,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePublishRmsNorm, jax_moe_publish::MoePublishRmsN
                                   .Attr<float>("norm_eps"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
+// The experts' operands are their kernel set's too; no mailbox.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeExperts, jax_moe_publish::ExpertsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<CUstream>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()             // device
+                                  .RemainingArgs()                            // the set's args
+                                  .RemainingRets()                            // the set's rets
+                                  .Attr<int64_t>("kernel_set_id"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
 namespace jax_moe_publish {
 
 XLA_FFI_Handler* TargetHandler(Target target) {
@@ -430,6 +477,8 @@ XLA_FFI_Handler* TargetHandler(Target target) {
       return MoePublish;
     case Target::kPublishRmsNorm:
       return MoePublishRmsNorm;
+    case Target::kExperts:
+      return MoeExperts;
   }
   return nullptr;
 }

@@ -69,9 +69,10 @@ Value ParseValue(const std::string& where, const std::string& name) {
   return *value;
 }
 
-// The sidecar's word of each rows rule but Rows::kVector, which it writes as None.
+// The sidecar's word of each rows rule but Rows::kFixed, which it writes as None.
 constexpr std::pair<std::string_view, Rows> kRowsWords[] = {
-    {"num_rows", Rows::kNumRows}, {"m", Rows::kM}, {"owned", Rows::kOwned}, {"zero", Rows::kZero}};
+    {"num_rows", Rows::kNumRows}, {"m", Rows::kM},           {"owned", Rows::kOwned},
+    {"pairs", Rows::kPairs},      {"zero", Rows::kZero},     {"resident", Rows::kResident}};
 
 std::optional<Rows> FindRows(std::string_view word) {
   for (const auto& [name, rows] : kRowsWords) {
@@ -108,8 +109,11 @@ Kernel ValidateKernel(const std::string& name, const KernelSpec& spec) {
   Require(spec.ctas_per_row >= 1 && spec.ctas_per_row <= std::numeric_limits<int>::max(),
           name + ": ctas_per_row=" + std::to_string(spec.ctas_per_row) + ": expected >= 1");
   const std::optional<Rows> rows = FindRows(spec.rows);
-  Require(rows == Rows::kM || rows == Rows::kOwned,
-          name + ": rows=" + Quote(spec.rows) + ": expected 'm' or 'owned'");
+  Require(rows == Rows::kM || rows == Rows::kOwned || rows == Rows::kResident,
+          name + ": rows=" + Quote(spec.rows) + ": expected 'm', 'owned' or 'resident'");
+  Require(rows != Rows::kResident || spec.persistent,
+          name + ": rows='resident' for a kernel that is not persistent: expected a persistent "
+                 "one (its grid is the CTAs the device holds at once)");
   Require(spec.waves >= 1 && spec.waves <= std::numeric_limits<int>::max(),
           name + ": waves=" + std::to_string(spec.waves) + ": expected >= 1");
   Require(spec.persistent || spec.waves == 1,
@@ -135,14 +139,16 @@ std::string Count(size_t count, const char* noun) {
   return std::to_string(count) + " " + noun + (count == 1 ? "" : "s");
 }
 
-// Checks one operand record, the `index`th of the call; `seen` are the operands before it.
-Operand ValidateOperand(const std::string& where, size_t index, const OperandSpec& spec,
+// Checks one operand record, the `index`th of a call of `op`; `seen` are the operands before it.
+Operand ValidateOperand(const std::string& where, size_t index, const OperandSpec& spec, Op op,
                         const std::vector<Operand>& seen, bool after_ret) {
   const std::string at = where + "operands[" + std::to_string(index) + "]";
   const std::optional<Value> value = FindValue(spec.name);
-  auto is_operand = [](const ValueInfo& info) { return info.source == Source::kOperand; };
+  auto is_operand = [op](const ValueInfo& info) {
+    return info.source == Source::kOperand && (info.ops & OpBit(op)) != 0;
+  };
   Require(value.has_value() && is_operand(Info(*value)),
-          at + ": name=" + Quote(spec.name) + ": expected one of the launch contract's operands " +
+          at + ": name=" + Quote(spec.name) + ": expected one of the op's operands " +
               ListRepr(ValueNames(is_operand)));
   const std::string name = at + " (" + spec.name + ")";
   for (const Operand& operand : seen) {
@@ -155,19 +161,26 @@ Operand ValidateOperand(const std::string& where, size_t index, const OperandSpe
   const DtypeInfo* dtype = FindNamed(kDtypes, spec.dtype);
   Require(dtype != nullptr,
           name + ": dtype=" + Quote(spec.dtype) + ": expected one of " + ListRepr(NamesOf(kDtypes)));
-  const std::optional<Rows> rows = spec.rows ? FindRows(*spec.rows) : Rows::kVector;
-  Require(rows.has_value(), name + ": rows=" + Quote(spec.rows.value_or("")) +
-                                ": expected 'num_rows', 'm', 'owned', 'zero' or None (a vector)");
+  const std::optional<Rows> rows = spec.rows ? FindRows(*spec.rows) : Rows::kFixed;
+  Require(rows.has_value() && rows != Rows::kResident,
+          name + ": rows=" + Quote(spec.rows.value_or("")) +
+              ": expected 'num_rows', 'm', 'owned', 'pairs', 'zero' or None (a fixed shape)");
   const bool m_fixed = std::any_of(seen.begin(), seen.end(),
                                    [](const Operand& operand) { return operand.rows == Rows::kM; });
-  Require(*rows != Rows::kOwned || m_fixed,
-          name + ": rows='owned' before any operand with rows 'm': expected the operand that "
-                 "fixes m first, since ceil(m / tp) needs it");
-  Require(spec.cols >= 1, name + ": cols=" + std::to_string(spec.cols) + ": expected >= 1");
-  return Operand{*value, *dtype, *rows, spec.cols};
+  Require((*rows != Rows::kOwned && *rows != Rows::kPairs) || m_fixed,
+          name + ": rows=" + Quote(spec.rows.value_or("")) +
+              " before any operand with rows 'm': expected the operand that fixes m first, since "
+              "its rows need m");
+  Require(!spec.shape.empty() || *rows != Rows::kFixed,
+          name + ": no rows and an empty shape: expected an array of at least one dimension");
+  for (size_t i = 0; i < spec.shape.size(); ++i) {
+    Require(spec.shape[i] >= 1, name + ": shape[" + std::to_string(i) + "]=" +
+                                    std::to_string(spec.shape[i]) + ": expected >= 1");
+  }
+  return Operand{*value, *dtype, *rows, spec.shape};
 }
 
-// Checks the call record: its target, shape and operands (in FFI order, with the target's arity).
+// Checks the call record: its target, shape and operands (in FFI order).
 void ValidateCall(const std::string& where, const CallSpec& call, KernelSet* set) {
   const std::string at = where + ": call: ";
   const TargetInfo* target = FindNamed(kTargets, call.target);
@@ -175,34 +188,44 @@ void ValidateCall(const std::string& where, const CallSpec& call, KernelSet* set
           at + "target=" + Quote(call.target) + ": expected one of " + ListRepr(NamesOf(kTargets)));
   Require(call.tp >= 1, at + "tp=" + std::to_string(call.tp) + ": expected >= 1");
   Require(call.hidden >= 1, at + "hidden=" + std::to_string(call.hidden) + ": expected >= 1");
+  Require(call.top_k >= 1, at + "top_k=" + std::to_string(call.top_k) + ": expected >= 1");
+  Require(call.max_m >= 1 && call.max_m <= std::numeric_limits<int32_t>::max(),
+          at + "max_m=" + std::to_string(call.max_m) +
+              ": expected 1 to 2**31 - 1 (the kernels count tokens in 32-bit ints)");
   set->target = target->target;
   set->tp = call.tp;
   set->hidden = call.hidden;
+  set->top_k = call.top_k;
+  set->max_m = call.max_m;
   set->pdl = call.pdl;
   size_t args = 0;
   size_t num_rows = 0;
   size_t m = 0;
   for (size_t i = 0; i < call.operands.size(); ++i) {
-    Operand operand = ValidateOperand(at, i, call.operands[i], set->operands, args < i);
+    Operand operand =
+        ValidateOperand(at, i, call.operands[i], target->op, set->operands, args < i);
     args += call.operands[i].io == "arg";
     num_rows += operand.rows == Rows::kNumRows;
     m += operand.rows == Rows::kM;
     set->operands.push_back(operand);
   }
-  const size_t rets = call.operands.size() - args;
-  Require(num_rows == 1, at + Count(num_rows, "operand") +
-                             " with rows 'num_rows': expected exactly one (it gives num_rows)");
+  Require(num_rows <= 1, at + Count(num_rows, "operand") +
+                             " with rows 'num_rows': expected at most one (it gives num_rows)");
   Require(m >= 1, at + "no operand with rows 'm': expected at least one (the first fixes m)");
-  Require(args == target->args && rets == target->rets,
-          at + "target " + Quote(call.target) + " takes " + Count(target->args, "arg") + " and " +
-              Count(target->rets, "ret") + ", but operands lists " + Count(args, "arg") + " and " +
-              Count(rets, "ret"));
+  set->args = args;
+  Require(args >= 1 && args < call.operands.size(),
+          at + "operands lists " + Count(args, "arg") + " and " +
+              Count(call.operands.size() - args, "ret") + ": expected at least one of each");
 }
 
-// Checks that the call gives every value `kernel` takes from an operand or an attribute.
+// Checks that every value `kernel` takes is its op's, and that the call gives it from an operand,
+// the operands' rows or an attribute.
 void CheckKernelValues(const std::string& name, const Kernel& kernel, const KernelSet& set) {
+  const TargetInfo& target = Info(set.target);
   for (Value value : kernel.params) {
     const std::string param = name + ": parameter " + Quote(Info(value).name);
+    Require((Info(value).ops & OpBit(target.op)) != 0,
+            param + " is not a value of the op of target " + Quote(target.name));
     if (Info(value).source == Source::kOperand) {
       const bool given =
           std::any_of(set.operands.begin(), set.operands.end(),
@@ -210,9 +233,15 @@ void CheckKernelValues(const std::string& name, const Kernel& kernel, const Kern
       Require(given, param + " is the address of an operand, but the call has no operand " +
                          Quote(Info(value).name));
     } else if (Info(value).source == Source::kAttribute) {
-      Require(Info(set.target).norm_eps,
-              param + " comes from the attribute norm_eps, which target " +
-                  Quote(Info(set.target).name) + " does not take");
+      Require(target.norm_eps, param + " comes from the attribute norm_eps, which target " +
+                                   Quote(target.name) + " does not take");
+    } else if (value == Value::kNumRows) {
+      Require(std::any_of(set.operands.begin(), set.operands.end(),
+                          [](const Operand& operand) { return operand.rows == Rows::kNumRows; }),
+              param + " is the rows of the operand with rows 'num_rows', but the call has none");
+    } else if (Info(value).source == Source::kMailbox) {
+      Require(target.mailbox, param + " comes from the mailbox, which target " +
+                                  Quote(target.name) + " does not take");
     }
   }
 }
@@ -273,7 +302,7 @@ int64_t ResidentCtas(const CudaDriver& cuda, const std::string& where, int devic
 
 KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSpec>& specs,
                             const CallSpec& call) {
-  KernelSet set{Target::kPublish, 0, 0, false, false, {}, {}};
+  KernelSet set{Target::kPublish, 0, 0, 0, 0, false, false, 0, {}, {}};
   ValidateCall(where, call, &set);
   Require(!specs.empty(), where + ": kernels is empty");
   for (size_t i = 0; i < specs.size(); ++i) {
@@ -283,6 +312,13 @@ KernelSet ValidateKernelSet(const std::string& where, const std::vector<KernelSp
     set.uses_mailbox = set.uses_mailbox || Takes(kernel.params, Value::kMailbox) ||
                        Takes(kernel.params, Value::kPeerTable);
     set.kernels.push_back(std::move(kernel));
+  }
+  for (const Operand& operand : set.operands) {
+    const bool taken = std::any_of(set.kernels.begin(), set.kernels.end(), [&](const Kernel& kernel) {
+      return Takes(kernel.params, operand.value);
+    });
+    Require(taken, where + ": call: operand " + Quote(Info(operand.value).name) +
+                       " is taken by no kernel of the set: expected the operands of its kernels");
   }
   Require(set.uses_mailbox == (call.tp > 1),
           where + ": tp=" + std::to_string(call.tp) + (set.uses_mailbox ? " with" : " without") +

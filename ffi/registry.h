@@ -25,11 +25,12 @@
 
 namespace jax_moe_publish {
 
-// The rows rule of an operand (or of a kernel's grid: kM or kOwned), by the sidecar's word:
-// "num_rows" (any count, passed to the kernels as num_rows), "m" (the first such operand fixes
-// m, later ones equal it), "owned" (the ceil(m / tp) rows this rank owns), "zero" (a [0, cols]
-// placeholder) or None, for a vector of cols elements.
-enum class Rows { kNumRows, kM, kOwned, kZero, kVector };
+// The rows rule of an operand's leading dimension, by the sidecar's word: "num_rows" (any count,
+// passed to the kernels as num_rows), "m" (the first such operand fixes m, later ones equal it),
+// "owned" (the ceil(m / tp) rows this rank owns), "pairs" (m * top_k), "zero" (a [0, ...]
+// placeholder) or None, kFixed: no leading dimension beyond the shape. A kernel's grid has rows
+// kM, kOwned, or kResident: exactly the CTAs the device holds at once, whatever m.
+enum class Rows { kNumRows, kM, kOwned, kPairs, kZero, kFixed, kResident };
 
 // One kernel record of a sidecar ("kernels"), as Python gives it: the role names it in
 // messages; params and param_types are the values it takes, in .entry order.
@@ -48,13 +49,13 @@ struct KernelSpec {
 };
 
 // One operand record of a sidecar's call, as Python gives it (_abi.call_operands); rows is
-// nullopt for a vector.
+// nullopt for an array of fixed shape.
 struct OperandSpec {
   std::string name;
   std::string io;
   std::string dtype;
   std::optional<std::string> rows;
-  int64_t cols = 0;
+  std::vector<int64_t> shape;  // The dimensions after the rows.
 };
 
 // The call of a kernel set (a sidecar's "call"), as Python gives it.
@@ -62,6 +63,8 @@ struct CallSpec {
   std::string target;
   int64_t tp = 0;
   int64_t hidden = 0;
+  int64_t top_k = 0;
+  int64_t max_m = 0;  // The most tokens the kernels take.
   bool pdl = false;
   std::vector<OperandSpec> operands;  // In FFI order: the args, then the rets.
 };
@@ -71,7 +74,7 @@ struct Operand {
   Value value;  // The value that carries its address, whose name it has.
   DtypeInfo dtype;
   Rows rows;
-  int64_t cols;
+  std::vector<int64_t> shape;
 };
 
 struct Kernel {
@@ -83,13 +86,13 @@ struct Kernel {
   unsigned ctas_per_row;
   // CTAs of one thread block cluster (consecutive CTAs); 1 for none.
   unsigned cluster;
-  Rows rows;  // The rows of its grid: kM or kOwned.
+  Rows rows;  // The rows of its grid: kM, kOwned or kResident.
   // Passes of a persistent kernel's grid over the rows: its grid is the CTAs of
   // ceil(rows / waves) rows. 1 for the other kernels.
   unsigned waves;
   bool persistent;
-  // CTAs the device holds at once: the grid of a persistent kernel, whose CTAs wait on
-  // each other's peers, is capped at it. 0 for the other kernels.
+  // CTAs the device holds at once: the grid of a persistent kernel (whose CTAs wait on each
+  // other's peers, or loop over work only the device knows) is capped at it. 0 for the others.
   int64_t max_resident_ctas;
 };
 
@@ -104,9 +107,12 @@ struct KernelSet {
   Target target;
   int64_t tp;
   int64_t hidden;
+  int64_t top_k;
+  int64_t max_m;
   bool pdl;
   bool uses_mailbox;  // Some kernel takes the mailbox or the peer table (tp > 1).
-  std::vector<Operand> operands;  // In FFI order: Info(target).args args, then the rets.
+  size_t args;                    // The operands that are args; the rest are rets.
+  std::vector<Operand> operands;  // In FFI order: the args, then the rets.
   std::vector<Kernel> kernels;    // In launch order.
 };
 

@@ -161,39 +161,35 @@ RESULTS = tuple(dict.fromkeys(algorithm.result for algorithm in ALGORITHMS.value
 EPILOGUES = ("none", "rmsnorm")
 
 
-def call_roles(config) -> tuple[str, ...]:
-    """The kernels of one call of ``config`` (a `KernelConfig`), in launch order."""
-    return ALGORITHMS[config.algorithm].roles[config.fuse_reduce, config.epilogue]
-
-
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """One array of a call, in the FFI target's order: an input (``io="arg"``) or a result
-    (``"ret"``), named like the `VALUES` entry that carries its address.
+    (``"ret"``), named like the value that carries its address.
 
     ``dtype``: ``"bf16"``, ``"s32"``, or ``"weights"`` (the config's router weight dtype).
-    ``rows``: ``"num_rows"`` (any count, passed as that value), ``"m"`` (the first such
-    operand fixes m), ``"out_rows"`` (the algorithm's), ``"shared"`` (m with the shared
-    expert, else a [0, cols] placeholder), or None for a vector. ``cols``: ``"hidden"`` or
-    ``"top_k"``. ``epilogue``: present only with the epilogue."""
+    ``rows``: the leading dimension's rule: ``"num_rows"`` (any count, passed as that value),
+    ``"m"`` (the first such operand fixes m), ``"out_rows"`` (the algorithm's), ``"shared"`` (m
+    with the shared expert, else a [0, ...] placeholder), ``"pairs"`` (``m * top_k``), or None
+    for an array of fixed shape. ``shape``: the config's dimensions that follow (`dimensions`).
+    ``when``: present only where the config's `conditions` hold this word (None: always)."""
 
     name: str
     io: str
     dtype: str
     rows: str | None
-    cols: str
-    epilogue: bool = False
+    shape: tuple[str, ...]
+    when: str | None = None
 
 
 OPERANDS: tuple[Operand, ...] = (
-    Operand("routed", "arg", "bf16", "num_rows", "hidden"),
-    Operand("weights", "arg", "weights", "m", "top_k"),
-    Operand("indices", "arg", "s32", "m", "top_k"),
-    Operand("shared", "arg", "bf16", "shared", "hidden"),
-    Operand("residual", "arg", "bf16", "out_rows", "hidden", epilogue=True),
-    Operand("norm_weight", "arg", "bf16", None, "hidden", epilogue=True),
-    Operand("out", "ret", "bf16", "out_rows", "hidden"),
-    Operand("residual_out", "ret", "bf16", "out_rows", "hidden", epilogue=True),
+    Operand("routed", "arg", "bf16", "num_rows", ("hidden",)),
+    Operand("weights", "arg", "weights", "m", ("top_k",)),
+    Operand("indices", "arg", "s32", "m", ("top_k",)),
+    Operand("shared", "arg", "bf16", "shared", ("hidden",)),
+    Operand("residual", "arg", "bf16", "out_rows", ("hidden",), when="epilogue"),
+    Operand("norm_weight", "arg", "bf16", None, ("hidden",), when="epilogue"),
+    Operand("out", "ret", "bf16", "out_rows", ("hidden",)),
+    Operand("residual_out", "ret", "bf16", "out_rows", ("hidden",), when="epilogue"),
 )
 """Every array of a call of the op; a config takes those its epilogue has."""
 
@@ -204,14 +200,109 @@ TARGETS = {"none": "jax_moe_publish", "rmsnorm": "jax_moe_publish_rmsnorm"}
 """The FFI target of a call, by epilogue (the rmsnorm one takes ``norm_eps``)."""
 
 
+# --- the experts' decode GEMM, the second op ---------------------------------------------
+
+EXPERTS_VALUES: dict[str, str] = {
+    "x": "u64",  # bf16 [m, hidden]: the tokens
+    "expert_ids": "u64",  # int32 [m, top_k]
+    "gate_up": "u64",  # bf16 [experts, hidden, 2 * intermediate], gate columns first (fused layout)
+    "gate": "u64",  # bf16 [experts, hidden, intermediate] (split layout)
+    "up": "u64",  # bf16 [experts, hidden, intermediate] (split layout)
+    "down": "u64",  # bf16 [experts, intermediate, hidden]
+    "activations": "u64",  # bf16 [m * top_k, intermediate]: SwiGLU of each pair, between the kernels
+    "out": "u64",  # bf16 [m * top_k, hidden]: each pair's row
+    "m": "u32",  # tokens of the call
+}
+"""Name -> PTX type of every value a kernel of the experts op can receive, in the order of
+`kernels.experts_program.ExpertsProgram.__call__`. The addresses of the layout a config does
+not take (gate and up, or gate_up) are 0."""
+
+EXPERTS_ROLES: dict[str, Role] = {
+    # Each token's gate and up rows through its experts, and their SwiGLU: from the fused
+    # gate_up array, or from gate and up.
+    "expert_gate_up": Role(("x", "expert_ids", "gate_up", "activations", "m"), persistent=True),
+    "expert_gate_up_split": Role(("x", "expert_ids", "gate", "up", "activations", "m"), persistent=True),
+    # The activations through down: each pair's row; zero for a skipped pair.
+    "expert_down": Role(("expert_ids", "down", "activations", "out", "m"), persistent=True),
+}
+
+EXPERTS_OPERANDS: tuple[Operand, ...] = (
+    Operand("x", "arg", "bf16", "m", ("hidden",)),
+    Operand("expert_ids", "arg", "s32", "m", ("top_k",)),
+    Operand("gate_up", "arg", "bf16", None, ("experts", "hidden", "gate_up_columns"), when="fused_gate_up"),
+    Operand("gate", "arg", "bf16", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
+    Operand("up", "arg", "bf16", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
+    Operand("down", "arg", "bf16", None, ("experts", "intermediate", "hidden")),
+    Operand("out", "ret", "bf16", "pairs", ("hidden",)),
+    # Scratch between the two kernels, which XLA allocates like any result.
+    Operand("activations", "ret", "bf16", "pairs", ("intermediate",)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """The launch contract of one op: the values its kernels can receive (name -> PTX type, in
+    its program's parameter order), its kernel roles, the arrays of a call (`Operand`), its FFI
+    targets by variant, and the roles a config's call launches, in order (``call_roles``)."""
+
+    name: str
+    values: dict[str, str]
+    roles: dict[str, Role]
+    operands: tuple[Operand, ...]
+    targets: dict[str, str]
+    call_roles: object
+
+    def target(self, config) -> str:
+        """The FFI target of ``config``'s calls: by epilogue for the publish op."""
+        return self.targets[getattr(config, "epilogue", "none")]
+
+
+PUBLISH = Contract("publish", VALUES, ROLES, OPERANDS, TARGETS,
+                   call_roles=lambda config: ALGORITHMS[config.algorithm].roles[config.fuse_reduce, config.epilogue])
+EXPERTS = Contract("experts", EXPERTS_VALUES, EXPERTS_ROLES, EXPERTS_OPERANDS, {"none": "jax_moe_publish_experts"},
+                   call_roles=lambda config: ("expert_gate_up" if config.fused_gate_up else "expert_gate_up_split",
+                                              "expert_down"))
+CONTRACTS = {contract.name: contract for contract in (PUBLISH, EXPERTS)}
+"""Every op's contract, by the name its configs give as ``op``."""
+
+
+def _union(tables) -> dict:
+    merged = {}
+    for table in tables:
+        for name, entry in table.items():
+            if merged.setdefault(name, entry) != entry:
+                raise ValueError(f"{name!r} means {merged[name]} in one op's contract and {entry} in another's")
+    return merged
+
+
+ALL_VALUES: dict[str, str] = _union(contract.values for contract in CONTRACTS.values())
+"""Every op's values, each name once with one type (a value two ops share, such as ``out`` or
+``m``, means the same in both): the C++ launcher's list, in this order."""
+ALL_ROLES: dict[str, Role] = _union(contract.roles for contract in CONTRACTS.values())
+"""Every op's kernel roles; a role belongs to one op."""
+ALL_TARGETS: dict[str, str] = {target: contract.name for contract in CONTRACTS.values()
+                               for target in contract.targets.values()}
+"""FFI target -> the op it calls."""
+
+
+def contract_of(config) -> Contract:
+    """The contract of ``config`` (a `KernelConfig` or an `ExpertsConfig`)."""
+    return CONTRACTS[config.op]
+
+
+def call_roles(config) -> tuple[str, ...]:
+    """The kernels of one call of ``config``, in launch order."""
+    return contract_of(config).call_roles(config)
+
+
 def call_operands(config) -> list[dict]:
-    """`OPERANDS` resolved for ``config``, as the sidecar records them: name, io, dtype
-    (``"bf16"``, ``"f32"`` or ``"s32"``), rows (``"num_rows"``, ``"m"``, ``"owned"``, ``"zero"``
-    or None for a vector) and cols (a count)."""
-    algorithm = ALGORITHMS[config.algorithm]
-    rows = {"num_rows": "num_rows", "m": "m", "out_rows": algorithm.out_rows,
-            "shared": "m" if config.include_shared_expert else "zero", None: None}
-    dtypes = {"bf16": "bf16", "s32": "s32", "weights": "f32" if config.fp32_weights else "bf16"}
-    cols = {"hidden": config.hidden, "top_k": config.top_k}
-    return [{"name": o.name, "io": o.io, "dtype": dtypes[o.dtype], "rows": rows[o.rows], "cols": cols[o.cols]}
-            for o in OPERANDS if not o.epilogue or config.epilogue != "none"]
+    """``config``'s contract's operands resolved for it, as the sidecar records them: name, io,
+    dtype (``"bf16"``, ``"f32"`` or ``"s32"``), rows (``"num_rows"``, ``"m"``, ``"owned"``,
+    ``"pairs"``, ``"zero"`` or None for a fixed shape) and shape (the counts after the rows)."""
+    rows = config.operand_rows()
+    dimensions = config.dimensions()
+    dtypes = {"bf16": "bf16", "s32": "s32", "weights": "f32" if getattr(config, "fp32_weights", False) else "bf16"}
+    conditions = config.conditions()
+    return [{"name": o.name, "io": o.io, "dtype": dtypes[o.dtype], "rows": rows.get(o.rows, o.rows),
+             "shape": [dimensions[d] for d in o.shape]}
+            for o in contract_of(config).operands if o.when is None or o.when in conditions]

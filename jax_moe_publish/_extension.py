@@ -1,8 +1,8 @@
 """The C++ extension ``jax_moe_publish._ffi``: its FFI targets, registered with JAX at import, and
 checked wrappers of its setup calls.
 
-The extension holds the XLA FFI handlers of the targets `_abi.TARGETS` (:data:`TARGET_NAME` and
-:data:`RMSNORM_TARGET_NAME`) and the per-device state that they read:
+The extension holds the XLA FFI handlers of the targets `_abi.ALL_TARGETS` (:data:`TARGET_NAME`,
+:data:`RMSNORM_TARGET_NAME` and :data:`EXPERTS_TARGET_NAME`) and the per-device state that they read:
 
 * *kernel sets*: one cubin's kernels, loaded into a device's primary CUDA context
   with the launch plan and parameter names of its sidecar (`aot.artifact`);
@@ -15,10 +15,10 @@ itself only checks its arguments and launches, so that XLA can capture it in a
 command buffer. Every target of the extension's ``registrations()`` is registered with JAX once,
 at import.
 
-A call of either target passes the operands of its kernel set's call record
-(`_abi.call_operands`), in that order, and the ``np.int64`` attributes ``kernel_set_id`` and
-``mailbox_id`` (0 for tp = 1, which has no mailbox); the handler checks every operand against
-its record.
+A call of any target passes the operands of its kernel set's call record
+(`_abi.call_operands`), in that order, and the ``np.int64`` attribute ``kernel_set_id``; the
+publish targets also take ``mailbox_id`` (0 for tp = 1, which has no mailbox). The handler
+checks every operand against its record.
 
 The extension resolves the CUDA driver at run time, so this module imports and
 registers on machines without a GPU or ``libcuda``; only the functions that
@@ -41,6 +41,10 @@ TARGET_NAME = _abi.TARGETS["none"]
 RMSNORM_TARGET_NAME = _abi.TARGETS["rmsnorm"]
 """Name of the FFI target of kernel sets with ``epilogue="rmsnorm"`` (platform CUDA, API version 1),
 whose call also has the attribute ``norm_eps`` (``np.float32``)."""
+
+EXPERTS_TARGET_NAME = _abi.EXPERTS.targets["none"]
+"""Name of the FFI target of the experts op's kernel sets (platform CUDA, API version 1), whose
+call has no mailbox."""
 
 try:
     from jax_moe_publish import _ffi
@@ -117,18 +121,22 @@ def validate_kernel_set(kernels: Sequence[Mapping], call: Mapping) -> None:
 
     It runs the extension's whole load-time validation, the same code as `load_kernel_set`'s,
     so that a machine without a GPU can tell whether a sidecar would load. Beyond each field's
-    type and range, the records must fit the launch contract (`_abi`):
+    type and range, the records must fit the launch contract of the target's op
+    (`_abi.CONTRACTS`):
 
-    * each kernel's ``params`` are `_abi.VALUES` names, each once, with their ``param_types``;
-      a kernel that takes the mailbox exists exactly when ``tp > 1``;
-    * ``call["target"]`` is an `_abi.TARGETS` name; each operand's ``name`` is a value that an
-      operand carries (`_abi.OPERANDS`), each once; ``io`` is ``"arg"`` or ``"ret"``, every arg
-      before every ret, as many of each as the target takes; ``dtype`` is an `_abi.DTYPES` name;
-      ``rows`` is ``"num_rows"``, ``"m"``, ``"owned"``, ``"zero"`` or None; ``cols >= 1``;
-    * exactly one operand has rows ``"num_rows"`` and at least one ``"m"``, the first of which
-      comes before any ``"owned"`` one (it fixes m, and ``ceil(m / tp)`` needs it);
-    * every operand value a kernel takes is an operand of the call, and a kernel takes ``eps``
-      only through a target with ``norm_eps``.
+    * each kernel's ``params`` are values of that op (`_abi.ALL_VALUES` names, each once, with
+      their ``param_types``); a kernel that takes the mailbox exists exactly when ``tp > 1``; a
+      grid of rows ``"resident"`` is a persistent kernel's;
+    * ``call["target"]`` is an `_abi.ALL_TARGETS` name; each operand's ``name`` is a value that
+      an operand of its op carries, each once; ``io`` is ``"arg"`` or ``"ret"``, every arg before
+      every ret, at least one of each; ``dtype`` is an `_abi.DTYPES` name; ``rows`` is
+      ``"num_rows"``, ``"m"``, ``"owned"``, ``"pairs"``, ``"zero"`` or None; ``shape`` a list of
+      counts >= 1 (not empty without rows); ``top_k >= 1``; ``1 <= max_m < 2**31``;
+    * at most one operand has rows ``"num_rows"`` (a kernel that takes num_rows needs it), at
+      least one ``"m"``, the first of which comes before any ``"owned"`` or ``"pairs"`` one;
+    * every operand value a kernel takes is an operand of the call, every operand is taken by
+      some kernel, a kernel takes ``eps`` only through a target with ``norm_eps`` and a mailbox
+      value only through a target with a mailbox.
 
     Parameters
     ----------
@@ -155,11 +163,12 @@ def load_kernel_set(kernel_set_id: int, device_ordinal: int, cubin: bytes, kerne
     CUDA graph capture.
 
     A call launches the kernels in the order given, each with the values its
-    ``params`` name (`_abi.VALUES`), on a 1-D grid of ``rows(m) * ctas_per_row``
+    ``params`` name (`_abi.ALL_VALUES`), on a 1-D grid of ``rows(m) * ctas_per_row``
     CTAs, where ``rows`` is ``m`` or ``ceil(m / tp)``, with programmatic
     dependent launch when ``call["pdl"]``. A persistent kernel gets
     ``ceil(rows(m) / waves) * ctas_per_row`` CTAs, at most as many as the device
-    holds at once (from the kernel's occupancy), and loops over the rest.
+    holds at once (from the kernel's occupancy), and loops over the rest; with rows
+    ``"resident"`` it gets exactly as many as the device holds.
 
     Parameters
     ----------
@@ -175,16 +184,17 @@ def load_kernel_set(kernel_set_id: int, device_ordinal: int, cubin: bytes, kerne
         ``symbol`` (entry name), ``params`` and ``param_types`` (the values it
         takes and their PTX types, which must be the contract's), ``block``,
         ``smem`` (dynamic shared memory bytes), ``ctas_per_row``, ``rows``
-        (``"m"`` or ``"owned"``), ``waves``, ``persistent`` and ``cluster`` (CTAs
-        per thread block cluster, 1 for none).
+        (``"m"``, ``"owned"`` or ``"resident"``), ``waves``, ``persistent`` and
+        ``cluster`` (CTAs per thread block cluster, 1 for none).
     call : mapping
-        The sidecar's call record: ``target`` (the `_abi.TARGETS` name that calls of the set
-        must use), ``tp``, ``hidden``, ``pdl`` and ``operands``, the set's operand records
-        (`_abi.call_operands`) in FFI order: ``name``, ``io``, ``dtype``, ``rows`` and
-        ``cols``. Each call's operands are checked against them: ``rows`` ``"num_rows"`` takes
-        any count (the kernels' num_rows), the first ``"m"`` fixes m (>= 1) and later ones
-        equal it, ``"owned"`` is ``ceil(m / tp)``, ``"zero"`` is 0, and None is a vector of
-        ``cols`` elements.
+        The sidecar's call record (`aot.compile.call_record`): ``target`` (the
+        `_abi.ALL_TARGETS` name that calls of the set must use), ``tp``, ``hidden``, ``top_k``,
+        ``max_m``, ``pdl`` and ``operands``, the set's operand records (`_abi.call_operands`)
+        in FFI order: ``name``, ``io``, ``dtype``, ``rows`` and ``shape``. Each call's operands
+        are checked against them: ``rows`` ``"num_rows"`` takes any count (the kernels'
+        num_rows), the first ``"m"`` fixes m (1 to ``max_m``) and later ones equal it,
+        ``"owned"`` is ``ceil(m / tp)``, ``"pairs"`` is ``m * top_k``, ``"zero"`` is 0, None
+        has no leading dimension; the dimensions after it are ``shape``.
 
     Raises
     ------
@@ -283,11 +293,12 @@ def execute_counts() -> tuple[int, int]:
     return tuple(_extension().execute_counts())
 
 
-def launch_values() -> list[tuple[str, str, str]]:
-    """The launch contract's values as the C++ launcher lists them, in order: (name, PTX type,
-    source), the source being where the handler takes the value from: ``"operand"`` (the address
-    of the call's operand of that name), ``"rows"``, ``"mailbox"`` or ``"attribute"``."""
-    return [tuple(value) for value in _extension().launch_values()]
+def launch_values() -> list[tuple[str, str, str, list[str]]]:
+    """Every op's launch values as the C++ launcher lists them, in order: (name, PTX type, source,
+    ops), the source being where the handler takes the value from: ``"operand"`` (the address
+    of the call's operand of that name), ``"rows"``, ``"mailbox"`` or ``"attribute"``; ops the
+    names of the ops (`_abi.CONTRACTS`) whose kernels can take it."""
+    return [(name, ptx_type, source, list(ops)) for name, ptx_type, source, ops in _extension().launch_values()]
 
 
 def launch_limits() -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The FFI glue of the op: kernel-set ids, loading kernel sets and mailboxes onto devices, the call.
+"""The FFI glue of the ops: kernel-set ids, loading kernel sets and mailboxes onto devices, the call.
 
 Everything here happens at trace time, outside any CUDA graph capture, so that the
 handler itself only checks and launches (`_extension`).
@@ -15,7 +15,6 @@ import numpy as np
 
 from jax_moe_publish import _extension
 from jax_moe_publish.aot.store import default_store
-from jax_moe_publish.config import KernelConfig
 
 _set_ids: dict[str, int] = {}
 _targets: dict[int, str] = {}  # kernel set id -> the FFI target its sidecar names
@@ -24,10 +23,10 @@ _loaded: set[tuple[str, int]] = set()  # (kernel set key, device ordinal)
 _lock = threading.Lock()
 
 
-def load(config: KernelConfig, ordinals: list[int]) -> int:
-    """Load the kernel set of ``config`` (from the kernel store) on the devices ``ordinals`` of
-    this process (once each); returns the process-wide id of the set, shared by every mailbox
-    that uses it."""
+def load(config, ordinals: list[int]) -> int:
+    """Load the kernel set of ``config`` (a `KernelConfig` or an `ExpertsConfig`, from the kernel
+    store) on the devices ``ordinals`` of this process (once each); returns the process-wide id
+    of the set, shared by every call that uses it."""
     artifact = default_store().get(config)
     key = artifact.metadata["key"]
     with _lock:
@@ -67,9 +66,18 @@ def call(set_id: int, mailbox_id: int, result_type, routed, weights, indices, sh
     if shared is None:
         # Not read by kernels built without the shared expert; the handler checks its shape.
         shared = jnp.zeros((0, hidden), jnp.bfloat16)
-    attributes = dict(kernel_set_id=np.int64(set_id), mailbox_id=np.int64(mailbox_id))
+    attributes = dict(mailbox_id=np.int64(mailbox_id))
     operands = [routed, weights, indices, shared]
     if epilogue:
         operands += [epilogue["residual"], epilogue["norm_weight"]]
         attributes["norm_eps"] = np.float32(epilogue["norm_eps"])
-    return jax.ffi.ffi_call(_targets[set_id], result_type, has_side_effect=True)(*operands, **attributes)
+    # The mailbox is state outside XLA: identical calls must not merge, nor move out of a loop.
+    return ffi_call(set_id, result_type, operands, side_effects=True, **attributes)
+
+
+def ffi_call(set_id: int, result_type, operands: list, *, side_effects: bool, **attributes):
+    """The FFI call of a loaded kernel set, through the target its sidecar names: ``operands`` in
+    its call record's order, ``result_type`` its rets' types, ``attributes`` the target's beyond
+    ``kernel_set_id``; ``side_effects``: the call touches state outside XLA."""
+    return jax.ffi.ffi_call(_targets[set_id], result_type, has_side_effect=side_effects)(
+        *operands, kernel_set_id=np.int64(set_id), **attributes)

@@ -1,4 +1,4 @@
-"""The op under ``jax.vmap``: a batch becomes one call whose tokens are the whole batch's, on
+"""The ops under ``jax.vmap``: a batch becomes one call whose tokens are the whole batch's, on
 every path, so that the kernels' FFI call never sees a batch."""
 
 from __future__ import annotations
@@ -90,3 +90,38 @@ def fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_
         return jax.tree.map(lambda x: jnp.where(has_token, x, jnp.zeros_like(x)), out)
 
     return folded, unfold
+
+
+def folding_expert_batches(experts, max_pairs: int | None = None):
+    """The experts op's ``experts(x, expert_ids, gate, up, down)`` under ``jax.vmap``: one call
+    whose tokens are the whole batch's, element b's after element b - 1's, so the kernels'
+    FFI call (and ragged_dot) never sees a batch. The weights must be the same for the whole
+    batch; ``max_pairs`` bounds the call's pairs (the kernels')."""
+
+    @jax.custom_batching.custom_vmap
+    def call(x, expert_ids, gate, up, down):
+        return experts(x, expert_ids, gate, up, down)
+
+    @call.def_vmap
+    def fold(batch, batched, x, expert_ids, gate, up, down):
+        if batch == 0:
+            raise ValueError("jax.vmap over an empty batch: expected at least one batch element")
+        for name, is_batched in zip(("gate_up", "gate_up", "down"), batched[2:]):
+            if jax.tree.leaves(is_batched) and any(jax.tree.leaves(is_batched)):
+                raise ValueError(f"{name}: under jax.vmap it differs between batch elements, but one call of the "
+                                 "experts op reads one set of weights; expected the same weights for the whole "
+                                 "batch (in_axes=None for them)")
+        m, top_k = expert_ids.shape[-2:]
+        if max_pairs is not None and batch * m * top_k > max_pairs:
+            raise ValueError(f"jax.vmap over a batch of {batch}: one call takes the batch's pairs, {batch} x {m} x "
+                             f"{top_k} = {batch * m * top_k}, more than the kernels' {max_pairs}; expected a "
+                             "smaller batch, or impl='reference'")
+
+        def tokens(value, is_batched):  # [batch, m, ...] -> [batch * m, ...]
+            value = value if is_batched else jnp.broadcast_to(value, (batch, *value.shape))
+            return value.reshape(batch * m, *value.shape[2:])
+
+        out = call(tokens(x, batched[0]), tokens(expert_ids, batched[1]), gate, up, down)
+        return out.reshape(batch, m * top_k, out.shape[-1]), True
+
+    return call

@@ -9,6 +9,7 @@ a broadcasting error or a bad float into NaN.
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -183,3 +184,45 @@ def check_axis_bound(axis_name, who: str, hint: str) -> int:
         return lax.axis_size(axis_name)
     except NameError:
         raise ValueError(f"{who}: axis {axis_name!r} is not bound; call it inside {hint}") from None
+
+
+class ExpertsShape(NamedTuple):
+    """The shape of a call of the experts op."""
+
+    m: int
+    top_k: int
+    experts: int
+    hidden: int
+    intermediate: int
+    fused: bool
+
+
+def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
+    """The experts op's arrays: ``x`` bf16 [m, hidden], ``expert_ids`` int32 [m, top_k], ``gate_up``
+    bf16 [experts, hidden, 2 * intermediate] or a pair ``(gate, up)`` of bf16 [experts, hidden,
+    intermediate], ``down`` bf16 [experts, intermediate, hidden]; their `ExpertsShape`."""
+    check_array("x", x, 2, [jnp.bfloat16])
+    m, hidden = x.shape
+    check_array("expert_ids", expert_ids, 2, [jnp.int32])
+    if expert_ids.shape[0] != m:
+        raise ValueError(f"expert_ids.shape={tuple(expert_ids.shape)}: expected {m} rows, one per token of "
+                         f"x.shape={tuple(x.shape)}")
+    top_k = expert_ids.shape[1]
+    if top_k < 1:
+        raise ValueError(f"expert_ids.shape={tuple(expert_ids.shape)}: expected at least one expert per token")
+    check_array("down", down, 3, [jnp.bfloat16])
+    experts, intermediate, down_hidden = down.shape
+    if down_hidden != hidden or experts < 1 or intermediate < 1:
+        raise ValueError(f"down.shape={tuple(down.shape)}: expected [experts, intermediate, hidden={hidden}] "
+                         f"(hidden of x.shape={tuple(x.shape)}), experts and intermediate >= 1")
+    if isinstance(gate_up, (tuple, list)):
+        if len(gate_up) != 2:
+            raise ValueError(f"gate_up: a {type(gate_up).__name__} of {len(gate_up)} arrays, expected one array "
+                             "[experts, hidden, 2 * intermediate] or a pair (gate, up)")
+        for name, part in zip(("gate_up[0] (gate)", "gate_up[1] (up)"), gate_up):
+            check_array(name, part, 3, [jnp.bfloat16], shape=(experts, hidden, intermediate))
+        fused = False
+    else:
+        check_array("gate_up", gate_up, 3, [jnp.bfloat16], shape=(experts, hidden, 2 * intermediate))
+        fused = True
+    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused)

@@ -142,6 +142,9 @@ class KernelConfig:
     epilogue: str = "none"
     arch: str = "sm_90a"
 
+    op = "publish"
+    """The contract this config compiles (`_abi.CONTRACTS`)."""
+
     def __post_init__(self) -> None:
         # Normalize types first, so that equal configs have equal keys.
         if self.keep_own_partial is None:
@@ -252,6 +255,25 @@ class KernelConfig:
     def fans_out(self) -> bool:
         """An owner stores its rows' sums into every peer's gather area; the gather ends the call."""
         return _abi.ALGORITHMS[self.algorithm].fans_out
+
+    # What a call's operands are (`_abi.call_operands`).
+
+    max_m = 2**31 - 1
+    """The most tokens of a call that the kernels take (they count in int32); a mailbox's
+    ``capacity_m`` bounds a call further."""
+
+    def operand_rows(self) -> dict:
+        """The rows rules `_abi.OPERANDS` names that resolve per config."""
+        return {"out_rows": _abi.ALGORITHMS[self.algorithm].out_rows,
+                "shared": "m" if self.include_shared_expert else "zero"}
+
+    def dimensions(self) -> dict:
+        """The sizes `_abi.OPERANDS` names."""
+        return {"hidden": self.hidden, "top_k": self.top_k}
+
+    def conditions(self) -> set:
+        """The ``when`` words of the operands this config's calls take."""
+        return {"epilogue"} if self.epilogue != "none" else set()
 
     # Derived launch geometry: the single place it is computed.
 

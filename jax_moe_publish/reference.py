@@ -1,7 +1,8 @@
-"""Pure-JAX semantics of the op, with the kernels' rounding points.
+"""Pure-JAX semantics of the ops, with the kernels' rounding points.
 
 These functions define what the kernels compute and run anywhere JAX runs;
-`moe_finalize_publish` with ``impl="reference"`` (or ``"auto"`` off CUDA) uses them.
+`moe_finalize_publish` and `moe_experts` with ``impl="reference"`` (or ``"auto"`` off CUDA)
+use them.
 
 One rank's partial, for token ``t`` (float32 accumulation in the order k = 0..top_k-1)::
 
@@ -276,3 +277,61 @@ def moe_finalize_publish(
         out = jnp.where(has_token, out, jnp.zeros_like(out))
         residual_out = jnp.where(has_token, residual_out, jnp.zeros_like(residual_out))
     return out, residual_out
+
+
+def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array) -> jax.Array:
+    """The routed experts of one rank's shard, with the experts kernels' rounding points.
+
+    For each pair ``p = t * top_k + k`` whose expert ``e = expert_ids[t, k]`` lies in
+    ``[0, experts)``, with float32 sums::
+
+        gate = bf16( x[t] @ W_gate[e] )        up = bf16( x[t] @ W_up[e] )
+        h    = bf16( silu(gate) * up )         (float32)
+        y[p] = bf16( h @ W_down[e] )
+
+    and ``y[p] = 0`` for any other id. The pairs go through `jax.lax.ragged_dot` in expert
+    order (a stable sort), as a JAX MoE layer runs them.
+
+    Parameters
+    ----------
+    x : bf16 [m, hidden]
+    expert_ids : int32 [m, top_k]
+    gate_up : bf16 [experts, hidden, 2 * intermediate] (gate columns, then up), or a pair
+        ``(gate, up)`` of bf16 [experts, hidden, intermediate]
+    down : bf16 [experts, intermediate, hidden]
+
+    Returns
+    -------
+    bf16 [m * top_k, hidden], pair ``t * top_k + k`` in row ``t * top_k + k``.
+    """
+    return moe_experts_with_activations(x, expert_ids, gate_up, down)[0]
+
+
+def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array):
+    """`moe_experts` and its activations ``h``: ``(y, h)``, h bf16 [m * top_k, intermediate] in
+    pair order (the kernels' intermediate between their two GEMMs), zero for a skipped pair."""
+    shape = checks.check_expert_arrays(x, expert_ids, gate_up, down)
+    flat = expert_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < shape.experts)
+    # Skipped pairs sort last, past every group: ragged_dot leaves their rows zero.
+    group = jnp.where(valid, flat, shape.experts)
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.zeros((shape.experts + 1,), jnp.int32).at[group].add(1)[: shape.experts]
+    rows = x[order // shape.top_k]
+
+    def project(a, w):
+        return lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    if shape.fused:
+        gate, up = jnp.split(project(rows, gate_up), 2, axis=-1)
+    else:
+        gate, up = project(rows, gate_up[0]), project(rows, gate_up[1])
+    skipped = ~valid[order][:, None]
+    h = jnp.where(skipped, jnp.zeros((), jnp.bfloat16),
+                  (jax.nn.silu(as_float32(gate)) * as_float32(up)).astype(jnp.bfloat16))
+    y = jnp.where(skipped, jnp.zeros((), jnp.bfloat16), project(h, down))
+
+    def unsort(sorted_rows):
+        return jnp.zeros_like(sorted_rows).at[order].set(sorted_rows, unique_indices=True)
+
+    return unsort(y), unsort(h)

@@ -4,6 +4,8 @@ Examples::
 
     python -m jax_moe_publish.aot build --preset deepseek-v3 --out kernels/
     python -m jax_moe_publish.aot build --hidden 7168 --top-k 8 --tp 2 --out kernels/
+    python -m jax_moe_publish.aot build --op experts --hidden 7168 --intermediate 256 --experts 256 \
+        --top-k 8 --out kernels/
 
 Point ``$JAX_MOE_PUBLISH_KERNEL_DIR`` at the folder on machines without CuTe DSL.
 """
@@ -20,7 +22,9 @@ import time
 from jax_moe_publish import protocol, tuning
 from jax_moe_publish.aot import compile as aot_compile
 from jax_moe_publish.aot import presets
-from jax_moe_publish.config import ALGORITHMS, EPILOGUES, KernelConfig, result_of
+from jax_moe_publish.aot.artifact import CONFIGS
+from jax_moe_publish.config import ALGORITHMS, EPILOGUES, result_of
+from jax_moe_publish.experts_config import ExpertsConfig
 from jax_moe_publish.testing import gpu_matrix
 
 PRESETS = {"tests": gpu_matrix.all_configs, "deepseek-v3": presets.deepseek_v3, "qwen3-moe": presets.qwen3_moe}
@@ -43,24 +47,52 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--out", required=True, help="folder for <key>.cubin/.ptx/.json")
     build.add_argument("--preset", action="append", choices=sorted(PRESETS), default=[],
                        help="a named list of configs (repeatable)")
+    build.add_argument("--op", choices=sorted(CONFIGS), default="publish",
+                       help="the op of an explicit config: its flags are that config class's fields")
     types = {int: int, float: float, bool: _bool, str: str}
-    for field in dataclasses.fields(KernelConfig):
+    for field in _fields():
         default = field.default
         if default is None:
             kind = _bool  # keep_own_partial: None follows fuse_reduce
         else:
             kind = types[type(default)] if default is not dataclasses.MISSING else int
+        owners = "/".join(cls.__name__ for cls in CONFIGS.values() if field.name in _names(cls))
         build.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,
-                           choices=CHOICES.get(field.name), default=None, help=f"KernelConfig.{field.name}")
+                           choices=CHOICES.get(field.name), default=None, help=f"{owners}.{field.name}")
     return parser
 
 
-def _configs(args) -> list[KernelConfig]:
-    explicit = {f.name: getattr(args, f.name) for f in dataclasses.fields(KernelConfig)}
+def _names(cls) -> list[str]:
+    return [field.name for field in dataclasses.fields(cls)]
+
+
+def _fields() -> list:
+    """The fields of every op's config class, each name once (ops share hidden, top_k, ...)."""
+    fields = {}
+    for cls in CONFIGS.values():
+        for field in dataclasses.fields(cls):
+            fields.setdefault(field.name, field)
+    return list(fields.values())
+
+
+def _configs(args) -> list:
+    explicit = {f.name: getattr(args, f.name) for f in _fields()}
     arch = explicit.pop("arch") or "sm_90a"
     configs = [c for name in args.preset for c in PRESETS[name](arch)]
     given = {name: value for name, value in explicit.items() if value is not None}
-    if given:
+    others = sorted(set(given) - set(_names(CONFIGS[args.op])))
+    if others:
+        flags = " ".join(f"--{name.replace('_', '-')}" for name in others)
+        raise SystemExit(f"{flags}: not a field of {CONFIGS[args.op].__name__} (--op {args.op}); expected flags of "
+                         f"{', '.join(_names(CONFIGS[args.op]))}")
+    if given and args.op == "experts":
+        missing = [name for name in ("hidden", "intermediate", "experts", "top_k") if name not in given]
+        if missing:
+            raise SystemExit(f"an explicit experts config needs --{' --'.join(missing).replace('_', '-')}")
+        shape = {name: given[name] for name in ("hidden", "intermediate", "experts", "top_k")}
+        base = ExpertsConfig.for_shape(**shape, fused_gate_up=given.get("fused_gate_up", True), arch=arch)
+        configs.append(base.replace(**given))
+    elif given:
         missing = [name for name in ("hidden", "top_k", "tp") if name not in given]
         if missing:
             raise SystemExit(f"an explicit config needs --{' --'.join(missing).replace('_', '-')}")

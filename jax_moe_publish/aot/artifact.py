@@ -23,17 +23,22 @@ import threading
 
 from jax_moe_publish import _abi
 from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.experts_config import ExpertsConfig
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 # The files whose text decides what a cubin contains.
-_FINGERPRINTED = ("config.py", "protocol.py", "_abi.py", "kernels")
-SIDECAR_VERSION = 3
+_FINGERPRINTED = ("config.py", "experts_config.py", "protocol.py", "_abi.py", "kernels")
+SIDECAR_VERSION = 4
 """Version 2: each kernel's parameter names and launch plan (persistent, cluster) are recorded,
 and the call's shape checks in ``call``. Version 3: ``call`` names the FFI target and lists the
-call's operands with their dtype and rows rules (`_abi.call_operands`)."""
+call's operands with their dtype and rows rules (`_abi.call_operands`). Version 4: the set names
+its ``op`` (`_abi.CONTRACTS`), an operand's trailing dimensions are a ``shape`` list, and
+``call`` holds ``top_k`` and ``max_m``."""
 
+CONFIGS = {"publish": KernelConfig, "experts": ExpertsConfig}
+"""The config class of each op's kernel sets."""
 
-SIDECAR_FIELDS = ("sidecar_version", "key", "config", "arch", "dsl_version", "source_fingerprint", "call",
+SIDECAR_FIELDS = ("sidecar_version", "key", "op", "config", "arch", "dsl_version", "source_fingerprint", "call",
                   "kernels")
 """The fields of a sidecar, as `compile.compile_config` writes them."""
 KERNEL_FIELDS = ("role", "symbol", "params", "param_types", "block", "smem", "ctas_per_row", "rows", "waves",
@@ -157,7 +162,7 @@ def build_fingerprint() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KernelArtifact:
-    """The cubin of one `KernelConfig`, its PTX and its metadata."""
+    """The cubin of one config (`CONFIGS`), its PTX and its metadata."""
 
     cubin: bytes
     ptx: str
@@ -217,22 +222,31 @@ class KernelArtifact:
                 and self.metadata.get("source_fingerprint") == source_fingerprint()
                 and (installed is None or self.metadata.get("dsl_version") == installed))
 
+    @property
+    def config(self):
+        """The config the set was built from, of its op's class (`CONFIGS`)."""
+        return CONFIGS[self.metadata["op"]].from_dict(self.metadata["config"])
+
     def check(self, key: str) -> None:
         """The artifact is the one named ``key``, with the kernels its config's call launches, each
-        taking the values its role takes (`_abi.ROLES`) with their contract types."""
+        taking the values its role takes (its op's contract) with their contract types."""
         if self.metadata.get("sidecar_version") != SIDECAR_VERSION:
             raise RuntimeError(f"kernel artifact {key} has sidecar version {self.metadata.get('sidecar_version')}, "
                                f"expected {SIDECAR_VERSION}: rebuild it")
         if self.metadata.get("key") != key:
             raise RuntimeError(f"kernel artifact {self.metadata.get('key')!r} was loaded for {key!r}")
+        if self.metadata.get("op") not in CONFIGS:
+            raise RuntimeError(f"kernel artifact {key} is of op {self.metadata.get('op')!r}, expected one of "
+                               f"{tuple(CONFIGS)}")
+        contract = _abi.CONTRACTS[self.metadata["op"]]
         roles = [kernel["role"] for kernel in self.metadata["kernels"]]
-        expected = list(_abi.call_roles(KernelConfig.from_dict(self.metadata["config"])))
+        expected = list(_abi.call_roles(self.config))
         if roles != expected:
             raise RuntimeError(f"kernel artifact {key} has kernels {roles}, expected {expected}")
         for kernel in self.metadata["kernels"]:
-            role = _abi.ROLES[kernel["role"]]
+            role = contract.roles[kernel["role"]]
             params = list(role.params)
-            types = [_abi.VALUES[name] for name in params]
+            types = [contract.values[name] for name in params]
             if kernel["params"] != params or kernel["param_types"] != types:
                 raise RuntimeError(
                     f"kernel {kernel['symbol']} ({kernel['role']}) of {key} takes {kernel['params']} of types "

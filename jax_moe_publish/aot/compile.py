@@ -1,14 +1,20 @@
-"""Compile a `KernelConfig` into a cubin and its metadata sidecar (needs CuTe DSL, no GPU)."""
+"""Compile a config of either op (`KernelConfig`, `ExpertsConfig`) into a cubin and its metadata
+sidecar (needs CuTe DSL, no GPU)."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import tempfile
 import threading
 
 from jax_moe_publish import _abi
 from jax_moe_publish.aot.artifact import SIDECAR_VERSION, KernelArtifact, dsl_version, source_fingerprint
-from jax_moe_publish.config import KernelConfig
+
+PROGRAMS = {"publish": "jax_moe_publish.kernels.program:MoePublishProgram",
+            "experts": "jax_moe_publish.kernels.experts_program:ExpertsProgram"}
+"""The program class of each op (`_abi.CONTRACTS`): its ``__call__`` takes the op's values in
+order, then the stream. Imported only to compile, since it needs CuTe DSL."""
 
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
 _PARAM = re.compile(r"\.param\s+\.(\w+)\s+\w+")
@@ -30,25 +36,30 @@ def _symbol(role: str, symbols: list[str]) -> str:
     return matches[0]
 
 
-def compile_config(config: KernelConfig) -> KernelArtifact:
+def program_of(config):
+    """The program that compiles ``config`` (`PROGRAMS`)."""
+    module, name = PROGRAMS[config.op].split(":")
+    return getattr(importlib.import_module(module), name)(config)
+
+
+def compile_config(config) -> KernelArtifact:
     """Trace and compile every kernel of ``config`` for ``config.arch``.
 
     The fake arguments passed to ``cute.compile`` fix the compiled ABI: one scalar of its
-    contract type per value of `_abi.VALUES` (``u64`` addresses and ``timeout_ns``,
-    ``u32`` extents, ``f32`` eps), in that order, which is
-    `MoePublishProgram.__call__`'s. The sidecar records, for each kernel, the names of
-    the values it takes (`_abi.ROLES`), their PTX types as compiled (which must be the
+    contract type per value of the op's contract (`_abi.CONTRACTS`: ``u64`` addresses and
+    ``timeout_ns``, ``u32`` extents, ``f32`` eps), in that order, which is its program's
+    ``__call__``'s (`PROGRAMS`). The sidecar records, for each kernel, the names of the values
+    it takes (the contract's roles), their PTX types as compiled (which must be the
     contract's) and its launch plan.
     """
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
-    from jax_moe_publish.kernels.program import MoePublishProgram
-
+    contract = _abi.contract_of(config)
     scalars = {"u64": lambda: Int64(0), "u32": lambda: Int32(0), "f32": lambda: Float32(0.0)}
-    program = MoePublishProgram(config)
-    fake_values = [scalars[ptx_type]() for ptx_type in _abi.VALUES.values()]
+    program = program_of(config)
+    fake_values = [scalars[ptx_type]() for ptx_type in contract.values.values()]
     # The DSL writes the kept cubin and PTX to files too; keep them out of the caller's folder.
     with _COMPILE_LOCK, tempfile.TemporaryDirectory(prefix="jax_moe_publish-") as dump_dir:
         compiled = cute.compile(
@@ -60,8 +71,8 @@ def compile_config(config: KernelConfig) -> KernelArtifact:
     kernels = []
     for launch in program.plan:
         symbol = _symbol(launch.role, symbols)
-        params = list(_abi.ROLES[launch.role].params)
-        contract_types = [_abi.VALUES[name] for name in params]
+        params = list(contract.roles[launch.role].params)
+        contract_types = [contract.values[name] for name in params]
         if entries[symbol] != contract_types:
             raise RuntimeError(f"kernel {symbol} ({launch.role}) compiled with parameters {entries[symbol]}, "
                                f"but the launch contract says {params} of types {contract_types}")
@@ -73,14 +84,22 @@ def compile_config(config: KernelConfig) -> KernelArtifact:
     metadata = {
         "sidecar_version": SIDECAR_VERSION,
         "key": config.key,
+        "op": config.op,
         "config": config.to_dict(),
         "arch": config.arch,
         "dsl_version": dsl_version(),
         "source_fingerprint": source_fingerprint(),
-        "call": {
-            "target": _abi.TARGETS[config.epilogue], "tp": config.tp, "hidden": config.hidden,
-            "pdl": config.enable_pdl, "operands": _abi.call_operands(config),
-        },
+        "call": call_record(config),
         "kernels": kernels,
     }
     return KernelArtifact(cubin=compiled.__cubin__, ptx=compiled.__ptx__, metadata=metadata)
+
+
+def call_record(config) -> dict:
+    """The sidecar's ``call``: the FFI target, the shape facts the handler checks a call against
+    (tp, hidden, top_k, the most tokens ``max_m``), PDL, and the operands (`_abi.call_operands`)."""
+    return {
+        "target": _abi.contract_of(config).target(config), "tp": getattr(config, "tp", 1), "hidden": config.hidden,
+        "top_k": config.top_k, "max_m": config.max_m, "pdl": config.enable_pdl,
+        "operands": _abi.call_operands(config),
+    }

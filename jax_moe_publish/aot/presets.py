@@ -1,8 +1,9 @@
-"""Named lists of `KernelConfig`s that ``python -m jax_moe_publish.aot build --preset`` builds.
+"""Named lists of configs that ``python -m jax_moe_publish.aot build --preset`` builds.
 
-A model's preset holds what its calls can get: the tuning table's config for every tp,
+A model's preset holds what its calls can get: the tuning table's `KernelConfig` for every tp,
 algorithm and m range, with both router weight dtypes, and with the epilogue where the
-model runs it fused.
+model runs it fused; and the `ExpertsConfig` of its experts' shard at every tp, with gate and
+up fused and split.
 """
 
 from __future__ import annotations
@@ -10,11 +11,25 @@ from __future__ import annotations
 from jax_moe_publish import tuning
 from jax_moe_publish.config import (EPILOGUE_ALGORITHMS, GROUP_ALGORITHMS, SINGLE_ALGORITHMS, KernelConfig,
                                     result_of)
+from jax_moe_publish.experts_config import ExpertsConfig
 
 TP_SIZES = (1, 2, 4, 8)
 
 DEEPSEEK_V3 = tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5, include_shared_expert=True)
 QWEN3_MOE = tuning.Problem(hidden=4096, top_k=8, routed_scaling_factor=1.0, include_shared_expert=False)
+
+DEEPSEEK_V3_EXPERTS = ((7168, 2048, 256, 8),)
+QWEN3_MOE_EXPERTS = ((4096, 1536, 128, 8), (2048, 768, 128, 8))
+"""(hidden, intermediate, experts, top_k) of the models' routed experts: DeepSeek-V3; Qwen3-235B-A22B
+and Qwen3-30B-A3B."""
+
+
+def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
+    """The experts op's config for each of ``shapes`` sharded at every TP size (intermediate / tp
+    columns per rank), gate and up fused and split."""
+    return [ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count, top_k=top_k,
+                                    fused_gate_up=fused, arch=arch)
+            for hidden, intermediate, count, top_k in shapes for tp in TP_SIZES for fused in (True, False)]
 
 
 def model(problem: tuning.Problem, arch: str = "sm_90a", epilogue_tp: tuple[int, ...] = ()) -> list[KernelConfig]:
@@ -35,13 +50,13 @@ def model(problem: tuning.Problem, arch: str = "sm_90a", epilogue_tp: tuple[int,
     return list(dict.fromkeys(configs))
 
 
-def deepseek_v3(arch: str = "sm_90a") -> list[KernelConfig]:
+def deepseek_v3(arch: str = "sm_90a") -> list:
     """DeepSeek-V3: hidden 7168, top-k 8, routed scale 2.5, a shared expert; with and without
-    the residual + RMSNorm epilogue."""
-    return model(DEEPSEEK_V3, arch, epilogue_tp=TP_SIZES[1:])
+    the residual + RMSNorm epilogue; its 256 routed experts of intermediate 2048."""
+    return model(DEEPSEEK_V3, arch, epilogue_tp=TP_SIZES[1:]) + experts(DEEPSEEK_V3_EXPERTS, arch)
 
 
-def qwen3_moe(arch: str = "sm_90a") -> list[KernelConfig]:
+def qwen3_moe(arch: str = "sm_90a") -> list:
     """Qwen3-MoE: hidden 4096, top-k 8, no shared expert, scale 1.0; with and without the
-    residual + RMSNorm epilogue."""
-    return model(QWEN3_MOE, arch, epilogue_tp=TP_SIZES[1:])
+    residual + RMSNorm epilogue; the experts of Qwen3-235B-A22B and Qwen3-30B-A3B."""
+    return model(QWEN3_MOE, arch, epilogue_tp=TP_SIZES[1:]) + experts(QWEN3_MOE_EXPERTS, arch)

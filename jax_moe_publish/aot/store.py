@@ -1,6 +1,6 @@
 """Where compiled kernel sets come from: memory, prebuilt folders, the disk cache, or CuTe DSL.
 
-Lookup order for a `KernelConfig`:
+Lookup order for a config of either op (`KernelConfig`, `ExpertsConfig`):
 
 1. this process's memory;
 2. every folder in ``$JAX_MOE_PUBLISH_KERNEL_DIR`` (``os.pathsep``-separated), as
@@ -36,7 +36,6 @@ from jax_moe_publish.aot import compile as aot_compile
 from jax_moe_publish.aot.artifact import (
     SIDECAR_VERSION, DamagedKernelError, KernelArtifact, build_fingerprint, source_fingerprint,
 )
-from jax_moe_publish.config import KernelConfig
 
 KERNEL_DIR_ENV = "JAX_MOE_PUBLISH_KERNEL_DIR"
 CACHE_DIR_ENV = "JAX_MOE_PUBLISH_CACHE_DIR"
@@ -50,10 +49,10 @@ def dsl_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None
 
 
-def build_command(config: KernelConfig, out: str = "DIR") -> str:
+def build_command(config, out: str = "DIR") -> str:
     """The CLI command that builds ``config`` into folder ``out``."""
-    flags = []
-    for field in dataclasses.fields(KernelConfig):
+    flags = ["--op", config.op]
+    for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         flags += [f"--{field.name.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
     return shlex.join(["python", "-m", "jax_moe_publish.aot", "build", *flags, "--out", out])
@@ -82,7 +81,7 @@ class KernelStore:
         self._warned: set[pathlib.Path] = set()  # damaged files already reported
         self._lock = threading.Lock()
 
-    def get(self, config: KernelConfig) -> KernelArtifact:
+    def get(self, config) -> KernelArtifact:
         key = config.key
         with self._lock:
             if key in self._memory:
@@ -93,7 +92,7 @@ class KernelStore:
             self._memory[key] = artifact
             return artifact
 
-    def _find_or_build(self, config: KernelConfig) -> KernelArtifact:
+    def _find_or_build(self, config) -> KernelArtifact:
         key = config.key
         stale, damaged = [], []
         for directory in self.prebuilt_dirs:
@@ -129,7 +128,7 @@ class KernelStore:
             self.stats.compiles += 1
             return artifact
 
-    def _load_cached(self, config: KernelConfig, damaged: list) -> KernelArtifact | None:
+    def _load_cached(self, config, damaged: list) -> KernelArtifact | None:
         """The cached set of ``config``, or None; a damaged one is added to ``damaged``."""
         try:
             return KernelArtifact.load(self.cache_dir, config.key)
@@ -137,7 +136,7 @@ class KernelStore:
             damaged.append((self.cache_dir, error))
             return None
 
-    def _warn_damaged(self, config: KernelConfig, damaged: list, action: str) -> None:
+    def _warn_damaged(self, config, damaged: list, action: str) -> None:
         """Say once per file that a damaged set is passed over, and how to repair its folder."""
         for directory, error in damaged:
             if error.path in self._warned:
@@ -148,7 +147,7 @@ class KernelStore:
             warnings.warn(f"kernel set {config.key} in {directory} is damaged, so it is not used: {error}; "
                           f"{action}{repair}", RuntimeWarning, stacklevel=4)
 
-    def _missing_message(self, config: KernelConfig, stale: list, damaged: list) -> str:
+    def _missing_message(self, config, stale: list, damaged: list) -> str:
         key = config.key
         if damaged:
             directory, error = damaged[0]

@@ -53,8 +53,9 @@ for more CTAs than a decode call has rows, and spilled at hidden 5120 to 16384."
 class KernelLaunch:
     """How to launch one kernel of the call: a 1-D grid of ``rows * ctas_per_row`` CTAs
     (rows: ``m``, or ``owned`` = ceil(m / tp)); a persistent one of
-    ``ceil(rows / waves) * ctas_per_row``, capped at the CTAs the GPU holds at once; with
-    ``cluster`` > 1 consecutive CTAs form clusters of that many."""
+    ``ceil(rows / waves) * ctas_per_row``, capped at the CTAs the GPU holds at once, or with
+    rows ``resident`` exactly that many; with ``cluster`` > 1 consecutive CTAs form clusters of
+    that many."""
 
     role: str
     block: int
@@ -66,7 +67,7 @@ class KernelLaunch:
 
     @property
     def persistent(self) -> bool:
-        return _abi.ROLES[self.role].persistent
+        return _abi.ALL_ROLES[self.role].persistent
 
 
 def launch_plan(config: KernelConfig) -> list[KernelLaunch]:

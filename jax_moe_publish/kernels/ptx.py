@@ -1,4 +1,4 @@
-"""Inline-PTX memory and bit helpers for the mailbox kernels.
+"""Inline-PTX memory, bit and tensor-core helpers for the mailbox and experts kernels.
 
 Addresses are raw 64-bit device addresses (``Int64``): the kernels receive
 every buffer as one address parameter, so the parameter ABI stays a flat list
@@ -9,6 +9,7 @@ lower-addressed element in the low half.
 
 from __future__ import annotations
 
+import cutlass
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -305,4 +306,101 @@ def rsqrt_f32(value, *, loc=None, ip=None) -> Float32:
             T.f32(), [Float32(value).ir_value(loc=loc, ip=ip)],
             "rsqrt.approx.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip,
         )
+    )
+
+
+# --- the experts' GEMM ---------------------------------------------------------------------
+
+
+@dsl_user_op
+def load_u32(address: Int64, *, predicate=None, cached: bool = False, loc=None, ip=None) -> Uint32:
+    """Load of one u32 (two bf16 lanes), 0 without access where ``predicate`` (an Int32) is 0.
+    ``cached``: through L2 only (``.cg``), for data a kernel earlier in the call wrote;
+    otherwise non-coherent, for read-only input."""
+    kind = "ld.global.cg.u32" if cached else "ld.global.nc.u32"
+    text = f"{{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p {kind} $0, [$1];\n}}"
+    one = Int32(1) if predicate is None else Int32(predicate)
+    return Uint32(
+        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), one.ir_value(loc=loc, ip=ip)], text, "=&r,l,r",
+             side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def store_u32(address: Int64, value, *, loc=None, ip=None) -> None:
+    """Store of one u32 (two bf16 lanes)."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
+         "st.global.u32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def pair_halves(low_source, high_source, high: bool, *, loc=None, ip=None) -> Uint32:
+    """The low (``high`` False) or high bf16 lanes of two words, packed: the lane of
+    ``low_source`` in the low half (``prmt`` 0x5410 or 0x7632)."""
+    selector = "0x7632" if high else "0x5410"
+    return Uint32(
+        _asm(T.i32(), [Uint32(low_source).ir_value(loc=loc, ip=ip), Uint32(high_source).ir_value(loc=loc, ip=ip)],
+             f"prmt.b32 $0, $1, $2, {selector};", "=r,r,r", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def mma_bf16_16x8x16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
+    """``D = A B + C`` on the tensor cores: ``mma.sync.aligned.m16n8k16.row.col`` with bf16 A
+    (16 x 16, four words per lane) and B (16 x 8, two words), float32 C and D (four per lane),
+    in the PTX ISA's fragment layouts (lane ``l``: group ``l // 4``, ``l % 4`` within it)."""
+    struct = llvm.StructType.get_literal([T.f32()] * 4)
+    operands = ([Uint32(x).ir_value(loc=loc, ip=ip) for x in a] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in b]
+                + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
+    text = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+    result = _asm(struct, operands, text, ",".join(["=f"] * 4 + ["r"] * 6 + ["f"] * 4),
+                  side_effects=False, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def exp2_f32(value, *, loc=None, ip=None) -> Float32:
+    """``2 ** value`` (``ex2.approx.ftz``: at most 2 ulp from the exact result)."""
+    return Float32(
+        _asm(T.f32(), [Float32(value).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
+             side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def shared_fetch_add_s32(address, value, *, loc=None, ip=None) -> Int32:
+    """Atomically add ``value`` to the int32 at the 32-bit shared-memory ``address``; the old value."""
+    return Int32(
+        _asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+             "atom.shared.add.u32 $0, [$1], $2;", "=r,r,r", side_effects=True, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def shuffle_up_s32(value, delta: int, *, loc=None, ip=None) -> Int32:
+    """``value`` of lane ``lane - delta`` (this lane's own below ``delta``); every lane takes part."""
+    return Int32(
+        _asm(T.i32(), [Int32(value).ir_value(loc=loc, ip=ip)],
+             f"shfl.sync.up.b32 $0, $1, {delta}, 0x0, 0xffffffff;", "=r,r", side_effects=True, loc=loc, ip=ip)
+    )
+
+
+def warp_exclusive_sum(value, lane) -> tuple:
+    """(sum of ``value`` over the lanes below this one, sum over the whole warp): a scan of
+    shuffles, every lane taking part."""
+    inclusive = Int32(value)
+    for delta in (1, 2, 4, 8, 16):
+        below = shuffle_up_s32(inclusive, delta)
+        inclusive = inclusive + cutlass.select_(lane >= delta, below, Int32(0))
+    total = shuffle_index_s32(inclusive, 31)
+    return inclusive - Int32(value), total
+
+
+@dsl_user_op
+def shuffle_index_s32(value, lane: int, *, loc=None, ip=None) -> Int32:
+    """``value`` of lane ``lane``, in every lane; every lane takes part."""
+    return Int32(
+        _asm(T.i32(), [Int32(value).ir_value(loc=loc, ip=ip)],
+             f"shfl.sync.idx.b32 $0, $1, {lane}, 0x1f, 0xffffffff;", "=r,r", side_effects=True, loc=loc, ip=ip)
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from jax_moe_publish import tuning
 from jax_moe_publish.config import (EPILOGUE_ALGORITHMS, FUSED_ALGORITHMS, GROUP_ALGORITHMS, SINGLE_ALGORITHMS,
                                     KernelConfig, result_of)
+from jax_moe_publish.experts_config import ExpertsConfig
 
 GROUP_TPS = (2, 4, 8)
 """The group sizes the GPU tests run (on one GPU with virtual ranks)."""
@@ -130,9 +131,43 @@ def epilogues(tp: int) -> list[KernelConfig]:
     return list(dict.fromkeys(configs))
 
 
-def all_configs(arch: str = "sm_90a") -> list[KernelConfig]:
-    """Everything the GPU tests need, for tp = 1 and the `GROUP_TPS`."""
+EXPERTS_SHAPES = (
+    # (hidden, intermediate, experts, top_k, fused_gate_up): the op's own choice of launch shapes.
+    (512, 64, 16, 4, True),
+    (1024, 96, 40, 6, False),  # 40 experts (no power of two), 6 of 16-column gate/up items
+    (7168, 256, 32, 8, True),  # DeepSeek-V3's tp = 8 shard, with fewer experts
+    (2048, 96, 24, 8, False),  # Qwen3-30B's tp = 8 shard: 3 K-steps of down per warp pair
+)
+EXPERTS_VARIANTS = (
+    # Launch shapes the heuristic does not choose, over an `EXPERTS_SHAPES` entry's: one 8-token
+    # tile per pass, or four; gate/up warps side by side; 64-column gate/up warps and 32-column
+    # down warps; an unroll of 3; down without a K split; no PDL.
+    ((512, 64, 16, 4, True), dict(token_tiles=1)),
+    ((1024, 128, 8, 2, True), dict(token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2, gate_up_warp_cols=64,
+                                   gate_up_unroll=2, down_warp_cols=32, down_warps_k=1, down_warps_n=8,
+                                   down_unroll=4)),
+    ((768, 48, 12, 3, False), dict(gate_up_warps_k=4, gate_up_unroll=3, down_warps_k=1, down_warps_n=4,
+                                   down_unroll=3, enable_pdl=False)),
+)
+"""The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
+shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""
+
+
+def experts_configs(arch: str = "sm_90a") -> list[ExpertsConfig]:
+    """The experts op's GPU test configs (`EXPERTS_SHAPES`, `EXPERTS_VARIANTS`)."""
+    def heuristic(hidden, intermediate, experts, top_k, fused):
+        return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                                       fused_gate_up=fused, arch=arch)
+
+    configs = [heuristic(*shape) for shape in EXPERTS_SHAPES]
+    configs += [heuristic(*shape).replace(**changes) for shape, changes in EXPERTS_VARIANTS]
+    return list(dict.fromkeys(configs))
+
+
+def all_configs(arch: str = "sm_90a") -> list:
+    """Everything the GPU tests need: the publish op's for tp = 1 and the `GROUP_TPS`, and the
+    experts op's."""
     configs = []
     for tp in (1, *GROUP_TPS):
         configs += variants(tp) + defaults(tp) + epilogues(tp)
-    return [c.replace(arch=arch) for c in dict.fromkeys(configs)]
+    return [c.replace(arch=arch) for c in dict.fromkeys(configs)] + experts_configs(arch)

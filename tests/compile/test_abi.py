@@ -1,6 +1,7 @@
-"""The launch contract (`jax_moe_publish._abi`) against the kernels that implement it (no GPU).
+"""The launch contracts (`jax_moe_publish._abi`) against the kernels that implement them (no GPU):
+each op's roles against its kernel classes, and its values against its program's parameters.
 
-The C++ list of values is checked against it in ``test_extension.py``; the compiled PTX
+The C++ list of values is checked against them in ``test_extension.py``; the compiled PTX
 parameter types in ``tests/compile``.
 """
 
@@ -13,10 +14,16 @@ import textwrap
 import pytest
 
 from jax_moe_publish import _abi, tuning
+from jax_moe_publish.experts_config import ExpertsConfig
 
 pytest.importorskip("cutlass")
 
-from jax_moe_publish.kernels import program  # noqa: E402
+from jax_moe_publish.kernels import experts_program, program  # noqa: E402
+
+PROGRAMS = {"publish": (program.MoePublishProgram, program.KERNELS, "_abi.VALUES"),
+            "experts": (experts_program.ExpertsProgram, experts_program.KERNELS, "_abi.EXPERTS.values")}
+"""Each op's program class, its kernel class by role, and how its ``__call__`` names its values."""
+KERNELS = {role: cls for _, kernels, _ in PROGRAMS.values() for role, cls in kernels.items()}
 
 DSL_TYPES = {"Int64": "u64", "Int32": "u32", "Float32": "f32"}
 
@@ -27,18 +34,21 @@ def _parameters(function) -> list[tuple[str, str]]:
     return [(p.name, DSL_TYPES.get(p.annotation, p.annotation)) for p in parameters]
 
 
-def test_every_role_has_a_kernel_and_every_kernel_a_role():
-    assert set(program.KERNELS) == set(_abi.ROLES)
+@pytest.mark.parametrize("op", PROGRAMS)
+def test_every_role_has_a_kernel_and_every_kernel_a_role(op):
+    assert set(PROGRAMS[op][1]) == set(_abi.CONTRACTS[op].roles)
 
 
-@pytest.mark.parametrize("role", _abi.ROLES)
+@pytest.mark.parametrize("role", _abi.ALL_ROLES)
 def test_kernel_signature_is_its_role(role):
-    kernel = getattr(program.KERNELS[role], role)  # the method named after the role is the kernel
-    assert _parameters(kernel) == [(name, _abi.VALUES[name]) for name in _abi.ROLES[role].params]
+    kernel = getattr(KERNELS[role], role)  # the method named after the role is the kernel
+    assert _parameters(kernel) == [(name, _abi.ALL_VALUES[name]) for name in _abi.ALL_ROLES[role].params]
 
 
-def test_the_program_takes_every_value_in_order():
-    assert _parameters(program.MoePublishProgram.__call__) == [*_abi.VALUES.items(), ("stream", "cuda.CUstream")]
+@pytest.mark.parametrize("op", PROGRAMS)
+def test_the_program_takes_every_value_in_order(op):
+    values = _abi.CONTRACTS[op].values
+    assert _parameters(PROGRAMS[op][0].__call__) == [*values.items(), ("stream", "cuda.CUstream")]
 
 
 @pytest.mark.parametrize("result", tuning.RESULTS)
@@ -60,12 +70,25 @@ def test_every_call_launches_roles_of_the_contract(result, tp, epilogue, fuse_re
         assert launch.waves == 1 or role.persistent
 
 
-def test_the_program_passes_every_value_under_its_own_name():
-    """The ``dict(zip(_abi.VALUES, (...)))`` of ``__call__`` lists its parameters in contract order:
-    two swapped values of one type would pass every type check and every other test on CPU."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(program.MoePublishProgram.__call__)))
+@pytest.mark.parametrize("op", PROGRAMS)
+def test_the_program_passes_every_value_under_its_own_name(op):
+    """The ``dict(zip(<the op's values>, (...)))`` of ``__call__`` lists its parameters in
+    contract order: two swapped values of one type would pass every type check and every other
+    test on CPU."""
+    cls, _, named = PROGRAMS[op]
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
     zipped = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "zip"]
-    assert len(zipped) == 1, "expected one zip of the contract's values in MoePublishProgram.__call__"
+    assert len(zipped) == 1, f"expected one zip of the contract's values in {cls.__name__}.__call__"
     names, values = zipped[0].args
-    assert ast.unparse(names) == "_abi.VALUES"
-    assert [element.id for element in values.elts] == list(_abi.VALUES)
+    assert ast.unparse(names) == named
+    assert [element.id for element in values.elts] == list(_abi.CONTRACTS[op].values)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_experts_call_launches_its_roles_on_resident_grids(fused):
+    config = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8, fused_gate_up=fused)
+    plan = experts_program.launch_plan(config)
+    assert [launch.role for launch in plan] == list(_abi.call_roles(config))
+    for launch, shape in zip(plan, ("gate_up", "down")):
+        assert launch.persistent and launch.rows == "resident" and launch.cluster == 1
+        assert launch.block == config.gemm(shape).threads and launch.smem == config.shared_bytes(shape)

@@ -46,9 +46,10 @@ def test_metadata(builds, config):
     assert meta["dsl_version"] == importlib.metadata.version("nvidia-cutlass-dsl")
     assert meta["source_fingerprint"] == artifact.source_fingerprint()
     assert meta["sidecar_version"] == artifact.SIDECAR_VERSION
+    assert meta["op"] == "publish"
     assert meta["call"] == {
-        "target": _abi.TARGETS[config.epilogue], "tp": config.tp, "hidden": config.hidden,
-        "pdl": config.enable_pdl, "operands": _abi.call_operands(config),
+        "target": _abi.TARGETS[config.epilogue], "tp": config.tp, "hidden": config.hidden, "top_k": config.top_k,
+        "max_m": 2**31 - 1, "pdl": config.enable_pdl, "operands": _abi.call_operands(config),
     }
     assert f".target {config.arch}" in built.ptx
 

@@ -29,18 +29,20 @@ def test_the_sidecar_passes_the_cpp_validation(builds, config):
 
 
 def _operand_dtype(metadata):
-    metadata["call"]["operands"][0]["dtype"] = "f16"
-    return r"call: operands\[0\] \(routed\): dtype='f16': expected one of \['bf16', 'f32', 's32'\]"
+    operand = metadata["call"]["operands"][0]
+    operand["dtype"] = "f16"
+    return rf"call: operands\[0\] \({operand['name']}\): dtype='f16': expected one of \['bf16', 'f32', 's32'\]"
 
 
 def _operand_rows(metadata):
-    metadata["call"]["operands"][0]["rows"] = "m"
-    return "call: 0 operands with rows 'num_rows': expected exactly one"
+    operand = metadata["call"]["operands"][0]
+    operand["rows"] = "owned"
+    return rf"operands\[0\] \({operand['name']}\): rows='owned' before any operand with rows 'm'"
 
 
 def _operand_dropped(metadata):
-    metadata["call"]["operands"].pop()
-    return r"call: target '[a-z_]+' takes \d+ args and \d+ rets?, but operands lists"
+    dropped = metadata["call"]["operands"].pop()
+    return rf"parameter '{dropped['name']}' is the address of an operand, but the call has no operand"
 
 
 def _param_renamed(metadata):

@@ -14,7 +14,9 @@ import types
 import pytest
 
 from jax_moe_publish import _abi, _extension
+from jax_moe_publish.aot.compile import call_record
 from jax_moe_publish.config import KernelConfig
+from jax_moe_publish.experts_config import ExpertsConfig
 
 # Mailbox ids are process-wide and closed ids stay closed, so every test takes fresh ones.
 _mailbox_ids = itertools.count(1_000_001)
@@ -39,17 +41,17 @@ def _libcuda_loadable() -> bool:
 
 
 def _kernel(role: str, **changes) -> dict:
-    """A sidecar record of a ``role`` kernel, as the compile step writes it."""
-    contract = _abi.ROLES[role]
+    """A sidecar record of a ``role`` kernel (of either op), as the compile step writes it."""
+    contract = _abi.ALL_ROLES[role]
     record = {
         "role": role,
         "symbol": f"kernel_{role}",
         "params": list(contract.params),
-        "param_types": [_abi.VALUES[name] for name in contract.params],
+        "param_types": [_abi.ALL_VALUES[name] for name in contract.params],
         "block": 128,
         "smem": 0,
         "ctas_per_row": 7,
-        "rows": "m",
+        "rows": "resident" if role in _abi.EXPERTS.roles else "m",
         "waves": 1,
         "persistent": contract.persistent,
         "cluster": 7 if contract.clustered else 1,
@@ -59,10 +61,11 @@ def _kernel(role: str, **changes) -> dict:
 
 
 HIDDEN, TOP_K = 7168, 8
+EXPERTS, INTERMEDIATE = 256, 256
 
 
-def _operand(name: str, io: str, dtype: str, rows: str | None, cols: int) -> dict:
-    return {"name": name, "io": io, "dtype": dtype, "rows": rows, "cols": cols}
+def _operand(name: str, io: str, dtype: str, rows: str | None, *shape: int) -> dict:
+    return {"name": name, "io": io, "dtype": dtype, "rows": rows, "shape": list(shape)}
 
 
 def _call(epilogue=False, weights="bf16", shared="m", out_rows="m", **changes) -> dict:
@@ -81,9 +84,30 @@ def _call(epilogue=False, weights="bf16", shared="m", out_rows="m", **changes) -
     if epilogue:
         operands.append(_operand("residual_out", "ret", "bf16", out_rows, HIDDEN))
     call = {"target": "jax_moe_publish_rmsnorm" if epilogue else "jax_moe_publish", "tp": 2, "hidden": HIDDEN,
+            "top_k": TOP_K, "max_m": 2**31 - 1, "pdl": True, "operands": operands}
+    call.update(changes)
+    return call
+
+
+def _experts_call(fused=True, **changes) -> dict:
+    """An experts set's call record, written out by hand."""
+    weights = ([_operand("gate_up", "arg", "bf16", None, EXPERTS, HIDDEN, 2 * INTERMEDIATE)] if fused else
+               [_operand(name, "arg", "bf16", None, EXPERTS, HIDDEN, INTERMEDIATE) for name in ("gate", "up")])
+    operands = [_operand("x", "arg", "bf16", "m", HIDDEN), _operand("expert_ids", "arg", "s32", "m", TOP_K),
+                *weights, _operand("down", "arg", "bf16", None, EXPERTS, INTERMEDIATE, HIDDEN),
+                _operand("out", "ret", "bf16", "pairs", HIDDEN),
+                _operand("activations", "ret", "bf16", "pairs", INTERMEDIATE)]
+    call = {"target": "jax_moe_publish_experts", "tp": 1, "hidden": HIDDEN, "top_k": TOP_K, "max_m": 1024,
             "pdl": True, "operands": operands}
     call.update(changes)
     return call
+
+
+def _experts_kernels(fused=True) -> list[dict]:
+    return [_kernel("expert_gate_up" if fused else "expert_gate_up_split"), _kernel("expert_down")]
+
+
+EXPERTS_KERNELS = _experts_kernels()
 
 
 def _with_operand(index: int, **changes) -> dict:
@@ -140,15 +164,21 @@ def test_extension_imports():
 
 
 def test_the_cpp_targets_are_the_contract():
-    assert sorted(_extension._ffi.registrations()) == sorted(_abi.TARGETS.values())
+    assert sorted(_extension._ffi.registrations()) == sorted(_abi.ALL_TARGETS)
     assert (_extension.TARGET_NAME, _extension.RMSNORM_TARGET_NAME) == (_abi.TARGETS["none"], _abi.TARGETS["rmsnorm"])
+    assert _extension.EXPERTS_TARGET_NAME == _abi.EXPERTS.targets["none"]
 
 
 def test_the_cpp_launch_values_are_the_contract():
     values = _extension.launch_values()
-    assert [(name, ptx_type) for name, ptx_type, _ in values] == list(_abi.VALUES.items())
+    assert [(name, ptx_type) for name, ptx_type, _, _ in values] == list(_abi.ALL_VALUES.items())
+    # Each value belongs to the ops whose contract lists it.
+    assert {name: sorted(ops) for name, _, _, ops in values} == {
+        name: sorted(op for op, contract in _abi.CONTRACTS.items() if name in contract.values)
+        for name in _abi.ALL_VALUES}
     # The handler takes the address of each of these from the call's operand of that name.
-    assert {name for name, _, source in values if source == "operand"} == {o.name for o in _abi.OPERANDS}
+    assert {name for name, _, source, _ in values if source == "operand"} == {
+        o.name for contract in _abi.CONTRACTS.values() for o in contract.operands}
 
 
 def test_the_cpp_operand_dtypes_are_the_contract():
@@ -160,7 +190,7 @@ def test_the_cpp_launch_limits_are_the_contract():
     assert _extension.launch_limits() == {name: getattr(_abi, name) for name in names}
 
 
-@pytest.mark.parametrize("target", _abi.TARGETS.values())
+@pytest.mark.parametrize("target", _abi.ALL_TARGETS)
 def test_target_registered(target):
     # On a jaxlib without a CUDA backend, registrations for CUDA wait in a
     # queue until a CUDA plugin appears; with one, they go straight to XLA.
@@ -199,6 +229,11 @@ def test_valid_kernel_sets_validate(tp, roles, call):
     _extension.validate_kernel_set([_kernel(role) for role in roles], _call(tp=tp, **call))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+def test_valid_experts_sets_validate(fused):
+    _extension.validate_kernel_set(_experts_kernels(fused), _experts_call(fused=fused))
+
+
 @pytest.mark.skipif(_libcuda_loadable(), reason="libcuda.so.1 is present on this machine")
 @pytest.mark.parametrize("tp, roles, call", VALID_SETS)
 def test_valid_kernel_sets_reach_the_driver(tp, roles, call):
@@ -217,9 +252,7 @@ def test_the_call_record_of_every_algorithm_validates(algorithm, fused, epilogue
     config = KernelConfig(hidden=HIDDEN, top_k=TOP_K, tp=1 if algorithm == "direct" else 4, algorithm=algorithm,
                           fuse_reduce=fused, epilogue=epilogue, include_shared_expert=fused,
                           fp32_weights=not fused)
-    call = {"target": _abi.TARGETS[epilogue], "tp": config.tp, "hidden": HIDDEN, "pdl": True,
-            "operands": _abi.call_operands(config)}
-    _extension.validate_kernel_set([_kernel(role) for role in _abi.call_roles(config)], call)
+    _extension.validate_kernel_set([_kernel(role) for role in _abi.call_roles(config)], call_record(config))
 
 
 def test_the_hand_written_call_records_are_the_compile_step_s():
@@ -228,6 +261,10 @@ def test_the_hand_written_call_records_are_the_compile_step_s():
     assert _call(epilogue=True, weights="f32", shared="zero", out_rows="owned")["operands"] == _abi.call_operands(config)
     assert _call()["operands"] == _abi.call_operands(config.replace(algorithm="oneshot", epilogue="none",
                                                                     include_shared_expert=True, fp32_weights=False))
+    for fused in (True, False):
+        experts = ExpertsConfig.for_shape(hidden=HIDDEN, intermediate=INTERMEDIATE, experts=EXPERTS, top_k=TOP_K,
+                                          fused_gate_up=fused)
+        assert _experts_call(fused=fused, max_m=experts.max_m) == call_record(experts)
 
 
 def _validate(kernels, call):
@@ -270,11 +307,16 @@ DEFAULT_KERNELS = [_kernel("publish"), _kernel("reduce")]
          r"'jax_moe_publish' does not take"),
         # The call record.
         ({"call": _call(target="jax_moe_publish_layernorm")},
-         r"call: target='jax_moe_publish_layernorm': expected one of \['jax_moe_publish', 'jax_moe_publish_rmsnorm'\]"),
+         r"call: target='jax_moe_publish_layernorm': expected one of \['jax_moe_publish', 'jax_moe_publish_rmsnorm', "
+         r"'jax_moe_publish_experts'\]"),
         ({"call": _call(tp=0)}, "call: tp=0: expected >= 1"),
         ({"call": _call(hidden=0)}, "call: hidden=0: expected >= 1"),
+        ({"call": _call(top_k=0)}, "call: top_k=0: expected >= 1"),
+        ({"call": _call(max_m=2**31)}, r"call: max_m=2147483648: expected 1 to 2\*\*31 - 1"),
         ({"call": _with_operand(1, name="gates")},
-         r"call: operands\[1\]: name='gates': expected one of the launch contract's operands \['routed', 'weights'"),
+         r"call: operands\[1\]: name='gates': expected one of the op's operands \['routed', 'weights'"),
+        # An operand of the other op.
+        ({"call": _with_operand(1, name="expert_ids")}, r"operands\[1\]: name='expert_ids': expected one of"),
         # A value of the contract, but not one an operand carries.
         ({"call": _with_operand(3, name="mailbox")}, r"operands\[3\]: name='mailbox': expected one of"),
         ({"call": _with_operand(2, name="weights")}, r"operands\[2\] \(weights\): a second operand 'weights'"),
@@ -282,28 +324,38 @@ DEFAULT_KERNELS = [_kernel("publish"), _kernel("reduce")]
         ({"call": _with_operand(1, dtype="f16")},
          r"operands\[1\] \(weights\): dtype='f16': expected one of \['bf16', 'f32', 's32'\]"),
         ({"call": _with_operand(3, rows="all")},
-         r"operands\[3\] \(shared\): rows='all': expected 'num_rows', 'm', 'owned', 'zero' or None \(a vector\)"),
-        ({"call": _with_operand(0, cols=0)}, r"operands\[0\] \(routed\): cols=0: expected >= 1"),
+         r"operands\[3\] \(shared\): rows='all': expected 'num_rows', 'm', 'owned', 'pairs', 'zero' or None"),
+        ({"call": _with_operand(3, rows="resident")}, r"operands\[3\] \(shared\): rows='resident': expected"),
+        ({"call": _with_operand(0, shape=[0])}, r"operands\[0\] \(routed\): shape\[0\]=0: expected >= 1"),
+        ({"call": _with_operand(4, rows=None, shape=[])},
+         r"operands\[4\] \(out\): no rows and an empty shape: expected an array of at least one dimension"),
+        # The kernels take num_rows, which the operand with rows 'num_rows' gives.
         ({"call": _with_operand(0, rows="m")},
-         "call: 0 operands with rows 'num_rows': expected exactly one"),
+         "parameter 'num_rows' is the rows of the operand with rows 'num_rows', but the call has none"),
         ({"call": _with_operand(1, rows="num_rows")},
-         "call: 2 operands with rows 'num_rows': expected exactly one"),
+         "call: 2 operands with rows 'num_rows': expected at most one"),
         ({"call": _with_operands(lambda ops: [ops[0]] + [dict(op, rows="zero") for op in ops[1:]])},
          "call: no operand with rows 'm': expected at least one"),
         # ceil(m / tp) needs m, which the first operand with rows m fixes.
         ({"call": _with_operand(1, rows="owned")},
          r"operands\[1\] \(weights\): rows='owned' before any operand with rows 'm'"),
+        ({"call": _with_operand(1, rows="pairs")},
+         r"operands\[1\] \(weights\): rows='pairs' before any operand with rows 'm'"),
         # The FFI order: every arg, then every ret.
         ({"call": _with_operands(lambda ops: [ops[-1], *ops[:-1]])},
          r"operands\[1\] \(routed\): io='arg' after a 'ret': expected every arg before every ret"),
         ({"call": _with_operands(lambda ops: ops[:3] + ops[4:])},
-         "call: target 'jax_moe_publish' takes 4 args and 1 ret, but operands lists 3 args and 1 ret"),
+         r"kernels\[0\] \(publish\): parameter 'shared' is the address of an operand, but the call has no operand"),
+        ({"call": _with_operands(lambda ops: ops[:-1])}, "operands lists 4 args and 0 rets: expected at least one"),
         ({"call": _call(epilogue=True, target="jax_moe_publish")},
-         "call: target 'jax_moe_publish' takes 4 args and 1 ret, but operands lists 6 args and 2 rets"),
+         "call: operand 'residual' is taken by no kernel of the set"),
         ({"call": {"target": "jax_moe_publish", "tp": 2}}, r"call: missing key 'hidden'"),
         ({"call": _call(operands=[{"name": "routed"}])}, r"call\['operands'\]\[0\]: missing key 'io'"),
         # A kernel's launch plan.
-        ({"kernels": [_kernel("publish", rows="all"), _kernel("reduce")]}, r"rows='all': expected 'm' or 'owned'"),
+        ({"kernels": [_kernel("publish", rows="all"), _kernel("reduce")]},
+         r"rows='all': expected 'm', 'owned' or 'resident'"),
+        ({"kernels": [_kernel("publish", rows="resident"), _kernel("reduce")]},
+         r"kernels\[0\] \(publish\): rows='resident' for a kernel that is not persistent"),
         ({"kernels": [_kernel("publish", rows="num_rows"), _kernel("reduce")]}, r"rows='num_rows'"),
         ({"kernels": [_kernel("publish", block=0), _kernel("reduce")]}, r"block=0"),
         ({"kernels": [_kernel("publish", block=2048), _kernel("reduce")]}, r"block=2048"),
@@ -325,6 +377,30 @@ DEFAULT_KERNELS = [_kernel("publish"), _kernel("reduce")]
 def test_kernel_set_record_value_errors(check, changes, match):
     with pytest.raises(ValueError, match=match):
         check(changes.get("kernels", DEFAULT_KERNELS), changes.get("call", _call()))
+
+
+@CHECKS
+@pytest.mark.parametrize(
+    "kernels, call, match",
+    [
+        # A kernel of the other op, and a target of the other op.
+        ([_kernel("expert_gate_up"), _kernel("reduce")], _call(),
+         r"kernels\[0\] \(expert_gate_up\): parameter 'x' is not a value of the op of target 'jax_moe_publish'"),
+        (EXPERTS_KERNELS, _experts_call(target="jax_moe_publish"), r"operands\[0\]: name='x': expected one of the op's"),
+        # The split layout's operands with the fused layout's kernel, and a call without down.
+        (EXPERTS_KERNELS, _experts_call(fused=False),
+         r"kernels\[0\] \(expert_gate_up\): parameter 'gate_up' is the address of an operand, but the call has no"),
+        (EXPERTS_KERNELS, _experts_call(operands=[o for o in _experts_call()["operands"] if o["name"] != "down"]),
+         r"kernels\[1\] \(expert_down\): parameter 'down' is the address of an operand, but the call has no "
+         r"operand 'down'"),
+        (EXPERTS_KERNELS, _experts_call(tp=2), "tp=2 without a kernel that takes the mailbox"),
+        ([_kernel("expert_gate_up", persistent=False), _kernel("expert_down")], _experts_call(),
+         r"kernels\[0\] \(expert_gate_up\): rows='resident' for a kernel that is not persistent"),
+    ],
+)
+def test_experts_set_record_value_errors(check, kernels, call, match):
+    with pytest.raises(ValueError, match=match):
+        check(kernels, call)
 
 
 @pytest.mark.parametrize(
@@ -375,8 +451,8 @@ def test_load_kernel_set_type_errors(changes, match):
         ({"call": _call(operands={"name": "routed"})}, r"call\['operands'\]=.*: expected a sequence of mappings"),
         ({"call": _call(operands=["routed"])}, r"call\['operands'\]\[0\]='routed': expected a mapping"),
         ({"call": _with_operand(0, rows=7)}, r"call\['operands'\]\[0\]\['rows'\]=7: expected a str or None"),
-        ({"call": _with_operand(0, cols="7168")}, r"call\['operands'\]\[0\]\['cols'\]='7168': expected an int"),
-        ({"call": _with_operand(0, cols=True)}, r"call\['operands'\]\[0\]\['cols'\]=True: expected an int"),
+        ({"call": _with_operand(0, shape=7168)}, r"call\['operands'\]\[0\]\['shape'\]=7168: expected a list of ints"),
+        ({"call": _with_operand(0, shape=["7168"])}, r"call\['operands'\]\[0\]\['shape'\]=\['7168'\]"),
     ],
 )
 def test_kernel_set_record_type_errors(check, changes, match):

@@ -20,6 +20,7 @@ import pytest
 from jax_moe_publish import _abi, tuning
 from jax_moe_publish.aot import artifact, store
 from jax_moe_publish.aot import compile as aot_compile
+from jax_moe_publish.aot.compile import call_record
 
 CONFIG = tuning.kernel_config(tuning.Problem(512, 2), tp=2, m=None)
 
@@ -34,19 +35,17 @@ def kernel_set(config=CONFIG, code: bytes = b"") -> artifact.KernelArtifact:
     """A set of ``config`` as the compile step would write it, its cubin a header and ``code``."""
     kernels = []
     for role in _abi.call_roles(config):
-        contract = _abi.ROLES[role]
+        contract = _abi.ALL_ROLES[role]
         kernels.append({
             "role": role, "symbol": f"kernel_cutlass_{role}_jax_moe_publish", "params": list(contract.params),
-            "param_types": [_abi.VALUES[name] for name in contract.params], "block": config.threads, "smem": 0,
+            "param_types": [_abi.ALL_VALUES[name] for name in contract.params], "block": config.threads, "smem": 0,
             "ctas_per_row": config.ctas_per_row, "rows": "m", "waves": config.waves,
             "persistent": contract.persistent, "cluster": config.ctas_per_row if contract.clustered else 1,
         })
     metadata = {
-        "sidecar_version": artifact.SIDECAR_VERSION, "key": config.key, "config": config.to_dict(),
+        "sidecar_version": artifact.SIDECAR_VERSION, "key": config.key, "op": config.op, "config": config.to_dict(),
         "arch": config.arch, "dsl_version": artifact.dsl_version(), "source_fingerprint": artifact.source_fingerprint(),
-        "call": {"target": _abi.TARGETS[config.epilogue], "tp": config.tp, "hidden": config.hidden,
-                 "pdl": config.enable_pdl, "operands": _abi.call_operands(config)},
-        "kernels": kernels,
+        "call": call_record(config), "kernels": kernels,
     }
     return artifact.KernelArtifact(cubin=elf_header() + code, ptx="// ptx", metadata=metadata)
 

@@ -289,6 +289,12 @@ class Buffer:
             check(driver.cuMemFree(self.address), "cuMemFree")
 
 
+def operand_bytes(operand: dict, rows: dict) -> int:
+    """Bytes of a call record's ``operand`` (`_abi.call_operands`) for the largest call: ``rows``
+    maps its rows word (None: no leading rows) to the count."""
+    return rows[operand["rows"]] * int(np.prod(operand["shape"])) * _abi.DTYPES[operand["dtype"]]
+
+
 class RankBuffers:
     """One rank's inputs and output, for calls of up to ``max_m`` tokens and ``max_rows`` routed rows.
 
@@ -304,10 +310,8 @@ class RankBuffers:
         # (`_abi.call_operands`): None where the config has none (shared without a shared
         # expert, the epilogue's without the epilogue). Owned rows fit in max_m.
         rows = {"num_rows": max_rows, "m": max_m, "owned": max_m, None: 1}
-        present = {
-            operand["name"]: Buffer(device, rows[operand["rows"]] * operand["cols"] * _abi.DTYPES[operand["dtype"]])
-            for operand in _abi.call_operands(config) if operand["rows"] != "zero"
-        }
+        present = {operand["name"]: Buffer(device, operand_bytes(operand, rows))
+                   for operand in _abi.call_operands(config) if operand["rows"] != "zero"}
         for operand in _abi.OPERANDS:
             setattr(self, operand.name, present.get(operand.name))
         self.epilogue = config.epilogue != "none"
@@ -518,3 +522,51 @@ def open_group(artifact: KernelArtifact, pool: DevicePool, *, capacity_m: int, t
                 launcher.close()
             if memory is not None:
                 memory.free()
+
+
+class ExpertsLauncher:
+    """An experts kernel set (`ExpertsConfig`) on one GPU with buffers for calls of up to ``max_m``
+    tokens: the launches the C++ launcher makes (each kernel on the CTAs the GPU holds at once,
+    rows ``"resident"``), its outputs poisoned before each call."""
+
+    def __init__(self, artifact: KernelArtifact, device: Device, max_m: int) -> None:
+        from jax_moe_publish.aot.artifact import CONFIGS
+
+        self.config = CONFIGS[artifact.metadata["op"]].from_dict(artifact.metadata["config"])
+        self.device = device
+        self.max_m = max_m
+        self.kernels = artifact.metadata["kernels"]
+        self.pdl = bool(artifact.metadata["call"]["pdl"])
+        self.functions = device.functions(artifact)
+        self.grids = [device.resident_ctas(function, kernel) for function, kernel in zip(self.functions, self.kernels)]
+        rows = {"m": max_m, "pairs": max_m * self.config.top_k, None: 1}
+        self.operands = _abi.call_operands(self.config)
+        self.buffers = {operand["name"]: Buffer(device, operand_bytes(operand, rows)) for operand in self.operands}
+
+    def run(self, inputs: numerics.ExpertsInputs, timeout_s: float = 30.0):
+        """One call on ``inputs`` into poisoned outputs: (rows, activations) as bf16
+        ``[m * top_k, hidden]`` and ``[m * top_k, intermediate]``."""
+        m = inputs.x.shape[0]
+        if m > self.max_m:
+            raise ValueError(f"m={m} exceeds the buffers' max_m={self.max_m}")
+        arrays = {"x": inputs.x, "expert_ids": inputs.expert_ids.astype(np.int32), "gate_up": inputs.gate_up,
+                  "gate": inputs.gate, "up": inputs.up, "down": inputs.down}
+        for operand in self.operands:
+            buffer = self.buffers[operand["name"]]
+            if operand["io"] == "arg":
+                buffer.upload(arrays[operand["name"]])
+            else:
+                buffer.poison()
+        values = {name: buffer.address for name, buffer in self.buffers.items()}
+        values["m"] = m
+        for function, kernel, grid in zip(self.functions, self.kernels, self.grids):
+            self.device.launch(function, kernel, grid, values, self.pdl)
+        self.device.wait(time.monotonic() + timeout_s)
+        pairs = m * self.config.top_k
+        return (self.buffers["out"].download(numerics.BF16, (pairs, self.config.hidden)),
+                self.buffers["activations"].download(numerics.BF16, (pairs, self.config.intermediate)))
+
+    def close(self) -> None:
+        for buffer in self.buffers.values():
+            buffer.free()
+        self.buffers = {}

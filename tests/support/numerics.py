@@ -215,3 +215,131 @@ def pattern_indices(rng, pattern: str, m: int, top_k: int, num_rows: int) -> np.
         duplicate = np.repeat(valid[:, :1], top_k, axis=1)
         out = np.choose(rng.integers(0, 5, (m, top_k)), [valid, below, above, duplicate, np.full_like(valid, -1)])
     return out.astype(np.int32)
+
+
+# --- the experts op ------------------------------------------------------------------------
+
+SILU_LIPSCHITZ = 1.1
+"""A bound of |silu'| (its maximum is about 1.0998, near x = 2.4)."""
+SILU_F32_RELATIVE = 16 * F32_EPS
+"""A bound of the float32 silu's relative error (an approximate exp, a division)."""
+
+
+@dataclasses.dataclass
+class ExpertsInputs:
+    """One rank's inputs (NumPy) of the experts op."""
+
+    x: np.ndarray  # bf16 [m, hidden]
+    expert_ids: np.ndarray  # int32 [m, top_k]
+    gate: np.ndarray  # bf16 [experts, hidden, intermediate]
+    up: np.ndarray  # bf16 [experts, hidden, intermediate]
+    down: np.ndarray  # bf16 [experts, intermediate, hidden]
+
+    @property
+    def gate_up(self) -> np.ndarray:
+        """The fused layout: bf16 [experts, hidden, 2 * intermediate], gate columns first."""
+        return np.concatenate([self.gate, self.up], axis=-1)
+
+
+def random_experts(rng, *, m, hidden, intermediate, experts, top_k, skipped_fraction=0.1,
+                   hot_experts=None) -> ExpertsInputs:
+    """Fresh inputs with unit-scale activations: weights of variance 1 / fan-in (distinct per
+    expert), about ``skipped_fraction`` of the ids outside ``[0, experts)``, each token's valid
+    ids distinct (drawn as a router would), and, with ``hot_experts``, every id among that many
+    experts (several tokens per expert)."""
+    x = rng.standard_normal((m, hidden), dtype=np.float32).astype(BF16)
+    pool = experts if hot_experts is None else min(hot_experts, experts)
+    choices = np.stack([rng.permutation(pool)[:top_k] if top_k <= pool else rng.integers(0, pool, top_k)
+                        for _ in range(m)]).astype(np.int32)
+    skipped = rng.random((m, top_k)) < skipped_fraction
+    bad = rng.choice(np.array([-1, -3, experts, experts + 9, 2**31 - 1], np.int32), (m, top_k))
+    ids = np.where(skipped, bad, choices).astype(np.int32)
+
+    def weights(shape, fan_in):
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(BF16)
+
+    return ExpertsInputs(x, ids, weights((experts, hidden, intermediate), hidden),
+                         weights((experts, hidden, intermediate), hidden),
+                         weights((experts, intermediate, hidden), intermediate))
+
+
+def _valid_pairs(inputs: ExpertsInputs):
+    """(pair, token, expert) of every pair with a valid id."""
+    m, top_k = inputs.expert_ids.shape
+    flat = inputs.expert_ids.reshape(-1)
+    pairs = np.flatnonzero((flat >= 0) & (flat < inputs.down.shape[0]))
+    return pairs, pairs // top_k, flat[pairs]
+
+
+def _per_expert(rows, ids, weights):
+    """(``rows[i] @ weights[ids[i]]``, the same of absolute values), float64, one expert at a time."""
+    value = np.zeros((rows.shape[0], weights.shape[2]))
+    magnitude = np.zeros_like(value)
+    for expert in np.unique(ids):
+        chosen = ids == expert
+        w = weights[expert].astype(np.float64)
+        value[chosen] = rows[chosen] @ w
+        magnitude[chosen] = np.abs(rows[chosen]) @ np.abs(w)
+    return value, magnitude
+
+
+def expected_activations(inputs: ExpertsInputs):
+    """(float64 ``silu(gate) * up`` of the exact projections, element-wise bound of the kernels'
+    bf16 activations): float32 sums of hidden terms, the bf16 roundings of gate and up, a
+    float32 silu and product, and the final bf16 rounding. Rows of skipped pairs are exactly 0."""
+    m, top_k = inputs.expert_ids.shape
+    hidden, intermediate = inputs.gate.shape[1:]
+    exact = np.zeros((m * top_k, intermediate))
+    bound = np.zeros_like(exact)
+    pairs, tokens, ids = _valid_pairs(inputs)
+    x = inputs.x.astype(np.float64)[tokens]
+    projections = []
+    for weights in (inputs.gate, inputs.up):
+        value, magnitude = _per_expert(x, ids, weights)
+        summed = hidden * F32_EPS * magnitude
+        projections.append((value, summed + BF16_EPS * (np.abs(value) + summed)))
+    (g, g_error), (u, u_error) = projections
+    silu = g / (1 + np.exp(-g))
+    h = silu * u
+    error = ((np.abs(silu) + SILU_LIPSCHITZ * g_error) * u_error + SILU_LIPSCHITZ * g_error * np.abs(u)
+             + (SILU_F32_RELATIVE + F32_EPS) * (np.abs(silu) + SILU_LIPSCHITZ * g_error) * (np.abs(u) + u_error))
+    exact[pairs] = h
+    bound[pairs] = error + BF16_EPS * (np.abs(h) + error) + 1e-30
+    return exact, bound
+
+
+def expected_rows_from(activations, inputs: ExpertsInputs):
+    """(float64 ``activations @ down`` of the bf16 ``activations`` given, element-wise bound of
+    the kernels' bf16 rows): float32 sums of intermediate terms and one bf16 rounding. Rows of
+    skipped pairs are exactly 0."""
+    m, top_k = inputs.expert_ids.shape
+    intermediate, hidden = inputs.down.shape[1:]
+    exact = np.zeros((m * top_k, hidden))
+    bound = np.zeros_like(exact)
+    pairs, _, ids = _valid_pairs(inputs)
+    h = np.asarray(activations).astype(np.float64)[pairs]
+    value, magnitude = _per_expert(h, ids, inputs.down)
+    summed = intermediate * F32_EPS * magnitude
+    exact[pairs] = value
+    bound[pairs] = summed + BF16_EPS * (np.abs(value) + summed) + 1e-30
+    return exact, bound
+
+
+def expected_rows(inputs: ExpertsInputs):
+    """(float64 rows of the experts op, element-wise bound): `expected_activations` carried
+    through down with its bound, then `expected_rows_from`'s float32 sums and rounding."""
+    h, h_bound = expected_activations(inputs)
+    exact, bound = expected_rows_from(h, inputs)
+    pairs, _, ids = _valid_pairs(inputs)
+    _, carried = _per_expert(h_bound[pairs], ids, inputs.down)
+    intermediate = inputs.down.shape[1]
+    extra = np.zeros_like(bound)
+    extra[pairs] = carried * (1 + intermediate * F32_EPS) + BF16_EPS * carried
+    return exact, bound + extra
+
+
+def assert_rows_zero(out, inputs: ExpertsInputs, *, what="rows"):
+    """The rows of the skipped pairs are exactly +0.0 or -0.0 (nothing poisoned is left)."""
+    flat = inputs.expert_ids.reshape(-1)
+    skipped = np.flatnonzero((flat < 0) | (flat >= inputs.down.shape[0]))
+    assert np.all(np.asarray(out).astype(np.float64)[skipped] == 0), f"{what}: a skipped pair's row is not zero"

@@ -1,0 +1,170 @@
+"""The second op: the routed experts of a decode batch, ``down(silu(gate(x)) * up(x))`` for every
+token-expert pair, reading each active expert's weights once.
+
+`moe_experts` computes one rank's shard; its rows feed `moe_finalize_publish` directly (row
+``t * top_k + k`` is the pair's, the finalize's ``permuted_indices`` are ``t * top_k + k``).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from jax_moe_publish import _launch, batching, checks, reference
+from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
+
+IMPLS = ("auto", "kernel", "reference")
+
+
+def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *, impl: str = "auto",
+                config: ExpertsConfig | None = None) -> jax.Array:
+    """The routed experts of one rank's shard at decode: every pair of a token and one of its
+    ``top_k`` experts through that expert's SwiGLU MLP.
+
+    For each pair ``p = t * top_k + k`` whose id ``e = expert_ids[t, k]`` lies in
+    ``[0, experts)``, with bf16 operands and float32 sums::
+
+        gate = bf16( x[t] @ W_gate[e] )        up = bf16( x[t] @ W_up[e] )
+        h    = bf16( silu(gate) * up )         (float32)
+        y[p] = bf16( h @ W_down[e] )
+
+    and ``y[p] = 0`` for any other id (such as -1). On CUDA devices the kernels read the weights
+    of the experts that some pair names, once per pass over up to ``16 * token_tiles`` of the
+    expert's pairs, and nothing else; the result is the same bits on every run, whatever m and
+    whatever the other tokens.
+
+    Inside ``shard_map`` with the intermediate dimension sharded (tensor parallelism), each rank
+    passes its slices (``intermediate = I / tp``) and gets its partial rows, which
+    `moe_finalize_publish` sums over the group. With the fused ``gate_up`` a rank's slice must
+    hold its gate columns followed by its up columns (as ``[tp, experts, hidden, 2 * I / tp]``
+    sharded on the leading axis); the pair ``(gate, up)`` shards column-wise as it is.
+
+    Under ``jax.vmap`` over ``x`` and ``expert_ids`` a batch is one call over all of its tokens
+    (the weights are the same for the whole batch). ``jax.grad`` and ``jax.jvp`` pass through
+    on every path: the derivative is JAX's derivative of the reference at the same inputs (its
+    rules for the float32 math, `jax.lax.ragged_dot` and the bf16 conversions), the forward
+    the kernels'. A derivative under ``jax.vmap`` needs ragged_dot's batching rule, which JAX
+    lacks for a batched lhs.
+
+    Parameters
+    ----------
+    x : bf16 [m, hidden]
+        The tokens.
+    expert_ids : int32 [m, top_k]
+        Each token's experts; an id outside ``[0, experts)`` skips its pair.
+    gate_up : bf16 [experts, hidden, 2 * intermediate], or a pair ``(gate, up)`` of bf16
+        [experts, hidden, intermediate]
+        Gate and up projections: fused, gate columns first, or as two arrays (MaxText's
+        ``wi_0`` and ``wi_1``).
+    down : bf16 [experts, intermediate, hidden]
+        Down projections (MaxText's ``wo``).
+    impl : {"auto", "kernel", "reference"}
+        ``auto``: the kernels on CUDA devices where they take the shape (hidden a multiple of
+        32, intermediate of 16, ``m * top_k <= 8192``, at most 1024 experts and top-64), the
+        pure-JAX reference (`reference.moe_experts`, `jax.lax.ragged_dot`) elsewhere.
+        ``kernel`` raises where the kernels cannot run.
+    config : ExpertsConfig, optional
+        The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape.
+
+    Returns
+    -------
+    bf16 [m * top_k, hidden]: pair ``t * top_k + k`` in row ``t * top_k + k``.
+    """
+    shape = checks.check_expert_arrays(x, expert_ids, gate_up, down)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    if config is not None:
+        _check_config(config, shape)
+    why_not = _why_no_kernels(shape)
+    gpus = [device.local_hardware_id for device in jax.local_devices(backend="gpu")] if _has_gpus() else []
+    if impl == "kernel" and (why_not or not gpus):
+        raise ValueError(f"impl='kernel': {why_not or 'no CUDA device in this process'}; use impl='auto' or "
+                         "'reference'")
+    gate, up = (gate_up, None) if shape.fused else gate_up
+
+    def elsewhere(x, expert_ids, gate, up, down):
+        return reference.moe_experts(x, expert_ids, gate if up is None else (gate, up), down)
+
+    if impl == "reference" or why_not or not gpus:
+        # ragged_dot has no vmap rule for a batched lhs: a batch is one call on this path too.
+        return _differentiable(batching.folding_expert_batches(elsewhere))(x, expert_ids, gate, up, down)
+    config = config or _default_config(shape)
+    set_id = _launch.load(config, gpus)
+
+    def on_cuda(x, expert_ids, gate, up, down):
+        return _call_kernels(set_id, x, expert_ids, gate, up, down)
+
+    def experts(x, expert_ids, gate, up, down):
+        # The platform the computation runs on decides, not only the devices this process has.
+        return lax.platform_dependent(x, expert_ids, gate, up, down, cuda=on_cuda, default=elsewhere)
+
+    experts = batching.folding_expert_batches(experts, max_pairs=MAX_PAIRS)
+    return _differentiable(experts)(x, expert_ids, gate, up, down)
+
+
+def _has_gpus() -> bool:
+    try:
+        return bool(jax.local_devices(backend="gpu"))
+    except RuntimeError:  # no GPU backend in this jaxlib, or none initialized
+        return False
+
+
+def _why_no_kernels(shape: checks.ExpertsShape) -> str | None:
+    """Why the kernels cannot take a call of ``shape``, or None: no config of the shape exists
+    (`ExpertsConfig`'s checks say why), or the call has more pairs than they hold."""
+    if shape.m * shape.top_k > MAX_PAIRS:
+        return (f"m * top_k = {shape.m} x {shape.top_k} = {shape.m * shape.top_k} pairs, more than the kernels' "
+                f"{MAX_PAIRS}")
+    try:
+        _default_config(shape)
+    except ValueError as error:
+        return f"the kernels take no call of this shape: {error}"
+    return None
+
+
+def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
+    return ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
+                                   top_k=shape.top_k, fused_gate_up=shape.fused)
+
+
+def _check_config(config, shape: checks.ExpertsShape) -> None:
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config: expected a jax_moe_publish.ExpertsConfig, got {type(config).__name__}")
+    call = dict(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts, top_k=shape.top_k,
+                fused_gate_up=shape.fused)
+    differ = {name: (getattr(config, name), value) for name, value in call.items() if getattr(config, name) != value}
+    if differ:
+        listed = ", ".join(f"{name}={got!r} (the arrays give {want!r})" for name, (got, want) in differ.items())
+        raise ValueError(f"config: {listed}; expected a config of the arrays' shape")
+
+
+def _call_kernels(set_id, x, expert_ids, gate, up, down):
+    """The FFI call of a loaded experts kernel set: the operands of its call record, the
+    activations a scratch result that is dropped."""
+    out_type = jax.eval_shape(lambda: reference.moe_experts(x, expert_ids, gate if up is None else (gate, up), down))
+    activations_type = out_type.update(shape=(out_type.shape[0], down.shape[1]))
+    weights = [gate] if up is None else [gate, up]
+    # Pure: no state outside XLA, so XLA may merge, hoist or drop calls like any computation.
+    out, _ = _launch.ffi_call(set_id, (out_type, activations_type), [x, expert_ids, *weights, down],
+                              side_effects=False)
+    return out
+
+
+def _differentiable(experts):
+    """``experts`` with the reference's derivative at the same inputs."""
+
+    @jax.custom_jvp
+    def differentiable(x, expert_ids, gate, up, down):
+        return experts(x, expert_ids, gate, up, down)
+
+    @differentiable.defjvp
+    def jvp(primals, tangents):
+        x, expert_ids, gate, up, down = primals
+
+        def math(x, gate, up, down):
+            return reference.moe_experts(x, expert_ids, gate if up is None else (gate, up), down)
+
+        _, tangent = jax.jvp(math, (x, gate, up, down), (tangents[0], tangents[2], tangents[3], tangents[4]))
+        return experts(*primals), tangent
+
+    return differentiable

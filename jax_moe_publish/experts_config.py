@@ -1,0 +1,289 @@
+"""`ExpertsConfig`: every compile-time choice of one specialization of the experts op.
+
+A config names one cubin of the experts' decode GEMM (`jax_moe_publish.experts`): the shape of a
+rank's expert weights (``hidden``, the rank's ``intermediate`` columns, ``experts``, ``top_k``,
+fused or split gate and up) and how each of its two kernels splits a work item over its warps.
+Runtime values (m, addresses) are kernel parameters and are not here.
+
+Each kernel covers a work item, one active expert's block of output columns, with
+``warps_k * warps_n`` warps: ``warps_n`` of them side by side over the columns, ``warp_cols``
+columns each, and ``warps_k`` splitting the reduction dimension K, whose partial sums the CTA
+adds in warp order. A warp computes its columns for up to ``16 * token_tiles`` of the expert's
+tokens at once with ``mma.sync`` (m16n8k16: 16 columns by 8 tokens per instruction), reading each
+weight once per pass over the tokens, ``unroll`` steps of 16 rows of K in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import numbers
+
+MMA_COLUMNS = 16
+"""Columns (weight columns, the mma's M) of one tensor-core instruction."""
+MMA_TOKENS = 8
+"""Tokens (the mma's N) of one tensor-core instruction."""
+MMA_K = 16
+"""Rows of K of one tensor-core instruction."""
+WARP_COLS = (32, 64)
+"""Columns a warp covers: its lanes load 8 or 16 contiguous bytes of a weight row."""
+MAX_EXPERTS = 1024
+MAX_TOP_K = 64
+MAX_PAIRS = 8192
+"""Token-expert pairs (``m * top_k``) of one call: each CTA keeps their expert order in shared
+memory (4 bytes each)."""
+MAX_THREADS = 1024
+SHARED_MEMORY_BYTES = 227 * 1024
+"""Shared memory a CTA of an H100 or H200 may use."""
+ARCHS = ("sm_90a",)
+_INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
+               "gate_up_warp_cols", "gate_up_unroll", "down_warps_k", "down_warps_n", "down_warp_cols",
+               "down_unroll")
+_BOOL_FIELDS = ("fused_gate_up", "enable_pdl")
+
+
+def _require(condition: bool, field: str, value, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"ExpertsConfig.{field}={value!r}: expected {expected}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+    """How one kernel of the experts op covers its work items (from an `ExpertsConfig`).
+
+    ``k``: rows of the reduction (hidden for gate/up, intermediate for down); ``columns``: the
+    output columns of an expert; ``gated``: each warp's lanes 0-15 read gate columns and lanes
+    16-31 the same columns of up, so a warp yields ``warp_cols / 2`` SwiGLU columns."""
+
+    k: int
+    columns: int
+    gated: bool
+    warps_k: int
+    warps_n: int
+    warp_cols: int
+    unroll: int
+    token_tiles: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_k * self.warps_n
+
+    @property
+    def mma_tiles(self) -> int:
+        """mma.sync instructions side by side over a warp's columns."""
+        return self.warp_cols // MMA_COLUMNS
+
+    @property
+    def lane_words(self) -> int:
+        """Words (bf16 pairs) of a weight row that one lane loads: ``warp_cols / 8`` columns."""
+        return self.warp_cols // 16
+
+    @property
+    def item_columns(self) -> int:
+        """Output columns of one work item (SwiGLU columns when gated)."""
+        return self.warps_n * self.warp_cols // (2 if self.gated else 1)
+
+    @property
+    def items_per_expert(self) -> int:
+        return self.columns // self.item_columns
+
+    @property
+    def tokens_per_pass(self) -> int:
+        return MMA_TOKENS * self.token_tiles
+
+    @property
+    def k_steps_per_warp(self) -> int:
+        return self.k // MMA_K // self.warps_k
+
+    def reduction_bytes(self) -> int:
+        """Shared memory for the partial sums of the warps that split K (0 without a split):
+        every lane's accumulators, lane innermost."""
+        if self.warps_k == 1:
+            return 0
+        return self.warps_k * self.warps_n * self.mma_tiles * self.token_tiles * 4 * 32 * 4
+
+
+SMEM_ALIGNMENT = 16
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+def routing_bytes(experts: int) -> int:
+    """Shared memory of a CTA's routing tables (`kernels.expert_routing`): four int32 per expert,
+    four totals, and the pairs in expert order, each array 16-byte aligned."""
+    return 4 * _aligned(4 * experts) + _aligned(4 * 4) + _aligned(4 * MAX_PAIRS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+    """Compile-time specialization of the experts' gate/up and down kernels.
+
+    Parameters
+    ----------
+    hidden : int
+        Model width: K of gate and up, the output columns of down.
+    intermediate : int
+        This rank's intermediate columns of each expert (``I / tp``): the columns of gate and
+        of up, K of down.
+    experts : int
+        Routed experts; an id outside ``[0, experts)`` skips its pair.
+    top_k : int
+        Experts per token.
+    fused_gate_up : bool
+        Gate and up as one ``[experts, hidden, 2 * intermediate]`` array (gate columns first),
+        else two ``[experts, hidden, intermediate]`` arrays.
+    token_tiles : int
+        Tokens of an expert computed per pass over its weights, in eights (1 to 4).
+    gate_up_warps_k, gate_up_warps_n, gate_up_warp_cols, gate_up_unroll : int
+        The gate/up kernel's work item (`GemmShape`): warps splitting K (hidden), warps side by
+        side, columns per warp (half gate, half up), 16-row steps of K in flight per warp.
+    down_warps_k, down_warps_n, down_warp_cols, down_unroll : int
+        The same for the down kernel (K is intermediate, the columns are hidden).
+    enable_pdl : bool
+        Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
+        kernel for gate/up, and each lets its successor launch once its CTAs are done.
+    arch : {"sm_90a"}
+        Target of the cubin.
+    """
+
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    fused_gate_up: bool = True
+    token_tiles: int = 2
+    gate_up_warps_k: int = 8
+    gate_up_warps_n: int = 1
+    gate_up_warp_cols: int = 32
+    gate_up_unroll: int = 4
+    down_warps_k: int = 2
+    down_warps_n: int = 4
+    down_warp_cols: int = 64
+    down_unroll: int = 4
+    enable_pdl: bool = True
+    arch: str = "sm_90a"
+
+    op = "experts"
+    """The contract this config compiles (`_abi.CONTRACTS`)."""
+
+    def __post_init__(self) -> None:
+        for field in _INT_FIELDS:
+            value = getattr(self, field)
+            _require(isinstance(value, numbers.Integral) and not isinstance(value, bool), field, value, "an int")
+            object.__setattr__(self, field, int(value))
+        for field in _BOOL_FIELDS:
+            _require(isinstance(getattr(self, field), bool), field, getattr(self, field), "a bool")
+        _require(self.arch in ARCHS, "arch", self.arch, f"one of {ARCHS}")
+        _require(1 <= self.experts <= MAX_EXPERTS, "experts", self.experts, f"an int in [1, {MAX_EXPERTS}]")
+        _require(1 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k, f"an int in [1, {MAX_TOP_K}]")
+        _require(1 <= self.token_tiles <= 4, "token_tiles", self.token_tiles, "an int in [1, 4]")
+        for name in ("hidden", "intermediate"):
+            _require(getattr(self, name) > 0 and getattr(self, name) % MMA_K == 0, name, getattr(self, name),
+                     f"a positive multiple of {MMA_K} (the tensor cores' K step)")
+        for role in ("gate_up", "down"):
+            shape = self.gemm(role)
+            prefix = f"{role}_"
+            _require(shape.warp_cols in WARP_COLS, prefix + "warp_cols", shape.warp_cols, f"one of {WARP_COLS}")
+            for name in ("warps_k", "warps_n", "unroll"):
+                _require(getattr(shape, name) >= 1, prefix + name, getattr(shape, name), "an int >= 1")
+            _require(shape.threads <= MAX_THREADS, prefix + "warps_k", shape.warps_k,
+                     f"warps_k * warps_n * 32 <= {MAX_THREADS} threads (warps_n={shape.warps_n})")
+            _require(shape.columns % shape.item_columns == 0,
+                     "hidden" if role == "down" else "intermediate", shape.columns,
+                     f"a multiple of the {role} kernel's {shape.item_columns} columns per work item "
+                     f"({prefix}warps_n={shape.warps_n} x {prefix}warp_cols={shape.warp_cols}"
+                     f"{' / 2, half of them up' if shape.gated else ''})")
+            steps = shape.k // MMA_K
+            _require(steps % (shape.warps_k * shape.unroll) == 0,
+                     "intermediate" if role == "down" else "hidden", shape.k,
+                     f"{MMA_K}-row steps ({steps}) divisible by {prefix}warps_k * {prefix}unroll = "
+                     f"{shape.warps_k} x {shape.unroll}")
+            _require(self.shared_bytes(role) <= SHARED_MEMORY_BYTES, prefix + "warps_k", shape.warps_k,
+                     f"shared memory within {SHARED_MEMORY_BYTES} bytes, got {self.shared_bytes(role)}")
+
+    def gemm(self, role: str) -> GemmShape:
+        """The work item of the ``gate_up`` or ``down`` kernel."""
+        if role == "gate_up":
+            return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
+                             self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles)
+        return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
+                         self.down_warp_cols, self.down_unroll, self.token_tiles)
+
+    def shared_bytes(self, role: str) -> int:
+        """Dynamic shared memory of the ``gate_up`` or ``down`` kernel."""
+        return routing_bytes(self.experts) + self.gemm(role).reduction_bytes()
+
+    def operand_rows(self) -> dict:
+        """No rows rule of `_abi.EXPERTS_OPERANDS` depends on the config."""
+        return {}
+
+    def dimensions(self) -> dict:
+        """The sizes `_abi.EXPERTS_OPERANDS` names."""
+        return {"hidden": self.hidden, "top_k": self.top_k, "experts": self.experts,
+                "intermediate": self.intermediate, "gate_up_columns": 2 * self.intermediate}
+
+    def conditions(self) -> set:
+        """The ``when`` word of the gate and up operands this config's calls take."""
+        return {"fused_gate_up" if self.fused_gate_up else "split_gate_up"}
+
+    @property
+    def max_m(self) -> int:
+        """The most tokens of a call: ``m * top_k <= MAX_PAIRS``."""
+        return MAX_PAIRS // self.top_k
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ExpertsConfig":
+        return cls(**data)
+
+    def replace(self, **changes) -> "ExpertsConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def key(self) -> str:
+        """Names the cubin: readable prefix + hash of every field."""
+        fields = self.to_dict()
+        text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        layout = "fused" if self.fused_gate_up else "split"
+        return (f"experts-h{self.hidden}-i{self.intermediate}-e{self.experts}-k{self.top_k}-{layout}-"
+                f"{self.arch}-{digest}")
+
+    @classmethod
+    def for_shape(cls, *, hidden: int, intermediate: int, experts: int, top_k: int, fused_gate_up: bool = True,
+                  arch: str = "sm_90a") -> "ExpertsConfig":
+        """The launch shapes for one shard shape, before any measurement: both kernels with 8 warps
+        (2 CTAs of 256 threads fit an SM), work items sized so that 8 active experts (one token at
+        top-8) give about as many items as an H200's 132 SMs hold CTAs, and the most unrolled K
+        steps that divide a warp's share."""
+        sms = 132
+        # gate/up: all warps split hidden (K is long, the columns few); 64 columns per warp
+        # (32 of gate, 32 of up) once 8 experts still give two items per SM.
+        gate_up_cols = 64 if intermediate % 32 == 0 and intermediate // 32 * 8 >= 2 * sms else 32
+        # down: K (intermediate) is short and the columns (hidden) many: warps side by side,
+        # fewer of them where hidden is small, so that 8 experts still fill the SMs.
+        down_cols = 64 if hidden % 64 == 0 else 32
+        down_warps_n = 4
+        while down_warps_n > 1 and (hidden % (down_warps_n * down_cols)
+                                    or hidden // (down_warps_n * down_cols) * 8 < sms):
+            down_warps_n //= 2
+        down_warps_k = 8 // down_warps_n
+        while down_warps_k > 1 and (intermediate // MMA_K) % down_warps_k:
+            down_warps_k //= 2
+
+        def unroll(k: int, warps_k: int) -> int:
+            steps = k // MMA_K // warps_k
+            return next(u for u in (4, 3, 2, 1) if steps % u == 0)
+
+        gate_up_warps_k = 8
+        while gate_up_warps_k > 1 and (hidden // MMA_K) % gate_up_warps_k:
+            gate_up_warps_k //= 2
+        return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                   fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
+                   gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k),
+                   down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
+                   down_unroll=unroll(intermediate, down_warps_k), arch=arch)

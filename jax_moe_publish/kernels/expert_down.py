@@ -1,0 +1,108 @@
+"""The experts' down projection (role ``expert_down``): the routed rows.
+
+For every token-expert pair ``p = t * top_k + k`` whose id ``e`` is a valid expert::
+
+    out[p] = bf16( activations[p] @ W_down[e] )          (float32 sums)
+
+and ``out[p] = 0`` for a pair whose id lies outside ``[0, experts)``. The grid is persistent;
+every CTA builds the routing tables (`ExpertRouting`) once the gate/up kernel has finished
+(the activations are its), then takes the work items ``b, b + grid, ...`` (item
+``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert), and the CTAs
+together zero the rows of the skipped pairs.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from jax_moe_publish.experts_config import MMA_TOKENS, ExpertsConfig
+from jax_moe_publish.kernels import ptx
+from jax_moe_publish.kernels.expert_routing import ACTIVE, VALID, ExpertRouting
+from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, ExpertTiles
+
+WARP = 32
+VECTOR_BYTES = 16
+
+
+class ExpertDownKernel:
+    """``32 * warps_k * warps_n`` threads per CTA, the down `GemmShape` of ``config``."""
+
+    def __init__(self, config: ExpertsConfig) -> None:
+        self.config = config
+        self.shape = config.gemm("down")
+        self.routing = ExpertRouting(config, self.shape.threads)
+        self.tiles = ExpertTiles(self.shape)
+
+    # The method name is the role (the compile step finds the kernel by it). The parameters are
+    # `_abi.EXPERTS.roles`'s.
+    @cute.kernel
+    def expert_down(
+        self,
+        expert_ids: Int64,  # (m, top_k) int32
+        down: Int64,  # (experts, intermediate, hidden) bf16
+        activations: Int64,  # (m * top_k, intermediate) bf16, the gate/up kernel's
+        out: Int64,  # (m * top_k, hidden) bf16
+        m: Int32,
+    ) -> None:
+        cfg, s = self.config, self.shape
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        tables = self.routing.allocate()
+        sReduction = self.tiles.allocate_reduction()
+        rAcc = self.tiles.make_accumulators()
+        if cutlass.const_expr(cfg.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+        self.routing.build(tables, expert_ids, m, tidx)
+        sCount, sStart, _, sActive, sTotals, sPairs = tables
+        warp, lane = tidx // WARP, tidx % WARP
+        w_k, w_n = warp % s.warps_k, warp // s.warps_k
+        group, q = lane // 4, lane % 4
+        lane_column = w_n * s.warp_cols + group * (s.warp_cols // 8)
+        row_bytes = cfg.hidden * BF16_BYTES
+        expert_bytes = cfg.intermediate * row_bytes
+        activation_row_bytes = cfg.intermediate * BF16_BYTES
+        items = sTotals[ACTIVE] * s.items_per_expert
+        for item in cutlass.range(block, items, grid):
+            expert = sActive[item // s.items_per_expert]
+            column = (item % s.items_per_expert) * s.item_columns + lane_column
+            start, count = sStart[expert], sCount[expert]
+            weights = down + Int64(expert) * expert_bytes + Int64(column) * BF16_BYTES
+            for first in cutlass.range(0, count, s.tokens_per_pass):
+                token_rows, token_live = [], []
+                for j in cutlass.range_constexpr(s.token_tiles):
+                    slot = first + j * MMA_TOKENS + group
+                    live = Int32(slot < count)
+                    pair = sPairs[start + cutlass.select_(live != 0, slot, Int32(0))]
+                    token_rows.append(activations + Int64(pair) * activation_row_bytes)
+                    token_live.append(live)
+                self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, True)
+                self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
+                if w_k == 0:
+                    for i in cutlass.range_constexpr(s.mma_tiles):
+                        for j in cutlass.range_constexpr(s.token_tiles):
+                            # c0, c2: token 2q, columns 2i and 2i + 1; c1, c3: token 2q + 1.
+                            for token in cutlass.range_constexpr(2):
+                                slot = first + j * MMA_TOKENS + 2 * q + token
+                                if slot < count:
+                                    word = ptx.f32x2_to_bf16x2(rAcc[i, j, token], rAcc[i, j, token + 2])
+                                    row = out + Int64(sPairs[start + slot]) * row_bytes
+                                    ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)
+        self._zero_skipped(out, sTotals, sPairs, m, tidx, block, grid)
+        if cutlass.const_expr(cfg.enable_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _zero_skipped(self, out, sTotals, sPairs, m, tidx, block, grid) -> None:
+        """Zero the rows of the pairs with no valid expert, 16 bytes per thread and step over
+        the whole grid."""
+        cfg = self.config
+        vectors_per_row = cfg.hidden * BF16_BYTES // VECTOR_BYTES
+        valid = sTotals[VALID]
+        vectors = (m * cfg.top_k - valid) * vectors_per_row
+        for vector in cutlass.range(block * self.shape.threads + tidx, vectors, grid * self.shape.threads):
+            pair = sPairs[valid + vector // vectors_per_row]
+            address = out + Int64(pair) * (cfg.hidden * BF16_BYTES) + Int64(vector % vectors_per_row) * VECTOR_BYTES
+            ptx.store_words(address, [Uint32(0)] * 4)

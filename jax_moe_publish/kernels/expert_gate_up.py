@@ -1,0 +1,141 @@
+"""The experts' gate and up projections with their SwiGLU (role ``expert_gate_up``).
+
+For every token-expert pair ``p = t * top_k + k`` whose id ``e`` is a valid expert::
+
+    gate = bf16( x[t] @ W_gate[e] )          up = bf16( x[t] @ W_up[e] )        (float32 sums)
+    activations[p] = bf16( silu(gate) * up )                                   (float32)
+
+with ``silu(g) = g / (1 + 2 ** (-g * log2(e)))``. The grid is persistent (the CTAs the GPU holds
+at once); every CTA builds the routing tables (`ExpertRouting`), then takes the work items
+``b, b + grid, ...``: item ``a * items_per_expert + j`` is column block ``j`` of the ``a``-th
+active expert, computed for the expert's pairs in passes of ``16 * token_tiles`` (`ExpertTiles`).
+Each warp reads ``warp_cols / 2`` columns of gate and the same of up, so lanes ``l`` and
+``l + 16`` hold a column's gate and up sums.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from jax_moe_publish.experts_config import MMA_TOKENS, ExpertsConfig
+from jax_moe_publish.kernels import ptx
+from jax_moe_publish.kernels.expert_routing import ACTIVE, ExpertRouting
+from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, ExpertTiles
+
+WARP = 32
+UP_LANES = 16
+"""Lane ``l + UP_LANES`` holds the up sums of the columns whose gate sums lane ``l`` holds."""
+LOG2_E = math.log2(math.e)
+
+
+def bf16_round_pair(low, high) -> tuple:
+    """Two float32 rounded to bf16 (to nearest even) and widened back: the values a bf16 array holds."""
+    return ptx.bf16x2_to_f32(ptx.f32x2_to_bf16x2(low, high))
+
+
+def silu(gate) -> Float32:
+    """``gate * sigmoid(gate)`` in float32."""
+    return gate / (Float32(1.0) + ptx.exp2_f32(gate * Float32(-LOG2_E)))
+
+
+class ExpertGateUpKernel:
+    """``32 * warps_k * warps_n`` threads per CTA, the gate/up `GemmShape` of ``config``."""
+
+    def __init__(self, config: ExpertsConfig) -> None:
+        self.config = config
+        self.shape = config.gemm("gate_up")
+        self.routing = ExpertRouting(config, self.shape.threads)
+        self.tiles = ExpertTiles(self.shape)
+
+    # The method names are the roles: CuTe DSL names the entries kernel_cutlass_expert_gate_up_...,
+    # and the compile step finds each kernel by it. The parameters are `_abi.EXPERTS.roles`'s.
+    @cute.kernel
+    def expert_gate_up(
+        self,
+        x: Int64,  # (m, hidden) bf16
+        expert_ids: Int64,  # (m, top_k) int32
+        gate_up: Int64,  # (experts, hidden, 2 * intermediate) bf16, gate columns first
+        activations: Int64,  # (m * top_k, intermediate) bf16, written
+        m: Int32,
+    ) -> None:
+        up = gate_up + self.config.intermediate * BF16_BYTES
+        self._gate_up(x, expert_ids, gate_up, up, 2 * self.config.intermediate * BF16_BYTES, activations, m)
+
+    @cute.kernel
+    def expert_gate_up_split(
+        self,
+        x: Int64,  # (m, hidden) bf16
+        expert_ids: Int64,  # (m, top_k) int32
+        gate: Int64,  # (experts, hidden, intermediate) bf16
+        up: Int64,  # (experts, hidden, intermediate) bf16
+        activations: Int64,  # (m * top_k, intermediate) bf16, written
+        m: Int32,
+    ) -> None:
+        self._gate_up(x, expert_ids, gate, up, self.config.intermediate * BF16_BYTES, activations, m)
+
+    @cute.jit
+    def _gate_up(self, x, expert_ids, gate, up, row_bytes: int, activations, m) -> None:
+        """The kernel, with ``gate`` and ``up`` the addresses of expert 0's row 0 and
+        ``row_bytes`` their rows' stride (both layouts)."""
+        cfg, s = self.config, self.shape
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        tables = self.routing.allocate()
+        sReduction = self.tiles.allocate_reduction()
+        rAcc = self.tiles.make_accumulators()
+        if cutlass.const_expr(cfg.enable_pdl):
+            # x and the ids may come from the kernel just before.
+            cute.arch.griddepcontrol_wait()
+        self.routing.build(tables, expert_ids, m, tidx)
+        sCount, sStart, _, sActive, sTotals, sPairs = tables
+        warp, lane = tidx // WARP, tidx % WARP
+        w_k, w_n = warp % s.warps_k, warp // s.warps_k
+        group, q = lane // 4, lane % 4
+        # This lane's columns within an item: its group's, among gate's (groups 0-3) or up's.
+        lane_column = w_n * (s.warp_cols // 2) + (group % 4) * (s.warp_cols // 8)
+        matrix = cutlass.select_(group >= 4, up, gate)
+        expert_bytes = cfg.hidden * row_bytes
+        items = sTotals[ACTIVE] * s.items_per_expert
+        for item in cutlass.range(block, items, grid):
+            expert = sActive[item // s.items_per_expert]
+            column = (item % s.items_per_expert) * s.item_columns + lane_column
+            start, count = sStart[expert], sCount[expert]
+            weights = matrix + Int64(expert) * expert_bytes + Int64(column) * BF16_BYTES
+            for first in cutlass.range(0, count, s.tokens_per_pass):
+                token_rows, token_live = [], []
+                for j in cutlass.range_constexpr(s.token_tiles):
+                    slot = first + j * MMA_TOKENS + group
+                    live = Int32(slot < count)
+                    pair = sPairs[start + cutlass.select_(live != 0, slot, Int32(0))]
+                    token_rows.append(x + Int64(pair // cfg.top_k) * (cfg.hidden * BF16_BYTES))
+                    token_live.append(live)
+                self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, False)
+                self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
+                if w_k == 0:
+                    self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
+        if cutlass.const_expr(cfg.enable_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _store(self, rAcc, activations, sPairs, start, count, first, column, group, q) -> None:
+        """SwiGLU of a pass's sums into the activation rows of its pairs. The whole warp calls it:
+        the up lanes pass their sums to the gate lanes, which store."""
+        cfg, s = self.config, self.shape
+        for i in cutlass.range_constexpr(s.mma_tiles):
+            for j in cutlass.range_constexpr(s.token_tiles):
+                up = [ptx.shuffle_xor_f32(rAcc[i, j, c], UP_LANES) for c in range(4)]
+                if group < 4:
+                    # c0, c2: token 2q, columns 2i and 2i + 1; c1, c3: token 2q + 1.
+                    for token in cutlass.range_constexpr(2):
+                        slot = first + j * MMA_TOKENS + 2 * q + token
+                        if slot < count:
+                            gate_low, gate_high = bf16_round_pair(rAcc[i, j, token], rAcc[i, j, token + 2])
+                            up_low, up_high = bf16_round_pair(up[token], up[token + 2])
+                            word = ptx.f32x2_to_bf16x2(silu(gate_low) * up_low, silu(gate_high) * up_high)
+                            row = activations + Int64(sPairs[start + slot]) * (cfg.intermediate * BF16_BYTES)
+                            ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)

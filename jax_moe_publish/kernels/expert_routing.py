@@ -1,0 +1,108 @@
+"""Which token-expert pairs each expert serves, found by every CTA in its own shared memory: a
+device piece of the experts' kernels (`ExpertGateUpKernel`, `ExpertDownKernel`).
+
+From ``expert_ids`` (int32 ``[m, top_k]``, pair ``p = t * top_k + k``), a CTA counts the pairs of
+each expert with shared-memory atomics, scans the counts (one warp), and places every pair in
+its expert's segment of ``pairs``; the pairs whose id lies outside ``[0, experts)`` go after
+the last segment. No CTA waits for another and nothing goes through global memory: the tables
+cost a read of the ids (8 KiB at m = 256, top-8) and two atomics per pair.
+
+The order of the pairs inside a segment is the atomics' and differs between runs; it never
+reaches a result, since each pair's sums are computed apart from every other pair's (a pair is
+one column of an mma's B, whatever column that is).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from jax_moe_publish.experts_config import MAX_PAIRS, SMEM_ALIGNMENT, ExpertsConfig
+from jax_moe_publish.kernels import ptx
+
+WARP = 32
+
+ACTIVE = 0
+"""Totals: experts with at least one pair."""
+VALID = 1
+"""Totals: pairs with a valid expert id (the segments' total)."""
+INVALID = 2
+"""Totals: pairs placed after the segments so far (ends as ``pairs - VALID``)."""
+
+class ExpertRouting:
+    """The routing tables of one call, in shared memory: per expert its pair count (``count``),
+    its segment's first slot (``start``) and a fill counter; the active experts in increasing
+    order; the totals; and the pairs in expert order (``pairs``)."""
+
+    def __init__(self, config: ExpertsConfig, threads: int) -> None:
+        self.experts = config.experts
+        self.top_k = config.top_k
+        self.threads = threads
+        self.experts_per_lane = -(-config.experts // WARP)
+
+    def allocate(self):
+        """(count, start, fill, active, totals, pairs), int32 tensors in shared memory."""
+        smem = cutlass.memory.SmemAllocator()
+        per_expert = [smem.allocate_tensor(Int32, cute.make_layout(self.experts), byte_alignment=SMEM_ALIGNMENT)
+                      for _ in range(4)]
+        totals = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=SMEM_ALIGNMENT)
+        pairs = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS), byte_alignment=SMEM_ALIGNMENT)
+        return (*per_expert, totals, pairs)
+
+    @cute.jit
+    def build(self, tables, expert_ids: Int64, m: Int32, tidx) -> None:
+        """Fill ``tables`` for the call's ``m`` tokens; every thread of the CTA takes part, and
+        the tables are complete for all of them on return."""
+        sCount, sStart, sFill, sActive, sTotals, sPairs = tables
+        pairs = m * self.top_k
+        for e in cutlass.range(tidx, self.experts, self.threads):
+            sCount[e] = Int32(0)
+            sFill[e] = Int32(0)
+        if tidx < 4:
+            sTotals[tidx] = Int32(0)
+        cute.arch.barrier()
+        for p in cutlass.range(tidx, pairs, self.threads):
+            expert = ptx.load_s32(expert_ids + Int64(p) * 4)
+            if expert >= 0 and expert < self.experts:
+                ptx.shared_fetch_add_s32((sCount.iterator + expert).toint(), 1)
+        cute.arch.barrier()
+        if tidx < WARP:
+            self._scan(sCount, sStart, sActive, sTotals, tidx)
+        cute.arch.barrier()
+        for p in cutlass.range(tidx, pairs, self.threads):
+            expert = ptx.load_s32(expert_ids + Int64(p) * 4)
+            slot = Int32(0)
+            if expert >= 0 and expert < self.experts:
+                slot = sStart[expert] + ptx.shared_fetch_add_s32((sFill.iterator + expert).toint(), 1)
+            else:
+                slot = sTotals[VALID] + ptx.shared_fetch_add_s32((sTotals.iterator + INVALID).toint(), 1)
+            sPairs[slot] = p
+        cute.arch.barrier()
+
+    @cute.jit
+    def _scan(self, sCount, sStart, sActive, sTotals, lane) -> None:
+        """One warp: each segment's start and the active experts in increasing order, from the
+        counts. Lane ``l`` takes experts ``[l * n, (l + 1) * n)``."""
+        first = lane * self.experts_per_lane
+        pairs_here = Int32(0)
+        active_here = Int32(0)
+        for i in cutlass.range_constexpr(self.experts_per_lane):
+            e = first + i
+            if e < self.experts:
+                pairs_here = pairs_here + sCount[e]
+                active_here = active_here + Int32(sCount[e] > 0)
+        pairs_before, pairs_total = ptx.warp_exclusive_sum(pairs_here, lane)
+        active_before, active_total = ptx.warp_exclusive_sum(active_here, lane)
+        for i in cutlass.range_constexpr(self.experts_per_lane):
+            e = first + i
+            if e < self.experts:
+                count = sCount[e]
+                sStart[e] = pairs_before
+                pairs_before = pairs_before + count
+                if count > 0:
+                    sActive[active_before] = e
+                    active_before = active_before + 1
+        if lane == 0:
+            sTotals[ACTIVE] = active_total
+            sTotals[VALID] = pairs_total

@@ -1,0 +1,116 @@
+"""One warp's share of an expert's GEMM on the tensor cores: a device piece of the experts'
+kernels (`ExpertGateUpKernel`, `ExpertDownKernel`).
+
+A warp computes ``D[c, t] = sum_k W[k, c] * X[t, k]`` for its ``warp_cols`` weight columns ``c``
+and up to ``8 * token_tiles`` tokens ``t``, over its share of K (the 16-row steps ``w_k``,
+``w_k + warps_k``, ...), with ``mma.sync.m16n8k16``: the weights are the mma's A (columns as
+its rows: "swap AB", since decode has far more columns than tokens), the tokens' rows its B.
+
+Weights stay in their ``[k, columns]`` layout in global memory, columns contiguous. Lane ``l``
+(group ``g = l // 4``, ``q = l % 4``) loads ``warp_cols / 8`` contiguous columns of rows
+``k0 + 2q``, ``+1``, ``+8`` and ``+9`` of each step: its group's columns are the A rows ``g``
+(even columns) and ``g + 8`` (odd) of consecutive mma tiles, and ``prmt`` pairs the two rows
+of each A register. The same lane loads its token's B words, ``X[t, k0 + 2q .. +1]`` and
+``[k0 + 2q + 8 .. +9]``, for the token of column ``g`` of each 8-token tile. Each weight is
+read once per pass: a group's 8 or 16 bytes of a row are one sector's half or whole, and a
+warp reads 64 or 128 contiguous bytes of each of its 16 rows.
+
+Accumulators ``[mma tile, token tile, 4]`` hold the mma's D fragment: ``c0 = D[g][2q]``,
+``c1 = D[g][2q + 1]``, ``c2 = D[g + 8][2q]``, ``c3 = D[g + 8][2q + 1]``, i.e. columns
+``2i`` (c0, c1) and ``2i + 1`` (c2, c3) of this lane's group, tokens ``2q`` and ``2q + 1``.
+Warps that split K add their sums in shared memory, in warp order (`reduce`), so every
+result has one summation order whatever m and the tokens beside it.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int64
+
+from jax_moe_publish.experts_config import MMA_K, SMEM_ALIGNMENT, GemmShape
+from jax_moe_publish.kernels import ptx
+
+BF16_BYTES = 2
+ROWS = (0, 1, 8, 9)
+"""The rows of a 16-row step that a lane loads, after ``2q``: its A and B fragments' rows."""
+
+class ExpertTiles:
+    """A warp's accumulation over its share of K, and the CTA's sum over the warps splitting K."""
+
+    def __init__(self, shape: GemmShape) -> None:
+        self.shape = shape
+
+    def allocate_reduction(self):
+        """Shared memory for the partial sums of the warps that split K, None without a split:
+        ``[warps_k, warps_n, mma tile, token tile, 4, lane]``, lane innermost (no bank conflicts)."""
+        s = self.shape
+        if s.warps_k == 1:
+            return None
+        layout = cute.make_layout((s.warps_k, s.warps_n, s.mma_tiles, s.token_tiles, 4, 32))
+        return cutlass.memory.SmemAllocator().allocate_tensor(Float32, layout, byte_alignment=SMEM_ALIGNMENT)
+
+    def make_accumulators(self):
+        s = self.shape
+        return cute.make_rmem_tensor(cute.make_layout((s.mma_tiles, s.token_tiles, 4)), Float32)
+
+    @cute.jit
+    def accumulate(self, rAcc, weights: Int64, row_bytes: int, token_rows, token_live, w_k, q,
+                   cached_tokens: cutlass.Constexpr[bool]) -> None:
+        """``rAcc`` = this warp's sums over its share of K. ``weights``: the address of this lane's
+        first column in row 0; ``row_bytes``: a weight row's stride. ``token_rows[j]``: the
+        address of row 0 of the token of column ``g`` of token tile ``j`` (Int32
+        ``token_live[j]`` is 0 where that column holds no token: its B words are 0).
+        ``cached_tokens``: the token rows were written earlier in the call (load them through L2)."""
+        s = self.shape
+        for i in cutlass.range_constexpr(s.mma_tiles):
+            for j in cutlass.range_constexpr(s.token_tiles):
+                for c in cutlass.range_constexpr(4):
+                    rAcc[i, j, c] = Float32(0.0)
+        lane_rows = weights + Int64(2 * q) * row_bytes
+        token_offset = Int64(2 * q) * BF16_BYTES
+        # Unrolled by `unroll` below, not further: the loads in flight are those of `unroll` steps.
+        for step in cutlass.range(0, s.k_steps_per_warp, s.unroll, unroll=1):
+            # Every load of the unrolled steps first, so that they are in flight together.
+            loaded = []
+            for u in cutlass.range_constexpr(s.unroll):
+                k0 = Int64(((step + u) * s.warps_k + w_k) * MMA_K)
+                rows = lane_rows + k0 * row_bytes
+                a_words = [ptx.load_words(rows + r * row_bytes, s.lane_words) for r in ROWS]
+                b_words = []
+                for j in cutlass.range_constexpr(s.token_tiles):
+                    at = token_rows[j] + k0 * BF16_BYTES + token_offset
+                    b_words.append([ptx.load_u32(at, predicate=token_live[j], cached=cached_tokens),
+                                    ptx.load_u32(at + 8 * BF16_BYTES, predicate=token_live[j],
+                                                 cached=cached_tokens)])
+                loaded.append((a_words, b_words))
+            for a_words, b_words in loaded:
+                w0, w1, w8, w9 = a_words
+                for i in cutlass.range_constexpr(s.mma_tiles):
+                    a = [ptx.pair_halves(w0[i], w1[i], False), ptx.pair_halves(w0[i], w1[i], True),
+                         ptx.pair_halves(w8[i], w9[i], False), ptx.pair_halves(w8[i], w9[i], True)]
+                    for j in cutlass.range_constexpr(s.token_tiles):
+                        d = ptx.mma_bf16_16x8x16(a, b_words[j], [rAcc[i, j, c] for c in range(4)])
+                        for c in cutlass.range_constexpr(4):
+                            rAcc[i, j, c] = d[c]
+
+    @cute.jit
+    def reduce(self, rAcc, sReduction, w_k, w_n, lane) -> None:
+        """Add the sums of the warps that split K into warp ``w_k = 0``'s ``rAcc``, in warp order.
+        Every thread of the CTA must call it (it has barriers)."""
+        s = self.shape
+        if cutlass.const_expr(s.warps_k > 1):
+            if w_k > 0:
+                for i in cutlass.range_constexpr(s.mma_tiles):
+                    for j in cutlass.range_constexpr(s.token_tiles):
+                        for c in cutlass.range_constexpr(4):
+                            sReduction[w_k, w_n, i, j, c, lane] = rAcc[i, j, c]
+            cute.arch.barrier()
+            if w_k == 0:
+                for other in cutlass.range_constexpr(1, s.warps_k):
+                    for i in cutlass.range_constexpr(s.mma_tiles):
+                        for j in cutlass.range_constexpr(s.token_tiles):
+                            for c in cutlass.range_constexpr(4):
+                                rAcc[i, j, c] = rAcc[i, j, c] + sReduction[other, w_n, i, j, c, lane]
+            # The next pass writes the buffer again.
+            cute.arch.barrier()

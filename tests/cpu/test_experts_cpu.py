@@ -1,0 +1,265 @@
+"""The experts op on CPU: its pure-JAX reference against the float64 model, every argument check,
+jit, vmap, shard_map with the intermediate dimension sharded, derivatives, and the kernel path
+traced with the kernels stood in for (the CUDA branch is traced, the CPU runs the reference)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import numerics
+from jax_moe_publish import _launch, experts, reference
+from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
+
+SHAPES = [
+    # (m, hidden, intermediate, experts, top_k, hot_experts)
+    (1, 256, 64, 16, 8, None),
+    (7, 512, 96, 40, 6, None),
+    (33, 128, 32, 5, 1, None),
+    (16, 96, 48, 12, 3, 2),  # hidden no power of two; 16 tokens on 2 experts
+    (5, 64, 16, 300, 10, None),  # more experts than pairs
+]
+
+
+def _arrays(inputs: numerics.ExpertsInputs, fused: bool):
+    weights = inputs.gate_up if fused else (inputs.gate, inputs.up)
+    return inputs.x, inputs.expert_ids, weights, inputs.down
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+@pytest.mark.parametrize("m, hidden, intermediate, count, top_k, hot", SHAPES)
+def test_reference_matches_the_float64_model(rng, fused, m, hidden, intermediate, count, top_k, hot):
+    inputs = numerics.random_experts(rng, m=m, hidden=hidden, intermediate=intermediate, experts=count, top_k=top_k,
+                                     hot_experts=hot)
+    y, h = reference.moe_experts_with_activations(*_arrays(inputs, fused))
+    assert y.shape == (m * top_k, hidden) and y.dtype == jnp.bfloat16
+    exact, bound = numerics.expected_activations(inputs)
+    numerics.assert_close(np.asarray(h), exact, bound, what="activations")
+    exact, bound = numerics.expected_rows_from(np.asarray(h), inputs)
+    numerics.assert_close(np.asarray(y), exact, bound, what="rows from the activations")
+    exact, bound = numerics.expected_rows(inputs)
+    numerics.assert_close(np.asarray(y), exact, bound, what="rows")
+    numerics.assert_rows_zero(y, inputs)
+
+
+def test_the_model_catches_a_wrong_expert(rng):
+    """The bound is tight enough that the rows of another expert fail it."""
+    inputs = numerics.random_experts(rng, m=6, hidden=256, intermediate=64, experts=8, top_k=2, skipped_fraction=0)
+    exact, bound = numerics.expected_rows(inputs)
+    wrong = inputs.expert_ids.copy()
+    wrong[0, 0] = (wrong[0, 0] + 1) % 8
+    y = reference.moe_experts(inputs.x, wrong, inputs.gate_up, inputs.down)
+    with pytest.raises(AssertionError, match="outside the bound"):
+        numerics.assert_close(np.asarray(y), exact, bound)
+
+
+def test_every_id_skipped_gives_zero_rows(rng):
+    inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=3, skipped_fraction=1.0)
+    y = experts.moe_experts(*_arrays(inputs, True))
+    assert np.all(np.asarray(y).astype(np.float32) == 0)
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_the_op_on_cpu_is_the_reference(rng, impl):
+    inputs = numerics.random_experts(rng, m=9, hidden=128, intermediate=32, experts=10, top_k=4)
+    got = jax.jit(lambda *a: experts.moe_experts(*a, impl=impl))(*_arrays(inputs, True))
+    want = reference.moe_experts(*_arrays(inputs, True))
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def _bad(inputs, **changes):
+    args = dict(x=inputs.x, expert_ids=inputs.expert_ids, gate_up=inputs.gate_up, down=inputs.down)
+    args.update(changes)
+    return args
+
+
+BAD_ARGUMENTS = [
+    (dict(x="x"), TypeError, "x: expected an array, got str"),
+    (dict(x=np.zeros((4, 64), np.float32)), TypeError, "x.dtype=float32: expected bfloat16"),
+    (dict(x=np.zeros((4, 64, 1), jnp.bfloat16)), ValueError, r"x.shape=\(4, 64, 1\): expected 2 dimensions"),
+    (dict(expert_ids=np.zeros((4, 2), np.int64)), TypeError, "expert_ids.dtype=int64: expected int32"),
+    (dict(expert_ids=np.zeros((3, 2), np.int32)), ValueError,
+     r"expert_ids.shape=\(3, 2\): expected 4 rows, one per token of x.shape=\(4, 64\)"),
+    (dict(expert_ids=np.zeros((4, 0), np.int32)), ValueError, "expected at least one expert per token"),
+    (dict(down=np.zeros((6, 32, 128), jnp.bfloat16)), ValueError,
+     r"down.shape=\(6, 32, 128\): expected \[experts, intermediate, hidden=64\]"),
+    (dict(gate_up=np.zeros((6, 64, 32), jnp.bfloat16)), ValueError,
+     r"gate_up.shape=\(6, 64, 32\): expected \(6, 64, 64\)"),
+    (dict(gate_up=np.zeros((6, 64, 64), np.float32)), TypeError, "gate_up.dtype=float32: expected bfloat16"),
+    (dict(gate_up=(np.zeros((6, 64, 32), jnp.bfloat16),) * 3), ValueError,
+     r"gate_up: a tuple of 3 arrays, expected one array \[experts, hidden, 2 \* intermediate\] or a pair"),
+    (dict(gate_up=(np.zeros((6, 64, 32), jnp.bfloat16), np.zeros((6, 64, 16), jnp.bfloat16))), ValueError,
+     r"gate_up\[1\] \(up\).shape=\(6, 64, 16\): expected \(6, 64, 32\)"),
+]
+
+
+@pytest.mark.parametrize("changes, error, match", BAD_ARGUMENTS)
+@pytest.mark.parametrize("function", [experts.moe_experts, reference.moe_experts], ids=["op", "reference"])
+def test_bad_arguments_are_named(rng, function, changes, error, match):
+    inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
+    with pytest.raises(error, match=match):
+        function(**_bad(inputs, **changes))
+
+
+def test_bad_op_options_are_named(rng):
+    inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
+    args = _arrays(inputs, True)
+    with pytest.raises(ValueError, match=r"impl='fast': expected one of \('auto', 'kernel', 'reference'\)"):
+        experts.moe_experts(*args, impl="fast")
+    with pytest.raises(ValueError, match="impl='kernel': no CUDA device in this process"):
+        experts.moe_experts(*args, impl="kernel")
+    other = ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=7, top_k=2)
+    with pytest.raises(ValueError, match=r"config: experts=7 \(the arrays give 6\)"):
+        experts.moe_experts(*args, config=other)
+    with pytest.raises(TypeError, match="config: expected a jax_moe_publish.ExpertsConfig, got dict"):
+        experts.moe_experts(*args, config={})
+
+
+def test_shapes_the_kernels_refuse_are_named(rng, stood_in):
+    inputs = numerics.random_experts(rng, m=4, hidden=48, intermediate=32, experts=6, top_k=2)
+    with pytest.raises(ValueError, match=r"impl='kernel': the kernels take no call of this shape: .*hidden=48"):
+        experts.moe_experts(*_arrays(inputs, True), impl="kernel")
+    many = numerics.random_experts(rng, m=MAX_PAIRS // 2 + 1, hidden=64, intermediate=32, experts=6, top_k=2)
+    with pytest.raises(ValueError, match=rf"{MAX_PAIRS + 2} pairs, more than the kernels' {MAX_PAIRS}"):
+        experts.moe_experts(*_arrays(many, True), impl="kernel")
+
+
+def test_vmap_is_one_call_per_element(rng):
+    batch = [numerics.random_experts(rng, m=5, hidden=64, intermediate=32, experts=6, top_k=2) for _ in range(3)]
+    weights = batch[0]
+    x = np.stack([b.x for b in batch])
+    ids = np.stack([b.expert_ids for b in batch])
+    got = jax.vmap(lambda x, ids: experts.moe_experts(x, ids, weights.gate_up, weights.down))(x, ids)
+    for b in range(3):
+        want = reference.moe_experts(x[b], ids[b], weights.gate_up, weights.down)
+        assert np.array_equal(np.asarray(got[b]).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_tensor_parallel_partials_sum_to_the_whole(rng):
+    """Four ranks each hold a quarter of the intermediate columns (split layout, sharded on the
+    last axis): the sum of their partial rows is the whole layer's, within the bound of four
+    bf16 partials."""
+    tp, inter = 4, 64
+    inputs = numerics.random_experts(rng, m=6, hidden=128, intermediate=inter, experts=5, top_k=2)
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+    def shard(x, ids, gate, up, down):
+        partial = experts.moe_experts(x, ids, (gate, up), down)
+        return jax.lax.psum(partial.astype(jnp.float32), "tp")
+
+    sharded = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(None, None, "tp"), P(None, None, "tp"),
+                                                                  P(None, "tp", None)), out_specs=P()))
+    total = np.asarray(sharded(inputs.x, inputs.expert_ids, inputs.gate, inputs.up, inputs.down))
+    exact, bound = numerics.expected_rows(inputs)
+    # Each rank rounds its partial to bf16 once more than the whole layer would.
+    numerics.assert_close(total, exact, bound + numerics.BF16_EPS * np.abs(exact) * tp, what="sum of partials")
+
+
+def test_derivative_is_the_reference_s(rng):
+    inputs = numerics.random_experts(rng, m=3, hidden=64, intermediate=32, experts=4, top_k=2)
+    cotangent = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+
+    def loss(function):
+        return lambda x, gate_up, down: jnp.sum(function(x, inputs.expert_ids, gate_up, down).astype(jnp.float32)
+                                                * cotangent)
+
+    got = jax.grad(loss(experts.moe_experts), argnums=(0, 1, 2))(inputs.x, inputs.gate_up, inputs.down)
+    want = jax.grad(loss(reference.moe_experts), argnums=(0, 1, 2))(inputs.x, inputs.gate_up, inputs.down)
+    for g, w in zip(got, want):
+        assert np.any(np.asarray(w).astype(np.float32) != 0)
+        assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16))
+
+
+# --- the kernel path, traced on CPU ---------------------------------------------------------
+
+STAND_IN = "jax_moe_publish_experts_stand_in"
+
+
+@pytest.fixture
+def stood_in(monkeypatch):
+    """The kernel path with the kernels stood in for: GPUs claimed, `_launch.load` recording the
+    configs, the FFI target one no handler serves (the CPU runs the reference branch)."""
+    loads = []
+
+    class Gpu:
+        local_hardware_id = 3
+
+    local_devices = jax.local_devices
+    monkeypatch.setattr(experts, "_has_gpus", lambda: True)
+    monkeypatch.setattr(experts.jax, "local_devices",
+                        lambda *a, backend=None, **k: [Gpu()] if backend == "gpu" else local_devices(*a, **k))
+
+    def load(config, ordinals):
+        loads.append((config, list(ordinals)))
+        _launch._targets[-len(loads)] = STAND_IN
+        return -len(loads)
+
+    monkeypatch.setattr(_launch, "load", load)
+    return loads
+
+
+def test_the_kernel_path_traces_the_ffi_call_and_runs_the_reference_on_cpu(rng, stood_in):
+    inputs = numerics.random_experts(rng, m=5, hidden=64, intermediate=32, experts=6, top_k=2)
+    args = _arrays(inputs, False)
+    jaxpr = str(jax.make_jaxpr(lambda *a: experts.moe_experts(*a, impl="kernel"))(*args))
+    assert STAND_IN in jaxpr and "platform_index" in jaxpr
+    config, ordinals = stood_in[-1]
+    assert ordinals == [3] and config == ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2,
+                                                                 fused_gate_up=False)
+    # The call's operands are the config's call record: x, ids, gate, up, down; two results.
+    call = re.search(rf"ffi_call\[.*?target_name={STAND_IN}", jaxpr, re.S)
+    assert call is not None
+    got = jax.jit(lambda *a: experts.moe_experts(*a, impl="kernel"))(*args)
+    want = reference.moe_experts(*args)
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_the_kernel_path_under_vmap_and_grad(rng, stood_in):
+    batch = [numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=3) for _ in range(2)]
+    w = batch[0]
+    x, ids = np.stack([b.x for b in batch]), np.stack([b.expert_ids for b in batch])
+    got = jax.vmap(lambda x, ids: experts.moe_experts(x, ids, w.gate_up, w.down, impl="kernel"))(x, ids)
+    assert got.shape == (2, 12, 64)
+    assert np.array_equal(np.asarray(got[1]).view(np.uint16),
+                          np.asarray(reference.moe_experts(x[1], ids[1], w.gate_up, w.down)).view(np.uint16))
+    grad = jax.grad(lambda x: experts.moe_experts(x, ids[0], w.gate_up, w.down, impl="kernel")
+                    .astype(jnp.float32).sum())(x[0])
+    assert np.any(np.asarray(grad).astype(np.float32) != 0)
+
+
+def test_the_kernel_path_refuses_batched_weights_and_too_many_pairs(rng, stood_in):
+    w = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
+    downs = np.stack([w.down, w.down])
+    with pytest.raises(ValueError, match="down: under jax.vmap it differs between batch elements"):
+        jax.vmap(lambda d: experts.moe_experts(w.x, w.expert_ids, w.gate_up, d, impl="kernel"))(downs)
+    m = MAX_PAIRS // 4
+    big = numerics.random_experts(rng, m=m, hidden=64, intermediate=32, experts=6, top_k=2)
+    xs, ids = np.stack([big.x] * 3), np.stack([big.expert_ids] * 3)
+    with pytest.raises(ValueError, match=rf"a batch of 3: one call takes the batch's pairs, 3 x {m} x 2"):
+        jax.vmap(lambda x, i: experts.moe_experts(x, i, w.gate_up, w.down, impl="kernel"))(xs, ids)
+
+
+def test_the_kernel_path_under_shard_map(rng, stood_in):
+    inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=64, experts=3, top_k=2)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    specs = (P(), P(), P(None, None, "tp"), P(None, None, "tp"), P(None, "tp", None))
+
+    def shard(x, ids, gate, up, down):
+        return experts.moe_experts(x, ids, (gate, up), down, impl="kernel")[None]
+
+    out = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=P("tp")))(
+        inputs.x, inputs.expert_ids, inputs.gate, inputs.up, inputs.down)
+    assert out.shape == (2, 8, 64)
+    # Each rank's kernels are specialized on its slice: half the intermediate columns.
+    assert stood_in[-1][0].intermediate == 32
+    for rank in range(2):
+        columns = slice(32 * rank, 32 * (rank + 1))
+        want = reference.moe_experts(inputs.x, inputs.expert_ids,
+                                     (inputs.gate[..., columns], inputs.up[..., columns]), inputs.down[:, columns])
+        assert np.array_equal(np.asarray(out[rank]).view(np.uint16), np.asarray(want).view(np.uint16))

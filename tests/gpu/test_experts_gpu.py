@@ -1,0 +1,167 @@
+"""The experts op's kernels on one NVIDIA GPU, against the float64 model (`numerics`).
+
+Through the harness (`gpu_harness.ExpertsLauncher`, the C++ launcher's launches with both outputs
+poisoned before every call): every config of `gpu_matrix.experts_configs` (heuristic and
+hand-picked launch shapes, fused and split gate/up) at m across the 16-token passes, with fresh
+data per call, skipped ids, experts no pair names, hot experts that need several passes, and
+every id skipped. The activations are checked against the model of the gate/up kernel, the rows
+against the model of the down kernel fed the kernels' own activations (a tight bound: one bf16
+rounding), and against the end-to-end model. The same inputs twice give the same bits, and a
+pair's row does not depend on the other tokens (batch invariance).
+
+Through JAX: `jmp.moe_experts` with impl="kernel" under jit, vmap and in a command buffer
+equals the harness's bits, and the reference path is within the model's bound.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gpu_harness
+import jax_moe_publish as jmp
+import numerics
+from jax_moe_publish.aot.store import default_store
+from jax_moe_publish.experts_config import MAX_PAIRS
+from jax_moe_publish.testing import gpu_matrix
+
+pytestmark = pytest.mark.gpus(1)
+
+CONFIGS = gpu_matrix.experts_configs()
+MS = (1, 2, 7, 16, 17, 64, 130)
+"""Tokens: one pass and several (16 tokens per pass with two token tiles), one past a pass."""
+
+
+def _id(config) -> str:
+    return config.key.removeprefix("experts-").replace("-sm_90a", "")
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=_id)
+def launcher(request, devices):
+    config = request.param
+    launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=max(MS))
+    yield launcher
+    launcher.close()
+
+
+def _inputs(rng, config, m, **options):
+    return numerics.random_experts(rng, m=m, hidden=config.hidden, intermediate=config.intermediate,
+                                   experts=config.experts, top_k=config.top_k, **options)
+
+
+def _check(out, activations, inputs, what):
+    """Activations, rows given them, rows end to end; skipped pairs' rows exactly zero."""
+    exact, bound = numerics.expected_activations(inputs)
+    numerics.assert_close(activations_of_valid(activations, inputs), exact, bound, what=f"{what} activations")
+    exact, bound = numerics.expected_rows_from(activations, inputs)
+    numerics.assert_close(out, exact, bound, what=f"{what} rows from its activations")
+    exact, bound = numerics.expected_rows(inputs)
+    numerics.assert_close(out, exact, bound, what=f"{what} rows")
+    numerics.assert_rows_zero(out, inputs, what=what)
+
+
+def activations_of_valid(activations, inputs):
+    """The kernels' activations with the rows of skipped pairs (never written: poison) zeroed,
+    as the model has them; every valid pair's row must have been written."""
+    flat = inputs.expert_ids.reshape(-1)
+    skipped = (flat < 0) | (flat >= inputs.down.shape[0])
+    bits = np.asarray(activations).view(np.uint16)
+    assert not np.any(bits[~skipped] == numerics.POISON_BF16), "a valid pair's activations were not written"
+    out = np.asarray(activations).copy()
+    out[skipped] = 0
+    return out
+
+
+@pytest.mark.parametrize("m", MS)
+def test_kernels_match_the_model(launcher, rng, m):
+    inputs = _inputs(rng, launcher.config, m)
+    out, activations = launcher.run(inputs)
+    _check(out, activations, inputs, f"m={m}")
+
+
+@pytest.mark.parametrize("case", ["hot experts", "every id skipped", "one expert"])
+def test_routing_edges(launcher, rng, case):
+    m = 64
+    if case == "hot experts":
+        # Every pair on 3 experts: dozens of tokens per expert, several passes each.
+        inputs = _inputs(rng, launcher.config, m, hot_experts=3)
+    elif case == "every id skipped":
+        inputs = _inputs(rng, launcher.config, m, skipped_fraction=1.0)
+    else:
+        inputs = _inputs(rng, launcher.config, m, skipped_fraction=0.0)
+        inputs.expert_ids[:] = launcher.config.experts - 1
+    out, activations = launcher.run(inputs)
+    _check(out, activations, inputs, case)
+
+
+def test_the_same_bits_every_run_and_for_every_batch(launcher, rng):
+    """Batch invariance: a token's rows are the same bits alone, twice, and among other tokens
+    (in another pass and another slot of its experts' segments)."""
+    config = launcher.config
+    inputs = _inputs(rng, config, 40)
+    first, _ = launcher.run(inputs)
+    again, _ = launcher.run(inputs)
+    assert np.array_equal(first.view(np.uint16), again.view(np.uint16)), "two runs differ"
+    for token in (0, 17, 39):
+        alone = numerics.ExpertsInputs(inputs.x[token:token + 1], inputs.expert_ids[token:token + 1], inputs.gate,
+                                       inputs.up, inputs.down)
+        rows, _ = launcher.run(alone)
+        k = config.top_k
+        assert np.array_equal(rows.view(np.uint16), first[token * k:(token + 1) * k].view(np.uint16)), (
+            f"token {token}'s rows differ alone and among 40 tokens")
+
+
+def test_the_op_through_jax_is_the_kernels(launcher, rng):
+    """jit, vmap and a command buffer (XLA's default on GPUs) give the harness's bits."""
+    config = launcher.config
+    inputs = _inputs(rng, config, 9)
+    want, _ = launcher.run(inputs)
+    gate_up = inputs.gate_up if config.fused_gate_up else (inputs.gate, inputs.up)
+    op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, gate_up, inputs.down, impl="kernel", config=config))
+    got = np.asarray(op(inputs.x, inputs.expert_ids))
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    second = _inputs(rng, config, 9)
+    batched = jax.vmap(lambda x, ids: jmp.moe_experts(x, ids, gate_up, inputs.down, impl="kernel", config=config))
+    both = np.asarray(batched(np.stack([inputs.x, second.x]), np.stack([inputs.expert_ids, second.expert_ids])))
+    assert np.array_equal(both[0].view(np.uint16), want.view(np.uint16))
+    exact, bound = numerics.expected_rows(numerics.ExpertsInputs(second.x, second.expert_ids, inputs.gate, inputs.up,
+                                                                 inputs.down))
+    numerics.assert_close(both[1], exact, bound, what="vmap's second element")
+    reference = np.asarray(jmp.moe_experts(inputs.x, inputs.expert_ids, gate_up, inputs.down, impl="reference"))
+    exact, bound = numerics.expected_rows(inputs)
+    numerics.assert_close(reference, exact, bound, what="reference path")
+
+
+def test_a_chain_of_layers_in_one_program(rng):
+    """Eight layers with their own weights in one jitted loop (a decode step's shape): each
+    layer's rows feed the next layer's x, every layer against the model."""
+    config = CONFIGS[0]
+    layers = [_inputs(rng, config, 5) for _ in range(8)]
+
+    def step(x, ids, weights):
+        for gate_up, down in weights:
+            rows = jmp.moe_experts(x, ids, gate_up, down, impl="kernel", config=config)
+            x = rows.reshape(x.shape[0], config.top_k, -1)[:, 0]
+        return x
+
+    x0 = layers[0].x
+    weights = [(layer.gate_up, layer.down) for layer in layers]
+    got = np.asarray(jax.jit(step)(x0, layers[0].expert_ids, weights))
+    x = x0
+    for layer in layers:
+        rows = np.asarray(jmp.moe_experts(x, layers[0].expert_ids, layer.gate_up, layer.down, impl="kernel",
+                                          config=config))
+        x = rows.reshape(x.shape[0], config.top_k, -1)[:, 0]
+    assert np.array_equal(got.view(np.uint16), x.view(np.uint16))
+
+
+def test_too_many_pairs_are_refused_before_the_kernels(rng):
+    config = CONFIGS[0]
+    m = MAX_PAIRS // config.top_k + 1
+    x = jnp.zeros((m, config.hidden), jnp.bfloat16)
+    ids = jnp.zeros((m, config.top_k), jnp.int32)
+    weights = _inputs(rng, config, 1)
+    with pytest.raises(ValueError, match="pairs, more than the kernels'"):
+        jmp.moe_experts(x, ids, weights.gate_up, weights.down, impl="kernel", config=config)
