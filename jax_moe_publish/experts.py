@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from jax_moe_publish import _launch, batching, checks, reference
+from jax_moe_publish import _launch, batching, checks, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
 
 IMPLS = ("auto", "kernel", "reference")
@@ -59,10 +59,12 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
     down : bf16 [experts, intermediate, hidden]
         Down projections (MaxText's ``wo``).
     impl : {"auto", "kernel", "reference"}
-        ``auto``: the kernels on CUDA devices where they take the shape (hidden a multiple of
-        32, intermediate of 16, ``m * top_k <= 8192``, at most 1024 experts and top-64), the
-        pure-JAX reference (`reference.moe_experts`, `jax.lax.ragged_dot`) elsewhere.
-        ``kernel`` raises where the kernels cannot run.
+        ``kernel``: the kernels, on CUDA devices, where they take the shape (hidden a multiple
+        of 32, intermediate of 16, ``m * top_k <= 8192``, at most 1024 experts and top-64);
+        it raises elsewhere. ``reference``: the pure-JAX reference (`reference.moe_experts`,
+        `jax.lax.ragged_dot`). ``auto``: the kernels where a measured table
+        (`experts_tuning`) found them faster than every ragged_dot route and they can run,
+        the reference elsewhere.
     config : ExpertsConfig, optional
         The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape.
 
@@ -80,6 +82,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
     if impl == "kernel" and (why_not or not gpus):
         raise ValueError(f"impl='kernel': {why_not or 'no CUDA device in this process'}; use impl='auto' or "
                          "'reference'")
+    if impl == "auto":
+        impl = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
+                                        experts=shape.experts, top_k=shape.top_k, m=shape.m)
     gate, up = (gate_up, None) if shape.fused else gate_up
 
     def elsewhere(x, expert_ids, gate, up, down):

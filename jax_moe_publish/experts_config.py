@@ -35,7 +35,7 @@ memory (4 bytes each)."""
 MAX_THREADS = 1024
 SHARED_MEMORY_BYTES = 227 * 1024
 """Shared memory a CTA of an H100 or H200 may use."""
-ARCHS = ("sm_90a",)
+ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "down_warps_k", "down_warps_n", "down_warp_cols",
                "down_unroll")
@@ -144,8 +144,8 @@ class ExpertsConfig:
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
-    arch : {"sm_90a"}
-        Target of the cubin.
+    arch : {"sm_90a", "sm_100a"}
+        Target of the cubin (the launch shapes are Hopper's).
     """
 
     hidden: int

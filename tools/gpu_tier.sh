@@ -5,7 +5,7 @@
 #   bash tools/gpu_tier.sh STEP[,STEP...] [LOG_DIR]  run the named steps one after the other
 #   bash tools/gpu_tier.sh --list               the steps, one per line: part, name, gpu_check.sh arguments
 # 1: the kernel harness (virtual ranks) in four pytest processes side by side, and determinism;
-# 2: the op and mesh tests as rank processes; 3: the kernel and epilogue files' JAX-level tests
+# 2: the op and mesh tests as rank processes, then the experts op; 3: the kernel and epilogue files' JAX-level tests
 # as rank processes, the tp = 8 epilogue harness (beside part 1's four it ran past 10 minutes),
 # derivatives, multi-process; 4: faults.
 # Rank-process tests never run beside other processes: their kernels starved the harness's
@@ -21,6 +21,7 @@ STEPS=(
     "1|harness-tp8-kernels|-m|$NOT_RANKS|-k|tp8|tests/gpu/test_kernels_gpu.py"
     "1|determinism|tests/gpu/test_determinism_gpu.py"
     "2|op-mesh|tests/gpu/test_op_gpu.py tests/gpu/test_mesh_gpu.py"
+    "2|experts|tests/gpu/test_experts_gpu.py"
     "3|harness-files-rank-processes|-m|gpu and rank_processes|$HARNESS"
     "3|harness-tp8-epilogue|-m|$NOT_RANKS|-k|tp8|tests/gpu/test_epilogue_gpu.py"
     "3|derivatives-processes|tests/gpu/test_derivatives_gpu.py tests/gpu/test_multiprocess_gpu.py"

@@ -64,7 +64,7 @@ class ExpertRouting:
         cute.arch.barrier()
         for p in cutlass.range(tidx, pairs, self.threads):
             expert = ptx.load_s32(expert_ids + Int64(p) * 4)
-            if expert >= 0 and expert < self.experts:
+            if (expert >= 0) & (expert < self.experts):
                 ptx.shared_fetch_add_s32((sCount.iterator + expert).toint(), 1)
         cute.arch.barrier()
         if tidx < WARP:
@@ -73,7 +73,7 @@ class ExpertRouting:
         for p in cutlass.range(tidx, pairs, self.threads):
             expert = ptx.load_s32(expert_ids + Int64(p) * 4)
             slot = Int32(0)
-            if expert >= 0 and expert < self.experts:
+            if (expert >= 0) & (expert < self.experts):
                 slot = sStart[expert] + ptx.shared_fetch_add_s32((sFill.iterator + expert).toint(), 1)
             else:
                 slot = sTotals[VALID] + ptx.shared_fetch_add_s32((sTotals.iterator + INVALID).toint(), 1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import numpy as np
 from cutlass import Float32, Int64
 
 from jax_moe_publish.experts_config import MMA_K, SMEM_ALIGNMENT, GemmShape
@@ -47,7 +48,10 @@ class ExpertTiles:
         s = self.shape
         if s.warps_k == 1:
             return None
-        layout = cute.make_layout((s.warps_k, s.warps_n, s.mma_tiles, s.token_tiles, 4, 32))
+        shape = (s.warps_k, s.warps_n, s.mma_tiles, s.token_tiles, 4, 32)
+        # Row-major (CuTe's default is column-major): 32 lanes on 32 consecutive words, 32 banks.
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        layout = cute.make_layout(shape, stride=strides)
         return cutlass.memory.SmemAllocator().allocate_tensor(Float32, layout, byte_alignment=SMEM_ALIGNMENT)
 
     def make_accumulators(self):

@@ -28,6 +28,7 @@ from jax_moe_publish.aot import artifact, compile, presets, store  # noqa: E402
 from jax_moe_publish.aot.__main__ import main as cli_main  # noqa: E402
 from jax_moe_publish.aot.compile import compile_config  # noqa: E402  (bound before tests patch it)
 from jax_moe_publish.config import KernelConfig  # noqa: E402
+from jax_moe_publish.experts_config import ExpertsConfig  # noqa: E402
 from jax_moe_publish.testing import gpu_matrix  # noqa: E402
 
 # Small problems for the store tests: each compile takes about 0.1 s.
@@ -269,6 +270,19 @@ def test_build_command_rebuilds_the_config(tmp_path):
     assert artifact.KernelArtifact.load(out, config.key).metadata["config"] == config.to_dict()
 
 
+def test_build_command_rebuilds_an_experts_config(tmp_path):
+    config = ExpertsConfig.for_shape(hidden=1024, intermediate=96, experts=40, top_k=6, fused_gate_up=False)
+    config = config.replace(token_tiles=1, down_unroll=1)
+    out = tmp_path / "out"
+    command = shlex.split(store.build_command(config, str(out)))
+    assert command[4:6] == ["--op", "experts"]
+    result = run_cli(command[3:], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    built = artifact.KernelArtifact.load(out, config.key)
+    assert built.metadata["op"] == "experts" and built.config == config
+    built.check(config.key)
+
+
 def test_cli_bad_value_exits_nonzero(tmp_path):
     result = run_cli(["build", "--hidden", "1024", "--top-k", "0", "--tp", "2", "--out", str(tmp_path)],
                      cwd=tmp_path)
@@ -293,6 +307,12 @@ CLI_ERRORS = [
     (["--hidden", "1024"], "needs --top-k --tp"),
     (["--preset", "llama"], "--preset: invalid choice"),
     ([], "nothing to build"),
+    (["--op", "experts", "--hidden", "1024", "--top-k", "4"], "an explicit experts config needs --intermediate --experts"),
+    (["--op", "experts", "--hidden", "1024", "--intermediate", "64", "--experts", "8", "--top-k", "4", "--tp", "2"],
+     "--tp: not a field of ExpertsConfig (--op experts)"),
+    (["--op", "experts", "--hidden", "1000", "--intermediate", "64", "--experts", "8", "--top-k", "4"],
+     "ExpertsConfig.hidden=1000: expected a positive multiple of 16"),
+    (["--op", "matmul"], "--op: invalid choice: 'matmul'"),
 ]
 
 

@@ -4,6 +4,7 @@ traced with the kernels stood in for (the CUDA branch is traced, the CPU runs th
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -14,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import numerics
-from jax_moe_publish import _launch, experts, reference
+from jax_moe_publish import _launch, experts, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
 
 SHAPES = [
@@ -263,3 +264,20 @@ def test_the_kernel_path_under_shard_map(rng, stood_in):
         want = reference.moe_experts(inputs.x, inputs.expert_ids,
                                      (inputs.gate[..., columns], inputs.up[..., columns]), inputs.down[:, columns])
         assert np.array_equal(np.asarray(out[rank]).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_auto_takes_the_kernels_only_where_the_table_measured_them(rng, stood_in, monkeypatch):
+    inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
+
+    def jaxpr():
+        return str(jax.make_jaxpr(lambda *a: experts.moe_experts(*a))(*_arrays(inputs, True)))
+
+    assert experts_tuning.TABLE == [] and STAND_IN not in jaxpr()
+    entry = experts_tuning.ExpertsChoice(hidden=64, intermediate=32, experts=6, top_k=2, max_m=4, impl="kernel",
+                                         source="benchmarks/results/a-run.json", reason="faster in that run")
+    monkeypatch.setattr(experts_tuning, "TABLE", [entry])
+    assert STAND_IN in jaxpr()
+    monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, max_m=3)])
+    assert STAND_IN not in jaxpr()
+    with pytest.raises(ValueError, match="source='a run': expected the result file of the run"):
+        dataclasses.replace(entry, source="a run")

@@ -30,3 +30,18 @@ def test_presets_hold_the_table_choice_of_every_m():
                     for epilogue in ("none", "rmsnorm") if tp > 1 else ("none",):
                         config = tuning.kernel_config(problem, tp=tp, m=m, result=result, epilogue=epilogue)
                         assert config in deepseek, (m, tp, fp32_weights, result, epilogue)
+
+
+def test_the_model_presets_hold_the_experts_op_s_configs():
+    """The experts op's own config (`experts._default_config`) for each model's expert shard at
+    every tp and layout is in its preset: a prebuilt folder serves the op's calls."""
+    from jax_moe_publish import checks, experts
+
+    for make, shapes in ((presets.deepseek_v3, presets.DEEPSEEK_V3_EXPERTS),
+                         (presets.qwen3_moe, presets.QWEN3_MOE_EXPERTS)):
+        built = set(make())
+        for hidden, intermediate, count, top_k in shapes:
+            for tp in presets.TP_SIZES:
+                for fused in (True, False):
+                    shape = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, fused)
+                    assert experts._default_config(shape) in built, (hidden, intermediate, tp, fused)
