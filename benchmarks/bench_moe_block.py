@@ -90,7 +90,7 @@ def _parse():
     parser.add_argument("--plot", help="PNG of the µs saved per layer and the step times")
     parser.add_argument("--problems", nargs="+", default=["deepseek-v3", "qwen3-moe"],
                         choices=["deepseek-v3", "qwen3-moe"])
-    parser.add_argument("--paths", nargs="+", default=["ragged", "decode"], choices=["ragged", "decode"])
+    parser.add_argument("--paths", nargs="+", default=list(mb.PATHS), choices=list(mb.PATHS))
     parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_MS))
     parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="layers of the stack, each its own weights")
     parser.add_argument("--experts", type=int, help="scale every problem's expert count down to this")
@@ -204,8 +204,8 @@ def check_outputs(config, mesh, mailbox, params, x, residual, variants):
 
     result = {variant: difference((variant, "ours"), (variant, "xla")) for variant in variants}
     paths = [v for v in variants if v in mb.PATHS]
-    if len(paths) == 2:
-        result["ragged_vs_decode"] = difference((paths[0], "ours"), (paths[1], "ours"))
+    for path in paths[1:]:
+        result[f"{path}_vs_{paths[0]}"] = difference((path, "ours"), (paths[0], "ours"))
     for what, value in result.items():
         if not value <= MAX_DIFFERENCE:
             raise RuntimeError(f"{config.name}: {what}: relative difference {value:.2e}: the sides would time "
@@ -240,6 +240,8 @@ def weight_bytes(config, tp, m, active, path):
     least = active * expert + shared
     if path == "ragged":
         return config.experts * expert + shared, least
+    if path == "ours":  # each active expert once (per 16 of its tokens: one pass at decode)
+        return least, least
     slots, gathered = mb.decode_slots(m, config.top_k, config.experts)
     return (mb.GATHER_TRAFFIC * slots if gathered else config.experts) * expert + shared, least
 
@@ -285,8 +287,13 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
 
 
 def kernel_configs(configs, tp):
-    """The op's kernel configs of every case (the tuning table's choice for the kernels)."""
-    return list(dict.fromkeys(chains.spec_config(op_spec(config), tp, None, m) for config in configs for m in ARGS.m))
+    """The kernel configs of every case: the finalize op's (the tuning table's choice for the
+    kernels) and, for the ``ours`` path, the experts op's own for the rank's expert shard."""
+    finalize = [chains.spec_config(op_spec(config), tp, None, m) for config in configs for m in ARGS.m]
+    experts = [jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
+                                           experts=config.experts, top_k=config.top_k)
+               for config in configs if "ours" in ARGS.paths]
+    return list(dict.fromkeys(finalize + experts))
 
 
 def print_table(results):

@@ -12,8 +12,9 @@ Each MoE layer runs what a JAX model runs:
 3. the routed experts, ``down(silu(gate(x)) * up(x))``, as grouped GEMMs. Each rank holds
    1/tp of every expert's intermediate dimension (gate/up column-parallel, fused as one
    ``[hidden, 2 * intermediate / tp]`` weight; down row-parallel), so its rows are partial
-   sums. Two interchangeable paths: ``ragged`` (`jax.lax.ragged_dot`, what JAX models use)
-   and ``decode`` (reads only the active experts' weights, `routed_rows_decode`);
+   sums. Three interchangeable paths: ``ragged`` (`jax.lax.ragged_dot`, what JAX models
+   use), ``decode`` (gathers only the active experts' weights, `routed_rows_decode`) and
+   ``ours`` (`jmp.moe_experts`: its kernels on GPUs, its reference elsewhere);
 4. the shared expert (DeepSeek-V3), sliced the same way;
 5. the finalize, the sum over the group and the residual add + RMSNorm, whose outputs
    ``(out, residual_out)`` are the next layer's input and residual stream:
@@ -47,7 +48,7 @@ import jax_moe_publish as jmp
 from jax_moe_publish.testing import rank_processes
 
 TP = "tp"
-PATHS = ("ragged", "decode")
+PATHS = ("ragged", "decode", "ours")
 FINALIZES = ("ours", "xla")
 ROUTERS = ("sigmoid-grouped", "softmax")
 # The decode path gathers the active experts' weights only while the gather (read + write
@@ -376,10 +377,16 @@ def finalize_inputs(config: MoEConfig, layer: dict, x, *, path: str):
     if path not in PATHS:
         raise ValueError(f"path={path!r}: expected one of {PATHS}")
     experts, weights = route(config, layer, x)
-    order, permuted_indices, sizes = sort_by_expert(experts, config.experts)
+    if path == "ours":
+        # Rows in pair order: pair t * top_k + k is its own row.
+        impl = "kernel" if jax.default_backend() == "gpu" else "reference"
+        rows = jmp.moe_experts(x, experts, layer["gate_up"], layer["down"], impl=impl)
+        permuted_indices = jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
+    else:
+        order, permuted_indices, sizes = sort_by_expert(experts, config.experts)
     if path == "ragged":
         rows = routed_rows_ragged(layer, x, order, sizes, config.top_k)
-    else:
+    elif path == "decode":
         rows = routed_rows_decode(layer, x, experts, order)
     shared = shared_partial(layer, x) if config.shared else None
     return rows, weights, permuted_indices, shared

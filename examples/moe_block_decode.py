@@ -1,7 +1,7 @@
 """A decode stack of model-shaped MoE blocks (`moe_block.py`) on every local GPU, checked
 against a float64 NumPy model.
 
-    python examples/moe_block_decode.py [--problems deepseek-v3 qwen3-moe] [--paths ragged decode]
+    python examples/moe_block_decode.py [--problems deepseek-v3 qwen3-moe] [--paths ragged decode ours]
         [--tokens 8] [--layers 3] [--experts N] [--check-layers N] [--steps 10]
 
 On NVIDIA GPUs the TP group is every local GPU, the dimensions are the models' own and

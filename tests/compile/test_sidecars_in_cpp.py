@@ -41,7 +41,9 @@ def _operand_rows(metadata):
 
 
 def _operand_dropped(metadata):
-    dropped = metadata["call"]["operands"].pop()
+    operands = metadata["call"]["operands"]
+    last_arg = max(i for i, operand in enumerate(operands) if operand["io"] == "arg")
+    dropped = operands.pop(last_arg)
     return rf"parameter '{dropped['name']}' is the address of an operand, but the call has no operand"
 
 

@@ -228,8 +228,8 @@ def test_cpu_benchmark_plumbing(tmp_path):
     assert environment["layers"] == 2 and environment["iterations"] == [1, 3] and data["copy_bytes_per_s"] is None
     assert environment["op_impl"] == block.OP_IMPLS["cpu"]
     assert data["problems"]["deepseek-v3"]["experts"] == 16
-    assert [(r["problem"], r["m"], r["path"]) for r in data["results"]] == [("deepseek-v3", 3, "ragged"),
-                                                                           ("deepseek-v3", 3, "decode")]
+    assert [(r["problem"], r["m"], r["path"]) for r in data["results"]] == [("deepseek-v3", 3, path)
+                                                                           for path in mb.PATHS]
     for r in data["results"]:
         for side in ("ours", "xla", "ours_no_gemm", "xla_no_gemm"):
             assert all(math.isfinite(r["step_us"][side][f]) for f in ("us", "p10", "p90")), (r["path"], side)
@@ -243,5 +243,5 @@ def test_cpu_benchmark_plumbing(tmp_path):
         weights = r["weights"]
         assert 0 < weights["least_bytes"] <= weights["read_bytes"] and 1 <= weights["active_experts"] <= 16
         assert all(value <= 1e-2 for value in r["relative_difference"].values()), r["relative_difference"]
-        assert set(r["relative_difference"]) == {"ragged", "decode", "no_gemm", "ragged_vs_decode"}
+        assert set(r["relative_difference"]) == {*mb.PATHS, "no_gemm", "decode_vs_ragged", "ours_vs_ragged"}
     assert not plot or png.stat().st_size > 0

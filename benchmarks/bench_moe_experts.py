@@ -1,0 +1,871 @@
+"""Every route a JAX user has to the routed experts of a decode batch, timed side by side on one
+GPU in one run, against the floor that the active experts' weight bytes set.
+
+`jmp.moe_experts` computes one rank's shard of the routed experts (``intermediate = I / tp``):
+for each pair ``p = t * top_k + k``, ``y[p] = bf16(bf16(silu(bf16(x[t] @ Wg[e])) *
+bf16(x[t] @ Wu[e])) @ Wd[e])``. At decode a call needs only the weights of the experts that the
+routing names, and reading them is most of its time. The columns, each its own compiled
+program (`COLUMNS`):
+
+* ``ours``: ``jmp.moe_experts(impl="kernel")`` (``--cpu``: ``impl="auto"``, the reference
+  path, since the kernels need a CUDA device; the JSON's ``ours_impl`` says which);
+* ``ragged_dot``: ``jmp.moe_experts(impl="reference")``, `jax.lax.ragged_dot` in expert
+  order as XLA lowers it by default;
+* ``ragged_dot_pallas_triton``: the same, traced with JAX's flag
+  ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` set (and restored after);
+* ``cudnn``: the same, compiled with XLA's ``xla_gpu_experimental_use_ragged_dot_fusion``
+  (its cuDNN grouped GEMM; XLA takes it with cuDNN >= 9.22 on Ampere or later);
+* ``xla_triton``: the same, compiled with ``xla_gpu_experimental_triton_ragged_dot`` and
+  ``xla_gpu_experimental_enable_tiling_propagation`` (XLA's Triton ragged-dot emitter);
+* ``tokamax``: ``tokamax.ragged_dot`` in the same two grouped GEMMs (its ``mosaic``
+  implementation, else ``triton``);
+* ``gather``: `examples/moe_block.py`'s ``routed_rows_decode`` after ``sort_by_expert``
+  (gathers the active experts' weights into slots, two batched GEMMs);
+* ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
+  the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
+  written per second, which a read-only stream moves at about the same rate, the HBM's
+  bandwidth being shared between reads and writes).
+
+``gather`` and ``tokamax`` return the rows in expert order, as the MoE block's finalize reads
+them; the others in pair order. Every column's output of one pass is checked against ours
+(or, where ours cannot run, the first column that ran; relative difference at most 1e-2)
+before its times count. XLA's options are per-program
+compile options (as `chains`' ``xla_nccl`` column), not ``XLA_FLAGS``: each column keeps its
+own options in this process, so that its runs interleave with ours. A column that cannot run
+records ``why_not``: the error, or, where the optimized HLO lacks what the column claims (a
+Triton custom call, a cuDNN fusion of the ragged dot), what it had instead (``hlo``: custom
+calls and fusion kinds counted in the optimized module). No column is left out silently.
+
+**What is timed.** A decode step reads each layer's weights once, so no timed call may find
+its weights in L2 (about 50 MB on an H200) from an earlier call. A program is a ``fori_loop``
+over a chain of ``layers`` calls, each layer with its own weights (all ``experts`` of the
+model), its own routing and its own ``x``, with enough layers that one pass over the chain
+reads ``--min-pass-mb`` (200 MB, 4x L2) of active weights, at least 2, and at most what
+``--weight-budget-gb`` of weights allows (the JSON says where the budget cut the layers). The
+routing is the model's router (`moe_block.route`: DeepSeek-V3's grouped sigmoid with bias,
+Qwen3's softmax top-k) over a random router matrix and random ``x``, the same for a layer
+and m at every tp. Each layer's ``x`` and ids are tied to the previous layer's output: plus
+``zero * y[0, 0]``, ``zero`` a runtime argument, ``y`` behind an ``optimization_barrier`` so
+that XLA must compute all of it; so no layer leaves the loop (the sort, the GEMMs:
+``tests/cpu/test_bench_moe_experts.py`` reads the optimized HLO on CPU) and the tie costs
+one small fusion per layer, the same in every column. XLA may still hoist what reads the
+weights alone (on CPU it moved their transposes before the loop): a copy that costs memory,
+not time in the loop.
+
+**Timing** follows `timing`: two loop counts per program (the count is a runtime argument
+of one compiled program), every column's short and long runs interleaved with ours, the
+order reversed every other repetition (`timing.paired_estimates`), a per-call estimate per
+repetition from adjacent runs, `timing.summarize` and `timing.paired_ratio` (``over_ours``:
+the column's time over ours per repetition). The counts are the column's own: a call here
+takes from about a microsecond to tens of milliseconds, so fixed counts would either run for
+minutes or leave the difference of the runs within a run's fixed cost, which moves by up to
+0.5 ms (`timing`). Each column's long run exceeds its short run by about ``--target-ms``
+(measured from its one- and few-iteration runs), the short run being 36/128 of that
+difference, as `timing`'s 36 and 164.
+
+Per case the JSON has the shape, tp, hidden, the rank's intermediate, experts, top-k, m,
+layers, the distinct active experts of each layer (count and a hex bitmask) and their mean,
+the active bytes per call, the floor, and per column ``us``/``p10``/``p90``, ``over_ours``,
+``floor_fraction`` (floor over the column's time), its loop counts, compile seconds and
+kernels (``hlo``), or ``why_not``. It is written after every case. ``--plot JSON...`` turns runs into a PNG: microseconds against m per shape and tp, one
+line per column, the floor dashed, log axes.
+
+**Run time.** Before measuring, the script prints an estimate of the run (``--estimate``
+prints it and exits): guessed compile seconds per column and layer (compiling dominates),
+the timed runs at the target difference, no shorter than a chain whose calls read every
+expert, and drawing the weights (`GUESS`; no H200 run of this script preceded these
+guesses, and a column whose module or JAX flag is missing counts a second). Each case
+records its elapsed and estimated seconds, to correct the guesses; the JSON written after
+every case keeps what a command cut short had measured. By the estimate (without tokamax),
+a shape and tp at all nine m would take 9.5 to 10.5 minutes, so a command takes a third of
+the m range: about 4 minutes each (4.8 for DeepSeek-V3 at tp = 1, m >= 64, the slowest
+calls, and Qwen3-30B-A3B at tp = 8, m <= 4, the most layers), about a minute more where
+tokamax is installed. The default selection is the first of them (DeepSeek-V3, tp = 8,
+m = 1, 2, 4). A full sweep is 36 commands::
+
+    for shape in deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b; do
+      for tp in 1 2 4 8; do
+        for ms in "1 2 4" "8 16 32" "64 128 256"; do
+          python benchmarks/bench_moe_experts.py --shapes $shape --tp $tp --m $ms
+        done
+      done
+    done
+    python benchmarks/bench_moe_experts.py --plot benchmarks/results/*-moe-experts-*.json --png experts.png
+
+Ours needs its kernels: where CuTe DSL is, ``--build-kernels DIR`` builds those of the
+selected shapes and tps (no GPU needed); point ``$JAX_MOE_PUBLISH_KERNEL_DIR`` at DIR. A run
+on GPUs checks for them before timing anything.
+
+``--cpu`` runs everything on the CPU at tiny dimensions (`CPU_DIMS`): a check of the
+plumbing, its times mean nothing.
+
+    python benchmarks/bench_moe_experts.py [--shapes ...] [--tp ...] [--m ...] [--columns ...] [--reps N]
+        [--rounds R] [--target-ms T] [--weight-budget-gb G] [--min-pass-mb P] [--out JSON] [--hlo PREFIX]
+    python benchmarks/bench_moe_experts.py --estimate --shapes qwen3-30b-a3b --tp 8
+    python benchmarks/bench_moe_experts.py --build-kernels kernels/ --shapes deepseek-v3 --tp 1 2 4 8
+    python benchmarks/bench_moe_experts.py --plot run1.json run2.json --png experts.png
+    python benchmarks/bench_moe_experts.py --cpu --tp 1 2 --m 1 3 --reps 1 --out /tmp/experts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib.util
+import json
+import math
+import pathlib
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# examples/ is not a package: its modules import by name (as in bench_moe_block.py).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+import floors
+import kernel_builds
+import moe_block as mb
+import records
+import timing
+
+import jax_moe_publish as jmp
+from jax_moe_publish.testing import rank_processes
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+SHAPES = {
+    "deepseek-v3": mb.DEEPSEEK_V3,
+    "qwen3-235b-a22b": mb.MoEConfig("qwen3-235b-a22b", hidden=4096, intermediate=1536, experts=128, top_k=8,
+                                    router="softmax", model_experts=128),
+    "qwen3-30b-a3b": dataclasses.replace(mb.QWEN3_30B_A3B, name="qwen3-30b-a3b"),
+}
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_MS = (1, 2, 4)
+# --cpu: every shape at dimensions that split over tp = 8.
+CPU_DIMS = {"hidden": 64, "intermediate": 64, "experts": 16, "shared_intermediate": 64}
+MAX_DIFFERENCE = 1e-2
+MIN_LAYERS = 2  # so that no two consecutive calls share weights or routing
+MAX_ITERATIONS = 20_000
+# By platform: the long run's excess over the short one (ms), the weights' budget (GB) and the
+# active bytes of one pass (MB).
+PLATFORM_DEFAULTS = {
+    "gpu": {"target_ms": 20.0, "weight_budget_gb": 60.0, "min_pass_mb": 200.0},
+    "cpu": {"target_ms": 1.0, "weight_budget_gb": 0.05, "min_pass_mb": 0.5},
+}
+OURS_IMPLS = {"gpu": "kernel", "cpu": "auto"}
+"""Ours' ``impl`` by platform: the kernels, which raise without a CUDA device; on CPU the path
+``auto`` takes there (the reference), so that the column's plumbing runs."""
+CPU_COPY_SHAPE = (2**10, 2**12)  # bf16, 8 MiB: the --cpu stand-in of the floor's copy
+# The run-time estimate's figures: guesses made before this script first ran on an H200.
+# `--estimate` and the JSON (``elapsed_s`` beside ``estimate_s`` per case) are there to replace them.
+GUESS = {
+    "start_s": 60.0,  # JAX and CUDA start, the floors (a 4 GiB copy, the empty-call chain)
+    "weights_s_per_gb": 0.1,  # drawing random bf16 weights
+    "compile_s": {"ours": 3.0, "ragged_dot": 8.0, "ragged_dot_pallas_triton": 10.0, "cudnn": 10.0,
+                  "xla_triton": 10.0, "tokamax": 20.0, "gather": 8.0},
+    "compile_s_per_layer": 0.3,
+    "unavailable_s": 1.0,  # a column whose module or JAX flag this Python lacks
+    "hbm_bytes_per_s": 4.0e12,
+    "flops_per_s": 6.0e14,  # bf16 dense GEMMs
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One route to the experts' rows: how its programs are built, and what its optimized HLO
+    must hold for the column to be what its name says (``needs_in_hlo``, regexes that must all
+    match; ``needs_what`` says it in words)."""
+
+    name: str
+    what: str
+    route: str  # "ours", "reference" (jmp.moe_experts(impl="reference")), "tokamax" or "gather"
+    compiler_options: tuple = ()  # XLA options of this column's programs only
+    jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
+    needs_in_hlo: tuple = ()
+    needs_what: str = ""
+
+
+_RAGGED_DOT_KEPT = r"\sragged-dot\("  # XLA's default rewrites every ragged dot into dots
+COLUMNS = (
+    Column("ours", "jmp.moe_experts(impl='kernel'): this package's kernels", "ours"),
+    Column("ragged_dot", "jmp.moe_experts(impl='reference'): jax.lax.ragged_dot, XLA's default lowering",
+           "reference"),
+    Column("ragged_dot_pallas_triton", "jmp.moe_experts(impl='reference') traced with "
+           "jax_ragged_dot_use_gpu_pallas_triton_lowering: JAX's Pallas Triton ragged dot", "reference",
+           jax_flag="jax_ragged_dot_use_gpu_pallas_triton_lowering",
+           needs_in_hlo=(r'custom_call_target="[^"]*triton',), needs_what="a Triton custom call"),
+    Column("cudnn", "jmp.moe_experts(impl='reference') compiled with xla_gpu_experimental_use_ragged_dot_fusion: "
+           "XLA's cuDNN grouped GEMM", "reference",
+           compiler_options=(("xla_gpu_experimental_use_ragged_dot_fusion", True),),
+           needs_in_hlo=(_RAGGED_DOT_KEPT, r'"kind":\s*"__cudnn\$fusion"'),
+           needs_what="a ragged dot in a cuDNN fusion (kind __cudnn$fusion; XLA needs cuDNN >= 9.22 and a CUDA "
+                      "GPU of Ampere or later)"),
+    Column("xla_triton", "jmp.moe_experts(impl='reference') compiled with xla_gpu_experimental_triton_ragged_dot: "
+           "XLA's Triton ragged-dot emitter", "reference",
+           compiler_options=(("xla_gpu_experimental_triton_ragged_dot", True),
+                             ("xla_gpu_experimental_enable_tiling_propagation", True)),
+           needs_in_hlo=(_RAGGED_DOT_KEPT, r'"kind":\s*"__triton_gemm"'),
+           needs_what="a ragged dot in a Triton GEMM fusion (kind __triton_gemm)"),
+    Column("tokamax", "tokamax.ragged_dot in the same two grouped GEMMs, expert order (implementation "
+           "'mosaic', else 'triton')", "tokamax"),
+    Column("gather", "examples/moe_block.py routed_rows_decode after sort_by_expert: the active experts' "
+           "weights gathered into slots, two batched GEMMs, expert order", "gather"),
+)
+COLUMN_NAMES = tuple(column.name for column in COLUMNS)
+TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton")  # tokamax's "xla" is jax.lax.ragged_dot: the ragged_dot column
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=list(SHAPES))
+    parser.add_argument("--tp", nargs="+", type=int, default=[8], help="the rank's intermediate is I / tp")
+    parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_MS), help=f"tokens (the sweep: {MS})")
+    parser.add_argument("--columns", nargs="+", default=list(COLUMN_NAMES), choices=COLUMN_NAMES)
+    parser.add_argument("--reps", type=int, default=10, help="paired repetitions per round")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, each with freshly compiled programs")
+    parser.add_argument("--target-ms", type=float, help="each column's long run less its short run, in ms "
+                                                        "(default 20; --cpu 1)")
+    parser.add_argument("--weight-budget-gb", type=float, help="device memory for the layers' weights "
+                                                               "(default 60; --cpu 0.05)")
+    parser.add_argument("--min-pass-mb", type=float, help="active weight bytes of one pass over the chain "
+                                                          "(default 200, 4x an H200's L2; --cpu 0.5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="the JSON (default: benchmarks/results/<date>-<gpu>-moe-experts-...json)")
+    parser.add_argument("--hlo", metavar="PREFIX", help="write each column's optimized HLO of the first case to "
+                                                        "PREFIX.<column>.txt")
+    parser.add_argument("--cpu", action="store_true", help="on the CPU at tiny dimensions: plumbing only")
+    parser.add_argument("--estimate", action="store_true", help="print the run-time estimate and exit")
+    parser.add_argument("--build-kernels", metavar="DIR", help="compile ours' kernels of the selected shapes "
+                                                               "and tps into DIR (CuTe DSL, no GPU), then exit")
+    parser.add_argument("--plot", nargs="+", metavar="JSON", help="turn these runs into a PNG (--png), then exit")
+    parser.add_argument("--png", help="the --plot PNG (default: the first JSON's name with .png)")
+    args = parser.parse_args(argv)
+    for name in ("reps", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: expected at least 1")
+    if args.png and not args.plot:
+        parser.error(f"--png {args.png}: expected --plot with the JSON files to draw")
+    if args.estimate and args.cpu:
+        parser.error("--estimate --cpu: the estimate is of a run on an H200")
+    if min(args.m) < 1 or min(args.tp) < 1:
+        parser.error(f"--m {args.m} --tp {args.tp}: expected every value >= 1")
+    platform = "cpu" if args.cpu else "gpu"
+    for name, value in PLATFORM_DEFAULTS[platform].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive number")
+    args.ours_impl = OURS_IMPLS[platform]
+    return args
+
+
+# ---------------------------------------------------------------------------------------
+# Shapes, layers, routing, weights
+
+
+def shape_config(args, name):
+    """The model's `moe_block.MoEConfig` (its router and whole dimensions), tiny under --cpu."""
+    return mb.scaled(SHAPES[name], **CPU_DIMS) if args.cpu else SHAPES[name]
+
+
+def layer_weight_bytes(config, tp):
+    """Bytes of one layer's expert weights on a rank."""
+    return config.experts * config.expert_bytes(tp)
+
+
+def budget_layers(args, config, tp):
+    """The most layers whose weights fit ``--weight-budget-gb``."""
+    layers = int(args.weight_budget_gb * 1e9 // layer_weight_bytes(config, tp))
+    if layers < 1:
+        raise SystemExit(f"--weight-budget-gb {args.weight_budget_gb}: one layer of {config.name} at tp={tp} "
+                         f"needs {layer_weight_bytes(config, tp) / 1e9:.2f} GB; expected a budget of at least that")
+    return layers
+
+
+def shape_key(args, name):
+    return jax.random.fold_in(jax.random.key(args.seed), list(SHAPES).index(name))
+
+
+def router_params(key, config):
+    """One layer's router (`moe_block.init_layer`'s distributions)."""
+    keys = jax.random.split(key)
+    params = {"router": jax.random.normal(keys[0], (config.hidden, config.experts), jnp.float32)
+              * config.hidden**-0.5}
+    if config.router == "sigmoid-grouped":
+        params["bias"] = 0.1 * jax.random.normal(keys[1], (config.experts,), jnp.float32)
+    return params
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def draw_routing(config, m, router_key, x_key):
+    """One layer's ``x`` (bf16 [m, hidden]) and its experts (int32 [m, top_k]) by the model's router."""
+    x = jax.random.normal(x_key, (m, config.hidden), jnp.float32).astype(jnp.bfloat16)
+    experts, _ = mb.route(config, router_params(router_key, config), x)
+    return x, experts
+
+
+def case_routing(args, config, tp, m, max_layers):
+    """Layers of routing for one case: ``(xs, ids, active)``, ``active`` the sorted distinct experts
+    of each layer, as many layers as one pass needs for ``--min-pass-mb`` of active weights (at
+    least MIN_LAYERS), at most ``max_layers``. A layer's routing depends on the shape, m and its
+    index only, so it is the same at every tp."""
+    key = shape_key(args, config.name)
+    xs, ids, active, pass_bytes = [], [], [], 0
+    while len(xs) < max_layers and (len(xs) < MIN_LAYERS or pass_bytes < args.min_pass_mb * 1e6):
+        layer = len(xs)
+        router_key = jax.random.fold_in(jax.random.fold_in(key, 0), layer)
+        x_key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, 1), m), layer)
+        x, experts = draw_routing(config, m, router_key, x_key)
+        xs.append(x)
+        ids.append(experts)
+        active.append(np.unique(np.asarray(experts)))
+        pass_bytes += active[-1].size * config.expert_bytes(tp)
+    return xs, ids, active
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def draw_layer_weights(key, config, tp):
+    """One layer's weights on one rank, uniform bf16 of variance ``1 / fan_in``
+    (`moe_block.init_layer`'s draw): gate_up [experts, hidden, 2 * i] (gate columns, then up)
+    and down [experts, i, hidden], ``i = intermediate / tp``."""
+    i = config.intermediate // tp
+    keys = jax.random.split(key)
+
+    def weight(k, shape, fan_in):
+        limit = (3 / fan_in) ** 0.5
+        return jax.random.uniform(k, shape, jnp.bfloat16, -limit, limit)
+
+    return {"gate_up": weight(keys[0], (config.experts, config.hidden, 2 * i), config.hidden),
+            "down": weight(keys[1], (config.experts, i, config.hidden), config.intermediate)}
+
+
+def draw_weights(args, config, tp, layers):
+    key = jax.random.fold_in(jax.random.fold_in(shape_key(args, config.name), 2), tp)
+    return [draw_layer_weights(jax.random.fold_in(key, layer), config, tp) for layer in range(layers)]
+
+
+def active_bitmask(active, experts):
+    """The set of active experts as hex, expert e the bit ``1 << e``."""
+    return format(sum(1 << int(e) for e in active), f"0{-(-experts // 4)}x")
+
+
+# ---------------------------------------------------------------------------------------
+# The columns' programs
+
+
+def layer_function(column, args, top_k, tokamax_ragged_dot=None):
+    """``(layer weights, x, expert ids) -> rows`` of ``column``."""
+    if column.route in ("ours", "reference"):
+        impl = args.ours_impl if column.route == "ours" else "reference"
+        return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
+    if column.route == "gather":
+        def gather(w, x, ids):
+            order, _, _ = mb.sort_by_expert(ids, w["gate_up"].shape[0])
+            return mb.routed_rows_decode(w, x, ids, order)
+
+        return gather
+
+    def grouped(w, x, ids):
+        # moe_block.routed_rows_ragged's GEMMs, through tokamax's ragged_dot.
+        order, _, sizes = mb.sort_by_expert(ids, w["gate_up"].shape[0])
+        h = tokamax_ragged_dot(x[order // top_k], w["gate_up"], sizes, preferred_element_type=jnp.float32)
+        h = mb.swiglu(h.astype(jnp.bfloat16))
+        return tokamax_ragged_dot(h, w["down"], sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    return grouped
+
+
+def chain(layer_fn, layers):
+    """``(weights, xs, ids, zero, y, iterations) -> y``: ``iterations`` passes over ``layers``
+    calls, each layer's ``x`` and ids plus ``zero * y[0, 0]`` of the previous layer's output,
+    ``y`` behind an optimization barrier (module docstring)."""
+
+    def program(weights, xs, ids, zero, y, iterations):
+        def body(_, y):
+            for layer in range(layers):
+                (y,) = lax.optimization_barrier((y,))
+                tie = zero * y[0, 0].astype(jnp.float32)
+                x = (xs[layer].astype(jnp.float32) + tie).astype(jnp.bfloat16)
+                y = layer_fn(weights[layer], x, ids[layer] + tie.astype(jnp.int32))
+            return y
+
+        return lax.fori_loop(0, iterations, body, y)
+
+    return program
+
+
+@contextlib.contextmanager
+def jax_flag(name):
+    """JAX's config flag ``name`` set while the block runs (None: nothing), restored after."""
+    if name is None:
+        yield
+        return
+    if not hasattr(jax.config, name):
+        raise ValueError(f"this jax ({jax.__version__}) has no config flag {name!r}")
+    before = getattr(jax.config, name)
+    jax.config.update(name, True)
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
+
+
+def compile_column(column, args, top_k, layers, inputs):
+    """``(compiled program, the call it runs)`` of ``column`` (the call only where ``what`` does
+    not say it: ours' impl, tokamax's implementation); raises where it cannot be built."""
+    if column.route != "tokamax":
+        ran = f"jmp.moe_experts(impl={args.ours_impl!r})" if column.route == "ours" else None
+        return build(column, layer_function(column, args, top_k), layers, inputs), ran
+    import tokamax
+
+    errors = []
+    for implementation in TOKAMAX_IMPLEMENTATIONS:
+        ragged_dot = functools.partial(tokamax.ragged_dot, implementation=implementation)
+        try:
+            compiled = build(column, layer_function(column, args, top_k, ragged_dot), layers, inputs)
+        except Exception as error:  # noqa: BLE001 - tokamax and XLA raise their own types
+            errors.append(f"{implementation}: {one_line(error)}")
+            continue
+        return compiled, f"tokamax.ragged_dot(implementation={implementation!r})"
+    raise RuntimeError("; ".join(errors))
+
+
+def build(column, layer_fn, layers, inputs):
+    """The compiled chain of ``layer_fn`` with ``column``'s XLA options and JAX flag."""
+    program = jax.jit(chain(layer_fn, layers), compiler_options=dict(column.compiler_options) or None)
+    # The flag is part of JAX's trace context: it counts while tracing; the compiled program keeps it.
+    with jax_flag(column.jax_flag):
+        lowered = program.lower(*inputs, jnp.int32(1))
+    return lowered.compile()
+
+
+def one_line(error):
+    """An exception as one line: its type and the start of its message."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:400]}"
+
+
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION_KIND = re.compile(r'"kind":\s*"(__[^"]+)"')
+
+
+def hlo_kernels(hlo):
+    """What an optimized HLO module runs its GEMMs with: custom-call targets and fusion kinds
+    (``__cudnn$fusion``, ``__triton_gemm``, ...) counted over the module, and its ragged dots
+    (XLA's default lowering rewrites every one into dots)."""
+
+    def counts(pattern):
+        found = {}
+        for name in pattern.findall(hlo):
+            found[name] = found.get(name, 0) + 1
+        return found
+
+    return {"custom_calls": counts(_CUSTOM_CALL), "fusion_kinds": counts(_FUSION_KIND),
+            "ragged_dots": len(re.findall(_RAGGED_DOT_KEPT, hlo))}
+
+
+def missing_evidence(column, hlo):
+    """Why the optimized HLO does not show ``column``'s implementation, or None where it does."""
+    if all(re.search(pattern, hlo) for pattern in column.needs_in_hlo):
+        return None
+    return (f"the optimized HLO lacks {column.needs_what}; it has {json.dumps(hlo_kernels(hlo))}: "
+            "the program runs another implementation")
+
+
+# ---------------------------------------------------------------------------------------
+# Timing
+
+
+def runner(compiled, iterations):
+    """``compiled`` as a function of the inputs alone, at ``iterations`` loop iterations."""
+    count = jnp.int32(iterations)
+    return lambda *inputs: compiled(*inputs, count)
+
+
+def loop_counts(compiled, inputs, target_s):
+    """``(short, long)`` iterations of ``compiled`` whose runs differ by about ``target_s``: the
+    time of an iteration from a one-iteration run and a run near the target, the short run
+    36/128 of the difference (as `timing`'s counts)."""
+    one = float(np.median(timing.time_runs(runner(compiled, 1), inputs, 2)))
+    probe = int(min(max(2, math.ceil(target_s / one)), MAX_ITERATIONS))
+    probed = float(np.median(timing.time_runs(runner(compiled, probe), inputs, 2)))
+    per_iteration = max((probed - one) / (probe - 1), target_s / MAX_ITERATIONS)
+    difference = min(max(1, math.ceil(target_s / per_iteration)), MAX_ITERATIONS)
+    short = math.ceil(difference * timing.SHORT / (timing.LONG - timing.SHORT))
+    return short, short + difference
+
+
+def per_call_estimates(programs, counts, inputs, reps, layers):
+    """`timing.paired_estimates` of every column at its own counts: per-call µs per repetition.
+    The columns' runs interleave as `timing` orders them; labels 0 and 1 stand for each
+    column's short and long count, and each difference is divided by the column's own calls."""
+    sides = {name: {0: runner(compiled, counts[name][0]), 1: runner(compiled, counts[name][1])}
+             for name, compiled in programs.items()}
+    run_differences = timing.paired_estimates(sides, inputs, reps, layers=1, iterations=(0, 1))
+    return {name: run_differences[name] / ((counts[name][1] - counts[name][0]) * layers) for name in programs}
+
+
+# ---------------------------------------------------------------------------------------
+# One case
+
+
+def pair_order(rows, ids):
+    """Rows in expert order (stable, as `moe_block.sort_by_expert`) put back in pair order."""
+    order = np.argsort(np.asarray(ids).reshape(-1), kind="stable")
+    unsorted = np.empty_like(rows)
+    unsorted[order] = rows
+    return unsorted
+
+
+class NotTimed(Exception):
+    """A column that ran but may not be timed as what it claims to be: its ``why_not``."""
+
+
+def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_prefix):
+    """Compile ``column`` and check it before it is timed: its optimized HLO shows what the
+    column claims (`missing_evidence`), and its output of one pass (in pair order) agrees with
+    that of the first column that ran. Records in ``entry`` the call it ran, its compile seconds,
+    its kernels (`hlo_kernels`) and its loop counts (`loop_counts`); returns the program."""
+    start = time.perf_counter()
+    compiled, ran = compile_column(column, args, top_k, layers, inputs)
+    if ran:
+        entry["ran"] = ran
+    text = compiled.as_text()
+    if hlo_prefix:
+        pathlib.Path(f"{hlo_prefix}.{column.name}.txt").write_text(text)
+    why_not = missing_evidence(column, text)
+    if why_not:
+        raise NotTimed(why_not)
+    entry["compile_s"] = time.perf_counter() - start
+    entry["hlo"] = hlo_kernels(text)
+    out = np.asarray(runner(compiled, 1)(*inputs), np.float64)
+    # gather and tokamax leave the rows in expert order; the last layer's routing orders them.
+    outputs[column.name] = out if column.route in ("ours", "reference") else pair_order(out, inputs[2][-1])
+    reference = next(iter(outputs))
+    if column.name != reference:
+        difference = float(np.linalg.norm(outputs[column.name] - outputs[reference])
+                           / np.linalg.norm(outputs[reference]))
+        entry["relative_difference"] = difference
+        if not difference <= MAX_DIFFERENCE:
+            raise NotTimed(f"its output differs from {reference}'s by {difference:.2e} (relative, more than "
+                           f"{MAX_DIFFERENCE}): it would time another computation")
+    entry["iterations"] = list(loop_counts(compiled, inputs, args.target_ms / 1e3))
+    return compiled
+
+
+def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_prefix):
+    """Every column of one (shape, tp, m) and its floor."""
+    start = time.perf_counter()
+    xs, ids, active = routing
+    layers = len(xs)
+    hidden, top_k = config.hidden, config.top_k
+    inputs = (weights[:layers], xs, ids, jnp.zeros((), jnp.float32), jnp.zeros((m * top_k, hidden), jnp.bfloat16))
+    distinct = [int(a.size) for a in active]
+    mean_active = float(np.mean(distinct))
+    expert_bytes = config.expert_bytes(tp)
+    active_bytes = mean_active * expert_bytes
+    floor_us = active_bytes / bandwidth * 1e6
+    result = {"shape": config.name, "tp": tp, "hidden": hidden, "intermediate": config.intermediate // tp,
+              "model_intermediate": config.intermediate, "experts": config.experts, "top_k": top_k, "m": m,
+              "router": config.router, "layers": layers, "budget_layers": budget_layers(args, config, tp),
+              "active_experts": {"per_layer": distinct, "mean": mean_active,
+                                 "bitmask_per_layer": [active_bitmask(a, config.experts) for a in active]},
+              "expert_bytes": expert_bytes, "active_bytes_per_call": active_bytes,
+              "pass_bytes": sum(distinct) * expert_bytes, "layer_weight_bytes": layer_weight_bytes(config, tp)}
+    if not args.cpu:
+        result["estimate_s"] = case_estimate_s(args, config, tp, m, layers, columns)
+    # case_routing stops short of the pass bytes only at the budget's last layer.
+    result["layers_cut_by_budget"] = layers < MIN_LAYERS or result["pass_bytes"] < args.min_pass_mb * 1e6
+    figures = {column.name: {"what": column.what} for column in columns}
+    timings, outputs = {}, {}
+    for round_index in range(args.rounds):
+        programs = {}
+        for column in columns:
+            entry = figures[column.name]
+            if "why_not" in entry:
+                continue
+            try:
+                if round_index == 0:
+                    programs[column.name] = prepare_column(column, args, top_k, layers, inputs, entry, outputs,
+                                                           hlo_prefix)
+                else:
+                    programs[column.name] = compile_column(column, args, top_k, layers, inputs)[0]
+            except NotTimed as reason:
+                entry["why_not"] = str(reason)
+            except Exception as error:  # noqa: BLE001 - JAX, XLA and tokamax raise their own types
+                entry["why_not"] = one_line(error)
+            if "why_not" in entry:
+                timings.pop(column.name, None)
+        counts = {name: figures[name]["iterations"] for name in programs}
+        for name, estimates in per_call_estimates(programs, counts, inputs, args.reps, layers).items():
+            timings.setdefault(name, []).append(estimates)
+    for name, column_rounds in timings.items():
+        entry = figures[name]
+        entry.update(timing.summarize(column_rounds))
+        entry["floor_fraction"] = floor_us / entry["us"]
+        if "ours" in timings and name != "ours":
+            entry["over_ours"] = timing.paired_ratio(column_rounds, timings["ours"])
+    figures["floor"] = {"us": floor_us, "what": "the active experts' weight bytes at the measured HBM bandwidth",
+                        "bytes": active_bytes, "bytes_per_s": bandwidth}
+    result["columns"] = figures
+    result["checked_against"] = next(iter(outputs), None)
+    result["elapsed_s"] = time.perf_counter() - start
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# The run-time estimate
+
+
+def case_estimate_s(args, config, tp, m, layers, columns):
+    """Seconds of one case by `GUESS`: per column its compile, then its runs (each repetition a
+    short and a long run, together ``1 + 2 * 36/128`` times the target difference, and three
+    more for the calibration and warm-up), no shorter than three iterations of a chain whose
+    calls read every expert and multiply every row by every expert (as XLA's default lowering
+    of a ragged dot does)."""
+    rows = m * config.top_k
+    expanded_flops = 2 * rows * config.experts * 3 * config.hidden * (config.intermediate // tp)
+    call_s = max(layer_weight_bytes(config, tp) / GUESS["hbm_bytes_per_s"], expanded_flops / GUESS["flops_per_s"])
+    pair_s = max(args.target_ms / 1e3 * (1 + 2 * timing.SHORT / (timing.LONG - timing.SHORT)), 3 * layers * call_s)
+    seconds = 0.0
+    for column in columns:
+        if known_unavailable(column):
+            seconds += GUESS["unavailable_s"]
+            continue
+        compile_s = GUESS["compile_s"][column.name] + GUESS["compile_s_per_layer"] * layers
+        seconds += args.rounds * (compile_s + (args.reps + 3) * pair_s)
+    return seconds
+
+
+def known_unavailable(column):
+    """Whether this Python lacks what ``column`` needs, where that shows without a device (its
+    module, its JAX flag); the run records the error itself."""
+    if column.route == "tokamax":
+        return importlib.util.find_spec("tokamax") is None
+    return column.jax_flag is not None and not hasattr(jax.config, column.jax_flag)
+
+
+def planned_layers(args, config, tp, m):
+    """The layers `case_routing` will draw, from the expected distinct experts of uniform routing
+    (the estimate does not draw the routing)."""
+    expected = config.experts * (1 - (1 - config.top_k / config.experts) ** m)
+    needed = math.ceil(args.min_pass_mb * 1e6 / (expected * config.expert_bytes(tp)))
+    return min(max(MIN_LAYERS, needed), budget_layers(args, config, tp))
+
+
+def run_estimate_s(args, columns):
+    seconds = GUESS["start_s"]
+    for name in args.shapes:
+        config = shape_config(args, name)
+        for tp in args.tp:
+            layers = {m: planned_layers(args, config, tp, m) for m in args.m}
+            seconds += max(layers.values()) * layer_weight_bytes(config, tp) / 1e9 * GUESS["weights_s_per_gb"]
+            seconds += sum(case_estimate_s(args, config, tp, m, layers[m], columns) for m in args.m)
+    return seconds
+
+
+ESTIMATE_BASIS = ("an estimate, not a measurement: guessed compile seconds per column and layer, the timed runs at "
+                  "--target-ms, no shorter than a chain whose calls read every expert at 4 TB/s and multiply every "
+                  "row by every expert at 600 TFLOP/s, weights drawn at 10 GB/s, 60 s to start (GUESS in the "
+                  "script); compare the cases' elapsed_s")
+
+
+# ---------------------------------------------------------------------------------------
+# Plot
+
+
+def plot(paths, png):
+    """Microseconds against m per (shape, tp), one line per column, the floor dashed, log axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(pathlib.Path(path).read_text()) for path in paths]
+    results = [r for run in runs for r in run["results"]]
+    if not results:
+        raise SystemExit(f"--plot {' '.join(paths)}: no results in these files")
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    tps = sorted({r["tp"] for r in results})
+    figure, axes = plt.subplots(len(shapes), len(tps), figsize=(5 * len(tps), 4 * len(shapes)), squeeze=False)
+    for row, shape in enumerate(shapes):
+        for col, tp in enumerate(tps):
+            axis = axes[row][col]
+            cases = sorted((r for r in results if r["shape"] == shape and r["tp"] == tp), key=lambda r: r["m"])
+            if not cases:
+                axis.set_visible(False)
+                continue
+            without = []
+            for name in COLUMN_NAMES:
+                timed = [r for r in cases if "us" in r["columns"].get(name, {})]
+                if timed:
+                    axis.plot([r["m"] for r in timed], [r["columns"][name]["us"] for r in timed], "o-",
+                              markersize=3, label=name)
+                elif any(name in r["columns"] for r in cases):
+                    without.append(name)
+            axis.plot([r["m"] for r in cases], [r["columns"]["floor"]["us"] for r in cases], "k--", label="floor")
+            axis.set_xscale("log", base=2)
+            axis.set_xticks([r["m"] for r in cases], [str(r["m"]) for r in cases])
+            axis.set_yscale("log")
+            axis.set_xlabel("m (tokens)")
+            axis.set_ylabel("µs per call")
+            axis.set_title(f"{shape}, tp = {tp} (intermediate {cases[0]['intermediate']})", fontsize=9)
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend(fontsize=7)
+            if without:
+                axis.text(0.02, 0.02, "no figures: " + ", ".join(without), transform=axis.transAxes, fontsize=6)
+    environment = runs[0]["environment"]
+    figure.suptitle(f"routed experts of a decode batch: {environment['gpu']}, jax {environment['jax']}"
+                    + (": CPU plumbing check, times meaningless" if environment["plumbing_check"] else ""))
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+
+
+def default_out(args, gpu):
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower().removeprefix("nvidia")).strip("-") or "device"
+    name = (f"{datetime.date.today().isoformat()}-{slug}-moe-experts-{'-'.join(args.shapes)}"
+            f"-tp{'-'.join(map(str, args.tp))}-m{args.m[0]}-{args.m[-1]}.json")
+    return str(ROOT / "benchmarks" / "results" / name)
+
+
+def ours_configs(args):
+    """The `jmp.ExpertsConfig` of every selected shape and tp (the op's default for the shape)."""
+    return [jmp.ExpertsConfig.for_shape(hidden=SHAPES[name].hidden, intermediate=SHAPES[name].intermediate // tp,
+                                        experts=SHAPES[name].experts, top_k=SHAPES[name].top_k)
+            for name in args.shapes for tp in args.tp]
+
+
+def build_kernels_command(args):
+    return (f"python benchmarks/bench_moe_experts.py --build-kernels DIR --shapes {' '.join(args.shapes)} "
+            f"--tp {' '.join(map(str, args.tp))}")
+
+
+def read_bandwidth(args, device):
+    """``(bytes per second, floors record)``: `floors.measure_floors` on GPUs; with --cpu a jitted
+    ``x * 0.5`` of an 8 MiB array (the same kind of figure, meaningless)."""
+    if not args.cpu:
+        limits = floors.measure_floors([device], args.reps)
+        return limits["copy"]["bytes_per_s"], limits
+    tiny = jnp.zeros(floors.TINY_SHAPE, jnp.bfloat16)
+    big = jnp.ones(CPU_COPY_SHAPE, jnp.bfloat16)
+    # At least 3 runs each: the difference of two medians of one run can come out negative.
+    rate = 2 * big.nbytes / floors.transfer_seconds(jax.jit(lambda x: x * 0.5), big, tiny, max(args.reps, 3))
+    return rate, {"copy": {"bytes_per_s": rate, "array_bytes": big.nbytes,
+                           "what": "a jitted x * 0.5 of an 8 MiB bf16 array on the CPU, bytes read + written"}}
+
+
+def cudnn_version():
+    """cuDNN's version as jaxlib loaded it (an int such as 92200; XLA's cuDNN ragged dot needs
+    9.22), or None where this jaxlib has none or does not say."""
+    try:
+        # jaxlib's own record: no public API has it.
+        from jax._src.lib import cuda_versions
+
+        return cuda_versions.cudnn_get_version() if cuda_versions is not None else None
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+def print_case(r):
+    cells = []
+    for name in (*COLUMN_NAMES, "floor"):
+        entry = r["columns"].get(name)
+        if entry is not None:
+            cells.append(f"{name} {entry['us']:.1f}" if "us" in entry else f"{name} -")
+    estimated = f", estimated {r['estimate_s']:.0f} s" if "estimate_s" in r else ""
+    print(f"{r['shape']} tp={r['tp']} m={r['m']} layers={r['layers']} active={r['active_experts']['mean']:.1f}: "
+          + ", ".join(cells) + f"  ({r['elapsed_s']:.0f} s{estimated})", flush=True)
+
+
+def main(argv=None):
+    started = time.perf_counter()
+    args = parse(argv)
+    if args.plot:
+        png = args.png or str(pathlib.Path(args.plot[0]).with_suffix(".png"))
+        plot(args.plot, png)
+        print(f"wrote {png}")
+        return 0
+    for name in args.shapes:
+        for tp in args.tp:
+            try:
+                shape_config(args, name).check_tp(tp)
+            except ValueError as error:
+                raise SystemExit(f"--tp {tp}: {error}; expected a tp that divides the intermediate size") from None
+    if args.build_kernels:
+        kernel_builds.build_kernels(ours_configs(args), args.build_kernels)
+        return 0
+    columns = [column for column in COLUMNS if column.name in args.columns]
+    estimate = None if args.cpu else {"seconds": run_estimate_s(args, columns), "basis": ESTIMATE_BASIS}
+    if estimate:
+        print(f"estimated run time: {estimate['seconds'] / 60:.1f} min ({ESTIMATE_BASIS})", flush=True)
+    if args.estimate:
+        return 0
+    rank_processes.refuse_timing("bench_moe_experts.py")
+    if args.hlo:
+        pathlib.Path(args.hlo).parent.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        jax.config.update("jax_platforms", "cpu")
+        print("on the CPU at tiny dimensions, ours through impl='auto' (the reference path): a plumbing check, "
+              "its times mean nothing", flush=True)
+    elif "ours" in args.columns:
+        kernel_builds.check_kernels(ours_configs(args), build_kernels_command(args))
+    device = jax.devices()[0]
+    bandwidth, floor_limits = read_bandwidth(args, device)
+    print(f"read bandwidth for the floor: {bandwidth / 1e9:.0f} GB/s (a copy's bytes read + written per second)",
+          flush=True)
+    environment = records.machine_environment()
+    out = args.out or default_out(args, environment["gpu"])
+    results = []
+    data = {"environment": {**environment, "platform": "cpu" if args.cpu else "gpu", "plumbing_check": args.cpu,
+                            "ours_impl": args.ours_impl, "reps": args.reps, "rounds": args.rounds,
+                            "target_ms": args.target_ms, "weight_budget_bytes": args.weight_budget_gb * 1e9,
+                            "min_pass_bytes": args.min_pass_mb * 1e6, "min_layers": MIN_LAYERS, "seed": args.seed,
+                            "cudnn_version": cudnn_version()},
+            "columns": {column.name: {"what": column.what, "compiler_options": dict(column.compiler_options),
+                                      "jax_flag": column.jax_flag} for column in columns},
+            "floors": floor_limits,
+            "floor": {"bytes_per_s": bandwidth,
+                      "what": "the active experts' weight bytes over floors.copy.bytes_per_s, which counts a copy's "
+                              "bytes read + written: a read-only stream moves its bytes at about that rate"},
+            "estimate": estimate,
+            "weights": [],
+            "results": results}
+    for name in args.shapes:
+        config = shape_config(args, name)
+        for tp in args.tp:
+            most = budget_layers(args, config, tp)
+            routings = {m: case_routing(args, config, tp, m, most) for m in args.m}
+            layers = max(len(routing[0]) for routing in routings.values())
+            print(f"{config.name} tp={tp}: {layers} layers of {layer_weight_bytes(config, tp) / 1e9:.3g} GB of weights",
+                  flush=True)
+            drawing = time.perf_counter()
+            weights = jax.block_until_ready(draw_weights(args, config, tp, layers))
+            data["weights"].append({"shape": config.name, "tp": tp, "layers": layers,
+                                    "bytes": layers * layer_weight_bytes(config, tp),
+                                    "draw_s": time.perf_counter() - drawing, "since_start_s": drawing - started})
+            for m in args.m:
+                r = measure_case(args, config, tp, m, weights, routings[m], bandwidth, columns,
+                                 None if results else args.hlo)
+                results.append(r)
+                print_case(r)
+                # After every case, so that a run cut short keeps what it measured.
+                records.write_json(data, out)
+            del weights
+    records.write_json(data, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

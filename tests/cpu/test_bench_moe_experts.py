@@ -1,0 +1,138 @@
+"""`benchmarks/bench_moe_experts.py` on CPU: every layer of a column's chain stays in the timed
+loop (read from the optimized HLO), and a ``--cpu`` run at tiny dimensions writes every
+column (figures or ``why_not``), routing that is the router's, and a floor that follows from
+it; its ``--plot`` step writes a PNG. The run's times mean nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench_moe_experts as bench
+import hlo_text
+
+BENCHMARK = BENCHMARKS / "bench_moe_experts.py"
+SHAPE = "deepseek-v3"  # the grouped sigmoid router, the more involved of the two
+TPS = (1, 2)
+M = 3
+SEED = 5
+MIN_PASS_MB = 0.2  # two layers at both tps: small programs, quick to compile
+# On CPU the kernels, JAX's Pallas Triton lowering, cuDNN, XLA's Triton emitter and tokamax's GPU
+# kernels cannot run.
+TIMED_ON_CPU = ("ours", "ragged_dot", "gather")
+
+
+@pytest.mark.parametrize("name", TIMED_ON_CPU)
+def test_chain_keeps_every_layer_in_the_timed_loop(name):
+    """Each layer's sort (the expert order) and its two GEMMs are in the loop body and nothing of
+    them before it: the tie to the previous layer's output keeps XLA from hoisting a layer."""
+    args = types.SimpleNamespace(ours_impl="auto", seed=0, min_pass_mb=1e9, cpu=True)
+    config = bench.shape_config(args, SHAPE)
+    layers, m, tp = 3, 2, 1
+    column = next(column for column in bench.COLUMNS if column.name == name)
+    # The CPU's HLO also where a GPU is the default device.
+    with jax.default_device(jax.devices("cpu")[0]):
+        xs, ids, _ = bench.case_routing(args, config, tp, m, layers)
+        inputs = (bench.draw_weights(args, config, tp, layers), xs, ids, jnp.zeros((), jnp.float32),
+                  jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16))
+        compiled, _ = bench.compile_column(column, args, config.top_k, layers, inputs)
+    inside, outside = hlo_text.loop_body_opcodes(compiled.as_text())
+    assert {op: inside.get(op, 0) for op in ("sort", "dot")} == {"sort": layers, "dot": 2 * layers}, inside
+    assert not {op: outside[op] for op in ("sort", "dot", "gather", "scatter") if op in outside}, outside
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """The JSON of a --cpu run of DeepSeek-V3 at tp = 1 and 2, m = 3, one repetition."""
+    out = tmp_path_factory.mktemp("experts") / "experts.json"
+    run = subprocess.run([sys.executable, str(BENCHMARK), "--cpu", "--shapes", SHAPE, "--tp", *map(str, TPS),
+                          "--m", str(M), "--reps", "1", "--seed", str(SEED), "--min-pass-mb", str(MIN_PASS_MB),
+                          "--out", str(out)],
+                         check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
+    return out, json.loads(out.read_text())
+
+
+def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
+    _, data = cpu_run
+    environment = data["environment"]
+    assert environment["platform"] == "cpu" and environment["plumbing_check"] and environment["ours_impl"] == "auto"
+    assert set(data["columns"]) == set(bench.COLUMN_NAMES)
+    assert environment["min_pass_bytes"] == MIN_PASS_MB * 1e6
+    assert [(r["shape"], r["tp"], r["m"]) for r in data["results"]] == [(SHAPE, tp, M) for tp in TPS]
+    for r in data["results"]:
+        what = f"{r['shape']} tp={r['tp']}"
+        assert set(r["columns"]) == {*bench.COLUMN_NAMES, "floor"}, what
+        for name in bench.COLUMN_NAMES:
+            entry = r["columns"][name]
+            if name not in TIMED_ON_CPU:
+                assert entry["why_not"] and "us" not in entry, (what, name, entry)
+                continue
+            assert "why_not" not in entry, (what, name, entry["why_not"])
+            assert all(math.isfinite(entry[field]) for field in ("us", "p10", "p90")), (what, name)
+            assert entry["p10"] <= entry["us"] <= entry["p90"], (what, name)
+            assert entry["iterations"][0] < entry["iterations"][1], (what, name)
+            assert entry["floor_fraction"] == pytest.approx(r["columns"]["floor"]["us"] / entry["us"]), (what, name)
+            if name != "ours":
+                ratio = entry["over_ours"]
+                assert ratio["p10"] <= ratio["ratio"] <= ratio["p90"], (what, name)
+                assert entry["relative_difference"] <= bench.MAX_DIFFERENCE, (what, name)
+        assert r["columns"]["ours"]["ran"] == "jmp.moe_experts(impl='auto')" and r["checked_against"] == "ours"
+
+
+def test_cpu_run_floor_and_active_experts_follow_the_routing(cpu_run):
+    """The recorded routing is the router's (drawn again here), the same for a layer at every
+    tp; the counts, bytes and floor follow from it."""
+    _, data = cpu_run
+    environment = data["environment"]
+    bandwidth = data["floor"]["bytes_per_s"]
+    assert bandwidth == data["floors"]["copy"]["bytes_per_s"] > 0
+    args = types.SimpleNamespace(seed=SEED, min_pass_mb=environment["min_pass_bytes"] / 1e6, cpu=True)
+    masks = {}
+    for r in data["results"]:
+        what = f"{r['shape']} tp={r['tp']}"
+        active = r["active_experts"]
+        counts = active["per_layer"]
+        assert len(counts) == len(active["bitmask_per_layer"]) == r["layers"] >= environment["min_layers"], what
+        assert counts == [int(mask, 16).bit_count() for mask in active["bitmask_per_layer"]], what
+        # Each token's top-k experts are distinct.
+        assert all(r["top_k"] <= count <= min(r["experts"], M * r["top_k"]) for count in counts), what
+        config = bench.shape_config(args, r["shape"])
+        # On the CPU, as the run drew it: a GPU's router logits may differ in the last bit.
+        with jax.default_device(jax.devices("cpu")[0]):
+            _, _, drawn = bench.case_routing(args, config, r["tp"], M, r["layers"])
+        assert [bench.active_bitmask(a, r["experts"]) for a in drawn] == active["bitmask_per_layer"], what
+        for layer, mask in enumerate(active["bitmask_per_layer"]):
+            assert masks.setdefault((r["shape"], layer), mask) == mask, f"{what} layer {layer}: not the same at every tp"
+        assert r["intermediate"] == r["model_intermediate"] // r["tp"], what
+        assert r["expert_bytes"] == 3 * r["hidden"] * r["intermediate"] * 2, what
+        assert active["mean"] == pytest.approx(np.mean(counts)), what
+        assert r["active_bytes_per_call"] == pytest.approx(active["mean"] * r["expert_bytes"]), what
+        assert r["pass_bytes"] == sum(counts) * r["expert_bytes"], what
+        assert r["pass_bytes"] >= environment["min_pass_bytes"] or r["layers_cut_by_budget"], what
+        floor = r["columns"]["floor"]
+        assert floor["bytes"] == r["active_bytes_per_call"], what
+        assert floor["us"] == pytest.approx(r["active_bytes_per_call"] / bandwidth * 1e6), what
+
+
+def test_plot_writes_a_png(cpu_run, tmp_path):
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("the --plot step needs matplotlib, which is not installed here")
+    out, _ = cpu_run
+    png = tmp_path / "experts.png"
+    run = subprocess.run([sys.executable, str(BENCHMARK), "--plot", str(out), "--png", str(png)],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
