@@ -82,6 +82,9 @@ CPU_DIMS = dict(hidden=64, intermediate=64, experts=16, shared_intermediate=64)
 MAX_DIFFERENCE = 1e-2
 OP_IMPLS = {"gpu": "kernel", "cpu": "reference"}
 """Our side's ``impl`` by platform: our kernels where they run, never ``auto`` (module docstring)."""
+PATHS = ("ragged", "decode", "ours")
+"""`moe_block.PATHS`, named before the flags are parsed, which is before JAX (and so the
+example) may be imported."""
 
 
 def _parse():
@@ -90,7 +93,7 @@ def _parse():
     parser.add_argument("--plot", help="PNG of the µs saved per layer and the step times")
     parser.add_argument("--problems", nargs="+", default=["deepseek-v3", "qwen3-moe"],
                         choices=["deepseek-v3", "qwen3-moe"])
-    parser.add_argument("--paths", nargs="+", default=list(mb.PATHS), choices=list(mb.PATHS))
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_MS))
     parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="layers of the stack, each its own weights")
     parser.add_argument("--experts", type=int, help="scale every problem's expert count down to this")

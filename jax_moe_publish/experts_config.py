@@ -258,8 +258,10 @@ class ExpertsConfig:
                   arch: str = "sm_90a") -> "ExpertsConfig":
         """The launch shapes for one shard shape, before any measurement: both kernels with 8 warps
         (2 CTAs of 256 threads fit an SM), work items sized so that 8 active experts (one token at
-        top-8) give about as many items as an H200's 132 SMs hold CTAs, and the most unrolled K
-        steps that divide a warp's share."""
+        top-8) give about as many items as an H200's 132 SMs hold CTAs, and the most K steps in
+        flight that divide a warp's share, up to 8 for gate/up (at one token per expert a few
+        CTAs per SM must keep HBM busy: 8 steps are 32 KB in flight per CTA of 32-column warps)
+        and 4 for down (its items are many and short)."""
         sms = 132
         # gate/up: all warps split hidden (K is long, the columns few); 64 columns per warp
         # (32 of gate, 32 of up) once 8 experts still give two items per SM.
@@ -275,15 +277,15 @@ class ExpertsConfig:
         while down_warps_k > 1 and (intermediate // MMA_K) % down_warps_k:
             down_warps_k //= 2
 
-        def unroll(k: int, warps_k: int) -> int:
+        def unroll(k: int, warps_k: int, most: int) -> int:
             steps = k // MMA_K // warps_k
-            return next(u for u in (4, 3, 2, 1) if steps % u == 0)
+            return next(u for u in range(most, 0, -1) if steps % u == 0)
 
         gate_up_warps_k = 8
         while gate_up_warps_k > 1 and (hidden // MMA_K) % gate_up_warps_k:
             gate_up_warps_k //= 2
         return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                    fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
-                   gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k),
+                   gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, 8),
                    down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
-                   down_unroll=unroll(intermediate, down_warps_k), arch=arch)
+                   down_unroll=unroll(intermediate, down_warps_k, 4), arch=arch)

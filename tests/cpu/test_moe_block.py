@@ -212,6 +212,10 @@ def test_block_benchmark_times_our_op_with_its_finalize_in_the_loop(monkeypatch)
         assert not {op: outside[op] for op in ("gather", "dot", "all-reduce") if op in outside}, (side, outside)
 
 
+def test_the_benchmark_names_the_block_s_paths():
+    assert block.PATHS == mb.PATHS
+
+
 def test_cpu_benchmark_plumbing(tmp_path):
     out, png = tmp_path / "block.json", tmp_path / "block.png"
     # The plot needs matplotlib, which the package does not require.
