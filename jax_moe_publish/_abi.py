@@ -1,6 +1,11 @@
-"""The launch contract between the kernels, the compile step and the launchers: written once.
+"""The launch contracts between the kernels, the compile step and the launchers: written once.
 
-Every value a kernel of the op can receive is in `VALUES`, with its PTX parameter type,
+Each op states its contract in the same form (`Contract`, `CONTRACTS`): the publish op's
+(`PUBLISH`: `VALUES`, `ROLES`, `OPERANDS`, `TARGETS`, below) and the experts op's (`EXPERTS`:
+`EXPERTS_VALUES`, `EXPERTS_ROLES`, `EXPERTS_OPERANDS`). A config names its op, and AOT, the
+store, the sidecar, the FFI registry and the launchers read that op's contract.
+
+Every value a kernel of the publish op can receive is in `VALUES`, with its PTX parameter type,
 in the order `kernels.program.MoePublishProgram.__call__` takes them (the compile step
 builds its fake arguments from this table). Each kernel role (`ROLES`) takes some of them,
 in the order of its ``.entry`` parameters, and is or is not persistent, and does or does
@@ -9,13 +14,14 @@ not group a row's CTAs into one thread block cluster.
 Every algorithm is a row of `ALGORITHMS`: the facts derived from it (its result layout,
 the rows it reduces and returns, whether its owners fan out, its NVLink exchanges, its
 kernels) are read from there, never from its name. Every array of a call is a row of
-`OPERANDS`, with the rules for its dtype and rows; `call_operands` resolves them for one
-config into the sidecar's call record, which the C++ handler checks the call against.
+`OPERANDS`, with the rules for its dtype, rows and trailing shape; `call_operands` resolves
+an op's operands for one config into the sidecar's call record, which the C++ handler checks
+the call against.
 
 The compile step writes each kernel's parameter names and launch plan into the sidecar
-(`aot.artifact`); the C++ launcher (``ffi/launch_values.h`` lists the same values, a CPU
-test keeps the lists equal) and the kernel harness of the tests fill the parameters by
-name from it.
+(`aot.artifact`); the C++ launcher (``ffi/launch_values.h`` lists every op's values,
+`ALL_VALUES`, a CPU test keeps the lists equal) and the kernel harness of the tests fill the
+parameters by name from it.
 """
 
 from __future__ import annotations
