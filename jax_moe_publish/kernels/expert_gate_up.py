@@ -107,13 +107,8 @@ class ExpertGateUpKernel:
             start, count = sStart[expert], sCount[expert]
             weights = matrix + Int64(expert) * expert_bytes + Int64(column) * BF16_BYTES
             for first in cutlass.range(0, count, s.tokens_per_pass):
-                token_rows, token_live = [], []
-                for j in cutlass.range_constexpr(s.token_tiles):
-                    slot = first + j * MMA_TOKENS + group
-                    live = Int32(slot < count)
-                    pair = sPairs[start + cutlass.select_(live != 0, slot, Int32(0))]
-                    token_rows.append(x + Int64(pair // cfg.top_k) * (cfg.hidden * BF16_BYTES))
-                    token_live.append(live)
+                token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group, x,
+                                                               cfg.hidden * BF16_BYTES, cfg.top_k)
                 self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, False)
                 self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
                 if w_k == 0:

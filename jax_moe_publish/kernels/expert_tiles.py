@@ -27,9 +27,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import numpy as np
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64
 
-from jax_moe_publish.experts_config import MMA_K, SMEM_ALIGNMENT, GemmShape
+from jax_moe_publish.experts_config import MMA_K, MMA_TOKENS, SMEM_ALIGNMENT, GemmShape
 from jax_moe_publish.kernels import ptx
 
 BF16_BYTES = 2
@@ -57,6 +57,20 @@ class ExpertTiles:
     def make_accumulators(self):
         s = self.shape
         return cute.make_rmem_tensor(cute.make_layout((s.mma_tiles, s.token_tiles, 4)), Float32)
+
+    def token_rows(self, sPairs, start, count, first, group, rows: Int64, row_bytes: int, pairs_per_row: int):
+        """`accumulate`'s ``(token_rows, token_live)`` for the pass from slot ``first`` of the
+        expert's pairs ``sPairs[start:start + count]``: the token in column ``group`` of each
+        token tile reads row ``pair // pairs_per_row`` of ``rows`` (stride ``row_bytes``); a
+        column past ``count`` is not live (its address is slot 0's, never read)."""
+        token_rows, token_live = [], []
+        for j in range(self.shape.token_tiles):
+            slot = first + j * MMA_TOKENS + group
+            live = Int32(slot < count)
+            pair = sPairs[start + cutlass.select_(live != 0, slot, Int32(0))]
+            token_rows.append(rows + Int64(pair // pairs_per_row) * row_bytes)
+            token_live.append(live)
+        return token_rows, token_live
 
     @cute.jit
     def accumulate(self, rAcc, weights: Int64, row_bytes: int, token_rows, token_live, w_k, q,
