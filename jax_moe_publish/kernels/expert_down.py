@@ -7,8 +7,8 @@ For every token-expert pair ``p = t * top_k + k`` whose id ``e`` is a valid expe
 and ``out[p] = 0`` for a pair whose id lies outside ``[0, experts)``. The grid is persistent;
 every CTA builds the routing tables (`ExpertRouting`) once the gate/up kernel has finished
 (the activations are its), then takes the work items ``b, b + grid, ...`` (item
-``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert), and the CTAs
-together zero the rows of the skipped pairs.
+``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert), and the grid's
+warps together zero the rows of the skipped pairs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cutlass import Int32, Int64, Uint32
 
 from jax_moe_publish.experts_config import MMA_TOKENS, ExpertsConfig
 from jax_moe_publish.kernels import ptx
-from jax_moe_publish.kernels.expert_routing import ACTIVE, VALID, ExpertRouting
+from jax_moe_publish.kernels.expert_routing import ACTIVE, ExpertRouting
 from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, ExpertTiles
 
 WARP = 32
@@ -85,19 +85,22 @@ class ExpertDownKernel:
                                     word = ptx.f32x2_to_bf16x2(rAcc[i, j, token], rAcc[i, j, token + 2])
                                     row = out + Int64(sPairs[start + slot]) * row_bytes
                                     ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)
-        self._zero_skipped(out, sTotals, sPairs, m, tidx, block, grid)
+        self._zero_skipped(out, expert_ids, m, warp, lane, block, grid)
         if cutlass.const_expr(cfg.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def _zero_skipped(self, out, sTotals, sPairs, m, tidx, block, grid) -> None:
-        """Zero the rows of the pairs with no valid expert, 16 bytes per thread and step over
-        the whole grid."""
+    def _zero_skipped(self, out, expert_ids, m, warp, lane, block, grid) -> None:
+        """Zero the rows of the pairs with no valid expert: warp ``w`` of the grid takes pairs
+        ``w, w + warps, ...``, and for a skipped one writes its whole row, 16 bytes per lane and
+        step. Keyed by the pair, not by a slot of ``sPairs``: the order of a segment's pairs is
+        each CTA's own (its atomics'), so slots would name different pairs in different CTAs."""
         cfg = self.config
-        vectors_per_row = cfg.hidden * BF16_BYTES // VECTOR_BYTES
-        valid = sTotals[VALID]
-        vectors = (m * cfg.top_k - valid) * vectors_per_row
-        for vector in cutlass.range(block * self.shape.threads + tidx, vectors, grid * self.shape.threads):
-            pair = sPairs[valid + vector // vectors_per_row]
-            address = out + Int64(pair) * (cfg.hidden * BF16_BYTES) + Int64(vector % vectors_per_row) * VECTOR_BYTES
-            ptx.store_words(address, [Uint32(0)] * 4)
+        row_bytes = cfg.hidden * BF16_BYTES
+        warps = self.shape.threads // WARP
+        for pair in cutlass.range(block * warps + warp, m * cfg.top_k, grid * warps):
+            expert = ptx.load_s32(expert_ids + Int64(pair) * 4)
+            if (expert < 0) | (expert >= cfg.experts):
+                row = out + Int64(pair) * row_bytes
+                for vector in cutlass.range(lane, row_bytes // VECTOR_BYTES, WARP):
+                    ptx.store_words(row + Int64(vector) * VECTOR_BYTES, [Uint32(0)] * 4)

@@ -3,13 +3,15 @@ device piece of the experts' kernels (`ExpertGateUpKernel`, `ExpertDownKernel`).
 
 From ``expert_ids`` (int32 ``[m, top_k]``, pair ``p = t * top_k + k``), a CTA counts the pairs of
 each expert with shared-memory atomics, scans the counts (one warp), and places every pair in
-its expert's segment of ``pairs``; the pairs whose id lies outside ``[0, experts)`` go after
-the last segment. No CTA waits for another and nothing goes through global memory: the tables
-cost a read of the ids (8 KiB at m = 256, top-8) and two atomics per pair.
+its expert's segment of ``pairs``; the pairs whose id lies outside ``[0, experts)`` have no
+place. No CTA waits for another and nothing goes through global memory: the tables cost a read
+of the ids (8 KiB at m = 256, top-8) and two atomics per pair.
 
-The order of the pairs inside a segment is the atomics' and differs between runs; it never
-reaches a result, since each pair's sums are computed apart from every other pair's (a pair is
-one column of an mma's B, whatever column that is).
+The order of the pairs inside a segment is the atomics': it differs between runs and between
+the CTAs of one run, so a slot names the same pair only within one CTA, and work is split
+between CTAs by expert, never by slot. It never reaches a result, since each pair's sums are
+computed apart from every other pair's (a pair is one column of an mma's B, whatever column
+that is).
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ ACTIVE = 0
 """Totals: experts with at least one pair."""
 VALID = 1
 """Totals: pairs with a valid expert id (the segments' total)."""
-INVALID = 2
-"""Totals: pairs placed after the segments so far (ends as ``pairs - VALID``)."""
 
 class ExpertRouting:
     """The routing tables of one call, in shared memory: per expert its pair count (``count``),
@@ -59,8 +59,6 @@ class ExpertRouting:
         for e in cutlass.range(tidx, self.experts, self.threads):
             sCount[e] = Int32(0)
             sFill[e] = Int32(0)
-        if tidx < 4:
-            sTotals[tidx] = Int32(0)
         cute.arch.barrier()
         for p in cutlass.range(tidx, pairs, self.threads):
             expert = ptx.load_s32(expert_ids + Int64(p) * 4)
@@ -72,12 +70,8 @@ class ExpertRouting:
         cute.arch.barrier()
         for p in cutlass.range(tidx, pairs, self.threads):
             expert = ptx.load_s32(expert_ids + Int64(p) * 4)
-            slot = Int32(0)
             if (expert >= 0) & (expert < self.experts):
-                slot = sStart[expert] + ptx.shared_fetch_add_s32((sFill.iterator + expert).toint(), 1)
-            else:
-                slot = sTotals[VALID] + ptx.shared_fetch_add_s32((sTotals.iterator + INVALID).toint(), 1)
-            sPairs[slot] = p
+                sPairs[sStart[expert] + ptx.shared_fetch_add_s32((sFill.iterator + expert).toint(), 1)] = p
         cute.arch.barrier()
 
     @cute.jit
