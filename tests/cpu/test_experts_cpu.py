@@ -5,7 +5,11 @@ traced with the kernels stood in for (the CUDA branch is traced, the CPU runs th
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 import numerics
 from jax_moe_publish import _launch, experts, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 SHAPES = [
     # (m, hidden, intermediate, experts, top_k, hot_experts)
@@ -272,7 +278,7 @@ def test_auto_takes_the_kernels_only_where_the_table_measured_them(rng, stood_in
     def jaxpr():
         return str(jax.make_jaxpr(lambda *a: experts.moe_experts(*a))(*_arrays(inputs, True)))
 
-    assert experts_tuning.TABLE == [] and STAND_IN not in jaxpr()
+    assert not any((e.hidden, e.intermediate) == (64, 32) for e in experts_tuning.TABLE) and STAND_IN not in jaxpr()
     entry = experts_tuning.ExpertsChoice(hidden=64, intermediate=32, experts=6, top_k=2, max_m=4, impl="kernel",
                                          source="benchmarks/results/a-run.json", reason="faster in that run")
     monkeypatch.setattr(experts_tuning, "TABLE", [entry])
@@ -281,3 +287,49 @@ def test_auto_takes_the_kernels_only_where_the_table_measured_them(rng, stood_in
     assert STAND_IN not in jaxpr()
     with pytest.raises(ValueError, match="source='a run': expected the result file of the run"):
         dataclasses.replace(entry, source="a run")
+
+
+def _run(tmp_path, name, cases):
+    """A bench_moe_experts.py result file with ``cases``: (m, {column: us or None})."""
+    results = [{"hidden": 64, "intermediate": 32, "experts": 6, "top_k": 2, "m": m,
+                "columns": {column: ({"us": us} if us is not None else {"why_not": "absent"})
+                            for column, us in columns.items()}} for m, columns in cases]
+    path = tmp_path / name
+    path.write_text(json.dumps({"results": results}))
+    return path
+
+
+def test_the_table_takes_the_kernels_up_to_the_first_measured_loss(tmp_path):
+    run = _run(tmp_path, "run.json", [
+        (8, {"ours": 30.0, "ragged_dot": 40.0, "cudnn": 35.0, "gather": 10.0}),
+        (1, {"ours": 10.0, "ragged_dot": 40.0, "tokamax": None}),
+        (64, {"ours": 90.0, "ragged_dot": 80.0}),
+        (256, {"ours": 100.0, "ragged_dot": 200.0}),
+    ])
+    (entry,) = experts_tuning.measured_entries([run])
+    # The gather column is not a route of the op; the loss at m = 64 ends the range even though
+    # the kernels win again at 256.
+    assert (entry.max_m, entry.impl, entry.source) == (8, "kernel", "benchmarks/results/run.json")
+    assert "30.0 us against cudnn 35.0 us" in entry.reason
+    lost = _run(tmp_path, "lost.json", [(1, {"ours": 50.0, "ragged_dot": 40.0})])
+    assert experts_tuning.measured_entries([lost]) == []
+
+
+def test_the_committed_table_is_what_its_runs_give():
+    sources = sorted({entry.source for entry in experts_tuning.TABLE})
+    assert sources, "the table names no run"
+    runs = [REPO / source for source in sources]
+    assert all(run.exists() for run in runs), sources
+    assert experts_tuning.measured_entries(runs) == experts_tuning.TABLE
+
+
+def test_the_table_script_writes_what_the_runs_give(tmp_path):
+    run = _run(tmp_path, "run.json", [(1, {"ours": 10.0, "ragged_dot": 40.0})])
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"comment": "kept", "entries": []}))
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "experts_table.py"), str(run), "--table", str(table)],
+                   check=True, capture_output=True)
+    written = json.loads(table.read_text())
+    assert written["comment"] == "kept"
+    assert [experts_tuning.ExpertsChoice(**entry) for entry in written["entries"]] == \
+        experts_tuning.measured_entries([run])
