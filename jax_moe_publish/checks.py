@@ -167,6 +167,49 @@ def check_epilogue(residual, norm_weight, norm_eps, *, default_eps, rows, rule, 
     return True
 
 
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+FP8_GROUP = 128
+"""Columns that share one scale of the dynamic FP8 output (`reference.quantize_fp8`)."""
+
+
+def check_out_dtype(out_dtype, out_scale, *, with_epilogue: bool, hidden: int) -> bool:
+    """Whether the call's ``out`` is FP8 (`reference.quantize_fp8`): ``out_dtype`` None or
+    bfloat16 (the default) or float8_e4m3fn, FP8 only from the epilogue, with a dynamic
+    scale only where 128-column groups tile hidden, and ``out_scale`` only with FP8."""
+    try:
+        dtype = jnp.dtype(out_dtype) if out_dtype is not None else jnp.dtype(jnp.bfloat16)
+    except TypeError:
+        dtype = None
+    if dtype not in (jnp.dtype(jnp.bfloat16), FP8_DTYPE):
+        raise ValueError(f"out_dtype={out_dtype!r}: expected None, jnp.bfloat16 or jnp.float8_e4m3fn")
+    fp8 = dtype == FP8_DTYPE
+    if out_scale is not None and not fp8:
+        raise ValueError(f"out_scale: given with out_dtype={dtype.name}; a scale applies only to "
+                         "out_dtype=jnp.float8_e4m3fn")
+    if fp8 and not with_epilogue:
+        raise ValueError("out_dtype=float8_e4m3fn: only the epilogue's out is quantized; pass residual and "
+                         "norm_weight too")
+    if fp8 and out_scale is None:
+        check_fp8_groups(hidden)
+    if out_scale is not None:
+        check_fp8_scale(out_scale)
+    return fp8
+
+
+def check_fp8_groups(hidden: int) -> None:
+    if hidden % FP8_GROUP:
+        raise ValueError(f"hidden={hidden}: a dynamic FP8 scale covers {FP8_GROUP} columns, so hidden must be a "
+                         f"multiple of {FP8_GROUP}; give a static out_scale instead")
+
+
+def check_fp8_scale(scale):
+    """A static FP8 scale: a float32 scalar (shape () or (1,)); returned as a scalar."""
+    check_array("out_scale", scale, None, [jnp.float32])
+    if tuple(scale.shape) not in ((), (1,)):
+        raise ValueError(f"out_scale.shape={tuple(scale.shape)}: expected a scalar, () or (1,)")
+    return scale.reshape(())
+
+
 def check_epilogue_arrays(residual, norm_weight, *, shape, why: str) -> None:
     """The epilogue's bf16 residual of ``shape`` (``why`` says whose) and its norm weight, one
     per column."""

@@ -99,6 +99,8 @@ def moe_finalize_publish(
     residual: jax.Array | None = None,
     norm_weight: jax.Array | None = None,
     norm_eps: float = 1e-6,
+    out_dtype=None,
+    out_scale: jax.Array | None = None,
 ):
     """MoE finalize of this rank's experts, reduced over the TP group (one shard).
 
@@ -175,19 +177,29 @@ def moe_finalize_publish(
         RMSNorm weight. Give both ``residual`` and ``norm_weight``, or neither.
     norm_eps : float
         Added to the mean square; finite and > 0 in float32.
+    out_dtype : None, jnp.bfloat16 or jnp.float8_e4m3fn
+        With the epilogue, ``jnp.float8_e4m3fn`` returns ``out`` quantized
+        (`reference.quantize_fp8`): with a scale per row and 128 columns
+        (amax * (1 / 448), float32 ``[rows, hidden / 128]``), or with ``out_scale``.
+        The quantizer runs in XLA after the epilogue, on every path.
+    out_scale : float32 scalar or None
+        A static FP8 scale (``out = e4m3(clip(out / out_scale, ±448))``); None
+        for the per-group scales.
 
     Returns
     -------
     bf16 [m, hidden], or for a ``reduce_scatter`` mailbox bf16
     [ceil(m / tp), hidden]: row i holds token ``i * tp + rank``, zero past m.
     With the epilogue, ``(out, residual_out)`` of that shape each, both zero
-    in rows of no token.
+    in rows of no token; with an FP8 ``out``, ``(out, out_scales, residual_out)``,
+    or ``(out, residual_out)`` with ``out_scale``.
     """
     checks.check_static_scalars(routed_scaling_factor=routed_scaling_factor, norm_eps=norm_eps)
     op_checks.check_inputs(routed_output, expert_weights, permuted_indices, shared_output, mailbox,
                   routed_scaling_factor)
     with_epilogue = op_checks.check_epilogue(residual, norm_weight, norm_eps, mailbox, expert_weights.shape[0],
                                           default_eps=inspect.signature(moe_finalize_publish).parameters["norm_eps"].default)
+    fp8 = checks.check_out_dtype(out_dtype, out_scale, with_epilogue=with_epilogue, hidden=mailbox.hidden)
     op_checks.check_impl(impl)
     op_checks.check_axis(mailbox)
     op_checks.check_varying(mailbox, dict(routed_output=routed_output, expert_weights=expert_weights,
@@ -210,7 +222,13 @@ def moe_finalize_publish(
     publish = derivatives.straight_through(publish, axis_name=mailbox.axis_name, result=mailbox.result,
                                            scale=scale, norm_eps=norm_eps)
     arrays = (routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight)
-    return publish(*map(_replicated_along_explicit_axes, arrays))
+    result = publish(*map(_replicated_along_explicit_axes, arrays))
+    if not fp8:
+        return result
+    # The quantizer runs in XLA after the bf16 epilogue on every path, the same bits on every rank.
+    out, residual_out = result
+    quantized = reference.quantize_fp8(out, out_scale)
+    return (*quantized, residual_out) if out_scale is None else (quantized, residual_out)
 
 
 def _publish(routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight, *,
@@ -301,6 +319,8 @@ def sharded_moe_finalize_publish(
     residual: jax.Array | None = None,
     norm_weight: jax.Array | None = None,
     norm_eps: float = 1e-6,
+    out_dtype=None,
+    out_scale: jax.Array | None = None,
 ):
     """`moe_finalize_publish` on global arrays whose leading axis is the TP rank.
 
@@ -319,7 +339,9 @@ def sharded_moe_finalize_publish(
     All-reduce mailbox: bf16 [m, hidden], the group's sum (replicated).
     Reduce-scatter mailbox: bf16 [tp, ceil(m/tp), hidden]; index r holds
     rank r's rows (tokens ``i * tp + r``).
-    With the epilogue, ``(out, residual_out)``, each of that layout.
+    With the epilogue, ``(out, residual_out)``, each of that layout; with
+    ``out_dtype=jnp.float8_e4m3fn``, ``(out, out_scales, residual_out)``, or
+    ``(out, residual_out)`` with ``out_scale`` (replicated).
     """
     op_checks.check_stacks(mailbox, dict(routed_output=routed_output, expert_weights=expert_weights,
                                 permuted_indices=permuted_indices, shared_output=shared_output,
@@ -335,6 +357,9 @@ def sharded_moe_finalize_publish(
     if norm_weight is not None:
         args.append(norm_weight)
         in_specs.append(P())
+    if out_scale is not None:
+        args.append(out_scale)
+        in_specs.append(P())
     args = [jax.device_put(x, jax.sharding.NamedSharding(mailbox.mesh, spec)) for x, spec in zip(args, in_specs)]
     ranked_count = 4 if shared_output is not None else 3
 
@@ -344,11 +369,13 @@ def sharded_moe_finalize_publish(
         rest = iter(local[ranked_count:])
         local_residual = next(rest) if residual is not None else None
         local_weight = next(rest) if norm_weight is not None else None
+        local_scale = next(rest) if out_scale is not None else None
         if scatter and local_residual is not None:
             local_residual = local_residual[0]
         result = moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox,
                                       routed_scaling_factor=routed_scaling_factor, impl=impl, config=config,
-                                      residual=local_residual, norm_weight=local_weight, norm_eps=norm_eps)
+                                      residual=local_residual, norm_weight=local_weight, norm_eps=norm_eps,
+                                      out_dtype=out_dtype, out_scale=local_scale)
         return jax.tree.map(lambda out: out[None], result) if scatter else result
 
     out_specs = P(axis) if scatter else P()

@@ -213,6 +213,45 @@ def _add_rmsnorm(y, residual, norm_weight, eps):
     return out, residual_out
 
 
+def quantize_fp8(x: jax.Array, scale: jax.Array | None = None):
+    """``x`` (bf16 ``[rows, hidden]``, the epilogue's ``out``) in float8_e4m3fn, as DeepSeek-V3's
+    activation quantizer computes it, with every operation in float32::
+
+        dynamic (scale None), per row and group of 128 columns:
+            s = max(|x|) * float32(1 / 448)            (the group's scale, returned)
+            q = e4m3( clip(x / s, -448, 448) ),  q = 0 where s == 0
+        static (a float32 scalar scale):
+            q = e4m3( clip(x / scale, -448, 448) )
+
+    The scale multiplies by the reciprocal (what XLA makes of a division by a constant, and
+    what the kernels do); ``x / s`` is a true division. e4m3 rounds to nearest even. An
+    all-zero group has scale 0 and zeros. A group holding a NaN has scale NaN and only NaNs;
+    one holding an infinity (and no NaN) has scale inf, NaN where x is infinite and 0
+    elsewhere. Returns ``(q, scales)`` with scales float32 ``[rows, hidden / 128]``, or ``q``
+    with a static scale."""
+    checks.check_array("x", x, 2, [jnp.bfloat16])
+    x = as_float32(x)
+    if scale is not None:
+        scale = checks.check_fp8_scale(scale)
+        return _to_fp8(x / scale)
+    checks.check_fp8_groups(x.shape[1])
+    groups = x.reshape(x.shape[0], -1, checks.FP8_GROUP)
+    scales = jnp.max(jnp.abs(groups), axis=-1) * jnp.float32(1 / FP8_MAX)
+    # The divisor of a zero group is 1, not 0: no 0 / 0 for a derivative to meet.
+    zero = scales[..., None] == 0
+    q = jnp.where(zero, jnp.float32(0), groups / jnp.where(zero, jnp.float32(1), scales[..., None]))
+    return _to_fp8(q.reshape(x.shape)), scales
+
+
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn."""
+
+
+def _to_fp8(x):
+    # jnp.clip keeps NaN; the clip makes the rounding saturate, as the kernels' cvt does.
+    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
 def rms_normalize(x: jax.Array, norm_weight: jax.Array, *, eps: float) -> jax.Array:
     """float32 ``x * rsqrt(mean(x^2) + eps) * float32(norm_weight)`` over the last axis, unrounded:
     `add_rmsnorm`'s ``out`` before its bf16 rounding. ``x`` is float32 [..., hidden],

@@ -136,3 +136,12 @@ def test_plot_writes_a_png(cpu_run, tmp_path):
                          check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_profiling_program_runs_its_calls():
+    """`profile_experts.py`'s plumbing, on the reference path (the kernels need a GPU)."""
+    run = subprocess.run([sys.executable, str(BENCHMARK.with_name("profile_experts.py")), "--shape", "qwen3-30b-a3b",
+                          "--tp", "8", "--m", "3", "--calls", "1", "--impl", "reference"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "qwen3-30b-a3b tp=8 (intermediate 96) m=3:" in run.stdout and "active experts" in run.stdout

@@ -180,6 +180,49 @@ def assert_epilogue_close(out, residual_out, total, bound, residual, norm_weight
     assert_close(out, normed, normed_bound, what=f"{what} out")
 
 
+FP8_GROUP = 128
+FP8_MAX = 448.0
+
+
+def e4m3_half_ulp(v: np.ndarray) -> np.ndarray:
+    """Half the spacing of float8_e4m3fn values around ``v`` (float64): 3 mantissa bits, the
+    smallest normal exponent -6 (below it, subnormals spaced 2**-9)."""
+    exponent = np.floor(np.log2(np.maximum(np.abs(v), 2.0**-6)))
+    return 2.0 ** (exponent - 3) / 2
+
+
+def assert_fp8_close(q, scales, x, *, static_scale=None, what="fp8 out") -> None:
+    """``q`` (float8_e4m3fn) and ``scales`` (float32 [rows, hidden / 128], None with
+    ``static_scale``) against a float64 model of quantizing the bf16 ``x``: each dynamic scale
+    exactly its group's amax times float32(1 / 448), rounded to float32, each value within half an e4m3 ulp of
+    ``x / scale`` (plus the float32 division's rounding) or ±448 beyond it, an all-zero
+    group's scale and values zero. Finite inputs only."""
+    x64 = np.asarray(x).astype(np.float64)
+    assert np.all(np.isfinite(x64)), f"{what}: the model takes finite inputs"
+    rows, hidden = x64.shape
+    if static_scale is None:
+        groups = x64.reshape(rows, -1, FP8_GROUP)
+        want = np.max(np.abs(groups), axis=-1).astype(np.float32) * np.float32(1 / FP8_MAX)
+        got = np.asarray(scales)
+        assert got.dtype == np.float32 and got.shape == want.shape, f"{what}: scales {got.dtype} {got.shape}"
+        assert np.array_equal(got, want), f"{what}: {np.sum(got != want)} scales differ from amax * (1 / 448)"
+        divisor = np.repeat(want.astype(np.float64), FP8_GROUP, axis=1)
+    else:
+        divisor = np.full_like(x64, float(np.float32(static_scale)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.where(divisor == 0, 0.0, x64 / divisor)
+    v = np.clip(v, -FP8_MAX, FP8_MAX)
+    q64 = np.asarray(q).astype(np.float64)
+    assert np.asarray(q).dtype == ml_dtypes.float8_e4m3fn, f"{what}: dtype {np.asarray(q).dtype}"
+    assert np.all(np.isfinite(q64)), f"{what}: {np.sum(~np.isfinite(q64))} non-finite values"
+    error = np.abs(q64 - v)
+    allowed = e4m3_half_ulp(v) + np.abs(v) * 2 * F32_EPS
+    bad = error > allowed
+    assert not np.any(bad), (f"{what}: {np.sum(bad)} values beyond half an e4m3 ulp, e.g. {q64[bad][:4]} "
+                             f"for {v[bad][:4]}")
+    assert np.all(q64[divisor == 0] == 0), f"{what}: an all-zero group has nonzero values"
+
+
 def assert_group_close(out, expected, bound, *, result: str, tp: int) -> None:
     """A group's result against the float64 sum: the whole [m, hidden] for an all-reduce,
     or each rank's owned rows of a [tp, ceil(m/tp), hidden] reduce-scatter."""
