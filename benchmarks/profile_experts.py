@@ -1,27 +1,71 @@
-"""The experts op's kernels for Nsight Compute: one shard shape, a few calls, nothing else on
-the GPU between them.
+"""The experts op's kernels for Nsight Compute, and launch-shape variants side by side: one
+shard shape, nothing else on the GPU between the calls.
 
     ncu --clock-control none -k regex:expert --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section LaunchStats --section WarpStateStats \\
         python benchmarks/profile_experts.py --shape deepseek-v3 --tp 8 --m 1
+    python benchmarks/profile_experts.py --shape deepseek-v3 --tp 8 --m 1 --time \\
+        --variant gate_up_warp_cols=64 --variant gate_up_warps_k=4,gate_up_warps_n=2
+    python benchmarks/profile_experts.py --build-kernels DIR --shape deepseek-v3 --tp 8 --variant ...
 
 The first call loads the kernels; ncu flushes the caches before each profiled kernel, so one
 layer's weights read from HBM as a decode step's would. Routing is the model's router on
-random tokens (`bench_moe_experts.draw_routing`). Prints the shape, the active experts and
-each kernel's weight bytes, against which ncu's ``dram__bytes_read`` is read.
+random tokens (`bench_moe_experts.draw_routing`). Prints each kernel's weight bytes, against
+which ncu's ``dram__bytes_read`` is read.
+
+``--time`` times the launch shapes (`ExpertsConfig.for_shape`'s, then each ``--variant``'s
+changes to it) over a chain of layers with their own weights (a pass reads >= 200 MB, beyond
+L2): a quick comparison while exploring, timed with the host's clock around many calls; the
+benchmark of record is ``bench_moe_experts.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import jax
 import numpy as np
 
 import bench_moe_experts as bench
+import kernel_builds
 
 import jax_moe_publish as jmp
+
+MIN_PASS_BYTES = 200e6
+
+
+def parse_variant(text: str) -> dict:
+    """``"field=value,field=value"`` -> the changes to an `ExpertsConfig` (ints or booleans)."""
+    changes = {}
+    for item in text.split(","):
+        field, _, value = item.partition("=")
+        changes[field.strip()] = value.strip() == "true" if value.strip() in ("true", "false") else int(value)
+    return changes
+
+
+def configs(args, config):
+    """The default launch shapes of the shard, then each variant's."""
+    base = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // args.tp,
+                                       experts=config.experts, top_k=config.top_k)
+    return [base] + [base.replace(**parse_variant(variant)) for variant in args.variant]
+
+
+def time_call(op, layers, xs, ids, calls: int) -> float:
+    """µs per call of ``op`` over the layers in turn, ``calls`` calls after one pass of warm-up."""
+    def one_pass():
+        for layer in range(len(layers)):
+            rows = op(xs[layer], ids[layer], layers[layer]["gate_up"], layers[layer]["down"])
+        return rows
+
+    one_pass().block_until_ready()
+    passes = max(1, calls // len(layers))
+    start = time.perf_counter()
+    for _ in range(passes):
+        rows = one_pass()
+    rows.block_until_ready()
+    return (time.perf_counter() - start) / (passes * len(layers)) * 1e6
 
 
 def main(argv=None) -> int:
@@ -29,24 +73,46 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="deepseek-v3", choices=list(bench.SHAPES))
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--m", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=4, help="calls per config (with --time: timed calls)")
+    parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,...]",
+                        help="an ExpertsConfig change to the default launch shapes (repeatable)")
+    parser.add_argument("--time", action="store_true", help="time each config over a chain of layers")
     parser.add_argument("--impl", default="kernel", choices=["kernel", "reference"],
                         help="reference: the plumbing on a machine without a GPU")
+    parser.add_argument("--build-kernels", metavar="DIR", help="compile the configs into DIR (CuTe DSL), then exit")
     args = parser.parse_args(argv)
     config = bench.SHAPES[args.shape]
-    key = jax.random.key(0)
-    x, ids = bench.draw_routing(config, args.m, jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
-    weights = bench.draw_layer_weights(jax.random.fold_in(key, 2), config, args.tp)
-    op = jax.jit(lambda x, ids, gate_up, down: jmp.moe_experts(x, ids, gate_up, down, impl=args.impl))
-    for _ in range(args.calls):
-        rows = op(x, ids, weights["gate_up"], weights["down"])
-    rows.block_until_ready()
-    active = np.unique(np.asarray(ids))
+    chosen = configs(args, config)
+    if args.build_kernels:
+        kernel_builds.build_kernels(chosen, args.build_kernels)
+        return 0
     intermediate = config.intermediate // args.tp
+    key = jax.random.key(0)
+
+    def routing(layer):
+        return bench.draw_routing(config, args.m, jax.random.fold_in(key, 0), jax.random.fold_in(key, 1 + layer))
+
+    active = np.unique(np.asarray(routing(0)[1]))
     gate_up_bytes = active.size * config.hidden * 2 * intermediate * 2
     down_bytes = active.size * intermediate * config.hidden * 2
     print(f"{args.shape} tp={args.tp} (intermediate {intermediate}) m={args.m}: {active.size} active experts; "
-          f"weight bytes gate/up {gate_up_bytes / 1e6:.2f} MB, down {down_bytes / 1e6:.2f} MB")
+          f"weight bytes gate/up {gate_up_bytes / 1e6:.2f} MB, down {down_bytes / 1e6:.2f} MB (the first layer)")
+    count = int(np.ceil(MIN_PASS_BYTES / (gate_up_bytes + down_bytes))) if args.time else 1
+    layers = [bench.draw_layer_weights(jax.random.fold_in(key, 1000 + layer), config, args.tp)
+              for layer in range(count)]
+    xs, ids = zip(*(routing(layer) for layer in range(count)))
+    for index, chosen_config in enumerate(chosen if args.impl == "kernel" else [None]):
+        op = jax.jit(lambda x, ids, gate_up, down, c=chosen_config: jmp.moe_experts(x, ids, gate_up, down,
+                                                                                    impl=args.impl, config=c))
+        label = "default" if index == 0 else args.variant[index - 1]
+        if args.time:
+            us = time_call(op, layers, xs, ids, args.calls)
+            print(f"  {label}: {us:.1f} us per call over {count} layers ({chosen[index].key if chosen_config else ''})")
+        else:
+            for _ in range(args.calls):
+                rows = op(xs[0], ids[0], layers[0]["gate_up"], layers[0]["down"])
+            rows.block_until_ready()
+            print(f"  {label}: {args.calls} calls")
     return 0
 
 

@@ -23,6 +23,8 @@ sys.path.insert(0, str(BENCHMARKS))
 import bench_moe_experts as bench
 import hlo_text
 
+import jax_moe_publish as jmp
+
 BENCHMARK = BENCHMARKS / "bench_moe_experts.py"
 SHAPE = "deepseek-v3"  # the grouped sigmoid router, the more involved of the two
 TPS = (1, 2)
@@ -138,10 +140,23 @@ def test_plot_writes_a_png(cpu_run, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_profiling_program_runs_its_calls():
+@pytest.mark.parametrize("timed", [False, True])
+def test_the_profiling_program_runs_its_calls(timed):
     """`profile_experts.py`'s plumbing, on the reference path (the kernels need a GPU)."""
     run = subprocess.run([sys.executable, str(BENCHMARK.with_name("profile_experts.py")), "--shape", "qwen3-30b-a3b",
-                          "--tp", "8", "--m", "3", "--calls", "1", "--impl", "reference"],
+                          "--tp", "8", "--m", "3", "--calls", "2", "--impl", "reference"] + (["--time"] * timed),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert "qwen3-30b-a3b tp=8 (intermediate 96) m=3:" in run.stdout and "active experts" in run.stdout
+    assert ("us per call over" in run.stdout) == timed
+
+
+def test_the_profiling_variants_change_the_default_launch_shapes():
+    import profile_experts
+
+    args = profile_experts.argparse.Namespace(tp=8, variant=["gate_up_warp_cols=64", "down_warps_k=1,enable_pdl=false"])
+    default, wide, no_split = profile_experts.configs(args, bench.SHAPES["deepseek-v3"])
+    assert default == jmp.ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8)
+    assert wide == default.replace(gate_up_warp_cols=64)
+    assert no_split == default.replace(down_warps_k=1, enable_pdl=False)
+    assert len({default.key, wide.key, no_split.key}) == 3
