@@ -88,4 +88,3 @@ def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
                 reason=f"faster than every reference route at every measured m up to {m}; "
                        f"at m = {m}: {ours:.1f} us against {best} {best_us:.1f} us"))
     return entries
-
