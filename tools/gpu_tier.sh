@@ -7,13 +7,14 @@
 # 1: the kernel harness (virtual ranks) in four pytest processes side by side, and determinism;
 # 2: the op and mesh tests as rank processes, then the experts op; 3: the kernel and epilogue files' JAX-level tests
 # as rank processes, the tp = 8 epilogue harness (beside part 1's four it ran past 10 minutes),
-# derivatives, multi-process; 4: faults.
+# derivatives, multi-process; 4: faults, the harness's then the public API's (each up to a call's 10 minutes).
 # Rank-process tests never run beside other processes: their kernels starved the harness's
 # (docs/testing.md). Each step is stopped after STEP_TIMEOUT_S (570) seconds; the part fails if a step does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HARNESS="tests/gpu/test_kernels_gpu.py tests/gpu/test_epilogue_gpu.py"
 NOT_RANKS="gpu and not rank_processes"
+API_FAULTS="(api_timeout or close_after_a_fault or two_mailboxes or closed_mailbox)"
 STEPS=(
     "1|harness-tp1-tp2-oneshot|-m|$NOT_RANKS|-k|not tp4 and not tp8 and oneshot|$HARNESS"
     "1|harness-tp1-tp2-others|-m|$NOT_RANKS|-k|not tp4 and not tp8 and not oneshot|$HARNESS"
@@ -25,7 +26,8 @@ STEPS=(
     "3|harness-files-rank-processes|-m|gpu and rank_processes|$HARNESS"
     "3|harness-tp8-epilogue|-m|$NOT_RANKS|-k|tp8|tests/gpu/test_epilogue_gpu.py"
     "3|derivatives-processes|tests/gpu/test_derivatives_gpu.py tests/gpu/test_multiprocess_gpu.py"
-    "4|faults|tests/gpu/test_faults_gpu.py"
+    "4|faults-harness|-k|not $API_FAULTS|tests/gpu/test_faults_gpu.py"
+    "4|faults-api|-k|$API_FAULTS|tests/gpu/test_faults_gpu.py"
 )
 # Parts whose steps run side by side; the others run their steps one after the other.
 SIDE_BY_SIDE=1

@@ -41,7 +41,7 @@ def test_the_parts_hold_every_gpu_test_once():
 
 
 def test_an_unknown_step_is_refused_before_anything_runs():
-    run = subprocess.run(["bash", str(REPO / "tools" / "gpu_tier.sh"), "faults,no-such-step"],
+    run = subprocess.run(["bash", str(REPO / "tools" / "gpu_tier.sh"), "faults-api,no-such-step"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2, run
-    assert "no-such-step: expected a part (1 to 4) or a step" in run.stderr and "faults" in run.stderr
+    assert "no-such-step: expected a part (1 to 4) or a step" in run.stderr and "faults-api" in run.stderr
