@@ -164,10 +164,14 @@ def experts_configs(arch: str = "sm_90a") -> list[ExpertsConfig]:
     return list(dict.fromkeys(configs))
 
 
-def all_configs(arch: str = "sm_90a") -> list:
-    """Everything the GPU tests need: the publish op's for tp = 1 and the `GROUP_TPS`, and the
-    experts op's."""
+def publish_configs(arch: str = "sm_90a") -> list[KernelConfig]:
+    """The publish op's GPU test configs, for tp = 1 and the `GROUP_TPS`."""
     configs = []
     for tp in (1, *GROUP_TPS):
         configs += variants(tp) + defaults(tp) + epilogues(tp)
-    return [c.replace(arch=arch) for c in dict.fromkeys(configs)] + experts_configs(arch)
+    return [c.replace(arch=arch) for c in dict.fromkeys(configs)]
+
+
+def all_configs(arch: str = "sm_90a") -> list:
+    """Everything the GPU tests need: the publish op's (`publish_configs`) and the experts op's."""
+    return publish_configs(arch) + experts_configs(arch)

@@ -2,7 +2,7 @@
 a token's bits depend on its own inputs only, not on the algorithm, the launch shape, m, the
 other tokens of the call, the rank or the run.
 
-For a problem and tp, every config of the ``tests`` preset (`gpu_matrix.all_configs`: the
+For a problem and tp, every config of the ``tests`` preset (`gpu_matrix.publish_configs`: the
 tuning table's for every algorithm and m range, and the launch-shape variants) runs the same
 probe tokens (`determinism`) in calls of every m range of the table, at different places
 among fresh tokens, so that the probe's owners (``t % tp``) change from call to call too.
@@ -46,7 +46,7 @@ CAPACITY_M = 96  # above the last range bound of the table (tuning.range_ms)
 ROUTED_ROWS = 48
 EPS = 1e-6
 GRID_LIMITS = (3, 7, 64)  # rank r's persistent grid: at most GRID_LIMITS[r % 3] CTAs
-ALL_CONFIGS = gpu_matrix.all_configs()
+ALL_CONFIGS = gpu_matrix.publish_configs()
 
 
 def _configs(problem: tuning.Problem, tp: int, epilogue: str) -> list:
