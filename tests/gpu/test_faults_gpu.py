@@ -255,16 +255,27 @@ def test_negative_zero_partials_never_stall_a_wait():
         assert report["elapsed_s"] < 1.0, f"{algorithm}: {report['calls']} calls took {report['elapsed_s']:.3f} s"
 
 
+def api_on_timeout(tp: int) -> str:
+    """The public-API fault's timeout action: "abort" (a trap) where each rank process has its own
+    GPU, or where one rank waits; "flag" where several waiting rank processes share a GPU. There
+    a trap in one process's context stalled another's kernel: at tp = 4 on one H200
+    (2026-12-04), the processes of ranks 0 and 3 got their error and closed, while rank 1's
+    call never returned and its 5 s wait never timed out (docs/testing.md)."""
+    return "abort" if tp == 2 or local_processes.local_gpu_count() >= tp else "flag"
+
+
 @pytest.fixture(scope="module", params=[
     pytest.param((tp, silent), id=f"tp{tp}-silent{silent}")
     for tp, silent in ((2, 1), (2, 0), (4, SILENT_RANK[4]), (8, SILENT_RANK[8]))
 ])
 def api_timeout(request):
     """One run of ``api-timeout``: one rank skips the op (a `lax.cond` on the rank) in a call made
-    through the public API, on tp GPUs or as tp rank processes. As one result: every rank's
-    status, and the outcome and close of each process that holds a waiting rank."""
+    through the public API, on tp GPUs or as tp rank processes (`api_on_timeout`). As one
+    result: every rank's status, and the outcome and close of each process that holds a waiting
+    rank."""
     tp, silent = request.param
-    results = run_api_program("api-timeout", tp, "--tp", str(tp), "--silent-rank", str(silent))
+    results = run_api_program("api-timeout", tp, "--tp", str(tp), "--silent-rank", str(silent),
+                              "--on-timeout", api_on_timeout(tp))
     merged = dict(results[0])
     for key in ("status", "status_after_close"):
         merged[key] = sorted((s for result in results for s in result[key]), key=lambda s: s["rank"])
@@ -298,7 +309,11 @@ def _assert_names_the_silent_rank(outcome: dict, result: dict, silent: int, wait
     assert set(named) == {f"[{silent}]"}, f"the diagnostic names other ranks: {outcome['message']}"
     reporting = [int(rank) for rank in re.findall(r"\(rank (\d+)\)", outcome["message"])]
     assert reporting and set(reporting) <= set(waiting), f"wrong reporting ranks: {outcome['message']}"
-    assert outcome["cause"], "the XLA error is not chained"
+    if result["on_timeout"] == "abort":
+        assert outcome["cause"], "the XLA error is not chained"
+    else:  # the call returned: its waiting ranks' rows are NaN, and check() raised
+        assert outcome["cause"] is None and "The mailbox is halted" in outcome["message"], outcome
+        assert outcome["nan_ranks"] == outcome["waiting_ranks"], f"a flagged wait's rows are not NaN: {outcome}"
     assert outcome["elapsed_s"] < result["timeout_s"] + TIME_TO_ERROR_S, outcome
     print(f"public API, tp = {result['tp']}, rank {silent} skips the op: time to error {outcome['elapsed_s']:.3f} s "
           f"(timeout {result['timeout_s']} s)\n{outcome['message']}\ncaused by: {outcome['cause']}")
@@ -309,7 +324,8 @@ def test_close_after_a_fault_does_not_hide_the_diagnostic(api_timeout):
     close() would replace it."""
     for closing in api_timeout["closings"]:
         assert closing["raised"] is None, f"Mailbox.close() after a device fault raised: {closing}"
-        assert "lost their CUDA context" in closing["warning"], closing
+        # A trap loses the context, and close() warns that the memory stays; a flag loses nothing.
+        assert ("lost their CUDA context" in closing["warning"]) == (api_timeout["on_timeout"] == "abort"), closing
     assert api_timeout["status_after_close"] == api_timeout["status"], "close() lost the diagnostic"
 
 

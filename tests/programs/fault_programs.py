@@ -36,9 +36,10 @@ fewer GPUs than ranks, the test starts one process per rank on the GPUs there ar
 ranks, and leaves through a last barrier.
 
 * ``api-timeout``: on ``--tp`` GPUs, ``--silent-rank`` skips the op (a `lax.cond`
-  on the rank); the other ranks' waits trap, and `Mailbox.diagnose` must turn
-  XLA's error into `MailboxStatusError`; then the mailbox is closed, as
-  `with Mailbox` would.
+  on the rank); with ``--on-timeout abort`` the other ranks' waits trap, and
+  `Mailbox.diagnose` must turn XLA's error into `MailboxStatusError`; with
+  ``flag`` they return NaN and `Mailbox.check` raises it; then the mailbox is
+  closed, as `with Mailbox` would.
 * ``two-mailboxes``: two jitted functions on two mailboxes, called
   alternately; then one mailbox is closed and its compiled function called.
 * ``closed-chain``: a chain of calls on inputs that differ by rank, which XLA
@@ -620,8 +621,9 @@ def _api(tp: int = 2):
     return jax, jmp, jax.sharding.Mesh(np.array(gpus), ("tp",))
 
 
-def _api_mailbox(jmp, mesh, timeout_s: float = 5.0):
-    return jmp.Mailbox(mesh, "tp", hidden=API_PROBLEM.hidden, capacity_m=CAPACITY_M, timeout_s=timeout_s)
+def _api_mailbox(jmp, mesh, timeout_s: float = 5.0, on_timeout: str = "abort"):
+    return jmp.Mailbox(mesh, "tp", hidden=API_PROBLEM.hidden, capacity_m=CAPACITY_M, timeout_s=timeout_s,
+                       on_timeout=on_timeout)
 
 
 def _api_config(tp: int = 2):
@@ -687,8 +689,10 @@ def _outcome(call) -> dict:
 
 def api_timeout(args) -> None:
     """On ``--tp`` GPUs: one healthy call, then a call in which ``--silent-rank`` skips the op
-    (a `lax.cond` on the rank), under `Mailbox.diagnose`; then the status words once every
-    other rank's wait has timed out (each device's on its own), and a close."""
+    (a `lax.cond` on the rank), under `Mailbox.diagnose` and followed by `Mailbox.check`; then
+    the status words once every other rank's wait has timed out (each device's on its own), and
+    a close. The outcome names this process's waiting ranks and those whose rows came back NaN
+    (with ``--on-timeout flag``)."""
     tp, silent = args.tp, args.silent_rank
     if not 0 <= silent < tp:
         raise ValueError(f"--silent-rank {silent}: a group of {tp} has ranks 0 to {tp - 1}")
@@ -699,7 +703,7 @@ def api_timeout(args) -> None:
     rng = np.random.default_rng(args.seed)
     shared_gpu = rank_processes.current() is not None and rank_processes.current().gpus < tp
     timeout_s = (SHARED_GPU_FAULT_TIMEOUT_NS if shared_gpu else FAULT_TIMEOUT_NS) / 1e9
-    mailbox = _api_mailbox(jmp, mesh, timeout_s=timeout_s)
+    mailbox = _api_mailbox(jmp, mesh, timeout_s=timeout_s, on_timeout=args.on_timeout)
     problems = _api_problems(rng, tp)
     healthy_inputs = _api_args(jax, mesh, problems)
     healthy = _api_step(jax, jmp, mailbox).lower(*healthy_inputs).compile()
@@ -726,12 +730,20 @@ def api_timeout(args) -> None:
     compiled = faulty.lower(*inputs).compile()
     rank_processes.barrier()
 
+    nan_ranks = []
+
     def step():
         with mailbox.diagnose():
-            compiled(*inputs).block_until_ready()
+            out = compiled(*inputs).block_until_ready()
+        # A flagged wait returns: its rows, then the status words, tell.
+        nan_ranks.extend(shard.index[0].start for shard in out.addressable_shards
+                         if np.isnan(np.asarray(shard.data, np.float32)).all())
+        mailbox.check()
 
     outcome = _outcome(step)
     outcome.pop("value")
+    outcome["nan_ranks"] = sorted(nan_ranks)
+    outcome["waiting_ranks"] = sorted(s["rank"] for s in mailbox.status() if s["rank"] != silent)
     # The error came from the first device to fail; the others' waits time out on their own.
     deadline = time.monotonic() + HOST_DEADLINE_S
     while time.monotonic() < deadline and any(
@@ -744,7 +756,8 @@ def api_timeout(args) -> None:
         closing = _outcome(mailbox.close)
     closing.pop("value")
     closing["warning"] = " | ".join(str(w.message) for w in caught)
-    finish({"tp": tp, "silent": silent, "m": API_M, "healthy_failure": healthy_failure, "mailbox_id": mailbox.id,
+    finish({"tp": tp, "silent": silent, "on_timeout": args.on_timeout, "m": API_M,
+            "healthy_failure": healthy_failure, "mailbox_id": mailbox.id,
             "outcome": outcome, "timeout_s": timeout_s, "status": status_words,
             "close_after_fault": closing, "status_after_close": mailbox.status()})
 
@@ -887,6 +900,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tp", type=int, choices=gpu_matrix.GROUP_TPS, default=2,
                         help="group size of silent-peer and api-timeout")
     parser.add_argument("--silent-rank", type=int, default=1, help="the rank that never calls (below --tp)")
+    parser.add_argument("--on-timeout", choices=("abort", "flag"), default="abort", help="api-timeout's mailbox's")
     parser.add_argument("--warmup", type=int, default=2, help="healthy calls before the fault")
     parser.add_argument("--first-call", type=int, default=0, help="number of the group's first call")
     parser.add_argument("--config", choices=sorted(sanitize_configs()),
