@@ -5,9 +5,9 @@
 #   bash tools/gpu_tier.sh STEP[,STEP...] [LOG_DIR]  run the named steps one after the other
 #   bash tools/gpu_tier.sh --list               the steps, one per line: part, name, gpu_check.sh arguments
 # 1: the kernel harness (virtual ranks) in four pytest processes side by side, and determinism;
-# 2: the op and mesh tests as rank processes, then the experts op; 3: the kernel and epilogue files' JAX-level tests
-# as rank processes, the tp = 8 epilogue harness (beside part 1's four it ran past 10 minutes),
-# derivatives, multi-process; 4: faults, the harness's then the public API's (each up to a call's 10 minutes).
+# 2: the op and mesh tests as rank processes, then the experts op; 3: the tp = 8 epilogue harness alone (beside
+# part 1's four it ran past 10 minutes; alone it takes about 6.5), derivatives, multi-process; 4: the kernel and
+# epilogue files' JAX-level tests as rank processes, then faults, the harness's and the public API's.
 # Rank-process tests never run beside other processes: their kernels starved the harness's
 # (docs/testing.md). Each step is stopped after STEP_TIMEOUT_S (570) seconds; the part fails if a step does.
 set -euo pipefail
@@ -23,9 +23,9 @@ STEPS=(
     "1|determinism|tests/gpu/test_determinism_gpu.py"
     "2|op-mesh|tests/gpu/test_op_gpu.py tests/gpu/test_mesh_gpu.py"
     "2|experts|tests/gpu/test_experts_gpu.py"
-    "3|harness-files-rank-processes|-m|gpu and rank_processes|$HARNESS"
     "3|harness-tp8-epilogue|-m|$NOT_RANKS|-k|tp8|tests/gpu/test_epilogue_gpu.py"
     "3|derivatives-processes|tests/gpu/test_derivatives_gpu.py tests/gpu/test_multiprocess_gpu.py"
+    "4|harness-files-rank-processes|-m|gpu and rank_processes|$HARNESS"
     "4|faults-harness|-k|not $API_FAULTS|tests/gpu/test_faults_gpu.py"
     "4|faults-api|-k|$API_FAULTS|tests/gpu/test_faults_gpu.py"
 )
