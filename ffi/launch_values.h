@@ -35,6 +35,8 @@ enum class Value {
   kCapacityM,
   kRank,
   kEps,
+  kOutScales,
+  kOutScale,
   kX,
   kExpertIds,
   kGateUp,
@@ -96,6 +98,8 @@ inline constexpr ValueInfo kValues[] = {
     {"capacity_m", "u32", Source::kMailbox, kPublishOp},
     {"rank", "u32", Source::kMailbox, kPublishOp},
     {"eps", "f32", Source::kAttribute, kPublishOp},
+    {"out_scales", "u64", Source::kOperand, kPublishOp},
+    {"out_scale", "u64", Source::kOperand, kPublishOp},
     {"x", "u64", Source::kOperand, kExpertsOp},
     {"expert_ids", "u64", Source::kOperand, kExpertsOp},
     {"gate_up", "u64", Source::kOperand, kExpertsOp},
@@ -130,6 +134,8 @@ constexpr std::string_view ValueName(Value value) {
     case Value::kCapacityM: return "capacity_m";
     case Value::kRank: return "rank";
     case Value::kEps: return "eps";
+    case Value::kOutScales: return "out_scales";
+    case Value::kOutScale: return "out_scale";
     case Value::kX: return "x";
     case Value::kExpertIds: return "expert_ids";
     case Value::kGateUp: return "gate_up";
@@ -190,6 +196,7 @@ inline constexpr DtypeInfo kDtypes[] = {
     {"bf16", xla::ffi::DataType::BF16},
     {"f32", xla::ffi::DataType::F32},
     {"s32", xla::ffi::DataType::S32},
+    {"e4m3", xla::ffi::DataType::F8E4M3FN},
 };
 
 // The launch limits (_abi.py's).

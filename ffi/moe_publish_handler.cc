@@ -280,6 +280,8 @@ void FillValues(const CallOperands& call, const MailboxDevice& mailbox, float ep
       case Value::kResidual:
       case Value::kNormWeight:
       case Value::kResidualOut:
+      case Value::kOutScales:
+      case Value::kOutScale:
       case Value::kX:
       case Value::kExpertIds:
       case Value::kGateUp:

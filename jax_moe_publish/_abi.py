@@ -47,6 +47,8 @@ VALUES: dict[str, str] = {
     "capacity_m": "u32",  # tokens a mailbox slot area holds
     "rank": "u32",  # position along the TP axis
     "eps": "f32",  # RMSNorm epsilon (the epilogue's)
+    "out_scales": "u64",  # f32 [rows, hidden / 128]: an FP8 out's scales (dynamic)
+    "out_scale": "u64",  # f32 [1]: an FP8 out's static scale
 }
 """Name -> PTX ``.param`` type of every value a kernel can receive. Without a mailbox
 (tp = 1) the mailbox values are 0."""
@@ -54,6 +56,7 @@ VALUES: dict[str, str] = {
 _PUBLISH_INPUTS = ("routed", "weights", "indices", "shared")
 _WAIT = ("mailbox", "peer_table", "stage_state", "status", "out", "timeout_ns", "m", "capacity_m", "rank")
 _EPILOGUE = ("residual", "norm_weight", "residual_out", "eps")
+_FP8 = ("out_scales", "out_scale")
 _FUSED = (*_PUBLISH_INPUTS, "mailbox", "peer_table", "stage_state", "status", "out", "timeout_ns", "num_rows",
           "m", "capacity_m", "rank")
 
@@ -81,7 +84,19 @@ ROLES: dict[str, Role] = {
     "publish_reduce": Role(_FUSED, persistent=True),
     "publish_reduce_gather": Role(_FUSED, persistent=True),
     "publish_reduce_norm": Role(_FUSED + _EPILOGUE, persistent=True, clustered=True),
+    # The epilogue's kernels with an FP8 out: its scales, or the static scale (the other 0).
+    "reduce_norm_fp8": Role(_WAIT + _EPILOGUE + _FP8),
+    "gather_norm_fp8": Role(_WAIT + _EPILOGUE + _FP8),
+    "publish_reduce_norm_fp8": Role(_FUSED + _EPILOGUE + _FP8, persistent=True, clustered=True),
 }
+
+FP8_ROLES = {"reduce_norm": "reduce_norm_fp8", "gather_norm": "gather_norm_fp8",
+             "publish_reduce_norm": "publish_reduce_norm_fp8"}
+"""The role of each epilogue kernel when ``out`` is FP8 (`KernelConfig.fp8_out`); the other
+roles of the call stay."""
+FP8_OUTS = ("none", "group", "static")
+"""``KernelConfig.fp8_out``: a bf16 out, or e4m3 with a scale per row and 128 columns, or with
+the caller's one scale."""
 
 MAX_THREADS = 1024
 """Threads of a CTA."""
@@ -172,7 +187,8 @@ class Operand:
     """One array of a call, in the FFI target's order: an input (``io="arg"``) or a result
     (``"ret"``), named like the value that carries its address.
 
-    ``dtype``: ``"bf16"``, ``"s32"``, or ``"weights"`` (the config's router weight dtype).
+    ``dtype``: ``"bf16"``, ``"f32"``, ``"s32"``, ``"weights"`` (the config's router weight
+    dtype) or ``"out"`` (the config's out dtype, ``KernelConfig.operand_dtypes``).
     ``rows``: the leading dimension's rule: ``"num_rows"`` (any count, passed as that value),
     ``"m"`` (the first such operand fixes m), ``"out_rows"`` (the algorithm's), ``"shared"`` (m
     with the shared expert, else a [0, ...] placeholder), ``"pairs"`` (``m * top_k``), or None
@@ -194,12 +210,17 @@ OPERANDS: tuple[Operand, ...] = (
     Operand("shared", "arg", "bf16", "shared", ("hidden",)),
     Operand("residual", "arg", "bf16", "out_rows", ("hidden",), when="epilogue"),
     Operand("norm_weight", "arg", "bf16", None, ("hidden",), when="epilogue"),
-    Operand("out", "ret", "bf16", "out_rows", ("hidden",)),
+    Operand("out_scale", "arg", "f32", None, ("single",), when="fp8_static"),
+    Operand("out", "ret", "out", "out_rows", ("hidden",)),
     Operand("residual_out", "ret", "bf16", "out_rows", ("hidden",), when="epilogue"),
+    Operand("out_scales", "ret", "f32", "out_rows", ("fp8_groups",), when="fp8_group"),
 )
 """Every array of a call of the op; a config takes those its epilogue has."""
 
-DTYPES = {"bf16": 2, "f32": 4, "s32": 4}
+FP8_GROUP = 128
+"""Columns that share one scale of the dynamic FP8 out (`reference.quantize_fp8`)."""
+
+DTYPES = {"bf16": 2, "f32": 4, "s32": 4, "e4m3": 1}
 """Bytes per element of each operand dtype."""
 
 TARGETS = {"none": "jax_moe_publish", "rmsnorm": "jax_moe_publish_rmsnorm"}
@@ -263,8 +284,14 @@ class Contract:
         return self.targets[getattr(config, "epilogue", "none")]
 
 
-PUBLISH = Contract("publish", VALUES, ROLES, OPERANDS, TARGETS,
-                   call_roles=lambda config: ALGORITHMS[config.algorithm].roles[config.fuse_reduce, config.epilogue])
+def _publish_roles(config) -> tuple[str, ...]:
+    roles = ALGORITHMS[config.algorithm].roles[config.fuse_reduce, config.epilogue]
+    if config.fp8_out == "none":
+        return roles
+    return tuple(FP8_ROLES.get(role, role) for role in roles)
+
+
+PUBLISH = Contract("publish", VALUES, ROLES, OPERANDS, TARGETS, call_roles=_publish_roles)
 EXPERTS = Contract("experts", EXPERTS_VALUES, EXPERTS_ROLES, EXPERTS_OPERANDS, {"none": "jax_moe_publish_experts"},
                    call_roles=lambda config: ("expert_gate_up" if config.fused_gate_up else "expert_gate_up_split",
                                               "expert_down"))
@@ -303,11 +330,11 @@ def call_roles(config) -> tuple[str, ...]:
 
 def call_operands(config) -> list[dict]:
     """``config``'s contract's operands resolved for it, as the sidecar records them: name, io,
-    dtype (``"bf16"``, ``"f32"`` or ``"s32"``), rows (``"num_rows"``, ``"m"``, ``"owned"``,
+    dtype (``"bf16"``, ``"f32"``, ``"s32"`` or ``"e4m3"``), rows (``"num_rows"``, ``"m"``, ``"owned"``,
     ``"pairs"``, ``"zero"`` or None for a fixed shape) and shape (the counts after the rows)."""
     rows = config.operand_rows()
     dimensions = config.dimensions()
-    dtypes = {"bf16": "bf16", "s32": "s32", "weights": "f32" if getattr(config, "fp32_weights", False) else "bf16"}
+    dtypes = {"bf16": "bf16", "f32": "f32", "s32": "s32", **config.operand_dtypes()}
     conditions = config.conditions()
     return [{"name": o.name, "io": o.io, "dtype": dtypes[o.dtype], "rows": rows.get(o.rows, o.rows),
              "shape": [dimensions[d] for d in o.shape]}

@@ -58,11 +58,11 @@ def forget_mailbox(mailbox_id: int) -> None:
 
 
 def call(set_id: int, mailbox_id: int, result_type, routed, weights, indices, shared, hidden: int,
-         epilogue: dict):
+         epilogue: dict, out_scale=None):
     """The FFI call of a loaded kernel set on one shard, through the target its sidecar names,
     with the operands in `_abi.OPERANDS` order. ``result_type`` is the reference's
     (varying-axes marking included); ``epilogue`` holds residual, norm_weight and norm_eps,
-    or is empty."""
+    or is empty; ``out_scale``: a static FP8 out's scale, as float32 [1]."""
     if shared is None:
         # Not read by kernels built without the shared expert; the handler checks its shape.
         shared = jnp.zeros((0, hidden), jnp.bfloat16)
@@ -71,6 +71,8 @@ def call(set_id: int, mailbox_id: int, result_type, routed, weights, indices, sh
     if epilogue:
         operands += [epilogue["residual"], epilogue["norm_weight"]]
         attributes["norm_eps"] = np.float32(epilogue["norm_eps"])
+    if out_scale is not None:
+        operands.append(jnp.reshape(out_scale, (1,)).astype(jnp.float32))
     # The mailbox is state outside XLA: identical calls must not merge, nor move out of a loop.
     return ffi_call(set_id, result_type, operands, side_effects=True, **attributes)
 

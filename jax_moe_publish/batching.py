@@ -11,7 +11,7 @@ from jax_moe_publish.mailbox import Mailbox
 
 
 def folding_vmap_batches(mailbox: Mailbox, publish):
-    """``publish`` (of the six array arguments) under ``jax.vmap``: one call whose tokens are
+    """``publish`` (of the seven array arguments) under ``jax.vmap``: one call whose tokens are
     the whole batch's (`_fold_batch`), on every path, so the kernels' FFI call never sees a
     batch."""
 
@@ -29,7 +29,7 @@ def folding_vmap_batches(mailbox: Mailbox, publish):
 
 
 def fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_indices, shared_output,
-                residual, norm_weight):
+                residual, norm_weight, out_scale):
     """A jax.vmap batch of ``batch`` calls as the arguments of one call, and the function that
     splits that call's result into the batch's results.
 
@@ -40,10 +40,11 @@ def fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_
     routed rows are stacked and each element's valid indices moved to its block."""
     if batch == 0:
         raise ValueError("jax.vmap over an empty batch: expected at least one batch element")
-    if batched[5]:
-        raise ValueError("norm_weight: under jax.vmap it differs between batch elements, but one call "
-                         "takes one norm weight; expected the same norm_weight for the whole batch "
-                         "(in_axes=None for it)")
+    for name, is_batched, what in (("norm_weight", batched[5], "one norm weight"),
+                                   ("out_scale", batched[6], "one FP8 scale")):
+        if is_batched:
+            raise ValueError(f"{name}: under jax.vmap it differs between batch elements, but one call takes "
+                             f"{what}; expected the same {name} for the whole batch (in_axes=None for it)")
     tp, m, hidden = mailbox.tp, expert_weights.shape[-2], mailbox.hidden
     scatter = mailbox.result == "reduce_scatter"
     tokens = protocol.owned_rows(m, tp) * tp if scatter else m
@@ -62,7 +63,7 @@ def fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_
         x = jnp.pad(x, [(0, 0), (0, tokens - m)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return x.reshape(batch * tokens, *x.shape[2:])
 
-    routed_batched, weights_batched, indices_batched, shared_batched, residual_batched, _ = batched
+    routed_batched, weights_batched, indices_batched, shared_batched, residual_batched, _, _ = batched
     indices = per_element(permuted_indices, indices_batched)
     if routed_batched:
         num_rows = routed_output.shape[1]
@@ -80,10 +81,11 @@ def fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_
         None if shared_output is None else as_tokens(per_element(shared_output, shared_batched), 0),
         None if residual is None else per_element(residual, residual_batched).reshape(-1, hidden),
         norm_weight,
+        out_scale,
     )
 
-    def unfold(out):
-        out = jax.tree.map(lambda x: x.reshape(batch, -1, hidden), out)
+    def unfold(out):  # every result has a row per token (an FP8 out's scales, hidden / 128 columns)
+        out = jax.tree.map(lambda x: x.reshape(batch, -1, x.shape[-1]), out)
         if residual is None or tokens == m:
             return out
         has_token = reference.rows_with_tokens(protocol.owned_rows(m, tp), m, mailbox.axis_name)[None]

@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from jax_moe_publish import protocol
-from jax_moe_publish._abi import RESULTS
+from jax_moe_publish._abi import FP8_GROUP, RESULTS
 
 
 def checked_int(name: str, value) -> int:
@@ -168,8 +168,6 @@ def check_epilogue(residual, norm_weight, norm_eps, *, default_eps, rows, rule, 
 
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
-FP8_GROUP = 128
-"""Columns that share one scale of the dynamic FP8 output (`reference.quantize_fp8`)."""
 
 
 def check_out_dtype(out_dtype, out_scale, *, with_epilogue: bool, hidden: int) -> bool:

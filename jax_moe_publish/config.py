@@ -119,6 +119,11 @@ class KernelConfig:
         ``rmsnorm``: the reduce also adds the residual and applies RMSNorm (every
         group algorithm; a twoshot one unfused). Its CTA holds a whole row,
         ``norm_fragments_per_thread`` 16-byte fragments per thread.
+    fp8_out : {"none", "group", "static"}
+        With the epilogue, ``out`` in float8_e4m3fn, quantized where the
+        epilogue makes it (`reference.quantize_fp8`): ``group``, with a float32
+        scale per row and 128 columns (``out_scales``, hidden a multiple of
+        128); ``static``, with the caller's one scale (``out_scale``).
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin.
     """
@@ -140,6 +145,7 @@ class KernelConfig:
     keep_own_partial: bool | None = None
     waves: int = 1
     epilogue: str = "none"
+    fp8_out: str = "none"
     arch: str = "sm_90a"
 
     op = "publish"
@@ -208,6 +214,12 @@ class KernelConfig:
                 f"epilogue={self.epilogue!r} (at most {MAX_NORM_FRAGMENTS_PER_THREAD} fragments of "
                 f"the {self.reduce_fragments} of a row per thread)",
             )
+        _require(self.fp8_out in _abi.FP8_OUTS, "fp8_out", self.fp8_out, f"one of {_abi.FP8_OUTS}")
+        if self.fp8_out != "none":
+            _require(self.epilogue != "none", "fp8_out", self.fp8_out, "'none' without an epilogue")
+        if self.fp8_out == "group":
+            _require(self.hidden % _abi.FP8_GROUP == 0, "hidden", self.hidden,
+                     f"a multiple of {_abi.FP8_GROUP} with fp8_out='group' (a scale per {_abi.FP8_GROUP} columns)")
         if self.fuse_reduce:
             _require(spec.fuses, "algorithm", self.algorithm, f"one of {FUSED_ALGORITHMS} with fuse_reduce=True")
             fused_epilogues = tuple(e for fused, e in spec.roles if fused)
@@ -269,11 +281,16 @@ class KernelConfig:
 
     def dimensions(self) -> dict:
         """The sizes `_abi.OPERANDS` names."""
-        return {"hidden": self.hidden, "top_k": self.top_k}
+        return {"hidden": self.hidden, "top_k": self.top_k, "fp8_groups": self.hidden // _abi.FP8_GROUP, "single": 1}
 
     def conditions(self) -> set:
         """The ``when`` words of the operands this config's calls take."""
-        return {"epilogue"} if self.epilogue != "none" else set()
+        words = {"epilogue"} if self.epilogue != "none" else set()
+        return words | ({f"fp8_{self.fp8_out}"} if self.fp8_out != "none" else set())
+
+    def operand_dtypes(self) -> dict:
+        """The dtypes of `_abi.OPERANDS`' per-config rules: the router weights' and out's."""
+        return {"weights": "f32" if self.fp32_weights else "bf16", "out": "bf16" if self.fp8_out == "none" else "e4m3"}
 
     # Derived launch geometry: the single place it is computed.
 
@@ -320,11 +337,16 @@ class KernelConfig:
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         kind = self.algorithm if self.epilogue == "none" else f"{self.algorithm}-{self.epilogue}"
         kind += "-fused" if self.fuse_reduce else ""
+        kind += "" if self.fp8_out == "none" else f"-fp8{self.fp8_out}"
         return f"{kind}-h{self.hidden}-k{self.top_k}-tp{self.tp}-{self.arch}-{digest}"
 
     def to_dict(self) -> dict:
-        """Field values, JSON-ready."""
-        return dataclasses.asdict(self)
+        """Field values, JSON-ready; ``fp8_out`` only where it is not "none", so that the
+        bf16 configs keep the keys they had before it existed."""
+        fields = dataclasses.asdict(self)
+        if fields["fp8_out"] == "none":
+            del fields["fp8_out"]
+        return fields
 
     @classmethod
     def from_dict(cls, fields: dict) -> "KernelConfig":
@@ -337,3 +359,12 @@ class KernelConfig:
         if "fuse_reduce" in changes:
             changes.setdefault("keep_own_partial", None)
         return dataclasses.replace(self, **changes)
+
+
+def fp8_twins(configs: list[KernelConfig]) -> list[KernelConfig]:
+    """Each epilogue config of a group among ``configs`` with an FP8 out: with a scale per 128
+    columns where hidden allows it, and with a static scale. None at tp = 1, whose epilogue
+    runs in XLA and quantizes there."""
+    return list(dict.fromkeys(
+        config.replace(fp8_out=mode) for config in configs if config.epilogue != "none" and config.tp > 1
+        for mode in ("group", "static") if mode == "static" or config.hidden % _abi.FP8_GROUP == 0))

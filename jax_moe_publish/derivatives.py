@@ -40,12 +40,15 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe_publish import reference
+from jax_moe_publish._abi import FP8_GROUP
 
 
-def straight_through(publish, *, axis_name: str, result: str, scale: float, norm_eps: float):
-    """``publish`` (of routed_output, expert_weights, permuted_indices, shared_output, residual
-    and norm_weight, inside shard_map over ``axis_name``) with the derivative of this module;
-    the forward is ``publish``'s, on whatever path it takes."""
+def straight_through(publish, *, axis_name: str, result: str, scale: float, norm_eps: float, fp8_out: str):
+    """``publish`` (of routed_output, expert_weights, permuted_indices, shared_output, residual,
+    norm_weight and out_scale, inside shard_map over ``axis_name``) with the derivative of this
+    module; the forward is ``publish``'s, on whatever path it takes. With an FP8 out
+    (``fp8_out``, `KernelConfig.fp8_out`) the tangent of ``out`` is bf16 out's divided by its
+    scale, rounded to e4m3, that of the scales 0 (they are a maximum's, held fixed)."""
 
     @jax.custom_jvp
     def differentiable(*arrays):
@@ -54,10 +57,27 @@ def straight_through(publish, *, axis_name: str, result: str, scale: float, norm
     @differentiable.defjvp
     def jvp(primals, tangents):
         outs = publish(*primals)
-        return outs, _tangent(primals, tangents, outs, axis_name=axis_name, result=result, scale=scale,
-                              norm_eps=norm_eps)
+        tangent = _tangent(primals[:6], tangents[:6], outs, axis_name=axis_name, result=result, scale=scale,
+                           norm_eps=norm_eps)
+        if fp8_out == "none":
+            return outs, tangent
+        return outs, _fp8_tangents(tangent, outs, primals[6], fp8_out)
 
     return differentiable
+
+
+def _fp8_tangents(tangent, outs, out_scale, fp8_out: str) -> tuple:
+    """The tangents of an FP8 out's results from bf16 out's and residual_out's."""
+    d_out, d_residual_out = tangent
+    if fp8_out == "static":
+        divisor = out_scale
+    else:
+        divisor = jnp.repeat(outs[1], FP8_GROUP, axis=-1)
+    zero = divisor == 0
+    d_q = jnp.where(zero, 0.0, d_out.astype(jnp.float32) / jnp.where(zero, 1.0, divisor)).astype(outs[0].dtype)
+    if fp8_out == "static":
+        return d_q, d_residual_out
+    return d_q, jnp.zeros_like(outs[1]), d_residual_out
 
 
 def _tangent(primals, tangents, outs, *, axis_name, result, scale, norm_eps):
@@ -77,7 +97,7 @@ def _tangent(primals, tangents, outs, *, axis_name, result, scale, norm_eps):
     d_y = reference.reduce_over_group(d_partial, axis_name, result)
     if residual is None:
         return d_y.astype(jnp.bfloat16)
-    _, residual_out = outs
+    residual_out = outs[-1]
     d_x = d_y + d_residual.astype(jnp.float32)
     _, d_out = jax.jvp(functools.partial(reference.rms_normalize, eps=norm_eps),
                        (reference.as_float32(residual_out), norm_weight), (d_x, d_norm_weight))

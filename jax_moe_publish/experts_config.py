@@ -219,6 +219,10 @@ class ExpertsConfig:
         """No rows rule of `_abi.EXPERTS_OPERANDS` depends on the config."""
         return {}
 
+    def operand_dtypes(self) -> dict:
+        """No dtype rule of `_abi.EXPERTS_OPERANDS` depends on the config."""
+        return {}
+
     def dimensions(self) -> dict:
         """The sizes `_abi.EXPERTS_OPERANDS` names."""
         return {"hidden": self.hidden, "top_k": self.top_k, "experts": self.experts,

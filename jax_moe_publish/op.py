@@ -211,29 +211,26 @@ def moe_finalize_publish(
     path = _resolve_impl(impl, mailbox)
     if not mailbox.on_cuda:
         _check_open_when_run(mailbox)
+    fp8_out = "none" if not fp8 else "group" if out_scale is None else "static"
     publish = batching.folding_vmap_batches(mailbox, functools.partial(
         _publish, mailbox=mailbox, impl=path, config=config, problem=problem,
-        scale=scale, norm_eps=norm_eps,
+        scale=scale, norm_eps=norm_eps, fp8_out=fp8_out,
         # Where XLA's own path is faster (the table's "xla"), auto takes it, on every device.
         table_may_choose_xla=impl == "auto" and config is None,
     ))
     # The derivative wraps the fold, so that jax.vmap batches the kernels' call and the jnp
     # tangent each its own way (`derivatives`).
     publish = derivatives.straight_through(publish, axis_name=mailbox.axis_name, result=mailbox.result,
-                                           scale=scale, norm_eps=norm_eps)
-    arrays = (routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight)
-    result = publish(*map(_replicated_along_explicit_axes, arrays))
-    if not fp8:
-        return result
-    # The quantizer runs in XLA after the bf16 epilogue on every path, the same bits on every rank.
-    out, residual_out = result
-    quantized = reference.quantize_fp8(out, out_scale)
-    return (*quantized, residual_out) if out_scale is None else (quantized, residual_out)
+                                           scale=scale, norm_eps=norm_eps, fp8_out=fp8_out)
+    arrays = (routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight, out_scale)
+    return publish(*map(_replicated_along_explicit_axes, arrays))
 
 
-def _publish(routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight, *,
-             mailbox, impl, config, problem, scale, norm_eps, table_may_choose_xla):
-    """One checked call, unbatched: under jax.vmap it holds the tokens of the whole batch."""
+def _publish(routed_output, expert_weights, permuted_indices, shared_output, residual, norm_weight, out_scale, *,
+             mailbox, impl, config, problem, scale, norm_eps, table_may_choose_xla, fp8_out):
+    """One checked call, unbatched: under jax.vmap it holds the tokens of the whole batch. An
+    FP8 out (``fp8_out``) is quantized in the epilogue kernels where they run (tp > 1), else
+    in XLA after the bf16 epilogue: the same bits either way."""
     permuted_indices = _on_mailbox_mesh_p.bind(permuted_indices, mailbox=mailbox)
     m = expert_weights.shape[0]
     with_epilogue = residual is not None
@@ -250,17 +247,29 @@ def _publish(routed_output, expert_weights, permuted_indices, shared_output, res
                                           epilogue=table_epilogue, algorithm=choice.algorithm)
     epilogue = dict(residual=residual, norm_weight=norm_weight, norm_eps=norm_eps)
     if impl == "reference":
-        return reference.moe_finalize_publish(
+        return _quantized(reference.moe_finalize_publish(
             routed_output, expert_weights, permuted_indices, shared_output,
             axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
-        )
-    set_id = _launch.load(config, mailbox.local_ordinals)
+        ), fp8_out, out_scale)
     if with_epilogue and mailbox.tp == 1:
-        y = _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
-                          scale, {})
-        return reference.add_rmsnorm(y, residual, norm_weight, eps=norm_eps)
-    return _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output,
-                         scale, epilogue if with_epilogue else {})
+        y = _call_kernels(_launch.load(config, mailbox.local_ordinals), mailbox, routed_output, expert_weights,
+                          permuted_indices, shared_output, scale, {})
+        return _quantized(reference.add_rmsnorm(y, residual, norm_weight, eps=norm_eps), fp8_out, out_scale)
+    if fp8_out != "none":
+        config = config.replace(fp8_out=fp8_out)
+        epilogue["out_scale"] = out_scale
+    return _call_kernels(_launch.load(config, mailbox.local_ordinals), mailbox, routed_output, expert_weights,
+                         permuted_indices, shared_output, scale, epilogue if with_epilogue else {}, fp8_out)
+
+
+def _quantized(result, fp8_out: str, out_scale):
+    """The epilogue's bf16 ``(out, residual_out)`` with ``out`` quantized (`reference.quantize_fp8`):
+    ``(out, out_scales, residual_out)``, or ``(out, residual_out)`` with a static scale."""
+    if fp8_out == "none":
+        return result
+    out, residual_out = result
+    quantized = reference.quantize_fp8(out, out_scale)
+    return (quantized, residual_out) if fp8_out == "static" else (*quantized, residual_out)
 
 
 def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
@@ -284,23 +293,32 @@ def _resolve_impl(impl: str, mailbox: Mailbox) -> str:
 
 
 def _call_kernels(set_id, mailbox, routed_output, expert_weights, permuted_indices, shared_output, scale,
-                  epilogue):
+                  epilogue, fp8_out: str = "none"):
     """The FFI call of a loaded kernel set, one per device; ``epilogue`` holds residual,
-    norm_weight and norm_eps for the fused epilogue, or is empty."""
+    norm_weight and norm_eps for the fused epilogue (and out_scale with a static FP8 out), or
+    is empty."""
     norm_eps = {"norm_eps": epilogue["norm_eps"]} if epilogue else {}
 
     def call(routed_output, expert_weights, permuted_indices, shared_output, epilogue_arrays):
         epilogue = {**epilogue_arrays, **norm_eps}
+        out_scale = epilogue.pop("out_scale", None)
         # The results have the reference's types, varying-axes marking included: the
         # all-reduce is identical on every rank, like a psum.
         result_type = jax.eval_shape(
-            lambda: reference.moe_finalize_publish(
+            lambda: _quantized(reference.moe_finalize_publish(
                 routed_output, expert_weights, permuted_indices, shared_output,
                 axis_name=mailbox.axis_name, routed_scaling_factor=scale, result=mailbox.result, **epilogue,
-            )
+            ), fp8_out, out_scale)
         )
-        return _launch.call(set_id, mailbox.id if mailbox.tp > 1 else 0, result_type, routed_output,
-                            expert_weights, permuted_indices, shared_output, mailbox.hidden, epilogue)
+        if fp8_out != "group":
+            return _launch.call(set_id, mailbox.id if mailbox.tp > 1 else 0, result_type, routed_output,
+                                expert_weights, permuted_indices, shared_output, mailbox.hidden, epilogue, out_scale)
+        # The call's results come in `_abi.OPERANDS` order: out, residual_out, out_scales.
+        out_type, scales_type, residual_type = result_type
+        out, residual_out, out_scales = _launch.call(
+            set_id, mailbox.id, (out_type, residual_type, scales_type), routed_output, expert_weights,
+            permuted_indices, shared_output, mailbox.hidden, epilogue, None)
+        return out, out_scales, residual_out
 
     arrays = {name: x for name, x in epilogue.items() if name != "norm_eps"}
     return _manual_over_every_axis(call, routed_output, expert_weights, permuted_indices, shared_output, arrays)

@@ -146,7 +146,8 @@ def check_config(config, mailbox, problem, epilogue) -> None:
     """An explicit ``config`` fits these inputs, the mailbox and its result layout."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
-    expected = {**vars(problem), "tp": mailbox.tp, "epilogue": epilogue}
+    # An FP8 out is the call's out_dtype, which sets the config's fp8_out.
+    expected = {**vars(problem), "tp": mailbox.tp, "epilogue": epilogue, "fp8_out": "none"}
     for field, value in expected.items():
         if getattr(config, field) != value:
             raise ValueError(f"config.{field}={getattr(config, field)!r}: expected {value!r} for these inputs")

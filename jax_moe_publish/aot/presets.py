@@ -2,7 +2,7 @@
 
 A model's preset holds what its calls can get: the tuning table's `KernelConfig` for every tp,
 algorithm and m range, with both router weight dtypes, and with the epilogue where the
-model runs it fused; and the `ExpertsConfig` of its experts' shard at every tp, with gate and
+model runs it fused, its out bf16 or FP8 (`fp8_twins`); and the `ExpertsConfig` of its experts' shard at every tp, with gate and
 up fused and split.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from jax_moe_publish import tuning
 from jax_moe_publish.config import (EPILOGUE_ALGORITHMS, GROUP_ALGORITHMS, SINGLE_ALGORITHMS, KernelConfig,
-                                    result_of)
+                                    fp8_twins, result_of)
 from jax_moe_publish.experts_config import ExpertsConfig
 
 TP_SIZES = (1, 2, 4, 8)
@@ -47,7 +47,8 @@ def model(problem: tuning.Problem, arch: str = "sm_90a", epilogue_tp: tuple[int,
                 for m in tuning.range_ms():
                     configs.append(tuning.kernel_config(weighted, tp=tp, m=m, result=result_of(algorithm),
                                                         epilogue=epilogue, algorithm=algorithm, arch=arch))
-    return list(dict.fromkeys(configs))
+    configs = list(dict.fromkeys(configs))
+    return configs + fp8_twins(configs)
 
 
 def deepseek_v3(arch: str = "sm_90a") -> list:

@@ -30,21 +30,34 @@ class GatherNormKernel:
     # the compile step finds the kernel by it. The parameters are `_abi.ROLES["gather_norm"]`'s
     # (residual, norm_weight and eps are not read).
     @cute.kernel
-    def gather_norm(
+    def gather_norm(self, mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64, out: Int64,
+                    timeout_ns: Int64, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
+                    norm_weight: Int64, residual_out: Int64, eps: Float32) -> None:
+        self._gather_norm(mailbox, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual_out, None)
+
+    # With an FP8 out (`_abi.FP8_ROLES`): the owner's bf16 out, quantized here as the owner
+    # quantizes its own rows, so every rank's bits agree.
+    @cute.kernel
+    def gather_norm_fp8(self, mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64, out: Int64,
+                        timeout_ns: Int64, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
+                        norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64,
+                        out_scale: Int64) -> None:
+        self._gather_norm(mailbox, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual_out,
+                          (out_scales, out_scale))
+
+    @cute.jit
+    def _gather_norm(
         self,
         mailbox: Int64,
-        peer_table: Int64,
         stage_state: Int64,
         status: Int64,
-        out: Int64,  # (m, hidden) bf16
+        out: Int64,  # (m, hidden) bf16, or e4m3 with an FP8 out
         timeout_ns: Int64,
         m: Int32,
         capacity_m: Int32,
         rank: Int32,
-        residual: Int64,
-        norm_weight: Int64,
         residual_out: Int64,  # (m, hidden) bf16
-        eps: Float32,
+        fp8_scales,  # (out_scales, out_scale) with an FP8 out, else None
     ) -> None:
         cfg = self.config
         token, _, _ = cute.arch.block_idx()
@@ -52,19 +65,41 @@ class GatherNormKernel:
         stage, halt = self.norm.lamport.start_call(stage_state)
         owner = token % cfg.tp
         row_offset = Int64(token) * self.norm.lamport.row_bytes
+        # With an FP8 out, the gathered bf16 out of each fragment (NaN on a halted mailbox,
+        # zeros past the row), quantized below by every lane.
+        rOut = self.norm.fragment_registers()
         if owner != rank and token < m:
             for j in cutlass.range_constexpr(self.norm.fragments_per_thread):
                 offset, present = self.norm.fragment(tidx, j)
+                if cutlass.const_expr(self.norm.fp8 is not None):
+                    for w in cutlass.range_constexpr(len(EMPTY)):
+                        rOut[j, w] = Uint32(0)
                 if present != 0 and halt != protocol.HALT_RUNNING:
-                    self.norm.lamport.halted(out + row_offset + offset, halt, stage, token, stage_state, status)
-                    ptx.store_words(residual_out + row_offset + offset, [Uint32(NAN_BF16X2)] * len(EMPTY))
+                    # Never touch a halted mailbox: report (closed) and trap, or NaN out.
+                    if cutlass.const_expr(self.norm.fp8 is None):
+                        self.norm.lamport.halted(out + row_offset + offset, halt, stage, token, stage_state, status)
+                        ptx.store_words(residual_out + row_offset + offset, [Uint32(NAN_BF16X2)] * len(EMPTY))
+                    else:
+                        self.norm.lamport.halted(residual_out + row_offset + offset, halt, stage, token,
+                                                 stage_state, status)
+                        for w in cutlass.range_constexpr(len(EMPTY)):
+                            rOut[j, w] = Uint32(NAN_BF16X2)
                 if present != 0 and halt == protocol.HALT_RUNNING:
                     slots = [mailbox + self.norm.lamport.gather_offset(stage, token, capacity_m, area=area) + offset
                              for area in range(protocol.GATHER_AREAS)]
                     sources = self.norm.lamport.wait(slots, [owner, owner], stage, token, stage_state, status,
                                                      timeout_ns)
-                    ptx.store_words(out + row_offset + offset, sources[0])
+                    if cutlass.const_expr(self.norm.fp8 is None):
+                        ptx.store_words(out + row_offset + offset, sources[0])
+                    else:
+                        for w in cutlass.range_constexpr(len(EMPTY)):
+                            rOut[j, w] = sources[0][w]
                     ptx.store_words(residual_out + row_offset + offset, sources[1])
                     for slot in slots:
                         ptx.store_words(slot, EMPTY)
+            if cutlass.const_expr(self.norm.fp8 is not None):
+                for j in cutlass.range_constexpr(self.norm.fragments_per_thread):
+                    offset, present = self.norm.fragment(tidx, j)
+                    self.norm.fp8.store([rOut[j, w] for w in range(len(EMPTY))], present, out, fp8_scales[0],
+                                        fp8_scales[1], token, offset // 2)
         self.norm.lamport.finish_call(stage, stage_state, advance=True, waited=False)

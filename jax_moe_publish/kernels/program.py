@@ -41,12 +41,17 @@ KERNELS = {
     "publish_reduce_gather": PublishReduceGatherKernel,
     "publish_reduce_norm": PublishReduceNormKernel,
 }
+KERNELS.update({fp8: KERNELS[base] for base, fp8 in _abi.FP8_ROLES.items()})
 """The class of each role; its method named after the role is the kernel."""
 
-ROW_IN_REGISTERS = ("reduce_norm", "gather_norm")
+ROW_IN_REGISTERS = ("reduce_norm", "gather_norm", _abi.FP8_ROLES["reduce_norm"], _abi.FP8_ROLES["gather_norm"])
 """Roles whose CTA holds a whole row in registers, one CTA per row. They are compiled for one
 resident CTA per SM (``.minnctapersm 1``): without it ptxas kept them under a register budget
 for more CTAs than a decode call has rows, and spilled at hidden 5120 to 16384."""
+ONE_CTA_BUDGET = (*ROW_IN_REGISTERS, _abi.FP8_ROLES["publish_reduce_norm"])
+"""Roles compiled for one resident CTA per SM: `ROW_IN_REGISTERS`, and the fused epilogue with
+an FP8 out, which at 64 registers spilled 8 bytes in its wait loop (hidden 2048, tp = 4, 8-byte
+fragments); its persistent grid takes the CTAs that fit at the registers it uses."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +97,9 @@ def launch_plan(config: KernelConfig) -> list[KernelLaunch]:
                                                     RowSums.shared_bytes(cfg) + own_bytes, cfg.ctas_per_row, "m",
                                                     cfg.waves, cluster_ctas(cfg)),
     }
-    return [plans[role]() for role in _abi.call_roles(cfg)]
+    base = {fp8: role for role, fp8 in _abi.FP8_ROLES.items()}
+    # An FP8 out's kernel launches as its bf16 role does.
+    return [dataclasses.replace(plans[base.get(role, role)](), role=role) for role in _abi.call_roles(cfg)]
 
 
 class MoePublishProgram:
@@ -124,13 +131,15 @@ class MoePublishProgram:
         capacity_m: Int32,
         rank: Int32,
         eps: Float32,
+        out_scales: Int64,
+        out_scale: Int64,
         stream: cuda.CUstream,
     ) -> None:
         """Launch the call's kernels: the parameters are `_abi.VALUES`, in order, then the stream.
         (``tests/compile/test_abi.py`` checks that the tuple below names them in that order.)"""
         values = dict(zip(_abi.VALUES, (routed, weights, indices, shared, mailbox, peer_table, stage_state, status,
                                         out, residual, norm_weight, residual_out, timeout_ns, num_rows, m,
-                                        capacity_m, rank, eps)))
+                                        capacity_m, rank, eps, out_scales, out_scale)))
         for index in cutlass.range_constexpr(len(self.plan)):
             launch = self.plan[index]
             rows = m if cutlass.const_expr(launch.rows == "m") else (m + self.config.tp - 1) // self.config.tp
@@ -141,5 +150,5 @@ class MoePublishProgram:
                 smem=launch.smem,
                 stream=stream,
                 use_pdl=self.config.enable_pdl,
-                min_blocks_per_mp=1 if launch.role in ROW_IN_REGISTERS else 0,
+                min_blocks_per_mp=1 if launch.role in ONE_CTA_BUDGET else 0,
             )

@@ -285,6 +285,53 @@ def shuffle_xor_f32(value, lane_mask: int, *, loc=None, ip=None) -> Float32:
     )
 
 
+@dsl_user_op
+def max_abs_nan_f32(maximum, value, *, loc=None, ip=None) -> Float32:
+    """``max(maximum, |value|)``, NaN if either is NaN (``max.NaN``)."""
+    return Float32(
+        _asm(
+            T.f32(), [Float32(maximum).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .f32 a;\nabs.f32 a, $2;\nmax.NaN.f32 $0, $1, a;\n}", "=f,f,f",
+            side_effects=False, loc=loc, ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def max_nan_f32(a, b, *, loc=None, ip=None) -> Float32:
+    """``max(a, b)``, NaN if either is NaN (``max.NaN``)."""
+    return Float32(
+        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+             "max.NaN.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def div_rn_f32(numerator, denominator, *, loc=None, ip=None) -> Float32:
+    """``numerator / denominator``, IEEE-rounded to nearest even (``div.rn``)."""
+    return Float32(
+        _asm(T.f32(), [Float32(numerator).ir_value(loc=loc, ip=ip), Float32(denominator).ir_value(loc=loc, ip=ip)],
+             "div.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def f32x4_to_e4m3x4(v0, v1, v2, v3, *, loc=None, ip=None) -> Uint32:
+    """Round four float32 to float8_e4m3fn (nearest even, saturating to +-448, NaN kept) and
+    pack them: ``v0`` in the lowest byte."""
+    operands = [Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]
+    text = ("{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\nmov.b32 $0, {lo, hi};\n}")
+    return Uint32(_asm(T.i32(), operands, text, "=r,f,f,f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def store_f32(address: Int64, value, *, loc=None, ip=None) -> None:
+    """Store of one float32."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+         "st.global.f32 [$0], $1;", "l,f", side_effects=True, loc=loc, ip=ip)
+
+
 def warp_sum_f32(value) -> Float32:
     """Sum of ``value`` over the 32 lanes of the warp, in every lane.
 

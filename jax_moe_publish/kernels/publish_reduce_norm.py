@@ -40,7 +40,27 @@ class PublishReduceNormKernel:
     # and the compile step finds the kernel by it. The parameters are
     # `_abi.ROLES["publish_reduce_norm"]`'s.
     @cute.kernel
-    def publish_reduce_norm(
+    def publish_reduce_norm(self, routed: Int64, weights: Int64, indices: Int64, shared: Int64, mailbox: Int64,
+                            peer_table: Int64, stage_state: Int64, status: Int64, out: Int64, timeout_ns: Int64,
+                            num_rows: Int32, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
+                            norm_weight: Int64, residual_out: Int64, eps: Float32) -> None:
+        self._publish_reduce_norm(routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out,
+                                  timeout_ns, num_rows, m, capacity_m, rank, residual, norm_weight, residual_out,
+                                  eps, None)
+
+    # With an FP8 out (`_abi.FP8_ROLES`): ``out`` e4m3, and its scales or the static scale.
+    @cute.kernel
+    def publish_reduce_norm_fp8(self, routed: Int64, weights: Int64, indices: Int64, shared: Int64, mailbox: Int64,
+                                peer_table: Int64, stage_state: Int64, status: Int64, out: Int64, timeout_ns: Int64,
+                                num_rows: Int32, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
+                                norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64,
+                                out_scale: Int64) -> None:
+        self._publish_reduce_norm(routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out,
+                                  timeout_ns, num_rows, m, capacity_m, rank, residual, norm_weight, residual_out,
+                                  eps, (out_scales, out_scale))
+
+    @cute.jit
+    def _publish_reduce_norm(
         self,
         routed: Int64,  # (num_rows, hidden) bf16
         weights: Int64,  # (m, top_k) bf16 or f32
@@ -60,6 +80,7 @@ class PublishReduceNormKernel:
         norm_weight: Int64,  # (hidden,) bf16
         residual_out: Int64,  # (m, hidden) bf16
         eps: Float32,
+        fp8_scales,  # (out_scales, out_scale) with an FP8 out, else None
     ) -> None:
         cfg = self.config
         block, _, _ = cute.arch.block_idx()
@@ -105,5 +126,5 @@ class PublishReduceNormKernel:
             rResidual = self.norm.load_residual(residual, row, Int32(1), first_fragment)
             self.norm.norm_row(row, row, Int32(1), stage, halt, rWeight, rResidual, tidx, first_fragment, sums, j,
                                mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
-                               self.own.held(sOwn, j, rank))
+                               self.own.held(sOwn, j, rank), None, fp8_scales)
         self.norm.lamport.finish_call(stage, stage_state, advance=True, waited=True, arrived=arrived)

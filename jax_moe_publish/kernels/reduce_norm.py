@@ -29,7 +29,23 @@ class ReduceNormKernel:
     # The method name is the role: CuTe DSL names the entry kernel_cutlass_reduce_norm_..., and
     # the compile step finds the kernel by it. The parameters are `_abi.ROLES["reduce_norm"]`'s.
     @cute.kernel
-    def reduce_norm(
+    def reduce_norm(self, mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64, out: Int64,
+                    timeout_ns: Int64, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
+                    norm_weight: Int64, residual_out: Int64, eps: Float32) -> None:
+        self._reduce_norm(mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual,
+                          norm_weight, residual_out, eps, None)
+
+    # With an FP8 out (`_abi.FP8_ROLES`): ``out`` e4m3, and its scales or the static scale.
+    @cute.kernel
+    def reduce_norm_fp8(self, mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64, out: Int64,
+                        timeout_ns: Int64, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
+                        norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64,
+                        out_scale: Int64) -> None:
+        self._reduce_norm(mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual,
+                          norm_weight, residual_out, eps, (out_scales, out_scale))
+
+    @cute.jit
+    def _reduce_norm(
         self,
         mailbox: Int64,  # this device's mailbox, bf16
         peer_table: Int64,  # (tp,) u64: every rank's mailbox base, by rank
@@ -44,6 +60,7 @@ class ReduceNormKernel:
         norm_weight: Int64,  # (hidden,) bf16
         residual_out: Int64,  # (rows, hidden) bf16
         eps: Float32,
+        fp8_scales,  # (out_scales, out_scale) with an FP8 out, else None
     ) -> None:
         cfg = self.config
         block, _, _ = cute.arch.block_idx()
@@ -65,6 +82,6 @@ class ReduceNormKernel:
         stage, halt = self.norm.lamport.start_call(stage_state)
         self.norm.norm_row(block, token, live, stage, halt, rWeight, rResidual, tidx, tidx,
                            self.norm.row_sums.allocate(), Int32(0), mailbox, stage_state, status, out, timeout_ns,
-                           capacity_m, residual_out, eps, None, (peer_table, rank))
+                           capacity_m, residual_out, eps, None, (peer_table, rank), fp8_scales)
         # Where the owners fan out, the gather ends the call and advances the stage.
         self.norm.lamport.finish_call(stage, stage_state, advance=not cfg.fans_out, waited=False)

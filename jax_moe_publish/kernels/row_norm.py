@@ -23,6 +23,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from jax_moe_publish import protocol
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
+from jax_moe_publish.kernels.fp8_out import Fp8Out
 from jax_moe_publish.kernels.lamport import NAN_BF16X2, WORDS, Lamport
 
 WARP = 32
@@ -137,14 +138,15 @@ class RowNorm:
         self.row_fragments = config.fragments if config.fuse_reduce else config.reduce_fragments
         self.fragments_per_thread = 1 if config.fuse_reduce else config.norm_fragments_per_thread
         self.row_sums = RowSums(config)
+        self.fp8 = None if config.fp8_out == "none" else Fp8Out(config, words)
 
-    def _fragment_registers(self):
+    def fragment_registers(self):
         """Registers for this thread's fragments of a row, as bf16x2 words."""
         return cute.make_rmem_tensor(cute.make_layout((self.fragments_per_thread, self.fragment_words)), Uint32)
 
     def load_norm_weight(self, norm_weight, first_fragment):
         """This thread's fragments of ``norm_weight``, as bf16x2 words."""
-        rWeight = self._fragment_registers()
+        rWeight = self.fragment_registers()
         for j in range(self.fragments_per_thread):
             offset, present = self.fragment(first_fragment, j)
             weight = ptx.load_words(norm_weight + offset, self.fragment_words, predicate=present)
@@ -154,7 +156,7 @@ class RowNorm:
 
     def load_residual(self, residual, row, live, first_fragment):
         """This thread's fragments of residual row ``row`` (zeros where ``live`` is 0)."""
-        rResidual = self._fragment_registers()
+        rResidual = self.fragment_registers()
         for j in range(self.fragments_per_thread):
             offset, present = self.fragment(first_fragment, j)
             kept = ptx.load_words(residual + Int64(row) * self.lamport.row_bytes + offset, self.fragment_words,
@@ -166,7 +168,7 @@ class RowNorm:
     @cute.jit
     def norm_row(self, row, token, live, stage, halt, rWeight, rResidual, tidx, first_fragment, sums,
                  row_index, mailbox, stage_state, status, out, timeout_ns, capacity_m, residual_out, eps,
-                 own, fan_out=None) -> None:
+                 own, fan_out=None, fp8_scales=None) -> None:
         """Wait for, sum, add the residual to and normalize mailbox row ``row`` (the one of
         ``token``; ``live`` is Int32 0 for a row past m) over this thread's fragments from
         ``first_fragment`` on. Every thread of the CTA (of the cluster) must call it, for the
@@ -177,13 +179,14 @@ class RowNorm:
         The outputs go to row ``row`` (reduce_scatter) or ``token``. Twoshot's owner also
         stores both into every peer's gather areas, ``fan_out`` = (peer_table, rank), with
         -0.0 turned into +0.0 in its own rows and the copies alike (-0.0 is the mailbox's
-        empty marker)."""
+        empty marker). With an FP8 out, ``fp8_scales`` = (out_scales, out_scale), and the
+        copies stay bf16 (the gather quantizes them as the owner does)."""
         cfg = self.config
         row_offset = Int64(row) * self.lamport.row_bytes
         if cutlass.const_expr(cfg.fans_out):
             row_offset = Int64(token) * self.lamport.row_bytes
         # residual_out, as bf16 words, and the float32 sum of its squares over this thread's lanes.
-        rResidualOut = self._fragment_registers()
+        rResidualOut = self.fragment_registers()
         squares = Float32(0.0)
         if live != 0:
             for j in cutlass.range_constexpr(self.fragments_per_thread):
@@ -210,38 +213,73 @@ class RowNorm:
         # Every thread takes part in the row sum (it has a barrier); rows past m sum zeros.
         mean = self.row_sums.sum(sums, squares, tidx, row_index) / Float32(cfg.hidden)
         inverse_rms = ptx.rsqrt_f32(mean + eps)
+        if cutlass.const_expr(self.fp8 is not None):
+            self._store_fp8(row, token, live, halt, rWeight, rResidualOut, inverse_rms, first_fragment, out,
+                            residual_out, fan_out, fp8_scales, stage, capacity_m)
+        else:
+            for j in cutlass.range_constexpr(self.fragments_per_thread):
+                offset, present = self.fragment(first_fragment, j)
+                if present != 0:
+                    if live != 0:
+                        normed, sums_out = self._outputs(rResidualOut, rWeight, inverse_rms, j)
+                        ptx.store_words(residual_out + row_offset + offset, sums_out)
+                        ptx.store_words(out + row_offset + offset, normed)
+                        if cutlass.const_expr(cfg.fans_out):
+                            # A halted mailbox may be freed: its rows (NaN) stay here.
+                            if halt == protocol.HALT_RUNNING:
+                                self._fan_out(fan_out, stage, token, capacity_m, offset, normed, sums_out)
+                    else:
+                        if cutlass.const_expr(cfg.out_owned):
+                            # Rows of no token: both outputs are +0.0, like the plain reduce's.
+                            ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
+                            ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)
+
+    def _outputs(self, rResidualOut, rWeight, inverse_rms, j: int) -> tuple[list, list]:
+        """(out, residual_out) of fragment ``j`` as bf16x2 words; where the owner fans out,
+        with -0.0 turned into +0.0 (the mailbox's empty marker)."""
+        normed = []
+        for w in range(self.fragment_words):
+            x_low, x_high = ptx.bf16x2_to_f32(rResidualOut[j, w])
+            g_low, g_high = ptx.bf16x2_to_f32(rWeight[j, w])
+            normed.append(ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high))
+        sums_out = [rResidualOut[j, w] for w in range(self.fragment_words)]
+        if self.config.fans_out:
+            normed = [ptx.positive_zero_bf16x2(word) for word in normed]
+            sums_out = [ptx.positive_zero_bf16x2(word) for word in sums_out]
+        return normed, sums_out
+
+    def _fan_out(self, fan_out, stage, token, capacity_m, offset, normed, sums_out) -> None:
+        """Twoshot's owner: both outputs of a fragment into every peer's gather areas 0 and 1."""
+        peer_table, rank = fan_out
+        gathered = self.lamport.gather_offset(stage, token, capacity_m) + offset
+        gathered_residual = self.lamport.gather_offset(stage, token, capacity_m, area=1) + offset
+        for step in range(self.config.tp - 1):
+            peer = ptx.load_u64(peer_table + Int64((rank + (step + 1)) % self.config.tp) * 8)
+            ptx.store_words(peer + gathered, normed)
+            ptx.store_words(peer + gathered_residual, sums_out)
+
+    @cute.jit
+    def _store_fp8(self, row, token, live, halt, rWeight, rResidualOut, inverse_rms, first_fragment, out,
+                   residual_out, fan_out, fp8_scales, stage, capacity_m) -> None:
+        """`norm_row`'s stores with an FP8 out: every lane quantizes (the group's scale is a
+        warp shuffle), with zeros where it keeps nothing; rows past m store zeros where the
+        result has them (reduce_scatter's owned rows). The fanned-out copies stay bf16."""
+        cfg = self.config
+        out_row = token if cutlass.const_expr(cfg.fans_out) else row
+        row_offset = Int64(out_row) * self.lamport.row_bytes
         for j in cutlass.range_constexpr(self.fragments_per_thread):
             offset, present = self.fragment(first_fragment, j)
-            if present != 0:
-                if live != 0:
-                    normed = []
-                    for w in cutlass.range_constexpr(self.fragment_words):
-                        x_low, x_high = ptx.bf16x2_to_f32(rResidualOut[j, w])
-                        g_low, g_high = ptx.bf16x2_to_f32(rWeight[j, w])
-                        normed.append(
-                            ptx.f32x2_to_bf16x2(x_low * inverse_rms * g_low, x_high * inverse_rms * g_high)
-                        )
-                    sums_out = [rResidualOut[j, w] for w in range(self.fragment_words)]
-                    if cutlass.const_expr(cfg.fans_out):
-                        normed = [ptx.positive_zero_bf16x2(word) for word in normed]
-                        sums_out = [ptx.positive_zero_bf16x2(word) for word in sums_out]
-                    ptx.store_words(residual_out + row_offset + offset, sums_out)
-                    ptx.store_words(out + row_offset + offset, normed)
-                    if cutlass.const_expr(cfg.fans_out):
-                        peer_table, rank = fan_out
-                        # A halted mailbox may be freed: its rows (NaN) stay here.
-                        if halt == protocol.HALT_RUNNING:
-                            gathered = self.lamport.gather_offset(stage, token, capacity_m) + offset
-                            gathered_residual = self.lamport.gather_offset(stage, token, capacity_m, area=1) + offset
-                            for step in cutlass.range_constexpr(cfg.tp - 1):
-                                peer = ptx.load_u64(peer_table + Int64((rank + (step + 1)) % cfg.tp) * 8)
-                                ptx.store_words(peer + gathered, normed)
-                                ptx.store_words(peer + gathered_residual, sums_out)
-                else:
-                    if cutlass.const_expr(cfg.out_owned):
-                        # Rows of no token: both outputs are +0.0, like the plain reduce's.
-                        ptx.store_words(residual_out + row_offset + offset, [Uint32(0)] * self.fragment_words)
-                        ptx.store_words(out + row_offset + offset, [Uint32(0)] * self.fragment_words)
+            keep = present & live
+            stored = present & (live | Int32(1 if cfg.out_owned else 0))
+            normed, sums_out = self._outputs(rResidualOut, rWeight, inverse_rms, j)
+            normed = Fp8Out.words_or_zeros(normed, keep)
+            sums_out = Fp8Out.words_or_zeros(sums_out, keep)
+            if stored != 0:
+                ptx.store_words(residual_out + row_offset + offset, sums_out)
+            self.fp8.store(normed, stored, out, fp8_scales[0], fp8_scales[1], out_row, offset // 2)
+            if cutlass.const_expr(cfg.fans_out):
+                if keep != 0 and halt == protocol.HALT_RUNNING:
+                    self._fan_out(fan_out, stage, token, capacity_m, offset, normed, sums_out)
 
     def fragment(self, first_fragment, j: int):
         """(byte offset in the row, Int32 1 if it lies in the row) of this thread's

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jax_moe_publish import tuning
 from jax_moe_publish.config import (EPILOGUE_ALGORITHMS, FUSED_ALGORITHMS, GROUP_ALGORITHMS, SINGLE_ALGORITHMS,
-                                    KernelConfig, result_of)
+                                    KernelConfig, fp8_twins, result_of)
 from jax_moe_publish.experts_config import ExpertsConfig
 
 GROUP_TPS = (2, 4, 8)
@@ -96,26 +96,28 @@ def defaults(tp: int) -> list[KernelConfig]:
     ]
 
 
-def epilogues(tp: int) -> list[KernelConfig]:
+def epilogues(tp: int, ms: tuple[int, ...] | None = None) -> list[KernelConfig]:
     """The configs of `EPILOGUE_PROBLEMS`: the table's epilogue of every algorithm for a group,
     the plain direct kernel for tp = 1; for a group also oneshot unfused, those of
-    `WIDE_EPILOGUE_PROBLEMS`, and at tp = 2 variants of the fused epilogue's launch shape."""
+    `WIDE_EPILOGUE_PROBLEMS`, and at tp = 2 variants of the fused epilogue's launch shape. The
+    table's choices for every m range, or for calls of ``ms`` tokens."""
+    ms = tuning.range_ms() if ms is None else ms
     def epilogue_config(problem, m, algorithm, **changes):
         return tuning.kernel_config(problem, tp=tp, m=m, result=result_of(algorithm), epilogue="rmsnorm",
                                     algorithm=algorithm, **changes)
 
     if tp == 1:
         return list(dict.fromkeys(tuning.kernel_config(problem, tp=1, m=m)
-                                  for problem in EPILOGUE_PROBLEMS for m in tuning.range_ms()))
+                                  for problem in EPILOGUE_PROBLEMS for m in ms))
     configs = [epilogue_config(problem, m, algorithm)
-               for problem in EPILOGUE_PROBLEMS for algorithm in EPILOGUE_ALGORITHMS for m in tuning.range_ms()]
+               for problem in EPILOGUE_PROBLEMS for algorithm in EPILOGUE_ALGORITHMS for m in ms]
     # Oneshot unfused (publish, then reduce_norm), which the table does not choose, stays
     # tested; and fused with one CTA (no cluster) per row, with the own partials in the
     # mailbox, with 8-byte fragments (twice the threads, in as many CTAs), and with 8-byte
     # fragments in twice the CTAs (14 for hidden 7168: a cluster beyond the portable 8), and
     # with a grid of a third of the rows' clusters.
     configs += [epilogue_config(problem, m, "oneshot", fuse_reduce=False)
-                for problem in EPILOGUE_PROBLEMS for m in tuning.range_ms()]
+                for problem in EPILOGUE_PROBLEMS for m in ms]
     if tp == 2:  # the launch shapes do not depend on tp
         fused = epilogue_config(EPILOGUE_PROBLEMS[0], tuning.SMALL_M, "oneshot")
         configs.append(fused.replace(threads=fused.reduce_fragments, reduce_threads=fused.reduce_fragments))
@@ -125,7 +127,7 @@ def epilogues(tp: int) -> list[KernelConfig]:
         configs.append(fused.replace(elements_per_thread=4))
         configs.append(fused.replace(waves=3))
     configs += [epilogue_config(problem, m, algorithm, **changes)
-                for problem in WIDE_EPILOGUE_PROBLEMS for m in tuning.range_ms()
+                for problem in WIDE_EPILOGUE_PROBLEMS for m in ms
                 for algorithm, changes in (("oneshot", {}), ("oneshot", {"fuse_reduce": False}),
                                            ("twoshot", {}), ("reduce_scatter", {}))]
     return list(dict.fromkeys(configs))
@@ -164,11 +166,18 @@ def experts_configs(arch: str = "sm_90a") -> list[ExpertsConfig]:
     return list(dict.fromkeys(configs))
 
 
+def fp8_outs(tp: int) -> list[KernelConfig]:
+    """The epilogue configs of a group (`epilogues`) for the first m range, with an FP8 out
+    (`config.fp8_twins`): every epilogue kernel, both fragment widths and the wide rows, not
+    every m range's launch shape."""
+    return fp8_twins(epilogues(tp, tuning.range_ms()[:1]))
+
+
 def publish_configs(arch: str = "sm_90a") -> list[KernelConfig]:
     """The publish op's GPU test configs, for tp = 1 and the `GROUP_TPS`."""
     configs = []
     for tp in (1, *GROUP_TPS):
-        configs += variants(tp) + defaults(tp) + epilogues(tp)
+        configs += variants(tp) + defaults(tp) + epilogues(tp) + fp8_outs(tp)
     return [c.replace(arch=arch) for c in dict.fromkeys(configs)]
 
 

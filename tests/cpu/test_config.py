@@ -120,9 +120,10 @@ CHANGED = {
 
 
 def test_key_changes_with_every_field():
-    # keep_own_partial and waves need fuse_reduce: see test_keep_own_partial_follows_fuse_reduce
-    # and test_waves_need_fuse_reduce.
-    assert set(CHANGED) | {"keep_own_partial", "waves"} == {f.name for f in dataclasses.fields(KernelConfig)}
+    # keep_own_partial and waves need fuse_reduce, fp8_out the epilogue: see
+    # test_keep_own_partial_follows_fuse_reduce, test_waves_need_fuse_reduce and
+    # test_an_fp8_out_has_its_own_keys.
+    assert set(CHANGED) | {"keep_own_partial", "waves", "fp8_out"} == {f.name for f in dataclasses.fields(KernelConfig)}
     base = KernelConfig(**BASE)
     keys = {base.key}
     for name, value in CHANGED.items():
@@ -131,6 +132,30 @@ def test_key_changes_with_every_field():
         assert changed.key != base.key, name
         keys.add(changed.key)
     assert len(keys) == len(CHANGED) + 1
+
+
+def test_an_fp8_out_has_its_own_keys():
+    """Each FP8 out names its own cubin, and a bf16 config's key is what it was before fp8_out
+    existed (its dict leaves the field out)."""
+    base = KernelConfig(hidden=2048, top_k=6, tp=4, epilogue="rmsnorm")
+    assert "fp8_out" not in base.to_dict() and base.fp8_out == "none"
+    fp8 = {mode: base.replace(fp8_out=mode) for mode in ("group", "static")}
+    assert len({base.key, *(c.key for c in fp8.values())}) == 3
+    for mode, config in fp8.items():
+        assert f"-fp8{mode}-" in config.key and KernelConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(hidden=2048, tp=4, epilogue="rmsnorm", fp8_out="dynamic"), "KernelConfig.fp8_out='dynamic': expected one of"),
+    (dict(hidden=2048, tp=4, fp8_out="group"), "KernelConfig.fp8_out='group': expected 'none' without an epilogue"),
+    (dict(hidden=2056, tp=4, epilogue="rmsnorm", fp8_out="group"),
+     "KernelConfig.hidden=2056: expected a multiple of 128 with fp8_out='group'"),
+])
+def test_fp8_out_errors_name_the_field(fields, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        KernelConfig(top_k=6, **fields)
+    if fields.get("fp8_out") == "group" and fields["hidden"] % 128:
+        KernelConfig(top_k=6, **{**fields, "fp8_out": "static"})  # a static scale takes any hidden
 
 
 def test_fused_epilogue_cluster_beyond_the_portable_size():

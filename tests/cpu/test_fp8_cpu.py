@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 import numerics
+import stand_in_kernels
 
 FP8 = jnp.float8_e4m3fn
 
@@ -169,3 +170,74 @@ def test_a_static_scale_of_a_hidden_no_group_tiles_is_accepted():
     (out, _), (q, _) = _epilogue_calls(2, "allreduce", 3, 320, out_dtype=FP8, out_scale=jnp.float32(0.02))
     numerics.assert_fp8_close(q, None, out, static_scale=0.02)
     assert np.asarray(q).dtype == ml_dtypes.float8_e4m3fn
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["group", "static"])
+@pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])
+def test_the_kernel_path_quantizes_in_the_kernels(result, scaled, monkeypatch):
+    """On CUDA at tp > 1 the FP8 out comes from the epilogue kernels (`KernelConfig.fp8_out`), not
+    from XLA: traced with the kernels stood in for, the call loads the FP8 config, passes the
+    static scale as the last operand, and returns e4m3 out, float32 scales and bf16
+    residual_out in the API's order."""
+    loads = stand_in_kernels.install(monkeypatch)
+    tp, m, hidden = 2, 5, 256
+    mesh = jax.make_mesh((tp,), ("tp",))
+    rng = np.random.default_rng()
+    problems = [numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)]
+    residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
+    if result == "reduce_scatter":
+        residual = np.stack([numerics.owned(residual, tp, rank) for rank in range(tp)])
+    options = dict(out_dtype=FP8, out_scale=jnp.float32(0.01) if scaled else None)
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=16, result=result) as mailbox:
+        monkeypatch.setattr(mailbox, "on_cuda", True)
+        jaxpr = jax.make_jaxpr(lambda *a: jmp.sharded_moe_finalize_publish(
+            mailbox, *a, impl="kernel", residual=jnp.asarray(residual), norm_weight=jnp.asarray(norm_weight),
+            **options))(*(_stack(problems, field) for field in ("routed", "weights", "indices", "shared")))
+    (config, _), = loads
+    assert config.fp8_out == ("static" if scaled else "group") and config.epilogue == "rmsnorm"
+    calls = [eqn for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == "ffi_call"]
+    assert len(calls) == 1
+    operands, results = calls[0].invars, calls[0].outvars
+    assert [v.aval.dtype for v in operands[-1:]] == ([jnp.float32] if scaled else [jnp.bfloat16])
+    groups = hidden // 128
+    expected = [(FP8, hidden), (jnp.bfloat16, hidden)] + ([] if scaled else [(jnp.float32, groups)])
+    assert [(v.aval.dtype, v.aval.shape[-1]) for v in results] == expected
+    assert [aval.dtype for aval in jaxpr.out_avals] == [FP8] + ([] if scaled else [jnp.float32]) + [jnp.bfloat16]
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside it."""
+    yield from jaxpr.eqns
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        yield from _equations(sub)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["group", "static"])
+def test_the_fp8_out_s_tangent_is_the_bf16_out_s_over_its_scale(scaled):
+    """jax.jvp through the FP8 op: out's tangent is bf16 out's tangent divided by the scale and
+    rounded to e4m3 (0 in a zero group), the scales' is zero, residual_out's is the bf16 call's."""
+    tp, m, hidden = 2, 4, 256
+    mesh = jax.make_mesh((tp,), ("tp",))
+    rng = np.random.default_rng()
+    problems = [numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)]
+    residual, norm_weight = (jnp.asarray(x) for x in numerics.epilogue_inputs(rng, m, hidden))
+    routed, weights, indices, shared = (_stack(problems, f) for f in ("routed", "weights", "indices", "shared"))
+    d_routed = jnp.asarray(rng.standard_normal(routed.shape), jnp.bfloat16)
+    d_residual = jnp.asarray(rng.standard_normal(residual.shape), jnp.bfloat16)
+    scale = jnp.float32(0.05)
+    with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=8) as mailbox:
+        def op(routed, residual, **options):
+            return jmp.sharded_moe_finalize_publish(mailbox, routed, weights, indices, shared, residual=residual,
+                                                    norm_weight=norm_weight, **options)
+
+        def tangents(**options):
+            return jax.jvp(lambda r, x: op(r, x, **options), (routed, residual), (d_routed, d_residual))
+
+        (_, _), (d_out, d_residual_out) = tangents()
+        fp8_out, fp8_tangent = tangents(out_dtype=FP8, out_scale=scale if scaled else None)
+    divisor = scale if scaled else jnp.repeat(fp8_out[1], 128, axis=-1)
+    want = jnp.where(divisor == 0, 0.0, d_out.astype(jnp.float32) / jnp.where(divisor == 0, 1.0, divisor)).astype(FP8)
+    assert np.array_equal(np.asarray(fp8_tangent[0]).view(np.uint8), np.asarray(want).view(np.uint8))
+    if not scaled:
+        assert not np.any(np.asarray(fp8_tangent[1]))
+    assert np.array_equal(np.asarray(fp8_tangent[-1]).view(np.uint16), np.asarray(d_residual_out).view(np.uint16))

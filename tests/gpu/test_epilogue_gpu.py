@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
 import numerics
-from jax_moe_publish import protocol
+from jax_moe_publish import protocol, reference
 from jax_moe_publish import tuning
 from jax_moe_publish.testing import gpu_matrix, rank_processes
 from jax_moe_publish._abi import PORTABLE_CLUSTER_CTAS
@@ -213,6 +213,90 @@ def test_epilogue_on_a_halted_mailbox(config, halt, devices):  # noqa: F811
             assert state[protocol.HALT] == halt and state[protocol.ARRIVALS] == 0, f"{what}: stage words {state}"
             for name, area in zip(("contributions", "gather area"), launcher.mailbox(rank)):
                 assert np.all(area == protocol.EMPTY_BF16), f"{what}: the {name} was written"
+
+
+# An FP8 out (`KernelConfig.fp8_out`): each FP8 config against its bf16 twin on the same inputs.
+
+
+FP8_CASES = [pytest.param(config, m, id=f"{config.key}-m{m}")
+             for tp in gpu_matrix.GROUP_TPS for config in gpu_matrix.fp8_outs(tp)
+             for m in (M_VALUES if tp == 2 else M_VALUES[1:2])]
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("config, m", FP8_CASES)
+def test_fp8_out_is_the_bf16_out_quantized(config, m, devices):  # noqa: F811
+    """The FP8 kernels' out and scales are the bf16 twin's out quantized by
+    `reference.quantize_fp8` (computed on the CPU), bit for bit, on every rank; residual_out is
+    the twin's; rows past the result keep their poison; and the out is within half an e4m3
+    ulp of the float64 model's quantization of that bf16 out (`numerics.assert_fp8_close`)."""
+    rng = seeded_rng(config.key, m, "fp8 out")
+    problems, residual, norm_weight = _epilogue_problem(config, m, rng)
+    static = np.float32(rng.uniform(0.005, 0.05)) if config.fp8_out == "static" else None
+    twin = config.replace(fp8_out="none")
+    rows = protocol.owned_rows(m, config.tp) if config.algorithm == "reduce_scatter" else m
+    with open_test_group(twin, devices, CAPACITY_M) as launcher:
+        buffers = _prepared_buffers(launcher, twin, m, problems, residual, norm_weight, 1e-6)
+        launcher.run(buffers, m)
+        bf16 = [(b.output()[:rows].view(numerics.BF16), b.residual_output()[:rows]) for b in buffers]
+    with open_test_group(config, devices, CAPACITY_M) as launcher:
+        buffers = _prepared_buffers(launcher, config, m, problems, residual, norm_weight, 1e-6)
+        for rank_buffers in buffers:
+            if static is None:
+                rank_buffers.out_scales.poison()
+            else:
+                rank_buffers.upload_out_scale(static)
+        launcher.run(buffers, m)
+        check_protocol_state(launcher, calls=1)
+        fp8 = [(b.fp8_output(), None if static is None else b.scales_output(), b.residual_output())
+               for b in buffers]
+    cpu = jax.devices("cpu")[0]
+    for rank, ((out, residual_out), (q_bits, scales, got_residual_out)) in enumerate(zip(bf16, fp8)):
+        what = f"{config.key} m={m} rank {rank}"
+        want = reference.quantize_fp8(jax.device_put(out, cpu), None if static is None else jax.device_put(static, cpu))
+        want_q, want_scales = (want, None) if static is not None else want
+        q = q_bits[:rows].view(jnp.float8_e4m3fn)
+        assert np.array_equal(q_bits[:rows], np.asarray(want_q).view(np.uint8)), (
+            f"{what}: {np.sum(q_bits[:rows] != np.asarray(want_q).view(np.uint8))} FP8 values differ from the "
+            "bf16 out quantized")
+        assert np.all(q_bits[rows:].view(np.uint16) == numerics.POISON_BF16), f"{what}: out rows past {rows} written"
+        assert np.array_equal(got_residual_out[:rows], residual_out), f"{what}: residual_out is not the twin's"
+        if static is None:
+            assert np.array_equal(scales[:rows].view(np.uint32), np.asarray(want_scales).view(np.uint32)), (
+                f"{what}: scales differ from the bf16 out's")
+            assert np.all(scales[rows:].view(np.uint16) == numerics.POISON_BF16), f"{what}: scale rows past {rows}"
+        numerics.assert_fp8_close(q, None if static is None else scales[:rows], out, static_scale=static, what=what)
+    if config.algorithm != "reduce_scatter":
+        for rank in range(1, config.tp):
+            assert np.array_equal(fp8[rank][0][:rows], fp8[0][0][:rows]), f"rank {rank}'s FP8 out differs from rank 0's"
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("config", [c for tp in gpu_matrix.GROUP_TPS for c in gpu_matrix.fp8_outs(tp)
+                                    if c.hidden == 7168 and c.tp == 2], ids=lambda c: c.key)
+def test_fp8_out_on_a_halted_mailbox(config, devices):  # noqa: F811
+    """A flagged halted mailbox: the FP8 out of every token's row is NaN (its scales too), like
+    the bf16 out's, and residual_out NaN."""
+    m = 37
+    problems, residual, norm_weight = _epilogue_problem(config, m, seeded_rng(config.key, "halted fp8"))
+    scatter = config.algorithm == "reduce_scatter"
+    rows = protocol.owned_rows(m, config.tp) if scatter else m
+    with open_test_group(config, devices, CAPACITY_M, on_timeout=protocol.ON_TIMEOUT_FLAG) as launcher:
+        launcher.set_stage_words({protocol.HALT: protocol.HALT_FAILED})
+        buffers = _prepared_buffers(launcher, config, m, problems, residual, norm_weight, 1e-6)
+        for rank_buffers in buffers:
+            if config.fp8_out == "static":
+                rank_buffers.upload_out_scale(np.float32(0.01))
+        launcher.run(buffers, m)
+        for rank, rank_buffers in enumerate(buffers):
+            what = f"{config.key} rank {rank}"
+            tokens = ~numerics.tokenless_rows(rows, config.tp, rank, m) if scatter else np.ones(rows, bool)
+            q = rank_buffers.fp8_output()[:rows].view(jnp.float8_e4m3fn).astype(np.float32)
+            assert np.all(np.isnan(q[tokens])), f"{what}: the FP8 out holds numbers"
+            if config.fp8_out == "group":
+                assert np.all(np.isnan(rank_buffers.scales_output()[:rows][tokens])), f"{what}: scales hold numbers"
+            residual_out = rank_buffers.residual_output()[:rows].view(numerics.BF16).astype(np.float32)
+            assert np.all(np.isnan(residual_out[tokens])), f"{what}: residual_out holds numbers"
 
 
 # Through JAX: the FFI target, the Mailbox and the kernels together.

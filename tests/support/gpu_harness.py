@@ -342,6 +342,18 @@ class RankBuffers:
         self.norm_weight.upload(norm_weight)
         self.eps = eps
 
+    def upload_out_scale(self, scale: np.float32) -> None:
+        """A static FP8 out's scale (``KernelConfig.fp8_out == "static"``)."""
+        self.out_scale.upload(np.asarray([scale], np.float32))
+
+    def fp8_output(self) -> np.ndarray:
+        """The whole FP8 out buffer as raw bytes: uint8 ``[max_m, hidden]``."""
+        return self.out.download(np.uint8, (self.max_m, self.config.hidden))
+
+    def scales_output(self) -> np.ndarray:
+        """The whole buffer of an FP8 out's scales: float32 ``[max_m, hidden / 128]``."""
+        return self.out_scales.download(np.float32, (self.max_m, self.config.hidden // _abi.FP8_GROUP))
+
     def output(self) -> np.ndarray:
         """The whole output buffer as raw bf16 bits: uint16 ``[max_m, hidden]``."""
         return self.out.download(np.uint16, (self.max_m, self.config.hidden))

@@ -24,9 +24,9 @@ def install(monkeypatch) -> list:
         loads.append((config, list(ordinals)))
         return [c for c, _ in loads].index(config)
 
-    def ffi_call(set_id, mailbox_id, result_type, routed, weights, indices, shared, hidden, epilogue):
+    def ffi_call(set_id, mailbox_id, result_type, routed, weights, indices, shared, hidden, epilogue, out_scale=None):
         operands = [x for x in (routed, weights, indices, shared, epilogue.get("residual"),
-                                epilogue.get("norm_weight")) if x is not None]
+                                epilogue.get("norm_weight"), out_scale) if x is not None]
         return jax.ffi.ffi_call(TARGET, result_type, has_side_effect=True)(*operands, set_id=np.int32(set_id))
 
     monkeypatch.setattr(op_module._launch, "load", load)
