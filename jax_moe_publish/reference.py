@@ -219,27 +219,29 @@ def quantize_fp8(x: jax.Array, scale: jax.Array | None = None):
 
         dynamic (scale None), per row and group of 128 columns:
             s = max(|x|) * float32(1 / 448)            (the group's scale, returned)
-            q = e4m3( clip(x / s, -448, 448) ),  q = 0 where s == 0
+            q = e4m3( clip(x * (1 / s), -448, 448) ),  q = 0 where s == 0
         static (a float32 scalar scale):
-            q = e4m3( clip(x / scale, -448, 448) )
+            q = e4m3( clip(x * (1 / scale), -448, 448) )
 
-    The scale multiplies by the reciprocal (what XLA makes of a division by a constant, and
-    what the kernels do); ``x / s`` is a true division. e4m3 rounds to nearest even. An
-    all-zero group has scale 0 and zeros. A group holding a NaN has scale NaN and only NaNs;
-    one holding an infinity (and no NaN) has scale inf, NaN where x is infinite and 0
-    elsewhere. Returns ``(q, scales)`` with scales float32 ``[rows, hidden / 128]``, or ``q``
-    with a static scale."""
+    ``1 / s`` is the IEEE float32 reciprocal, once per group, and multiplies each value (as
+    serving engines' quantizers do, and the kernels: one division per group, and the same bits
+    whether or not XLA turns a division by a broadcast into that product). e4m3 rounds to
+    nearest even. An all-zero group has scale 0 and zeros. A group holding a NaN has scale NaN
+    and only NaNs; one holding an infinity (and no NaN) has scale inf, NaN where x is infinite
+    and 0 elsewhere. Returns ``(q, scales)`` with scales float32 ``[rows, hidden / 128]``, or
+    ``q`` with a static scale."""
     checks.check_array("x", x, 2, [jnp.bfloat16])
     x = as_float32(x)
     if scale is not None:
         scale = checks.check_fp8_scale(scale)
-        return _to_fp8(x / scale)
+        return _to_fp8(x * (jnp.float32(1) / scale))
     checks.check_fp8_groups(x.shape[1])
     groups = x.reshape(x.shape[0], -1, checks.FP8_GROUP)
     scales = jnp.max(jnp.abs(groups), axis=-1) * jnp.float32(1 / FP8_MAX)
-    # The divisor of a zero group is 1, not 0: no 0 / 0 for a derivative to meet.
+    # The divisor of a zero group is 1, not 0: no 1 / 0 for a derivative to meet.
     zero = scales[..., None] == 0
-    q = jnp.where(zero, jnp.float32(0), groups / jnp.where(zero, jnp.float32(1), scales[..., None]))
+    inverse = jnp.float32(1) / jnp.where(zero, jnp.float32(1), scales[..., None])
+    q = jnp.where(zero, jnp.float32(0), groups * inverse)
     return _to_fp8(q.reshape(x.shape)), scales
 
 

@@ -2,8 +2,8 @@
 
 `reference.quantize_fp8` is the contract, with every operation in float32: per row and group
 of ``FP8_GROUP`` columns, ``scale = max|x| * float32(1 / 448)`` (``max.NaN``, so a NaN makes
-the scale NaN), ``q = e4m3(x / scale)`` with an IEEE division and a saturating rounding, and
-``q = 0`` in a group whose scale is 0; or ``q = e4m3(x / out_scale)`` with a static scale.
+the scale NaN), ``q = e4m3(x * (1 / scale))`` with the IEEE reciprocal and a saturating
+rounding, and ``q = 0`` in a group whose scale is 0; or the same with a static scale.
 
 A thread holds fragments of ``2 * words`` consecutive values, and consecutive threads hold
 consecutive fragments, so a group is the fragments of ``FP8_GROUP / (2 * words)`` (16 or 32)
@@ -49,9 +49,10 @@ class Fp8Out:
             scale = self._group_max(values) * Float32(1.0 / FP8_MAX)
         else:
             scale = ptx.load_f32(out_scale)
+        inverse = ptx.div_rn_f32(Float32(1.0), scale)
         packed = []
         for i in cutlass.range_constexpr(len(values) // 4):
-            q = [ptx.div_rn_f32(values[4 * i + k], scale) for k in range(4)]
+            q = [values[4 * i + k] * inverse for k in range(4)]
             packed.append(ptx.f32x4_to_e4m3x4(q[0], q[1], q[2], q[3]))
         if cutlass.const_expr(self.dynamic):
             # A zero group: zeros, not 0 / 0.

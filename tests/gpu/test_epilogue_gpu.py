@@ -248,7 +248,7 @@ def test_fp8_out_is_the_bf16_out_quantized(config, m, devices):  # noqa: F811
                 rank_buffers.upload_out_scale(static)
         launcher.run(buffers, m)
         check_protocol_state(launcher, calls=1)
-        fp8 = [(b.fp8_output(), None if static is None else b.scales_output(), b.residual_output())
+        fp8 = [(b.fp8_output(), b.scales_output() if static is None else None, b.residual_output())
                for b in buffers]
     cpu = jax.devices("cpu")[0]
     for rank, ((out, residual_out), (q_bits, scales, got_residual_out)) in enumerate(zip(bf16, fp8)):
@@ -256,16 +256,18 @@ def test_fp8_out_is_the_bf16_out_quantized(config, m, devices):  # noqa: F811
         want = reference.quantize_fp8(jax.device_put(out, cpu), None if static is None else jax.device_put(static, cpu))
         want_q, want_scales = (want, None) if static is not None else want
         q = q_bits[:rows].view(jnp.float8_e4m3fn)
-        assert np.array_equal(q_bits[:rows], np.asarray(want_q).view(np.uint8)), (
-            f"{what}: {np.sum(q_bits[:rows] != np.asarray(want_q).view(np.uint8))} FP8 values differ from the "
-            "bf16 out quantized")
+        differ = np.argwhere(q_bits[:rows] != np.asarray(want_q).view(np.uint8))
+        assert not len(differ), (
+            f"{what}: {len(differ)} FP8 values differ from the bf16 out quantized, e.g. at {differ[:3].tolist()}: "
+            f"x {[float(out[r, c]) for r, c in differ[:3]]}, kernel {[int(q_bits[r, c]) for r, c in differ[:3]]}, "
+            f"reference {[int(np.asarray(want_q).view(np.uint8)[r, c]) for r, c in differ[:3]]}")
         assert np.all(q_bits[rows:].view(np.uint16) == numerics.POISON_BF16), f"{what}: out rows past {rows} written"
         assert np.array_equal(got_residual_out[:rows], residual_out), f"{what}: residual_out is not the twin's"
         if static is None:
             assert np.array_equal(scales[:rows].view(np.uint32), np.asarray(want_scales).view(np.uint32)), (
                 f"{what}: scales differ from the bf16 out's")
             assert np.all(scales[rows:].view(np.uint16) == numerics.POISON_BF16), f"{what}: scale rows past {rows}"
-        numerics.assert_fp8_close(q, None if static is None else scales[:rows], out, static_scale=static, what=what)
+        numerics.assert_fp8_close(q, scales[:rows] if static is None else None, out, static_scale=static, what=what)
     if config.algorithm != "reduce_scatter":
         for rank in range(1, config.tp):
             assert np.array_equal(fp8[rank][0][:rows], fp8[0][0][:rows]), f"rank {rank}'s FP8 out differs from rank 0's"
