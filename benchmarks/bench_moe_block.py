@@ -45,7 +45,7 @@ m, path) the JSON has:
   ``gemm_us_per_layer``: (full − ``no_gemm``) / layers;
 * ``weights``: bytes of expert weights per layer and rank that the path reads (a byte
   model: ``ragged_dot`` about every expert's weights, the decode path's gather three
-  times its slots, see `moe_block.routed_rows_decode`) and the least any path must read
+  times its slots, see `jax_moe_publish.experts_gather`) and the least any path must read
   (the active experts of layer 0, plus the shared expert); on GPUs their time at the copy
   bandwidth measured in the run (``read_us``, ``least_us``) and ``gemm_over_read_us``, the
   GEMMs' time over their reads' (near 1: the weight reads set it); ``dominant``: the larger
@@ -131,6 +131,7 @@ from jax import lax  # noqa: E402
 import chains  # noqa: E402
 import floors  # noqa: E402
 import jax_moe_publish as jmp  # noqa: E402
+from jax_moe_publish import experts_gather  # noqa: E402
 from jax_moe_publish.testing import rank_processes  # noqa: E402
 import kernel_builds  # noqa: E402
 import moe_block as mb  # noqa: E402
@@ -245,8 +246,8 @@ def weight_bytes(config, tp, m, active, path):
         return config.experts * expert + shared, least
     if path == "ours":  # each active expert once (per 16 of its tokens: one pass at decode)
         return least, least
-    slots, gathered = mb.decode_slots(m, config.top_k, config.experts)
-    return (mb.GATHER_TRAFFIC * slots if gathered else config.experts) * expert + shared, least
+    slots, gathered = experts_gather.gather_slots(m, config.top_k, config.experts)
+    return (experts_gather.GATHER_TRAFFIC * slots if gathered else config.experts) * expert + shared, least
 
 
 def measure_case(config, mesh, mailbox, params, m, key, copy_rate):

@@ -19,15 +19,16 @@ program (`COLUMNS`):
   ``xla_gpu_experimental_enable_tiling_propagation`` (XLA's Triton ragged-dot emitter);
 * ``tokamax``: ``tokamax.ragged_dot`` in the same two grouped GEMMs (its ``mosaic``
   implementation, else ``triton``);
-* ``gather``: `examples/moe_block.py`'s ``routed_rows_decode`` after ``sort_by_expert``
-  (gathers the active experts' weights into slots, two batched GEMMs);
+* ``gather``: ``jmp.moe_experts(impl="gather")`` (`jax_moe_publish.experts_gather`: XLA
+  gathers the active experts' weights into slots, two batched GEMMs), the route that
+  ``impl="auto"`` runs where the table (`experts_tuning`) has it fastest;
 * ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
   the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
   written per second, which a read-only stream moves at about the same rate, the HBM's
   bandwidth being shared between reads and writes).
 
-``gather`` and ``tokamax`` return the rows in expert order, as the MoE block's finalize reads
-them; the others in pair order. Every column's output of one pass is checked against ours
+``tokamax`` returns the rows in expert order, as the MoE block's finalize reads them; the
+others in pair order. Every column's output of one pass is checked against ours
 (or, where ours cannot run, the first column that ran; relative difference at most 1e-2)
 before its times count. XLA's options are per-program
 compile options (as `chains`' ``xla_nccl`` column), not ``XLA_FLAGS``: each column keeps its
@@ -185,7 +186,7 @@ class Column:
 
     name: str
     what: str
-    route: str  # "ours", "reference" (jmp.moe_experts(impl="reference")), "tokamax" or "gather"
+    route: str  # "ours", "reference" or "gather" (jmp.moe_experts with that impl), or "tokamax"
     compiler_options: tuple = ()  # XLA options of this column's programs only
     jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
     needs_in_hlo: tuple = ()
@@ -215,8 +216,8 @@ COLUMNS = (
            needs_what="a ragged dot in a Triton GEMM fusion (kind __triton_gemm)"),
     Column("tokamax", "tokamax.ragged_dot in the same two grouped GEMMs, expert order (implementation "
            "'mosaic', else 'triton')", "tokamax"),
-    Column("gather", "examples/moe_block.py routed_rows_decode after sort_by_expert: the active experts' "
-           "weights gathered into slots, two batched GEMMs, expert order", "gather"),
+    Column("gather", "jmp.moe_experts(impl='gather'): the active experts' weights gathered by XLA into slots, "
+           "two batched GEMMs", "gather"),
 )
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)
 TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton")  # tokamax's "xla" is jax.lax.ragged_dot: the ragged_dot column
@@ -362,15 +363,9 @@ def active_bitmask(active, experts):
 
 def layer_function(column, args, top_k, tokamax_ragged_dot=None):
     """``(layer weights, x, expert ids) -> rows`` of ``column``."""
-    if column.route in ("ours", "reference"):
-        impl = args.ours_impl if column.route == "ours" else "reference"
+    if column.route != "tokamax":
+        impl = args.ours_impl if column.route == "ours" else column.route
         return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
-    if column.route == "gather":
-        def gather(w, x, ids):
-            order, _, _ = mb.sort_by_expert(ids, w["gate_up"].shape[0])
-            return mb.routed_rows_decode(w, x, ids, order)
-
-        return gather
 
     def grouped(w, x, ids):
         # moe_block.routed_rows_ragged's GEMMs, through tokamax's ragged_dot.
@@ -546,8 +541,8 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
     entry["compile_s"] = time.perf_counter() - start
     entry["hlo"] = hlo_kernels(text)
     out = np.asarray(runner(compiled, 1)(*inputs), np.float64)
-    # gather and tokamax leave the rows in expert order; the last layer's routing orders them.
-    outputs[column.name] = out if column.route in ("ours", "reference") else pair_order(out, inputs[2][-1])
+    # tokamax leaves the rows in expert order; the last layer's routing orders them.
+    outputs[column.name] = pair_order(out, inputs[2][-1]) if column.route == "tokamax" else out
     reference = next(iter(outputs))
     if column.name != reference:
         difference = float(np.linalg.norm(outputs[column.name] - outputs[reference])

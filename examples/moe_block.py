@@ -13,8 +13,9 @@ Each MoE layer runs what a JAX model runs:
    1/tp of every expert's intermediate dimension (gate/up column-parallel, fused as one
    ``[hidden, 2 * intermediate / tp]`` weight; down row-parallel), so its rows are partial
    sums. Three interchangeable paths: ``ragged`` (`jax.lax.ragged_dot`, what JAX models
-   use), ``decode`` (gathers only the active experts' weights, `routed_rows_decode`) and
-   ``ours`` (`jmp.moe_experts`: its kernels on GPUs, its reference elsewhere);
+   use), ``decode`` (``jmp.moe_experts(impl="gather")``: XLA gathers only the active
+   experts' weights) and ``ours`` (`jmp.moe_experts`: its kernels on GPUs, its reference
+   elsewhere);
 4. the shared expert (DeepSeek-V3), sliced the same way;
 5. the finalize, the sum over the group and the residual add + RMSNorm, whose outputs
    ``(out, residual_out)`` are the next layer's input and residual stream:
@@ -51,9 +52,6 @@ TP = "tp"
 PATHS = ("ragged", "decode", "ours")
 FINALIZES = ("ours", "xla")
 ROUTERS = ("sigmoid-grouped", "softmax")
-# The decode path gathers the active experts' weights only while the gather (read + write
-# of the copy, then the GEMM's read of it) moves fewer bytes than reading every expert once.
-GATHER_TRAFFIC = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,43 +326,6 @@ def routed_rows_ragged(layer: dict, x, order, sizes, top_k: int):
     return lax.ragged_dot(swiglu(h), layer["down"], sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
-def decode_slots(m: int, top_k: int, num_experts: int) -> tuple[int, bool]:
-    """(slots, gathered) of `routed_rows_decode`: ``min(m * top_k, experts)`` slots, whose weights
-    are gathered while that moves fewer bytes than reading every expert once."""
-    slots = min(m * top_k, num_experts)
-    return slots, GATHER_TRAFFIC * slots < num_experts
-
-
-def routed_rows_decode(layer: dict, x, experts, order):
-    """The sorted rows through their experts, reading only the active experts' weights:
-    bf16 [m * top_k, hidden].
-
-    At decode at most ``m * top_k`` experts are active. Their weights are gathered into
-    ``slots = min(m * top_k, experts)`` slots (distinct experts in ascending order; unused
-    slots repeat the last expert), and every token runs through every slot in two batched
-    GEMMs (``[slots] x [m, hidden] @ [hidden, 2i]``, then ``[m, i] @ [i, hidden]``), each
-    slot's weights read once; each pair's row is then picked out. The tokens a slot does not
-    serve cost FLOPs, not bytes: ``m`` FLOPs per weight byte is below an H100/H200's
-    roofline ridge (about 200) for every decode m. Where the gather would move more bytes
-    than reading every expert (``GATHER_TRAFFIC * slots >= experts``), the GEMMs read the
-    weights in place instead.
-    """
-    m, top_k = experts.shape
-    gate_up, down = layer["gate_up"], layer["down"]
-    num_experts = gate_up.shape[0]
-    slots, gathered = decode_slots(m, top_k, num_experts)
-    flat = experts.reshape(-1)
-    if gathered:
-        active, slot = jnp.unique(flat, return_inverse=True, size=slots, fill_value=num_experts - 1)
-        gate_up, down = gate_up[active], down[active]
-        slot = slot.reshape(-1)
-    else:
-        slot = flat
-    h = _gemm("mh,shj->smj", x, gate_up)
-    y = _gemm("smi,sih->smh", swiglu(h), down)
-    return y[slot[order], order // top_k]
-
-
 def shared_partial(layer: dict, x):
     """This rank's slice of the shared expert: bf16 [m, hidden]."""
     return _gemm("mi,ih->mh", swiglu(_gemm("mh,hi->mi", x, layer["shared_gate_up"])), layer["shared_down"])
@@ -377,17 +338,14 @@ def finalize_inputs(config: MoEConfig, layer: dict, x, *, path: str):
     if path not in PATHS:
         raise ValueError(f"path={path!r}: expected one of {PATHS}")
     experts, weights = route(config, layer, x)
-    if path == "ours":
-        # Rows in pair order: pair t * top_k + k is its own row.
-        impl = "kernel" if jax.default_backend() == "gpu" else "reference"
-        rows = jmp.moe_experts(x, experts, layer["gate_up"], layer["down"], impl=impl)
-        permuted_indices = jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
-    else:
-        order, permuted_indices, sizes = sort_by_expert(experts, config.experts)
     if path == "ragged":
+        order, permuted_indices, sizes = sort_by_expert(experts, config.experts)
         rows = routed_rows_ragged(layer, x, order, sizes, config.top_k)
-    elif path == "decode":
-        rows = routed_rows_decode(layer, x, experts, order)
+    else:
+        # Rows in pair order: pair t * top_k + k is its own row.
+        ours = "kernel" if jax.default_backend() == "gpu" else "reference"
+        rows = jmp.moe_experts(x, experts, layer["gate_up"], layer["down"], impl="gather" if path == "decode" else ours)
+        permuted_indices = jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
     shared = shared_partial(layer, x) if config.shared else None
     return rows, weights, permuted_indices, shared
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from jax_moe_publish import _launch, batching, checks, experts_tuning, reference
+from jax_moe_publish import _launch, batching, checks, experts_gather, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
 
-IMPLS = ("auto", "kernel", "reference")
+IMPLS = ("auto", "kernel", "gather", "reference")
 
 
 def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *, impl: str = "auto",
@@ -43,7 +43,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
     (the weights are the same for the whole batch). ``jax.grad`` and ``jax.jvp`` pass through
     on every path: the derivative is JAX's derivative of the reference at the same inputs (its
     rules for the float32 math, `jax.lax.ragged_dot` and the bf16 conversions), the forward
-    the kernels'. A derivative under ``jax.vmap`` needs ragged_dot's batching rule, which JAX
+    the route's. A derivative under ``jax.vmap`` needs ragged_dot's batching rule, which JAX
     lacks for a batched lhs.
 
     Parameters
@@ -58,13 +58,16 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
         ``wi_0`` and ``wi_1``).
     down : bf16 [experts, intermediate, hidden]
         Down projections (MaxText's ``wo``).
-    impl : {"auto", "kernel", "reference"}
+    impl : {"auto", "kernel", "gather", "reference"}
         ``kernel``: the kernels, on CUDA devices, where they take the shape (hidden a multiple
         of 32, intermediate of 16, ``m * top_k <= 8192``, at most 1024 experts and top-64);
-        it raises elsewhere. ``reference``: the pure-JAX reference (`reference.moe_experts`,
-        `jax.lax.ragged_dot`). ``auto``: the kernels where a measured table
-        (`experts_tuning`) found them faster than every ragged_dot route and they can run,
-        the reference elsewhere.
+        it raises elsewhere. ``gather``: pure JAX on any platform, the active experts' weights
+        gathered by XLA and two batched GEMMs over every token (`experts_gather`; the same
+        roundings, intermediates of ``min(m * top_k, experts) * m`` rows: a decode route).
+        ``reference``: the pure-JAX reference (`reference.moe_experts`,
+        `jax.lax.ragged_dot`). ``auto``: on CUDA devices the route that a measured table
+        (`experts_tuning`) found fastest at this shape and m (the kernels only where they can
+        run); the reference where the table has no entry, and on every other platform.
     config : ExpertsConfig, optional
         The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape.
 
@@ -80,31 +83,54 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
     why_not = _why_no_kernels(shape)
     gpus = [device.local_hardware_id for device in jax.local_devices(backend="gpu")] if _has_gpus() else []
     if impl == "kernel" and (why_not or not gpus):
-        raise ValueError(f"impl='kernel': {why_not or 'no CUDA device in this process'}; use impl='auto' or "
-                         "'reference'")
+        raise ValueError(f"impl='kernel': {why_not or 'no CUDA device in this process'}; use impl='auto', "
+                         "'gather' or 'reference'")
+    route = impl
     if impl == "auto":
-        impl = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
-                                        experts=shape.experts, top_k=shape.top_k, m=shape.m)
+        # The table holds runs on CUDA devices: on any other platform auto runs the reference.
+        route = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
+                                         experts=shape.experts, top_k=shape.top_k, m=shape.m) if gpus else "reference"
+        if route == "kernel" and why_not:
+            route = "reference"
     gate, up = (gate_up, None) if shape.fused else gate_up
+    if route == "kernel":
+        set_id = _launch.load(config or _default_config(shape), gpus)
 
-    def elsewhere(x, expert_ids, gate, up, down):
-        return reference.moe_experts(x, expert_ids, gate if up is None else (gate, up), down)
+        def kernels(x, expert_ids, gate, up, down):
+            return _call_kernels(set_id, x, expert_ids, gate, up, down)
 
-    if impl == "reference" or why_not or not gpus:
-        # ragged_dot has no vmap rule for a batched lhs: a batch is one call on this path too.
-        return _differentiable(batching.folding_expert_batches(elsewhere))(x, expert_ids, gate, up, down)
-    config = config or _default_config(shape)
-    set_id = _launch.load(config, gpus)
+        experts = _on_cuda(kernels)
+    elif route == "gather" and impl == "auto":
+        experts = _on_cuda(_gather)
+    else:
+        experts = _gather if route == "gather" else _reference
+    # A batch is one call on every path: the kernels' FFI call and ragged_dot have no vmap rule
+    # for a batched lhs, and the gather route reads each active expert once for the whole batch.
+    experts = batching.folding_expert_batches(experts, max_pairs=MAX_PAIRS if route == "kernel" else None)
+    return _differentiable(experts)(x, expert_ids, gate, up, down)
 
-    def on_cuda(x, expert_ids, gate, up, down):
-        return _call_kernels(set_id, x, expert_ids, gate, up, down)
+
+def _gate_up(gate, up):
+    """The routes' ``(gate, up)`` as the reference's ``gate_up``: the fused array where up is None."""
+    return gate if up is None else (gate, up)
+
+
+def _reference(x, expert_ids, gate, up, down):
+    return reference.moe_experts(x, expert_ids, _gate_up(gate, up), down)
+
+
+def _gather(x, expert_ids, gate, up, down):
+    return experts_gather.moe_experts(x, expert_ids, _gate_up(gate, up), down)
+
+
+def _on_cuda(route):
+    """``route`` where the computation runs on a CUDA device, the reference elsewhere: the
+    platform it runs on decides, not only the devices this process has."""
 
     def experts(x, expert_ids, gate, up, down):
-        # The platform the computation runs on decides, not only the devices this process has.
-        return lax.platform_dependent(x, expert_ids, gate, up, down, cuda=on_cuda, default=elsewhere)
+        return lax.platform_dependent(x, expert_ids, gate, up, down, cuda=route, default=_reference)
 
-    experts = batching.folding_expert_batches(experts, max_pairs=MAX_PAIRS)
-    return _differentiable(experts)(x, expert_ids, gate, up, down)
+    return experts
 
 
 def _has_gpus() -> bool:
@@ -146,7 +172,7 @@ def _check_config(config, shape: checks.ExpertsShape) -> None:
 def _call_kernels(set_id, x, expert_ids, gate, up, down):
     """The FFI call of a loaded experts kernel set: the operands of its call record, the
     activations a scratch result that is dropped."""
-    out_type = jax.eval_shape(lambda: reference.moe_experts(x, expert_ids, gate if up is None else (gate, up), down))
+    out_type = jax.eval_shape(lambda: _reference(x, expert_ids, gate, up, down))
     activations_type = out_type.update(shape=(out_type.shape[0], down.shape[1]))
     weights = [gate] if up is None else [gate, up]
     # Pure: no state outside XLA, so XLA may merge, hoist or drop calls like any computation.
@@ -167,7 +193,7 @@ def _differentiable(experts):
         x, expert_ids, gate, up, down = primals
 
         def math(x, gate, up, down):
-            return reference.moe_experts(x, expert_ids, gate if up is None else (gate, up), down)
+            return _reference(x, expert_ids, gate, up, down)
 
         _, tangent = jax.jvp(math, (x, gate, up, down), (tangents[0], tangents[2], tangents[3], tangents[4]))
         return experts(*primals), tangent

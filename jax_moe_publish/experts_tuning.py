@@ -1,10 +1,12 @@
-"""Where ``impl="auto"`` runs the experts op's kernels: a measured table, as data.
+"""Which route ``impl="auto"`` runs the experts op on: a measured table, as data.
 
 An entry of ``experts_table.json`` says that for one shard shape (hidden, intermediate,
-experts, top_k) and calls of at most ``max_m`` tokens, ``impl`` ("kernel" or "reference") was
-the faster route in the run its ``source`` names (a result file under ``benchmarks/results``).
-A call that no entry covers runs the reference: the kernels are chosen only where a run on a
-GPU measured them faster than every ragged_dot route.
+experts, top_k) and calls of more tokens than the shape's previous entry covers and at most
+``max_m``, ``impl`` ("kernel", "gather" or "reference") was the fastest route at every
+measured m of that range in the run its ``source`` names (a result file under
+``benchmarks/results``). A call that no entry covers runs the reference: the kernels and the
+gather route are chosen only where a run on a GPU measured them faster than the other routes.
+The table measures CUDA devices, and ``impl="auto"`` reads it on them only.
 ``benchmarks/experts_table.py`` rewrites the table from such runs (`measured_entries`).
 """
 
@@ -15,15 +17,22 @@ import json
 import pathlib
 
 TABLE_FILE = pathlib.Path(__file__).with_name("experts_table.json")
-IMPLS = ("kernel", "reference")
+IMPLS = ("kernel", "gather", "reference")
+KERNEL_COLUMN = "ours"
+"""The benchmark's column of ``impl="kernel"``."""
+GATHER_COLUMN = "gather"
+"""The benchmark's column of ``impl="gather"``. The runs of 2026-12-03 timed it as
+``examples/moe_block.py``'s decode path before it became the op's route: the same gather and
+GEMMs, with the pairs sorted by expert before and the rows left in that order."""
 REFERENCE_ROUTES = ("ragged_dot", "ragged_dot_pallas_triton", "cudnn", "xla_triton", "tokamax")
 """The benchmark's columns that ``impl="reference"`` can run as (its ragged_dot under a flag or
-a compile option); the block's gather path is not a route of this op."""
+a compile option); the table's reference is the fastest of them."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsChoice:
-    """``impl`` for calls of one shard shape with at most ``max_m`` tokens, measured in ``source``."""
+    """``impl`` for calls of one shard shape with at most ``max_m`` tokens and more than the
+    shape's previous entry covers, measured in ``source``."""
 
     hidden: int
     intermediate: int
@@ -42,16 +51,25 @@ class ExpertsChoice:
 
 
 def load_table(path: pathlib.Path = TABLE_FILE) -> list[ExpertsChoice]:
-    """The table's entries, each checked."""
-    return [ExpertsChoice(**entry) for entry in json.loads(path.read_text())["entries"]]
+    """The table's entries, each checked, a shape's in ascending ``max_m`` (`auto_impl` takes
+    the first that covers a call)."""
+    entries = [ExpertsChoice(**entry) for entry in json.loads(path.read_text())["entries"]]
+    last = {}
+    for entry in entries:
+        shape = (entry.hidden, entry.intermediate, entry.experts, entry.top_k)
+        if entry.max_m <= last.get(shape, 0):
+            raise ValueError(f"{path}: an entry of shape {shape} with max_m={entry.max_m} after one with "
+                             f"max_m={last[shape]}; expected a shape's entries in ascending max_m")
+        last[shape] = entry.max_m
+    return entries
 
 
 TABLE = load_table()
 
 
 def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: int) -> str:
-    """``impl="auto"``'s route for a call: the first entry of the shape that covers ``m``, else
-    ``"reference"``."""
+    """``impl="auto"``'s route for a call on a CUDA device: the first entry of the shape that
+    covers ``m``, else ``"reference"``."""
     for entry in TABLE:
         if (entry.hidden, entry.intermediate, entry.experts, entry.top_k) == (hidden, intermediate, experts, top_k) \
                 and m <= entry.max_m:
@@ -60,31 +78,52 @@ def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: in
 
 
 def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
-    """One "kernel" entry per shard shape measured in the ``bench_moe_experts.py`` runs ``paths``:
-    up to the largest m below which the kernels beat every measured reference route at every
-    measured m (none where they lose at the smallest). Each entry names the run of its last m."""
+    """The entries of the ``bench_moe_experts.py`` runs ``paths``: per shard shape, the fastest
+    route at each measured m (the kernels' column, the gather column, and the fastest of
+    `REFERENCE_ROUTES` as the reference; a case needs a reference figure and one other), and
+    one entry per range of consecutive measured m with the same winner, up to the range's last
+    m. A trailing range of the reference gets no entry (no entry: the reference), so a shape
+    where the reference wins everywhere gets none. Where several runs measured one shape and m,
+    the later path's figures count. Each entry names the run of its last m."""
     cases = {}
     for path in paths:
         for case in json.loads(path.read_text())["results"]:
-            columns = case["columns"]
-            routes = {name: columns[name]["us"] for name in REFERENCE_ROUTES if "us" in columns.get(name, {})}
-            if "us" not in columns.get("ours", {}) or not routes:
+            routes = _route_figures(case["columns"])
+            if "reference" not in routes or len(routes) < 2:
                 continue
-            best = min(routes, key=routes.get)
             shape = (case["hidden"], case["intermediate"], case["experts"], case["top_k"])
-            cases.setdefault(shape, []).append((case["m"], columns["ours"]["us"], best, routes[best], path.name))
+            cases.setdefault(shape, {})[case["m"]] = (routes, path.name)
     entries = []
     for (hidden, intermediate, experts, top_k), measured in sorted(cases.items()):
-        won = None
-        for m, ours, best, best_us, name in sorted(measured):
-            if ours >= best_us:
-                break
-            won = (m, ours, best, best_us, name)
-        if won is not None:
-            m, ours, best, best_us, name = won
+        ranges = []  # [impl, [m, ...]] of consecutive measured m with the same winner
+        for m in sorted(measured):
+            routes, _ = measured[m]
+            winner = min(routes, key=lambda route: routes[route][0])
+            if ranges and ranges[-1][0] == winner:
+                ranges[-1][1].append(m)
+            else:
+                ranges.append([winner, [m]])
+        if ranges and ranges[-1][0] == "reference":
+            ranges.pop()
+        for impl, ms in ranges:
+            routes, name = measured[ms[-1]]
+            figures = ", ".join(f"{route} {us:.1f} us" + (f" ({column})" if route == "reference" else "")
+                                for route, (us, column) in sorted(routes.items(), key=lambda item: item[1][0]))
             entries.append(ExpertsChoice(
-                hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, max_m=m, impl="kernel",
+                hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, max_m=ms[-1], impl=impl,
                 source=f"benchmarks/results/{name}",
-                reason=f"faster than every reference route at every measured m up to {m}; "
-                       f"at m = {m}: {ours:.1f} us against {best} {best_us:.1f} us"))
+                reason=f"fastest at measured m = {', '.join(map(str, ms))}; at m = {ms[-1]}: {figures}"))
     return entries
+
+
+def _route_figures(columns: dict) -> dict:
+    """``{impl: (us, column)}`` of one case's timed columns: kernel, gather, and reference as the
+    fastest of `REFERENCE_ROUTES`."""
+    timed = {name: figures["us"] for name, figures in columns.items() if "us" in figures}
+    routes = {impl: (timed[column], column) for impl, column in (("kernel", KERNEL_COLUMN), ("gather", GATHER_COLUMN))
+              if column in timed}
+    references = [name for name in REFERENCE_ROUTES if name in timed]
+    if references:
+        best = min(references, key=timed.get)
+        routes["reference"] = (timed[best], best)
+    return routes

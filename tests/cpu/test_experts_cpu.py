@@ -1,10 +1,12 @@
-"""The experts op on CPU: its pure-JAX reference against the float64 model, every argument check,
-jit, vmap, shard_map with the intermediate dimension sharded, derivatives, and the kernel path
-traced with the kernels stood in for (the CUDA branch is traced, the CPU runs the reference)."""
+"""The experts op on CPU: its pure-JAX routes (the reference and the gather route) against the
+float64 model, every argument check, jit, vmap, shard_map with the intermediate dimension
+sharded, derivatives, the kernel path traced with the kernels stood in for (the CUDA branch is
+traced, the CPU runs the reference), and the measured table that ``impl="auto"`` reads."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -19,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import numerics
-from jax_moe_publish import _launch, experts, experts_tuning, reference
+from jax_moe_publish import _launch, experts, experts_gather, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -31,7 +33,11 @@ SHAPES = [
     (33, 128, 32, 5, 1, None),
     (16, 96, 48, 12, 3, 2),  # hidden no power of two; 16 tokens on 2 experts
     (5, 64, 16, 300, 10, None),  # more experts than pairs
+    (3, 128, 32, 64, 4, None),  # the gather route gathers (12 slots of 64 experts)
 ]
+PURE_ROUTES = {"reference": reference.moe_experts_with_activations,
+               "gather": experts_gather.moe_experts_with_activations}
+PURE_OPS = {"reference": reference.moe_experts, "gather": experts_gather.moe_experts}
 
 
 def _arrays(inputs: numerics.ExpertsInputs, fused: bool):
@@ -39,12 +45,13 @@ def _arrays(inputs: numerics.ExpertsInputs, fused: bool):
     return inputs.x, inputs.expert_ids, weights, inputs.down
 
 
+@pytest.mark.parametrize("route", PURE_ROUTES)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
 @pytest.mark.parametrize("m, hidden, intermediate, count, top_k, hot", SHAPES)
-def test_reference_matches_the_float64_model(rng, fused, m, hidden, intermediate, count, top_k, hot):
+def test_pure_routes_match_the_float64_model(rng, route, fused, m, hidden, intermediate, count, top_k, hot):
     inputs = numerics.random_experts(rng, m=m, hidden=hidden, intermediate=intermediate, experts=count, top_k=top_k,
                                      hot_experts=hot)
-    y, h = reference.moe_experts_with_activations(*_arrays(inputs, fused))
+    y, h = jax.jit(PURE_ROUTES[route])(*_arrays(inputs, fused))
     assert y.shape == (m * top_k, hidden) and y.dtype == jnp.bfloat16
     exact, bound = numerics.expected_activations(inputs)
     numerics.assert_close(np.asarray(h), exact, bound, what="activations")
@@ -66,17 +73,28 @@ def test_the_model_catches_a_wrong_expert(rng):
         numerics.assert_close(np.asarray(y), exact, bound)
 
 
-def test_every_id_skipped_gives_zero_rows(rng):
-    inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=3, skipped_fraction=1.0)
-    y = experts.moe_experts(*_arrays(inputs, True))
+def test_the_gather_route_reads_the_weights_in_place_where_a_gather_moves_more():
+    assert experts_gather.gather_slots(1, 8, 256) == (8, True)
+    assert experts_gather.gather_slots(64, 8, 128) == (128, False)
+    assert experts_gather.gather_slots(2, 4, 24) == (8, False)  # 3 x 8 bytes moved >= 24 experts read
+
+
+@pytest.mark.parametrize("impl", ["auto", "gather"])
+@pytest.mark.parametrize("count", [6, 64], ids=["in place", "gathered"])
+def test_every_id_skipped_gives_zero_rows(rng, impl, count):
+    inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=count, top_k=3,
+                                     skipped_fraction=1.0)
+    y = experts.moe_experts(*_arrays(inputs, True), impl=impl)
     assert np.all(np.asarray(y).astype(np.float32) == 0)
 
 
-@pytest.mark.parametrize("impl", ["auto", "reference"])
-def test_the_op_on_cpu_is_the_reference(rng, impl):
-    inputs = numerics.random_experts(rng, m=9, hidden=128, intermediate=32, experts=10, top_k=4)
-    got = jax.jit(lambda *a: experts.moe_experts(*a, impl=impl))(*_arrays(inputs, True))
-    want = reference.moe_experts(*_arrays(inputs, True))
+@pytest.mark.parametrize("impl, route", [("auto", "reference"), ("reference", "reference"), ("gather", "gather")])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+def test_the_op_on_cpu_runs_the_route(rng, impl, route, fused):
+    """On CPU auto runs the reference; gather runs on any platform."""
+    inputs = numerics.random_experts(rng, m=9, hidden=128, intermediate=32, experts=40, top_k=2)
+    got = jax.jit(lambda *a: experts.moe_experts(*a, impl=impl))(*_arrays(inputs, fused))
+    want = PURE_OPS[route](*_arrays(inputs, fused))
     assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
@@ -117,7 +135,7 @@ def test_bad_arguments_are_named(rng, function, changes, error, match):
 def test_bad_op_options_are_named(rng):
     inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
     args = _arrays(inputs, True)
-    with pytest.raises(ValueError, match=r"impl='fast': expected one of \('auto', 'kernel', 'reference'\)"):
+    with pytest.raises(ValueError, match=r"impl='fast': expected one of \('auto', 'kernel', 'gather', 'reference'\)"):
         experts.moe_experts(*args, impl="fast")
     with pytest.raises(ValueError, match="impl='kernel': no CUDA device in this process"):
         experts.moe_experts(*args, impl="kernel")
@@ -148,6 +166,22 @@ def test_vmap_is_one_call_per_element(rng):
         assert np.array_equal(np.asarray(got[b]).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
+@pytest.mark.parametrize("count", [6, 64], ids=["in place", "gathered"])
+def test_the_gather_route_under_vmap_is_one_call_over_the_batch(rng, count):
+    """The batch's tokens go through one gather: the same bits as one call over all of them,
+    each element within the model's bound."""
+    batch = [numerics.random_experts(rng, m=3, hidden=64, intermediate=32, experts=count, top_k=2) for _ in range(4)]
+    w = batch[0]
+    x, ids = np.stack([b.x for b in batch]), np.stack([b.expert_ids for b in batch])
+    got = jax.vmap(lambda x, ids: experts.moe_experts(x, ids, (w.gate, w.up), w.down, impl="gather"))(x, ids)
+    assert got.shape == (4, 6, 64)
+    whole = experts_gather.moe_experts(x.reshape(12, 64), ids.reshape(12, 2), (w.gate, w.up), w.down)
+    assert np.array_equal(np.asarray(got).reshape(24, 64).view(np.uint16), np.asarray(whole).view(np.uint16))
+    for b, element in enumerate(batch):
+        exact, bound = numerics.expected_rows(dataclasses.replace(w, x=element.x, expert_ids=element.expert_ids))
+        numerics.assert_close(np.asarray(got[b]), exact, bound, what=f"element {b}")
+
+
 def test_tensor_parallel_partials_sum_to_the_whole(rng):
     """Four ranks each hold a quarter of the intermediate columns (split layout, sharded on the
     last axis): the sum of their partial rows is the whole layer's, within the bound of four
@@ -168,7 +202,8 @@ def test_tensor_parallel_partials_sum_to_the_whole(rng):
     numerics.assert_close(total, exact, bound + numerics.BF16_EPS * np.abs(exact) * tp, what="sum of partials")
 
 
-def test_derivative_is_the_reference_s(rng):
+@pytest.mark.parametrize("impl", ["auto", "gather"])
+def test_derivative_is_the_reference_s(rng, impl):
     inputs = numerics.random_experts(rng, m=3, hidden=64, intermediate=32, experts=4, top_k=2)
     cotangent = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
 
@@ -176,7 +211,8 @@ def test_derivative_is_the_reference_s(rng):
         return lambda x, gate_up, down: jnp.sum(function(x, inputs.expert_ids, gate_up, down).astype(jnp.float32)
                                                 * cotangent)
 
-    got = jax.grad(loss(experts.moe_experts), argnums=(0, 1, 2))(inputs.x, inputs.gate_up, inputs.down)
+    op = functools.partial(experts.moe_experts, impl=impl)
+    got = jax.grad(loss(op), argnums=(0, 1, 2))(inputs.x, inputs.gate_up, inputs.down)
     want = jax.grad(loss(reference.moe_experts), argnums=(0, 1, 2))(inputs.x, inputs.gate_up, inputs.down)
     for g, w in zip(got, want):
         assert np.any(np.asarray(w).astype(np.float32) != 0)
@@ -289,9 +325,44 @@ def test_auto_takes_the_kernels_only_where_the_table_measured_them(rng, stood_in
         dataclasses.replace(entry, source="a run")
 
 
-def _run(tmp_path, name, cases):
-    """A bench_moe_experts.py result file with ``cases``: (m, {column: us or None})."""
-    results = [{"hidden": 64, "intermediate": 32, "experts": 6, "top_k": 2, "m": m,
+def test_auto_takes_the_gather_route_only_on_cuda(rng, monkeypatch, request):
+    """A gather entry sends auto to the gather route where the computation runs on a CUDA
+    device (the platform_dependent's branch); on CPU, and in a process without GPUs, auto runs
+    the reference."""
+    inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=40, top_k=2)
+    entry = experts_tuning.ExpertsChoice(hidden=64, intermediate=32, experts=40, top_k=2, max_m=4, impl="gather",
+                                         source="benchmarks/results/a-run.json", reason="faster in that run")
+    monkeypatch.setattr(experts_tuning, "TABLE", [entry])
+    args = _arrays(inputs, True)
+
+    def jaxpr(impl):
+        return str(jax.make_jaxpr(lambda *a: experts.moe_experts(*a, impl=impl))(*args))
+
+    plain_dot = re.compile(r"\bdot_general\[")  # the gather route's GEMMs; the reference's are ragged
+    assert plain_dot.search(jaxpr("gather")) and not plain_dot.search(jaxpr("reference"))
+    assert not plain_dot.search(jaxpr("auto")) and "platform_index" not in jaxpr("auto")
+    loads = request.getfixturevalue("stood_in")  # GPUs claimed from here on
+    assert plain_dot.search(jaxpr("auto")) and "platform_index" in jaxpr("auto") and not loads
+    got = jax.jit(lambda *a: experts.moe_experts(*a))(*args)
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(reference.moe_experts(*args)).view(np.uint16))
+
+
+def test_the_table_refuses_a_shape_s_entries_out_of_order(tmp_path):
+    entry = dict(hidden=64, intermediate=32, experts=6, top_k=2, impl="kernel", source="benchmarks/results/a.json",
+                 reason="r")
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"entries": [dict(entry, max_m=8), dict(entry, max_m=8, impl="gather")]}))
+    with pytest.raises(ValueError, match="with max_m=8 after one with max_m=8; expected a shape's entries in asc"):
+        experts_tuning.load_table(table)
+
+
+SHAPE = {"hidden": 64, "intermediate": 32, "experts": 6, "top_k": 2}
+
+
+def _run(tmp_path, name, cases, **shape):
+    """A bench_moe_experts.py result file with ``cases``: (m, {column: us or None}), of ``SHAPE``
+    with ``shape``'s changes."""
+    results = [{**SHAPE, **shape, "m": m,
                 "columns": {column: ({"us": us} if us is not None else {"why_not": "absent"})
                             for column, us in columns.items()}} for m, columns in cases]
     path = tmp_path / name
@@ -299,27 +370,57 @@ def _run(tmp_path, name, cases):
     return path
 
 
-def test_the_table_takes_the_kernels_up_to_the_first_measured_loss(tmp_path):
+def test_the_table_ranks_the_three_routes_in_ranges_of_m(tmp_path, monkeypatch):
     run = _run(tmp_path, "run.json", [
-        (8, {"ours": 30.0, "ragged_dot": 40.0, "cudnn": 35.0, "gather": 10.0}),
-        (1, {"ours": 10.0, "ragged_dot": 40.0, "tokamax": None}),
-        (64, {"ours": 90.0, "ragged_dot": 80.0}),
-        (256, {"ours": 100.0, "ragged_dot": 200.0}),
+        (8, {"ours": 30.0, "ragged_dot": 40.0, "cudnn": 35.0, "gather": 50.0}),
+        (1, {"ours": 10.0, "ragged_dot": 40.0, "tokamax": None, "gather": 12.0}),
+        (2, {"ours": 12.0, "ragged_dot": 40.0, "gather": None}),
+        (16, {"ours": 60.0, "ragged_dot": 50.0, "gather": 70.0}),
+        (32, {"ours": 90.0, "ragged_dot": 80.0, "gather": 70.0}),
+        (64, {"ours": 100.0, "ragged_dot": 200.0, "gather": 90.0}),
+        (128, {"ours": 100.0, "ragged_dot": 200.0, "gather": 150.0}),
+        (256, {"ours": 300.0, "ragged_dot": 200.0, "gather": 250.0}),
+        (512, {"ours": 300.0}),  # no reference figure: nothing to rank against
     ])
-    (entry,) = experts_tuning.measured_entries([run])
-    # The gather column is not a route of the op; the loss at m = 64 ends the range even though
-    # the kernels win again at 256.
-    assert (entry.max_m, entry.impl, entry.source) == (8, "kernel", "benchmarks/results/run.json")
-    assert "30.0 us against cudnn 35.0 us" in entry.reason
-    lost = _run(tmp_path, "lost.json", [(1, {"ours": 50.0, "ragged_dot": 40.0})])
+    entries = experts_tuning.measured_entries([run])
+    # The kernels' range at m = 1, 2, 8 is one entry; the reference's at 16 is written, since
+    # the gather range after it needs it; the last range (the reference's at 256) is not.
+    assert [(e.impl, e.max_m) for e in entries] == [("kernel", 8), ("reference", 16), ("gather", 64), ("kernel", 128)]
+    assert all(e.source == "benchmarks/results/run.json" for e in entries)
+    assert entries[0].reason == ("fastest at measured m = 1, 2, 8; at m = 8: kernel 30.0 us, reference 35.0 us "
+                                 "(cudnn), gather 50.0 us")
+    assert entries[2].reason == ("fastest at measured m = 32, 64; at m = 64: gather 90.0 us, kernel 100.0 us, "
+                                 "reference 200.0 us (ragged_dot)")
+    # auto_impl's reading of them: a range starts past the previous entry's max_m.
+    monkeypatch.setattr(experts_tuning, "TABLE", entries)
+    routes = {m: experts_tuning.auto_impl(**SHAPE, m=m) for m in (1, 8, 9, 16, 17, 64, 65, 128, 129)}
+    assert routes == {1: "kernel", 8: "kernel", 9: "reference", 16: "reference", 17: "gather", 64: "gather",
+                      65: "kernel", 128: "kernel", 129: "reference"}
+
+
+def test_the_table_gives_a_shape_no_entry_where_the_reference_wins(tmp_path):
+    lost = _run(tmp_path, "lost.json", [(1, {"ours": 50.0, "ragged_dot": 40.0, "gather": 45.0}),
+                                        (8, {"ours": 60.0, "ragged_dot": 40.0})])
     assert experts_tuning.measured_entries([lost]) == []
 
 
+def test_a_later_run_s_figures_replace_an_earlier_s(tmp_path):
+    first = _run(tmp_path, "first.json", [(1, {"ours": 10.0, "ragged_dot": 40.0}),
+                                          (8, {"ours": 10.0, "ragged_dot": 40.0})])
+    second = _run(tmp_path, "second.json", [(8, {"ours": 10.0, "ragged_dot": 40.0, "gather": 5.0})])
+    other = _run(tmp_path, "other.json", [(1, {"ours": 10.0, "ragged_dot": 40.0})], hidden=128)
+    entries = experts_tuning.measured_entries([first, second, other])
+    assert [(e.hidden, e.impl, e.max_m, e.source) for e in entries] == [
+        (64, "kernel", 1, "benchmarks/results/first.json"), (64, "gather", 8, "benchmarks/results/second.json"),
+        (128, "kernel", 1, "benchmarks/results/other.json")]
+    assert [(e.impl, e.max_m) for e in experts_tuning.measured_entries([second, first])] == [("kernel", 8)]
+
+
 def test_the_committed_table_is_what_its_runs_give():
-    sources = sorted({entry.source for entry in experts_tuning.TABLE})
-    assert sources, "the table names no run"
-    runs = [REPO / source for source in sources]
-    assert all(run.exists() for run in runs), sources
+    table = json.loads(experts_tuning.TABLE_FILE.read_text())
+    runs = [REPO / run for run in table["runs"]]
+    assert runs and all(run.exists() for run in runs), table["runs"]
+    assert {entry.source for entry in experts_tuning.TABLE} <= set(table["runs"])
     assert experts_tuning.measured_entries(runs) == experts_tuning.TABLE
 
 
@@ -330,6 +431,6 @@ def test_the_table_script_writes_what_the_runs_give(tmp_path):
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "experts_table.py"), str(run), "--table", str(table)],
                    check=True, capture_output=True)
     written = json.loads(table.read_text())
-    assert written["comment"] == "kept"
+    assert written["comment"] == "kept" and written["runs"] == [str(run)]
     assert [experts_tuning.ExpertsChoice(**entry) for entry in written["entries"]] == \
         experts_tuning.measured_entries([run])

@@ -11,6 +11,11 @@ pair's row does not depend on the other tokens (batch invariance).
 
 Through JAX: `jmp.moe_experts` with impl="kernel" under jit, vmap and in a command buffer
 equals the harness's bits, and the reference path is within the model's bound.
+
+The gather route (impl="gather", pure JAX on the GPU) against the same model: its activations
+and rows (`experts_gather.moe_experts_with_activations`) at shapes and m where it gathers the
+active experts and where it reads them in place, with skipped ids, hot experts and every id
+skipped; the op under jit gives its bits, and under vmap each element is within the bound.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import pytest
 import gpu_harness
 import jax_moe_publish as jmp
 import numerics
+from jax_moe_publish import experts_gather
 from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.experts_config import MAX_PAIRS
 from jax_moe_publish.testing import gpu_matrix
@@ -165,3 +171,40 @@ def test_too_many_pairs_are_refused_before_the_kernels(rng):
     weights = _inputs(rng, config, 1)
     with pytest.raises(ValueError, match="pairs, more than the kernels'"):
         jmp.moe_experts(x, ids, weights.gate_up, weights.down, impl="kernel", config=config)
+
+
+GATHER_SHAPES = (*gpu_matrix.EXPERTS_SHAPES, (2048, 96, 128, 8, True))
+"""The kernels' test shapes, and Qwen3-30B's tp = 8 shard with all 128 experts (where the
+measured table sends impl="auto" to the gather route at m = 64)."""
+
+
+@pytest.mark.parametrize("case", ["random", "hot experts", "every id skipped"])
+@pytest.mark.parametrize("m", (1, 7, 64))
+@pytest.mark.parametrize("shape", GATHER_SHAPES, ids=lambda shape: "-".join(map(str, shape)))
+def test_the_gather_route_matches_the_model(rng, shape, m, case):
+    hidden, intermediate, count, top_k, fused = shape
+    options = {"hot experts": dict(hot_experts=3), "every id skipped": dict(skipped_fraction=1.0)}.get(case, {})
+    inputs = numerics.random_experts(rng, m=m, hidden=hidden, intermediate=intermediate, experts=count, top_k=top_k,
+                                     **options)
+    gate_up = inputs.gate_up if fused else (inputs.gate, inputs.up)
+    out, activations = jax.jit(experts_gather.moe_experts_with_activations)(inputs.x, inputs.expert_ids, gate_up,
+                                                                            inputs.down)
+    _check(np.asarray(out), np.asarray(activations), inputs,
+           f"{case}, {'gathered' if experts_gather.gather_slots(m, top_k, count)[1] else 'in place'}")
+    op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, gate_up, inputs.down, impl="gather"))
+    assert np.array_equal(np.asarray(op(inputs.x, inputs.expert_ids)).view(np.uint16),
+                          np.asarray(out).view(np.uint16))
+
+
+def test_the_gather_route_under_vmap(rng):
+    hidden, intermediate, count, top_k, fused = GATHER_SHAPES[-1]
+    batch = [numerics.random_experts(rng, m=5, hidden=hidden, intermediate=intermediate, experts=count, top_k=top_k)
+             for _ in range(3)]
+    w = batch[0]
+    gate_up = w.gate_up if fused else (w.gate, w.up)
+    op = jax.jit(jax.vmap(lambda x, ids: jmp.moe_experts(x, ids, gate_up, w.down, impl="gather")))
+    got = np.asarray(op(np.stack([b.x for b in batch]), np.stack([b.expert_ids for b in batch])))
+    for b, element in enumerate(batch):
+        exact, bound = numerics.expected_rows(numerics.ExpertsInputs(element.x, element.expert_ids, w.gate, w.up,
+                                                                     w.down))
+        numerics.assert_close(got[b], exact, bound, what=f"vmap's element {b}")
