@@ -56,7 +56,6 @@ VALUES: dict[str, str] = {
 _PUBLISH_INPUTS = ("routed", "weights", "indices", "shared")
 _WAIT = ("mailbox", "peer_table", "stage_state", "status", "out", "timeout_ns", "m", "capacity_m", "rank")
 _EPILOGUE = ("residual", "norm_weight", "residual_out", "eps")
-_FP8 = ("out_scales", "out_scale")
 _FUSED = (*_PUBLISH_INPUTS, "mailbox", "peer_table", "stage_state", "status", "out", "timeout_ns", "num_rows",
           "m", "capacity_m", "rank")
 
@@ -84,16 +83,24 @@ ROLES: dict[str, Role] = {
     "publish_reduce": Role(_FUSED, persistent=True),
     "publish_reduce_gather": Role(_FUSED, persistent=True),
     "publish_reduce_norm": Role(_FUSED + _EPILOGUE, persistent=True, clustered=True),
-    # The epilogue's kernels with an FP8 out: its scales, or the static scale (the other 0).
-    "reduce_norm_fp8": Role(_WAIT + _EPILOGUE + _FP8),
-    "gather_norm_fp8": Role(_WAIT + _EPILOGUE + _FP8),
-    "publish_reduce_norm_fp8": Role(_FUSED + _EPILOGUE + _FP8, persistent=True, clustered=True),
+    # The epilogue's kernels with an FP8 out: with its scales, or with the static scale.
+    "reduce_norm_fp8": Role(_WAIT + _EPILOGUE + ("out_scales",)),
+    "gather_norm_fp8": Role(_WAIT + _EPILOGUE + ("out_scales",)),
+    "publish_reduce_norm_fp8": Role(_FUSED + _EPILOGUE + ("out_scales",), persistent=True, clustered=True),
+    "reduce_norm_fp8_static": Role(_WAIT + _EPILOGUE + ("out_scale",)),
+    "gather_norm_fp8_static": Role(_WAIT + _EPILOGUE + ("out_scale",)),
+    "publish_reduce_norm_fp8_static": Role(_FUSED + _EPILOGUE + ("out_scale",), persistent=True, clustered=True),
 }
 
-FP8_ROLES = {"reduce_norm": "reduce_norm_fp8", "gather_norm": "gather_norm_fp8",
-             "publish_reduce_norm": "publish_reduce_norm_fp8"}
-"""The role of each epilogue kernel when ``out`` is FP8 (`KernelConfig.fp8_out`); the other
-roles of the call stay."""
+FP8_ROLES = {
+    mode: {base: f"{base}_fp8{suffix}" for base in ("reduce_norm", "gather_norm", "publish_reduce_norm")}
+    for mode, suffix in (("group", ""), ("static", "_static"))
+}
+"""The role of each epilogue kernel when ``out`` is FP8, by `KernelConfig.fp8_out`; the other
+roles of the call stay. Each takes only its mode's operand: the C++ handler refuses a kernel
+parameter that addresses an operand the call lacks."""
+FP8_BASES = {fp8: base for roles in FP8_ROLES.values() for base, fp8 in roles.items()}
+"""The bf16 role of each FP8 role, whose launch it shares."""
 FP8_OUTS = ("none", "group", "static")
 """``KernelConfig.fp8_out``: a bf16 out, or e4m3 with a scale per row and 128 columns, or with
 the caller's one scale."""
@@ -288,7 +295,7 @@ def _publish_roles(config) -> tuple[str, ...]:
     roles = ALGORITHMS[config.algorithm].roles[config.fuse_reduce, config.epilogue]
     if config.fp8_out == "none":
         return roles
-    return tuple(FP8_ROLES.get(role, role) for role in roles)
+    return tuple(FP8_ROLES[config.fp8_out].get(role, role) for role in roles)
 
 
 PUBLISH = Contract("publish", VALUES, ROLES, OPERANDS, TARGETS, call_roles=_publish_roles)

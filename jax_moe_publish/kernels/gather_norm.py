@@ -40,10 +40,17 @@ class GatherNormKernel:
     @cute.kernel
     def gather_norm_fp8(self, mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64, out: Int64,
                         timeout_ns: Int64, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
-                        norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64,
-                        out_scale: Int64) -> None:
+                        norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64) -> None:
         self._gather_norm(mailbox, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual_out,
-                          (out_scales, out_scale))
+                          (out_scales, Int64(0)))
+
+    @cute.kernel
+    def gather_norm_fp8_static(self, mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64,
+                               out: Int64, timeout_ns: Int64, m: Int32, capacity_m: Int32, rank: Int32,
+                               residual: Int64, norm_weight: Int64, residual_out: Int64, eps: Float32,
+                               out_scale: Int64) -> None:
+        self._gather_norm(mailbox, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual_out,
+                          (Int64(0), out_scale))
 
     @cute.jit
     def _gather_norm(

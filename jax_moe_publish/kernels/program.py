@@ -41,14 +41,15 @@ KERNELS = {
     "publish_reduce_gather": PublishReduceGatherKernel,
     "publish_reduce_norm": PublishReduceNormKernel,
 }
-KERNELS.update({fp8: KERNELS[base] for base, fp8 in _abi.FP8_ROLES.items()})
+KERNELS.update({fp8: KERNELS[base] for fp8, base in _abi.FP8_BASES.items()})
 """The class of each role; its method named after the role is the kernel."""
 
-ROW_IN_REGISTERS = ("reduce_norm", "gather_norm", _abi.FP8_ROLES["reduce_norm"], _abi.FP8_ROLES["gather_norm"])
+ROW_IN_REGISTERS = tuple(role for role in KERNELS
+                         if _abi.FP8_BASES.get(role, role) in ("reduce_norm", "gather_norm"))
 """Roles whose CTA holds a whole row in registers, one CTA per row. They are compiled for one
 resident CTA per SM (``.minnctapersm 1``): without it ptxas kept them under a register budget
 for more CTAs than a decode call has rows, and spilled at hidden 5120 to 16384."""
-ONE_CTA_BUDGET = (*ROW_IN_REGISTERS, _abi.FP8_ROLES["publish_reduce_norm"])
+ONE_CTA_BUDGET = (*ROW_IN_REGISTERS, *(roles["publish_reduce_norm"] for roles in _abi.FP8_ROLES.values()))
 """Roles compiled for one resident CTA per SM: `ROW_IN_REGISTERS`, and the fused epilogue with
 an FP8 out, which at 64 registers spilled 8 bytes in its wait loop (hidden 2048, tp = 4, 8-byte
 fragments); its persistent grid takes the CTAs that fit at the registers it uses."""
@@ -97,9 +98,8 @@ def launch_plan(config: KernelConfig) -> list[KernelLaunch]:
                                                     RowSums.shared_bytes(cfg) + own_bytes, cfg.ctas_per_row, "m",
                                                     cfg.waves, cluster_ctas(cfg)),
     }
-    base = {fp8: role for role, fp8 in _abi.FP8_ROLES.items()}
     # An FP8 out's kernel launches as its bf16 role does.
-    return [dataclasses.replace(plans[base.get(role, role)](), role=role) for role in _abi.call_roles(cfg)]
+    return [dataclasses.replace(plans[_abi.FP8_BASES.get(role, role)](), role=role) for role in _abi.call_roles(cfg)]
 
 
 class MoePublishProgram:

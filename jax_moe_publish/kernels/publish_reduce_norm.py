@@ -48,16 +48,25 @@ class PublishReduceNormKernel:
                                   timeout_ns, num_rows, m, capacity_m, rank, residual, norm_weight, residual_out,
                                   eps, None)
 
-    # With an FP8 out (`_abi.FP8_ROLES`): ``out`` e4m3, and its scales or the static scale.
+    # With an FP8 out (`_abi.FP8_ROLES`): ``out`` e4m3, with its scales or the static scale.
     @cute.kernel
     def publish_reduce_norm_fp8(self, routed: Int64, weights: Int64, indices: Int64, shared: Int64, mailbox: Int64,
                                 peer_table: Int64, stage_state: Int64, status: Int64, out: Int64, timeout_ns: Int64,
                                 num_rows: Int32, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
-                                norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64,
-                                out_scale: Int64) -> None:
+                                norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64) -> None:
         self._publish_reduce_norm(routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out,
                                   timeout_ns, num_rows, m, capacity_m, rank, residual, norm_weight, residual_out,
-                                  eps, (out_scales, out_scale))
+                                  eps, (out_scales, Int64(0)))
+
+    @cute.kernel
+    def publish_reduce_norm_fp8_static(self, routed: Int64, weights: Int64, indices: Int64, shared: Int64,
+                                       mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64,
+                                       out: Int64, timeout_ns: Int64, num_rows: Int32, m: Int32, capacity_m: Int32,
+                                       rank: Int32, residual: Int64, norm_weight: Int64, residual_out: Int64,
+                                       eps: Float32, out_scale: Int64) -> None:
+        self._publish_reduce_norm(routed, weights, indices, shared, mailbox, peer_table, stage_state, status, out,
+                                  timeout_ns, num_rows, m, capacity_m, rank, residual, norm_weight, residual_out,
+                                  eps, (Int64(0), out_scale))
 
     @cute.jit
     def _publish_reduce_norm(

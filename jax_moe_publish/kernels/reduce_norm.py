@@ -35,14 +35,21 @@ class ReduceNormKernel:
         self._reduce_norm(mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual,
                           norm_weight, residual_out, eps, None)
 
-    # With an FP8 out (`_abi.FP8_ROLES`): ``out`` e4m3, and its scales or the static scale.
+    # With an FP8 out (`_abi.FP8_ROLES`): ``out`` e4m3, with its scales or the static scale.
     @cute.kernel
     def reduce_norm_fp8(self, mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64, out: Int64,
                         timeout_ns: Int64, m: Int32, capacity_m: Int32, rank: Int32, residual: Int64,
-                        norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64,
-                        out_scale: Int64) -> None:
+                        norm_weight: Int64, residual_out: Int64, eps: Float32, out_scales: Int64) -> None:
         self._reduce_norm(mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual,
-                          norm_weight, residual_out, eps, (out_scales, out_scale))
+                          norm_weight, residual_out, eps, (out_scales, Int64(0)))
+
+    @cute.kernel
+    def reduce_norm_fp8_static(self, mailbox: Int64, peer_table: Int64, stage_state: Int64, status: Int64,
+                               out: Int64, timeout_ns: Int64, m: Int32, capacity_m: Int32, rank: Int32,
+                               residual: Int64, norm_weight: Int64, residual_out: Int64, eps: Float32,
+                               out_scale: Int64) -> None:
+        self._reduce_norm(mailbox, peer_table, stage_state, status, out, timeout_ns, m, capacity_m, rank, residual,
+                          norm_weight, residual_out, eps, (Int64(0), out_scale))
 
     @cute.jit
     def _reduce_norm(

@@ -77,6 +77,8 @@ def test_metadata(builds, config):
         # partials.
         "publish_reduce_norm": (config.threads, fused_norm_smem(config), config.ctas_per_row, "m"),
     }
+    # An FP8 out's kernel launches as its bf16 role does.
+    geometry.update({fp8: geometry[base] for fp8, base in _abi.FP8_BASES.items()})
     for kernel in kernels:
         role = kernel["role"]
         contract = _abi.ROLES[role]

@@ -92,7 +92,8 @@ def test_reduce_ptx(builds, config, role):
 
 
 FUSED_CONFIGS = [c for c in ALL_CONFIGS if c.fuse_reduce and c.epilogue == "none" and c.algorithm == "oneshot"]
-TWOSHOT_EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.algorithm == "twoshot" and c.epilogue != "none"]
+TWOSHOT_EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS
+                            if c.algorithm == "twoshot" and c.epilogue != "none" and c.fp8_out == "none"]
 
 
 @pytest.mark.parametrize("config", TWOSHOT_EPILOGUE_CONFIGS, ids=config_ids(TWOSHOT_EPILOGUE_CONFIGS))
@@ -180,7 +181,25 @@ def assert_own_partial(body: str, config: KernelConfig, *, polls: int, rearms: i
         assert predicated == []
 
 
-EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.epilogue != "none"]
+EPILOGUE_CONFIGS = [c for c in ALL_CONFIGS if c.epilogue != "none" and c.fp8_out == "none"]
+FP8_CONFIGS = [c for c in ALL_CONFIGS if c.fp8_out != "none"]
+
+
+@pytest.mark.parametrize("config", FP8_CONFIGS, ids=config_ids(FP8_CONFIGS))
+def test_fp8_ptx(builds, config):
+    """The FP8 kernels quantize: e4m3 conversions in each epilogue kernel that writes ``out``;
+    with a scale per group, a NaN-propagating maximum and a scale store; one reciprocal per
+    fragment (`kernels.fp8_out`), never a division per value."""
+    for role, body in kernels_by_role(builds(config)).items():
+        if role not in _abi.FP8_BASES:
+            continue
+        fragments = 1 if config.fuse_reduce else config.norm_fragments_per_thread
+        assert opcodes(body, "cvt.rn.satfinite.e4m3x2.f32"), role
+        # One per fragment (the compiler may keep two copies of a loop), fewer than its 4 or 8 values.
+        assert 0 < len(opcodes(body, "div.rn.f32")) <= 2 * fragments, role
+        dynamic = config.fp8_out == "group"
+        assert bool(opcodes(body, "max.NaN.f32")) == dynamic, role
+        assert bool(opcodes(body, "st.global.f32")) == dynamic, role
 
 
 @pytest.mark.parametrize("config", EPILOGUE_CONFIGS, ids=config_ids(EPILOGUE_CONFIGS))
@@ -281,7 +300,8 @@ def test_pdl_instructions(builds, config, role):
         return
     wait = body.index("griddepcontrol.wait")
     release = body.index("griddepcontrol.launch_dependents")
-    if role in ("finalize", "publish", "publish_reduce", "publish_reduce_gather", "publish_reduce_norm"):
+    if _abi.FP8_BASES.get(role, role) in ("finalize", "publish", "publish_reduce", "publish_reduce_gather",
+                                           "publish_reduce_norm"):
         # The stage and the inputs are read only after the predecessor has finished; the
         # reduce (or, fused, the next call) is released then, before the first store.
         assert wait < release < first(body, "st.global")

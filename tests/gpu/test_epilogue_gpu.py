@@ -308,9 +308,10 @@ def _mesh(count):
     return jax.sharding.Mesh(np.array([d for d in jax.devices() if d.platform == "gpu"][:count]), ("tp",))
 
 
-def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale, config=None):
+def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale, config=None, **fp8):
     """Each rank's (out, residual_out) as NumPy, in rank order, from one jitted call (with
-    ``config``'s kernels, or the default's)."""
+    ``config``'s kernels, or the default's); with ``fp8`` (``out_dtype``, ``out_scale``) the
+    op's FP8 results instead."""
     mesh, tp = mailbox.mesh, mailbox.tp
     stacks = [np.stack([getattr(p, f) for p in problems]) for f in ("routed", "weights", "indices")]
     shared = None if problems[0].shared is None else np.stack([p.shared for p in problems])
@@ -320,7 +321,7 @@ def _op_outputs(mailbox, problems, residual, norm_weight, eps, scale, config=Non
         result = jmp.moe_finalize_publish(
             routed[0], weights[0], indices[0], rest[0][0] if rest else None, mailbox=mailbox,
             routed_scaling_factor=scale, impl="kernel", residual=residual_rows[0], norm_weight=weight,
-            norm_eps=eps, config=config,
+            norm_eps=eps, config=config, **fp8,
         )
         return jax.tree.map(lambda x: x[None], result)
 
@@ -351,6 +352,34 @@ def test_epilogue_op_matches_model(problem, result, tp, rng):
                 if result == "allreduce":
                     for rank, index in itertools.product(range(1, tp), range(2)):
                         assert np.array_equal(outputs[rank][index].view(np.uint16), outputs[0][index].view(np.uint16))
+        mailbox.check()
+
+
+@pytest.mark.parametrize("tp", [pytest.param(tp, marks=pytest.mark.gpus(tp)) for tp in gpu_matrix.GROUP_TPS])
+@pytest.mark.parametrize("static", [False, True], ids=["group", "static"])
+@pytest.mark.parametrize("result", tuning.RESULTS)
+@pytest.mark.rank_processes
+def test_fp8_op_is_the_bf16_op_quantized(result, static, tp, rng):
+    """``out_dtype=jnp.float8_e4m3fn`` through the FFI target (the FP8 kernel sets, their
+    operands and result order): every rank's FP8 results are its bf16 call's out quantized by
+    `reference.quantize_fp8` on the CPU, bit for bit, and the same residual_out."""
+    problem = gpu_matrix.EPILOGUE_PROBLEMS[0]
+    config = tuning.kernel_config(problem, tp=tp, m=None, result=result, epilogue="rmsnorm")
+    scale = np.float32(0.02)
+    fp8 = dict(out_dtype=jnp.float8_e4m3fn, out_scale=jnp.float32(scale) if static else None)
+    cpu = jax.devices("cpu")[0]
+    with jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, result=result) as mailbox:
+        for m in M_VALUES:
+            problems, residual, norm_weight = _epilogue_problem(config, m, rng)
+            args = (mailbox, problems, residual, norm_weight, 1e-6, config.routed_scaling_factor)
+            for rank, (bf16, quantized) in enumerate(zip(_op_outputs(*args), _op_outputs(*args, **fp8))):
+                what = f"{result} m={m} rank {rank}"
+                static_scale = jax.device_put(scale, cpu) if static else None
+                want = reference.quantize_fp8(jax.device_put(bf16[0], cpu), static_scale)
+                want = (want,) if static else want
+                for got, expected in zip(quantized[:-1], want):
+                    assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(expected).view(np.uint8)), what
+                assert np.array_equal(quantized[-1].view(np.uint16), bf16[1].view(np.uint16)), what
         mailbox.check()
 
 
