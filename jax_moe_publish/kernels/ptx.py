@@ -297,22 +297,24 @@ def max_abs_nan_f32(maximum, value, *, loc=None, ip=None) -> Float32:
     )
 
 
+def _binary_f32(opcode: str, a, b, loc, ip) -> Float32:
+    """``opcode $0, $1, $2;`` on two float32."""
+    return Float32(
+        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+             f"{opcode} $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
+    )
+
+
 @dsl_user_op
 def max_nan_f32(a, b, *, loc=None, ip=None) -> Float32:
     """``max(a, b)``, NaN if either is NaN (``max.NaN``)."""
-    return Float32(
-        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-             "max.NaN.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
-    )
+    return _binary_f32("max.NaN.f32", a, b, loc, ip)
 
 
 @dsl_user_op
 def div_rn_f32(numerator, denominator, *, loc=None, ip=None) -> Float32:
     """``numerator / denominator``, IEEE-rounded to nearest even (``div.rn``)."""
-    return Float32(
-        _asm(T.f32(), [Float32(numerator).ir_value(loc=loc, ip=ip), Float32(denominator).ir_value(loc=loc, ip=ip)],
-             "div.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
-    )
+    return _binary_f32("div.rn.f32", numerator, denominator, loc, ip)
 
 
 @dsl_user_op

@@ -64,21 +64,26 @@ def _stack(problems, field):
     return jnp.asarray(np.stack([getattr(p, field) for p in problems]))
 
 
-def _epilogue_calls(tp, result, m, hidden, **fp8):
-    """The sharded op with the epilogue, bf16 and with ``fp8``, on the same fresh inputs."""
-    mesh = jax.make_mesh((tp,), ("tp",))
+def _epilogue_inputs(tp, result, m, hidden):
+    """A mesh of ``tp`` devices, fresh per-rank [tp, ...] stacks (routed, weights, indices,
+    shared), and the residual (in the result's layout) and norm weight."""
     rng = np.random.default_rng()
     problems = [numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)]
     residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
     if result == "reduce_scatter":
         residual = np.stack([numerics.owned(residual, tp, rank) for rank in range(tp)])
+    stacks = [_stack(problems, field) for field in ("routed", "weights", "indices", "shared")]
+    return jax.make_mesh((tp,), ("tp",)), stacks, jnp.asarray(residual), jnp.asarray(norm_weight)
+
+
+def _epilogue_calls(tp, result, m, hidden, **fp8):
+    """The sharded op with the epilogue, bf16 and with ``fp8``, on the same fresh inputs."""
+    mesh, stacks, residual, norm_weight = _epilogue_inputs(tp, result, m, hidden)
     with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=16, result=result) as mailbox:
         def call(**options):
             return jax.jit(lambda *a: jmp.sharded_moe_finalize_publish(
-                mailbox, *a, routed_scaling_factor=2.5, residual=jnp.asarray(residual),
-                norm_weight=jnp.asarray(norm_weight), **options))(
-                _stack(problems, "routed"), _stack(problems, "weights"), _stack(problems, "indices"),
-                _stack(problems, "shared"))
+                mailbox, *a, routed_scaling_factor=2.5, residual=residual, norm_weight=norm_weight,
+                **options))(*stacks)
         return call(), call(**fp8)
 
 
@@ -180,19 +185,13 @@ def test_the_kernel_path_quantizes_in_the_kernels(result, scaled, monkeypatch):
     static scale as the last operand, and returns e4m3 out, float32 scales and bf16
     residual_out in the API's order."""
     loads = stand_in_kernels.install(monkeypatch)
-    tp, m, hidden = 2, 5, 256
-    mesh = jax.make_mesh((tp,), ("tp",))
-    rng = np.random.default_rng()
-    problems = [numerics.random_problem(rng, m=m, hidden=hidden, top_k=4) for _ in range(tp)]
-    residual, norm_weight = numerics.epilogue_inputs(rng, m, hidden)
-    if result == "reduce_scatter":
-        residual = np.stack([numerics.owned(residual, tp, rank) for rank in range(tp)])
+    hidden = 256
+    mesh, stacks, residual, norm_weight = _epilogue_inputs(2, result, 5, hidden)
     options = dict(out_dtype=FP8, out_scale=jnp.float32(0.01) if scaled else None)
     with jmp.Mailbox(mesh, "tp", hidden=hidden, capacity_m=16, result=result) as mailbox:
         monkeypatch.setattr(mailbox, "on_cuda", True)
         jaxpr = jax.make_jaxpr(lambda *a: jmp.sharded_moe_finalize_publish(
-            mailbox, *a, impl="kernel", residual=jnp.asarray(residual), norm_weight=jnp.asarray(norm_weight),
-            **options))(*(_stack(problems, field) for field in ("routed", "weights", "indices", "shared")))
+            mailbox, *a, impl="kernel", residual=residual, norm_weight=norm_weight, **options))(*stacks)
     (config, _), = loads
     assert config.fp8_out == ("static" if scaled else "group") and config.epilogue == "rmsnorm"
     calls = [eqn for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == "ffi_call"]
