@@ -10,7 +10,12 @@ know a column's compile option, the column is left out and the JSON says why
 (`timing.paired_ratio`); ``paired_ratio`` has every column's with its spread.
 
 With ``--epilogue`` every problem also runs as ``<problem>+rmsnorm``: each layer adds its
-result to the residual stream and applies RMSNorm (`chains`).
+result to the residual stream and applies RMSNorm (`chains`). With ``--fp8 group`` (or
+``static``) every problem also runs as ``<problem>+rmsnorm+fp8`` (``+fp8static``), the
+epilogue's out in FP8: ours quantizes in its kernels, and at tp > 1 the column
+``ours_jnp_quantizer`` times our bf16 epilogue followed by the ``jnp`` quantizer (`chains`);
+``ratio`` stays ours over the faster XLA column, ``paired_ratio`` has that column's too.
+FP8 cases have no floor (`jax_moe_publish.traffic` counts a bf16 out).
 
 ``--rounds R`` times ours, XLA and every variant R times in turn, each round with freshly
 built programs, and pools the rounds' estimates (and ratios) into each side's ``us``,
@@ -73,6 +78,10 @@ def parse(argv=None):
     parser.add_argument("--epilogue", action="store_true",
                         help="also time each problem with the residual add + RMSNorm epilogue, as "
                              "case '<problem>+rmsnorm'")
+    parser.add_argument("--fp8", nargs="+", default=[], choices=list(chains.FP8_SUFFIXES.values()),
+                        help="also time each problem with the epilogue's out in FP8, with a scale per "
+                             "128 columns ('group': case '<problem>+rmsnorm+fp8') or a static one "
+                             "('static': '<problem>+rmsnorm+fp8static')")
     parser.add_argument("--xla-columns", nargs="+", default=list(chains.XLA_COLUMNS),
                         choices=list(chains.XLA_COLUMNS),
                         help="the XLA baselines for tp > 1 (tp = 1 has no psum: 'xla' only)")
@@ -161,9 +170,11 @@ def tuning_variants(problem, tp, algorithm, m, fields):
 
 
 def case_problems(args):
-    """The problem names of this run's cases: ``--problems``, and with ``--epilogue`` their
-    ``+rmsnorm`` cases too."""
-    return args.problems + ([name + chains.EPILOGUE_SUFFIX for name in args.problems] if args.epilogue else [])
+    """The problem names of this run's cases: ``--problems``, with ``--epilogue`` their
+    ``+rmsnorm`` cases too, and with ``--fp8`` their FP8 cases (`chains.FP8_SUFFIXES`)."""
+    suffixes = [chains.EPILOGUE_SUFFIX] if args.epilogue else []
+    suffixes += [chains.EPILOGUE_SUFFIX + suffix for suffix, mode in chains.FP8_SUFFIXES.items() if mode in args.fp8]
+    return args.problems + [name + suffix for suffix in suffixes for name in args.problems]
 
 
 def case_algorithms(args, tp):
@@ -171,22 +182,26 @@ def case_algorithms(args, tp):
 
 
 def needed_configs(args, tp_sizes, with_variants):
-    """Every kernel config the cases of this run use: the table's, plus their tuning variants if
+    """Every kernel config the cases of this run use: the table's (with an FP8 out also its bf16
+    twin, which `chains.OURS_JNP_QUANTIZER` launches), plus their tuning variants if
     ``with_variants``."""
     configs = []
     for tp in tp_sizes:
         for name in case_problems(args):
             for algorithm in case_algorithms(args, tp):
                 for m in args.m:
+                    config = chains.case_config(name, tp, algorithm, m)
                     configs += (tuning_variants(name, tp, algorithm, m, args.tune_fields) if with_variants
-                                else [chains.case_config(name, tp, algorithm, m)])
+                                else [config])
+                    configs.append(chains.op_config(config))
     return list(dict.fromkeys(configs))
 
 
 def build_kernels_command(args):
     """The command that builds every kernel of this run's cases into a folder DIR."""
     flags = (f"--problems {' '.join(args.problems)} --tp {' '.join(map(str, args.tp))} "
-             f"--algorithms {' '.join(args.algorithms)}" + (" --epilogue" if args.epilogue else ""))
+             f"--algorithms {' '.join(args.algorithms)}" + (" --epilogue" if args.epilogue else "")
+             + (f" --fp8 {' '.join(args.fp8)}" if args.fp8 else ""))
     return f"python benchmarks/bench_moe_publish.py --build-kernels DIR {flags}"
 
 
@@ -232,6 +247,10 @@ def measure_case(args, mesh, name, m, algorithm, key, floor_limits, tune, column
     result["xla_best"] = min(xla, key=lambda column: result[column]["us"])
     result["ratio"] = result["paired_ratio"][result["xla_best"]]["ratio"]
     if floor_limits is None:
+        return result
+    if problem["fp8_out"] != "none":
+        # Not a floor: traffic.bytes_per_rank counts out as bf16, twice its FP8 bytes.
+        result["no_floor"] = "jax_moe_publish.traffic has no FP8 out"
         return result
     # The op's own traffic only.
     moved = traffic.bytes_per_rank(algorithm=algorithm, tp=tp, m=m, hidden=problem["hidden"],
@@ -302,7 +321,7 @@ def main(argv=None):
     data = {"environment": environment(args, refused), "floors": floor_limits, "results": results}
     key = jax.random.key(0)
     print(f"{'problem':12} {'tp':>2} {'algorithm':9} {'m':>5} {'ours us':>9} {'xla us':>9} {'nccl us':>9} "
-          f"{'ratio':>6} {'floor us':>9} {'bound':10} {'/floor':>6}")
+          f"{'ratio':>6} {'floor us':>9} {'bound':10} {'/floor':>6} {'bf16+q us':>9}")
     for tp in tp_sizes:
         mesh = jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
         for name in case_problems(args):
@@ -312,11 +331,12 @@ def main(argv=None):
                     tune = args.configs is not None and (not args.configs or m in args.configs)
                     r = measure_case(args, mesh, name, m, algorithm, sub, floor_limits, tune, columns)
                     results.append(r)
-                    nccl = f"{r['xla_nccl']['us']:9.2f}" if "xla_nccl" in r else f"{'-':>9}"
+                    nccl, quantizer = (f"{r[column]['us']:9.2f}" if column in r else f"{'-':>9}"
+                                       for column in ("xla_nccl", chains.OURS_JNP_QUANTIZER))
                     floor = (f"{r['floor']['us']:9.2f} {r['floor']['bound']:10} {r['ours_over_floor']:6.2f}"
                              if "floor" in r else f"{'-':>9} {'':10} {'-':>6}")
                     print(f"{name:12} {tp:>2} {algorithm:9} {m:>5} {r['ours']['us']:9.2f} {r['xla']['us']:9.2f} "
-                          f"{nccl} {r['ratio']:6.3f} {floor}", flush=True)
+                          f"{nccl} {r['ratio']:6.3f} {floor} {quantizer}", flush=True)
                     if tune:
                         print_tuning(r["tuning"])
                     # After every case, so that a run cut short keeps what it measured.

@@ -20,6 +20,8 @@ slice it and it needs no tie; ours on the reference path (``op_impl="reference"`
 there are no GPUs) is ``jnp`` and is tied the same way. The sides:
 
 * ``ours``: `moe_finalize_publish` (the kernels);
+* ``ours_jnp_quantizer`` (FP8 problems at tp > 1, below): the op's bf16 epilogue
+  followed by the ``jnp`` quantizer;
 * ``xla``: the same finalize in ``jnp`` followed by ``lax.psum`` (tp > 1), or
   the ``jnp`` finalize alone, which XLA fuses (tp = 1). XLA's default: since
   jaxlib 0.10.1 a small ``psum`` runs XLA's own one-shot or two-shot kernel;
@@ -34,7 +36,22 @@ its result to the residual stream and applies RMSNorm, ours fused into the reduc
 same ``jit``; each layer's ``out`` feeds the next layer's shared input and its
 ``residual_out`` the next layer's residual.
 
-`time_ours_and_xla` times ours against XLA's columns (`timing.paired_estimates`). Each XLA
+A problem named ``<problem>+rmsnorm+fp8`` (``+fp8static``, `FP8_SUFFIXES`) has the epilogue
+with its ``out`` in float8_e4m3fn: a scale per token and 128 columns, as DeepSeek-V3's
+activations, or one static scale (`FP8_STATIC_SCALE`). ``ours`` passes
+``out_dtype=float8_e4m3fn`` (at tp > 1 its kernels quantize); ``ours_jnp_quantizer``
+(`OURS_JNP_QUANTIZER`; tp > 1, at tp = 1 it would be ours) and the XLA columns quantize their
+bf16 ``out`` with the package's ``jnp`` quantizer (`jmp.reference.quantize_fp8`) in the same
+``jit``. In a model the FP8 ``out`` and its scales go to a GEMM that reads them from memory;
+`fp8_handoff` stands in for it in every column: an ``optimization_barrier`` (fused into its
+consumer, XLA's quantizer would never write its results, as our kernels must), their
+dequantization to bf16, the next layer's shared input, and another barrier (so that XLA
+computes all of it where only a tie reads it, and cannot fuse it into its next finalize, as
+ours cannot). Each column's time per layer thus includes that one small kernel. XLA's GPU
+pipeline removes barriers after fusion, its CPU pipeline before it: the CPU tests check that
+each layer converts to e4m3 in the loop body, not what reaches memory.
+
+`time_ours_and_xla` times ours against the other columns (`timing.paired_estimates`). Each
 column records how its all-reduces ran, read from the optimized HLO (``all_reduce``: the
 count per opcode and ``kernel_strategy``; ``default`` where XLA set none, which is NCCL on
 GPUs), and the fusion kernels of its loop body per layer (``fusions_per_layer``): below 1,
@@ -64,6 +81,12 @@ PROBLEMS = {
     "qwen3-moe": dict(hidden=4096, top_k=8, shared=False, scale=1.0),
 }
 EPILOGUE_SUFFIX = "+rmsnorm"
+FP8_SUFFIXES = {"+fp8": "group", "+fp8static": "static"}
+"""After `EPILOGUE_SUFFIX`: the epilogue's out in FP8, by `jmp.KernelConfig`'s ``fp8_out`` names."""
+FP8_STATIC_SCALE = 16 / 448
+"""The static scale of ``+fp8static``: |out| up to 16 fits (RMSNorm's out has about unit RMS)."""
+OURS_JNP_QUANTIZER = "ours_jnp_quantizer"
+"""The column of our bf16 epilogue followed by the ``jnp`` quantizer (FP8 problems, tp > 1)."""
 NORM_EPS = 1e-6
 WEIGHT_BYTES = 4  # the chains pass float32 router weights
 # The XLA baselines: compile options of each (module docstring).
@@ -71,25 +94,50 @@ XLA_COLUMNS = {"xla": {}, "xla_nccl": {"xla_gpu_experimental_use_collective_kern
 
 
 def problem_spec(name):
-    """The problem of a case name: ``PROBLEMS[name]``, or for ``<problem>+rmsnorm`` that
-    problem with ``epilogue`` set."""
-    base = name.removesuffix(EPILOGUE_SUFFIX)
-    return {**PROBLEMS[base], "epilogue": name != base}
+    """The problem of a case name: ``PROBLEMS[name]``; for ``<problem>+rmsnorm`` that problem
+    with ``epilogue`` set, and for ``<problem>+rmsnorm+fp8`` or ``+fp8static`` also
+    ``fp8_out`` (`FP8_SUFFIXES`; "none" otherwise)."""
+    problem, fp8_out = name, "none"
+    for suffix, mode in FP8_SUFFIXES.items():
+        if name.endswith(EPILOGUE_SUFFIX + suffix):
+            problem, fp8_out = name.removesuffix(suffix), mode
+    base = problem.removesuffix(EPILOGUE_SUFFIX)
+    if base not in PROBLEMS:
+        raise ValueError(f"problem {name!r}: expected one of {list(PROBLEMS)}, maybe followed by "
+                         f"{EPILOGUE_SUFFIX!r} and then one of {list(FP8_SUFFIXES)}")
+    return {**PROBLEMS[base], "epilogue": problem != base, "fp8_out": fp8_out}
 
 
 def case_config(problem, tp, algorithm, m, fuse_reduce=None):
-    """The `jmp.KernelConfig` of a case, as the op picks it from the tuning table, for
-    ``algorithm`` (``direct`` exactly when tp = 1; there the op runs the epilogue in ``jnp``);
-    ``fuse_reduce`` overrides the table's choice."""
+    """The `jmp.KernelConfig` of a case, as the op launches it: the tuning table's for
+    ``algorithm`` (``direct`` exactly when tp = 1; there the op runs the epilogue in ``jnp``),
+    with the case's FP8 out where the kernels run the epilogue (the op sets ``fp8_out`` from
+    ``out_dtype``); ``fuse_reduce`` overrides the table's choice."""
     return spec_config(problem_spec(problem), tp, algorithm, m, fuse_reduce)
 
 
 def spec_config(spec, tp, algorithm, m, fuse_reduce=None):
-    """`case_config` of a problem given by its spec (a `problem_spec` value)."""
+    """`case_config` of a problem given by its spec (a `problem_spec` value; without
+    ``fp8_out``, bf16)."""
     problem = tuning.Problem(hidden=spec["hidden"], top_k=spec["top_k"], routed_scaling_factor=spec["scale"],
                              include_shared_expert=spec["shared"], fp32_weights=WEIGHT_BYTES == 4)
-    return tuning.kernel_config(problem, tp=tp, m=m, epilogue="rmsnorm" if spec["epilogue"] and tp > 1 else "none",
-                                algorithm=algorithm, fuse_reduce=fuse_reduce)
+    epilogue = "rmsnorm" if spec["epilogue"] and tp > 1 else "none"
+    config = tuning.kernel_config(problem, tp=tp, m=m, epilogue=epilogue, algorithm=algorithm,
+                                  fuse_reduce=fuse_reduce)
+    return config if epilogue == "none" else config.replace(fp8_out=spec.get("fp8_out", "none"))
+
+
+def op_config(config):
+    """The ``config`` to pass the op for a case's `case_config`: its bf16 twin (None stays None).
+    The op takes ``fp8_out="none"`` and sets it from ``out_dtype``, so ours launches
+    ``config`` and `OURS_JNP_QUANTIZER`'s bf16 call this twin."""
+    return None if config is None else config.replace(fp8_out="none")
+
+
+def quantizer_columns(problem, tp):
+    """`OURS_JNP_QUANTIZER` where it differs from ours: FP8 problems at tp > 1 (at tp = 1 the op
+    itself quantizes its bf16 epilogue with the ``jnp`` quantizer)."""
+    return [OURS_JNP_QUANTIZER] if problem.get("fp8_out", "none") != "none" and tp > 1 else []
 
 
 def xla_columns(tp, columns):
@@ -127,18 +175,36 @@ def xla_finalize(routed, weights, indices, shared, scale):
     return out.astype(jnp.bfloat16)
 
 
+def fp8_handoff(quantized, out_scale):
+    """The next layer's bf16 input from a layer's FP8 out ``[q, scales]`` (or ``[q]`` with the
+    static ``out_scale``): q times its scale, rounded to bf16, between two optimization
+    barriers, the stand-in for the GEMM that reads them in a model (module docstring)."""
+    q, *scales = lax.optimization_barrier(quantized)
+    x = q.astype(jnp.float32)
+    if scales:
+        (scales,) = scales
+        x = (x.reshape(*scales.shape, -1) * scales[..., None]).reshape(q.shape)
+    else:
+        x = x * out_scale
+    return lax.optimization_barrier(x.astype(jnp.bfloat16))
+
+
 def make_chain(impl, mailbox, problem, config, iterations, *, layers=timing.LAYERS, op_impl="kernel"):
     """``iterations`` passes over a chain of ``layers`` calls, in one jitted program.
 
-    ``impl`` is ``ours`` or an XLA column (`XLA_COLUMNS`). The loop carries ``y`` (the
-    next shared input), and with the epilogue also the residual stream; the program
-    returns the final ``y``. Each layer whose finalize is ``jnp`` (XLA's, and ours unless
-    ``op_impl`` is ``kernel``) has its indices tied to the previous ``y`` (module
+    ``impl`` is ``ours``, `OURS_JNP_QUANTIZER` or an XLA column (`XLA_COLUMNS`); ``config``
+    is the case's (`case_config`). The loop carries ``y`` (the next shared input: with an
+    FP8 out, its `fp8_handoff`), and with the epilogue also the residual stream; the
+    program returns the final ``y``. Each layer whose finalize is ``jnp`` (XLA's, and ours
+    unless ``op_impl`` is ``kernel``) has its indices tied to the previous ``y`` (module
     docstring), so that no part of its finalize can leave the loop; our kernels' custom
     call has side effects and needs no tie. ``op_impl`` is the ``impl`` of ours
     (``reference`` where there are no GPUs, to check the plumbing).
     """
     scale, with_shared, epilogue = problem["scale"], problem["shared"], problem["epilogue"]
+    fp8_out = problem.get("fp8_out", "none")
+    out_scale = jnp.float32(FP8_STATIC_SCALE) if fp8_out == "static" else None
+    fused_fp8 = dict(out_dtype=jnp.float8_e4m3fn, out_scale=out_scale) if impl == "ours" and fp8_out != "none" else {}
 
     def tied(indices, y, zero):
         """``indices`` plus ``int32(zero * part of y)`` (module docstring): without it XLA
@@ -156,19 +222,29 @@ def make_chain(impl, mailbox, problem, config, iterations, *, layers=timing.LAYE
         y, residual = carry
         shared = y if with_shared else None
         norm = dict(residual=residual, norm_weight=norm_weight, norm_eps=NORM_EPS) if epilogue else {}
-        if impl == "ours":
+        if impl in ("ours", OURS_JNP_QUANTIZER):
             if op_impl != "kernel":
                 indices = tied(indices, y, zero)
             result = jmp.moe_finalize_publish(routed, weights, indices, shared, mailbox=mailbox,
-                                              routed_scaling_factor=scale, impl=op_impl, config=config,
-                                              **norm)
-            return result if epilogue else (result, residual)
-        out = xla_finalize(routed, weights, tied(indices, y, zero), shared, scale)
-        out = lax.psum(out, "tp") if mailbox.tp > 1 else out
+                                              routed_scaling_factor=scale, impl=op_impl, config=op_config(config),
+                                              **norm, **fused_fp8)
+            if fused_fp8:
+                *quantized, residual_out = result
+                return fp8_handoff(quantized, out_scale), residual_out
+        else:
+            result = xla_finalize(routed, weights, tied(indices, y, zero), shared, scale)
+            result = lax.psum(result, "tp") if mailbox.tp > 1 else result
+            if epilogue:
+                # The add and RMSNorm as a JAX user writes them (the reference's rounding points).
+                result = jmp.reference.add_rmsnorm(result, residual, norm_weight, eps=NORM_EPS)
         if not epilogue:
-            return out, residual
-        # The add and RMSNorm as a JAX user writes them (the reference's rounding points).
-        return jmp.reference.add_rmsnorm(out, residual, norm_weight, eps=NORM_EPS)
+            return result, residual
+        if fp8_out == "none":
+            return result
+        out, residual_out = result
+        # The package's own jnp quantizer: (q, scales), or q with a static scale.
+        quantized = jax.tree.leaves(jmp.reference.quantize_fp8(out, out_scale))
+        return fp8_handoff(quantized, out_scale), residual_out
 
     def shard(routed, weights, indices, norm_weights, shared, residual, zero):
         def body(_, carry):
@@ -216,21 +292,23 @@ def chain_inputs(mesh, m, problem, key, layers=timing.LAYERS):
 
 def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=timing.LAYERS, op_impl="kernel",
                       hlo=None, rounds=1, iterations=(timing.SHORT, timing.LONG), xla=("xla",)):
-    """Per-call time of ours and of the ``xla`` columns (`make_chain`) on the same inputs, each
-    XLA column's all-reduces (`hlo_text.all_reduce_implementations`) and fusion kernels per
-    layer in its loop body (`hlo_text.loop_body_fusions` over ``layers``; None where XLA left
-    no loop), and the relative difference of each column's output from ours (this process's
+    """Per-call time of ours and of the columns it is compared with (`make_chain`) on the same
+    inputs: the ``xla`` columns, after `quantizer_columns` where the problem has one. Each
+    column gets its all-reduces (`hlo_text.all_reduce_implementations`), its fusion kernels
+    per layer in its loop body (`hlo_text.loop_body_fusions` over ``layers``; None where XLA
+    left no loop), and the relative difference of its output from ours (this process's
     copy), which must be at most 1e-2.
 
     Each round builds every side's programs afresh and times them interleaved
-    (`timing.paired_estimates`); ``paired_ratio`` holds, per XLA column, the median and spread
+    (`timing.paired_estimates`); ``paired_ratio`` holds, per column, the median and spread
     of ours over it per repetition (`timing.paired_ratio`).
 
     ``what`` names the case in the error; with ``hlo``, each path's optimized HLO goes to
     ``<hlo>.<impl>.txt`` unless that exists.
     """
     result, outputs, hlo_texts = {}, {}, {}
-    timings = {impl: [] for impl in ("ours", *xla)}
+    compared = [*quantizer_columns(problem, mailbox.tp), *xla]
+    timings = {impl: [] for impl in ("ours", *compared)}
     for round_index in range(rounds):
         programs = {}
         for impl in timings:
@@ -247,9 +325,9 @@ def time_ours_and_xla(mailbox, problem, config, inputs, reps, what, *, layers=ti
             timings[impl].append(estimates)
     for impl, impl_rounds in timings.items():
         result[impl] = timing.summarize(impl_rounds)
-    result["paired_ratio"] = {impl: timing.paired_ratio(timings["ours"], timings[impl]) for impl in xla}
+    result["paired_ratio"] = {impl: timing.paired_ratio(timings["ours"], timings[impl]) for impl in compared}
     result["relative_difference"] = {}
-    for impl in xla:
+    for impl in compared:
         result[impl]["all_reduce"] = hlo_text.all_reduce_implementations(hlo_texts[impl])
         # Below 1, XLA fused layers together: a model's GEMMs between layers would stop that.
         fusions = hlo_text.loop_body_fusions(hlo_texts[impl])

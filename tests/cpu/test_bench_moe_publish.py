@@ -1,12 +1,15 @@
 """`benchmarks/bench_moe_publish.py` on CPU: the all-reduce reader of the optimized HLO
 (`hlo_text`), the XLA chain's finalize inside its timed loop (`chains`, read from the optimized
-HLO), and a ``--cpu`` plumbing run of every case at tp = 1, 2, 4 and 8 (times meaningless)."""
+HLO), and a ``--cpu`` plumbing run of every case at tp = 1, 2, 4 and 8 (times meaningless);
+for FP8 problems also the quantizer inside the loop, the kernel sets the op launches against
+those the benchmark builds, and a ``--cpu`` run with the ``ours_jnp_quantizer`` column."""
 
 from __future__ import annotations
 
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -18,13 +21,16 @@ import jax_moe_publish as jmp
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+import bench_moe_publish as bench  # noqa: E402
 import chains  # noqa: E402
 import hlo_text  # noqa: E402
 import report  # noqa: E402
+import stand_in_kernels  # noqa: E402
 import timing  # noqa: E402
 
 BENCHMARK = BENCHMARKS / "bench_moe_publish.py"
 LAYERS = 2
+FP8_PROBLEMS = ["deepseek-v3+rmsnorm+fp8", "qwen3-moe+rmsnorm+fp8static"]
 
 # Lines shaped like XLA's optimized HLO text (written here, not captured from a GPU).
 HLO = """
@@ -68,13 +74,97 @@ def test_chain_runs_its_finalize_in_the_timed_loop(side, problem, tp):
         inputs = chains.chain_inputs(mesh, m, spec, jax.random.key(0), layers)
         program = chains.make_chain(side, mailbox, spec, None, timing.SHORT, layers=layers, op_impl="reference")
         hlo = program.lower(*inputs).compile().as_text()
+    assert_finalize_in_loop(side, spec, tp, layers, hlo)
+
+
+def assert_finalize_in_loop(side, spec, tp, layers, hlo):
+    """`test_chain_runs_its_finalize_in_the_timed_loop`'s counts in ``hlo``, a chain of ``side``."""
     inside, outside = hlo_text.loop_body_opcodes(hlo)
-    if side == "xla":
+    if side in chains.XLA_COLUMNS:
         finalize = {"gather": layers, "dot": layers, "all-reduce": layers if tp > 1 else 0}
     else:
         finalize = {"gather": layers * spec["top_k"], "all-reduce": layers}
     assert {op: inside.get(op, 0) for op in finalize} == finalize, inside
     assert not {op: outside[op] for op in ("gather", "dot", "all-reduce") if op in outside}, outside
+
+
+def fp8_conversions(hlo):
+    """Conversions to float8_e4m3fn in ``hlo``: ``(in the loop body, outside it)``, as
+    `hlo_text.loop_body_opcodes` counts them once renamed to an opcode of their own."""
+    inside, outside = hlo_text.loop_body_opcodes(re.sub(r"(= f8e4m3fn\[[^\]]*\]\S* )convert\(", r"\1to-fp8(", hlo))
+    return inside.get("to-fp8", 0), outside.get("to-fp8", 0)
+
+
+@pytest.mark.parametrize("problem", FP8_PROBLEMS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_chains_quantize_every_layer_in_the_timed_loop(problem, tp, rng):
+    """Every column of an FP8 problem (ours and, at tp > 1, ours_jnp_quantizer on the reference
+    path; XLA's) keeps its finalize in the loop and converts to e4m3 once per layer there, none
+    before it: its quantized out feeds the next layer, so XLA can neither drop nor hoist the
+    quantizer. Their outputs are finite; ours and ours_jnp_quantizer run the same bf16 out through
+    the same quantizer, so they agree bit for bit, and XLA's within the benchmark's 1e-2."""
+    layers, m = 3, 3
+    spec = chains.problem_spec(problem)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    sides = ["ours", *chains.quantizer_columns(spec, tp), "xla"]
+    assert (chains.OURS_JNP_QUANTIZER in sides) == (tp > 1)
+    outputs = {}
+    with jmp.Mailbox(mesh, "tp", hidden=spec["hidden"], capacity_m=m) as mailbox:
+        inputs = chains.chain_inputs(mesh, m, spec, jax.random.key(rng.integers(2**31)), layers)
+        for side in sides:
+            program = chains.make_chain(side, mailbox, spec, None, timing.SHORT, layers=layers,
+                                        op_impl="reference").lower(*inputs).compile()
+            hlo = program.as_text()
+            assert_finalize_in_loop(side, spec, tp, layers, hlo)
+            assert fp8_conversions(hlo) == (layers, 0), side
+            outputs[side] = np.asarray(program(*inputs).addressable_data(0)).astype(np.float64)
+            assert np.all(np.isfinite(outputs[side])), side
+    if tp > 1:
+        assert np.array_equal(outputs["ours"], outputs[chains.OURS_JNP_QUANTIZER])
+    assert np.linalg.norm(outputs["ours"] - outputs["xla"]) <= 1e-2 * np.linalg.norm(outputs["xla"])
+
+
+def test_fp8_problem_names():
+    """``--fp8``'s case names, and what `chains.problem_spec` reads from them."""
+    args = bench.parse(["--list-configs", "--problems", "qwen3-moe", "--epilogue", "--fp8", "static", "group"])
+    names = bench.case_problems(args)
+    assert names == ["qwen3-moe", "qwen3-moe+rmsnorm", "qwen3-moe+rmsnorm+fp8", "qwen3-moe+rmsnorm+fp8static"]
+    specs = [chains.problem_spec(name) for name in names]
+    assert [(s["epilogue"], s["fp8_out"]) for s in specs] == [
+        (False, "none"), (True, "none"), (True, "group"), (True, "static")]
+    assert all({**s, "epilogue": False, "fp8_out": "none"} == specs[0] for s in specs)
+    # FP8 is the epilogue's out only.
+    with pytest.raises(ValueError, match="maybe followed by '\\+rmsnorm'"):
+        chains.problem_spec("qwen3-moe+fp8")
+
+
+def test_the_listed_kernel_sets_are_those_the_fp8_chains_launch(monkeypatch, rng):
+    """``--list-configs``/``--build-kernels`` hold exactly the kernel sets that ours and
+    ours_jnp_quantizer launch on a GPU (the op's own choice, traced with the kernels stood in
+    for): at tp > 1 the FP8 sets for ours and their bf16 twins for ours_jnp_quantizer."""
+    m = 3
+    args = bench.parse(["--list-configs", "--problems", "deepseek-v3", "--fp8", "group", "static",
+                        "--tp", "1", "2", "--m", str(m)])
+    listed = bench.needed_configs(args, args.tp, with_variants=False)
+    loads = stand_in_kernels.install(monkeypatch)
+    for tp in args.tp:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+        for name in bench.case_problems(args):
+            spec = chains.problem_spec(name)
+            with jmp.Mailbox(mesh, "tp", hidden=spec["hidden"], capacity_m=m) as mailbox:
+                monkeypatch.setattr(mailbox, "on_cuda", True)
+                inputs = chains.chain_inputs(mesh, m, spec, jax.random.key(rng.integers(2**31)), 1)
+                for algorithm in bench.case_algorithms(args, tp):
+                    config = chains.case_config(name, tp, algorithm, m)
+                    for side in ("ours", *chains.quantizer_columns(spec, tp)):
+                        first = len(loads)
+                        jax.make_jaxpr(chains.make_chain(side, mailbox, spec, config, 1, layers=1))(*inputs)
+                        # The op launches the case's config in ours, its bf16 twin in the column.
+                        launched = config if side == "ours" else chains.op_config(config)
+                        assert [c for c, _ in loads[first:]] == [launched], (name, tp, algorithm, side)
+    assert set(listed) == {config for config, _ in loads}
+    assert {config.fp8_out for config in listed if config.tp > 1} == {"none", "group", "static"}
+    assert {config.fp8_out for config in listed if config.tp == 1} == {"none"}
 
 
 def test_loop_body_opcodes_follows_the_loop_body_and_its_fusions():
@@ -144,6 +234,27 @@ def test_cpu_run_covers_every_tp_algorithm_and_xla_column(tmp_path):
         assert all(r[column]["fusions_per_layer"] > 0 for column in timed), what
         assert all(r[side]["p10"] <= r[side]["us"] <= r[side]["p90"] for side in ("ours", *timed)), what
     assert "| deepseek-v3+rmsnorm | 8 | twoshot | 3 |" in run.stdout
+
+
+def test_cpu_run_times_the_fp8_columns(tmp_path):
+    """An FP8 problem's ``--cpu`` run: ours_jnp_quantizer timed beside ours at tp > 1 (not at
+    tp = 1, where it is ours), in paired_ratio but not xla_best, its output equal to ours."""
+    out = tmp_path / "cpu.json"
+    problem = "qwen3-moe+rmsnorm+fp8"
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--cpu", "--tp", "1", "2", "--algorithms", "twoshot", "--m", "3",
+         "--problems", problem, "--layers", str(LAYERS), "--iterations", "2", "6", "--reps", "3",
+         "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
+    results = {r["tp"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {1, 2} and all(r["problem"] == problem for r in results.values())
+    column = chains.OURS_JNP_QUANTIZER
+    assert column not in results[1] and column not in results[1]["paired_ratio"]
+    r = results[2]
+    assert all(math.isfinite(r[column][field]) for field in ("us", "p10", "p90")), r[column]
+    assert column in r["paired_ratio"] and r["xla_best"] in chains.XLA_COLUMNS
+    assert r["relative_difference"][column] == 0
+    assert r[column]["fusions_per_layer"] > 0
 
 
 def test_report_names_the_cases_where_xla_fused_layers():
