@@ -253,9 +253,11 @@ not take (gate and up, or gate_up) are 0."""
 
 EXPERTS_ROLES: dict[str, Role] = {
     # Each token's gate and up rows through its experts, and their SwiGLU: from the fused
-    # gate_up array, or from gate and up.
-    "expert_gate_up": Role(("x", "expert_ids", "gate_up", "activations", "m"), persistent=True),
-    "expert_gate_up_split": Role(("x", "expert_ids", "gate", "up", "activations", "m"), persistent=True),
+    # gate_up array, or from gate and up. A cluster splits an item's K (`gate_up_split_k`).
+    "expert_gate_up": Role(("x", "expert_ids", "gate_up", "activations", "m"), persistent=True,
+                           clustered=True),
+    "expert_gate_up_split": Role(("x", "expert_ids", "gate", "up", "activations", "m"), persistent=True,
+                                 clustered=True),
     # The activations through down: each pair's row; zero for a skipped pair.
     "expert_down": Role(("expert_ids", "down", "activations", "out", "m"), persistent=True),
 }

@@ -29,7 +29,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
         y[p] = bf16( h @ W_down[e] )
 
     and ``y[p] = 0`` for any other id (such as -1). On CUDA devices the kernels read the weights
-    of the experts that some pair names, once per pass over up to ``16 * token_tiles`` of the
+    of the experts that some pair names, once per pass over up to ``8 * token_tiles`` of the
     expert's pairs, and nothing else; the result is the same bits on every run, whatever m and
     whatever the other tokens.
 

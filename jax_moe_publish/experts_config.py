@@ -8,7 +8,7 @@ Runtime values (m, addresses) are kernel parameters and are not here.
 Each kernel covers a work item, one active expert's block of output columns, with
 ``warps_k * warps_n`` warps: ``warps_n`` of them side by side over the columns, ``warp_cols``
 columns each, and ``warps_k`` splitting the reduction dimension K, whose partial sums the CTA
-adds in warp order. A warp computes its columns for up to ``16 * token_tiles`` of the expert's
+adds in warp order. A warp computes its columns for up to ``8 * token_tiles`` of the expert's
 tokens at once with ``mma.sync`` (m16n8k16: 16 columns by 8 tokens per instruction), reading each
 weight once per pass over the tokens, ``unroll`` steps of 16 rows of K in flight.
 """
@@ -33,13 +33,16 @@ MAX_PAIRS = 8192
 """Token-expert pairs (``m * top_k``) of one call: each CTA keeps their expert order in shared
 memory (4 bytes each)."""
 MAX_THREADS = 1024
+SPLIT_K = (1, 2, 4, 8, 16)
+"""CTAs of one cluster that split a gate/up work item's K (16: beyond the portable cluster
+size, which the launchers opt into)."""
 SHARED_MEMORY_BYTES = 227 * 1024
 """Shared memory a CTA of an H100 or H200 may use."""
 ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
-               "gate_up_warp_cols", "gate_up_unroll", "down_warps_k", "down_warps_n", "down_warp_cols",
-               "down_unroll")
-_BOOL_FIELDS = ("fused_gate_up", "enable_pdl")
+               "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
+               "down_warp_cols", "down_unroll")
+_BOOL_FIELDS = ("fused_gate_up", "async_loads", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -53,7 +56,10 @@ class GemmShape:
 
     ``k``: rows of the reduction (hidden for gate/up, intermediate for down); ``columns``: the
     output columns of an expert; ``gated``: each warp's lanes 0-15 read gate columns and lanes
-    16-31 the same columns of up, so a warp yields ``warp_cols / 2`` SwiGLU columns."""
+    16-31 the same columns of up, so a warp yields ``warp_cols / 2`` SwiGLU columns;
+    ``split_k``: CTAs of a cluster that each take ``k / split_k`` consecutive rows of an item
+    (their sums added in cluster order); ``async_loads``: each warp's ``unroll`` steps in
+    flight are ``cp.async`` copies into its own ring of shared memory."""
 
     k: int
     columns: int
@@ -63,6 +69,8 @@ class GemmShape:
     warp_cols: int
     unroll: int
     token_tiles: int
+    split_k: int = 1
+    async_loads: bool = False
 
     @property
     def threads(self) -> int:
@@ -92,8 +100,12 @@ class GemmShape:
         return MMA_TOKENS * self.token_tiles
 
     @property
+    def k_rows_per_cta(self) -> int:
+        return self.k // self.split_k
+
+    @property
     def k_steps_per_warp(self) -> int:
-        return self.k // MMA_K // self.warps_k
+        return self.k_rows_per_cta // MMA_K // self.warps_k
 
     def reduction_bytes(self) -> int:
         """Shared memory for the partial sums of the warps that split K (0 without a split):
@@ -101,6 +113,23 @@ class GemmShape:
         if self.warps_k == 1:
             return 0
         return self.warps_k * self.warps_n * self.mma_tiles * self.token_tiles * 4 * 32 * 4
+
+    @property
+    def stage_words(self) -> int:
+        """Words of one K step in a warp's ring (`async_loads`): each lane's four weight rows,
+        then its two B words per token tile."""
+        return (4 * self.lane_words + 2 * self.token_tiles) * 32
+
+    def ring_bytes(self) -> int:
+        """Shared memory for the warps' rings of ``unroll`` steps (0 without `async_loads`)."""
+        return self.threads // 32 * self.unroll * self.stage_words * 4 if self.async_loads else 0
+
+    def partial_bytes(self) -> int:
+        """Shared memory for the CTA's sums that the cluster's CTAs read (0 without a split):
+        one warp's accumulators per column block, lane innermost."""
+        if self.split_k == 1:
+            return 0
+        return self.warps_n * self.mma_tiles * self.token_tiles * 4 * 32 * 4
 
 
 SMEM_ALIGNMENT = 16
@@ -139,8 +168,16 @@ class ExpertsConfig:
     gate_up_warps_k, gate_up_warps_n, gate_up_warp_cols, gate_up_unroll : int
         The gate/up kernel's work item (`GemmShape`): warps splitting K (hidden), warps side by
         side, columns per warp (half gate, half up), 16-row steps of K in flight per warp.
+    gate_up_split_k : int
+        CTAs of a thread block cluster that split an item's K into consecutive row ranges
+        (`SPLIT_K`): more CTAs per active expert, each reading whole spans of rows, their sums
+        added in cluster order. 1: one CTA per item, no cluster.
     down_warps_k, down_warps_n, down_warp_cols, down_unroll : int
         The same for the down kernel (K is intermediate, the columns are hidden).
+    async_loads : bool
+        Both kernels' weight and token loads as ``cp.async`` copies into a ring of ``unroll``
+        K steps per warp in shared memory, refilled one step at a time, instead of register
+        loads that the compiler may schedule after the first ``mma``.
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
@@ -158,10 +195,12 @@ class ExpertsConfig:
     gate_up_warps_n: int = 1
     gate_up_warp_cols: int = 32
     gate_up_unroll: int = 4
+    gate_up_split_k: int = 1
     down_warps_k: int = 2
     down_warps_n: int = 4
     down_warp_cols: int = 64
     down_unroll: int = 4
+    async_loads: bool = False
     enable_pdl: bool = True
     arch: str = "sm_90a"
 
@@ -182,6 +221,7 @@ class ExpertsConfig:
         for name in ("hidden", "intermediate"):
             _require(getattr(self, name) > 0 and getattr(self, name) % MMA_K == 0, name, getattr(self, name),
                      f"a positive multiple of {MMA_K} (the tensor cores' K step)")
+        _require(self.gate_up_split_k in SPLIT_K, "gate_up_split_k", self.gate_up_split_k, f"one of {SPLIT_K}")
         for role in ("gate_up", "down"):
             shape = self.gemm(role)
             prefix = f"{role}_"
@@ -196,10 +236,11 @@ class ExpertsConfig:
                      f"({prefix}warps_n={shape.warps_n} x {prefix}warp_cols={shape.warp_cols}"
                      f"{' / 2, half of them up' if shape.gated else ''})")
             steps = shape.k // MMA_K
-            _require(steps % (shape.warps_k * shape.unroll) == 0,
+            split = f" * {prefix}split_k" if role == "gate_up" else ""
+            _require(steps % (shape.warps_k * shape.unroll * shape.split_k) == 0,
                      "intermediate" if role == "down" else "hidden", shape.k,
-                     f"{MMA_K}-row steps ({steps}) divisible by {prefix}warps_k * {prefix}unroll = "
-                     f"{shape.warps_k} x {shape.unroll}")
+                     f"{MMA_K}-row steps ({steps}) divisible by {prefix}warps_k * {prefix}unroll{split} = "
+                     f"{shape.warps_k} x {shape.unroll}{f' x {shape.split_k}' if split else ''}")
             _require(self.shared_bytes(role) <= SHARED_MEMORY_BYTES, prefix + "warps_k", shape.warps_k,
                      f"shared memory within {SHARED_MEMORY_BYTES} bytes, got {self.shared_bytes(role)}")
 
@@ -207,13 +248,15 @@ class ExpertsConfig:
         """The work item of the ``gate_up`` or ``down`` kernel."""
         if role == "gate_up":
             return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
-                             self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles)
+                             self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles, self.gate_up_split_k,
+                             self.async_loads)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
-                         self.down_warp_cols, self.down_unroll, self.token_tiles)
+                         self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.async_loads)
 
     def shared_bytes(self, role: str) -> int:
         """Dynamic shared memory of the ``gate_up`` or ``down`` kernel."""
-        return routing_bytes(self.experts) + self.gemm(role).reduction_bytes()
+        shape = self.gemm(role)
+        return routing_bytes(self.experts) + shape.reduction_bytes() + shape.partial_bytes() + shape.ring_bytes()
 
     def operand_rows(self) -> dict:
         """No rows rule of `_abi.EXPERTS_OPERANDS` depends on the config."""
@@ -249,8 +292,12 @@ class ExpertsConfig:
 
     @property
     def key(self) -> str:
-        """Names the cubin: readable prefix + hash of every field."""
+        """Names the cubin: readable prefix + hash of every field (but the later fields at their
+        defaults, so that the keys from before them still name the same cubins)."""
         fields = self.to_dict()
+        for name, default in (("gate_up_split_k", 1), ("async_loads", False)):
+            if fields[name] == default:
+                del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         layout = "fused" if self.fused_gate_up else "split"

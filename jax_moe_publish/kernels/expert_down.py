@@ -52,6 +52,7 @@ class ExpertDownKernel:
         grid, _, _ = cute.arch.grid_dim()
         tables = self.routing.allocate()
         sReduction = self.tiles.allocate_reduction()
+        sRing = self.tiles.allocate_ring()
         rAcc = self.tiles.make_accumulators()
         if cutlass.const_expr(cfg.enable_pdl):
             cute.arch.griddepcontrol_wait()
@@ -73,7 +74,8 @@ class ExpertDownKernel:
             for first in cutlass.range(0, count, s.tokens_per_pass):
                 token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group, activations,
                                                                activation_row_bytes, 1)
-                self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, True)
+                self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, True,
+                                      sRing, warp, lane)
                 self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
                 if w_k == 0:
                     for i in cutlass.range_constexpr(s.mma_tiles):

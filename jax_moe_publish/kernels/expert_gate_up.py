@@ -8,9 +8,13 @@ For every token-expert pair ``p = t * top_k + k`` whose id ``e`` is a valid expe
 with ``silu(g) = g / (1 + 2 ** (-g * log2(e)))``. The grid is persistent (the CTAs the GPU holds
 at once); every CTA builds the routing tables (`ExpertRouting`), then takes the work items
 ``b, b + grid, ...``: item ``a * items_per_expert + j`` is column block ``j`` of the ``a``-th
-active expert, computed for the expert's pairs in passes of ``16 * token_tiles`` (`ExpertTiles`).
+active expert, computed for the expert's pairs in passes of ``8 * token_tiles`` (`ExpertTiles`).
 Each warp reads ``warp_cols / 2`` columns of gate and the same of up, so lanes ``l`` and
-``l + 16`` hold a column's gate and up sums.
+``l + 16`` hold a column's gate and up sums. With ``gate_up_split_k`` > 1 the grid is of
+clusters of that many CTAs: cluster ``c`` takes the items ``c, c + clusters, ...``, its CTA
+``r`` the ``r``-th range of ``hidden / split_k`` consecutive rows of each, and the CTAs' sums
+are added in cluster order before the SwiGLU (`ExpertTiles.add_cluster_partials`), so an item's
+weight rows are read in whole spans of its columns by one CTA.
 """
 
 from __future__ import annotations
@@ -87,11 +91,19 @@ class ExpertGateUpKernel:
         grid, _, _ = cute.arch.grid_dim()
         tables = self.routing.allocate()
         sReduction = self.tiles.allocate_reduction()
+        sPartials = self.tiles.allocate_partials()
+        sRing = self.tiles.allocate_ring()
         rAcc = self.tiles.make_accumulators()
+        # Cluster `block // split_k` of the grid's; this CTA's rows of each item start at k_begin.
+        cluster_rank = block % s.split_k
+        cluster, clusters = block // s.split_k, grid // s.split_k
+        k_begin = Int64(cluster_rank * s.k_rows_per_cta)
         if cutlass.const_expr(cfg.enable_pdl):
             # x and the ids may come from the kernel just before.
             cute.arch.griddepcontrol_wait()
         self.routing.build(tables, expert_ids, m, tidx)
+        if cutlass.const_expr(s.split_k > 1):
+            self.routing.share_order(tables, tidx, cluster_rank)
         sCount, sStart, _, sActive, sTotals, sPairs = tables
         warp, lane = tidx // WARP, tidx % WARP
         w_k, w_n = warp % s.warps_k, warp // s.warps_k
@@ -101,18 +113,27 @@ class ExpertGateUpKernel:
         matrix = cutlass.select_(group >= 4, up, gate)
         expert_bytes = cfg.hidden * row_bytes
         items = sTotals[ACTIVE] * s.items_per_expert
-        for item in cutlass.range(block, items, grid):
+        for item in cutlass.range(cluster, items, clusters):
             expert = sActive[item // s.items_per_expert]
             column = (item % s.items_per_expert) * s.item_columns + lane_column
             start, count = sStart[expert], sCount[expert]
-            weights = matrix + Int64(expert) * expert_bytes + Int64(column) * BF16_BYTES
+            weights = matrix + Int64(expert) * expert_bytes + k_begin * row_bytes + Int64(column) * BF16_BYTES
             for first in cutlass.range(0, count, s.tokens_per_pass):
-                token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group, x,
-                                                               cfg.hidden * BF16_BYTES, cfg.top_k)
-                self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, False)
+                token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group,
+                                                               x + k_begin * BF16_BYTES, cfg.hidden * BF16_BYTES,
+                                                               cfg.top_k)
+                self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, False,
+                                      sRing, warp, lane)
                 self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
-                if w_k == 0:
+                if cutlass.const_expr(s.split_k > 1):
+                    if self.tiles.add_cluster_partials(rAcc, sPartials, w_k, w_n, lane, cluster_rank):
+                        self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
+                elif w_k == 0:
                     self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
+        if cutlass.const_expr(s.split_k > 1):
+            # CTA 0's pair order stays readable until every CTA of the cluster has copied it.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         if cutlass.const_expr(cfg.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 

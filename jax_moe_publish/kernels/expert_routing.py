@@ -9,9 +9,10 @@ of the ids (8 KiB at m = 256, top-8) and two atomics per pair.
 
 The order of the pairs inside a segment is the atomics': it differs between runs and between
 the CTAs of one run, so a slot names the same pair only within one CTA, and work is split
-between CTAs by expert, never by slot. It never reaches a result, since each pair's sums are
-computed apart from every other pair's (a pair is one column of an mma's B, whatever column
-that is).
+between CTAs by expert, never by slot; the CTAs of a cluster, which add their sums by slot,
+take the order of its CTA 0 (`share_order`). It never reaches a result, since each pair's sums
+are computed apart from every other pair's (a pair is one column of an mma's B, whatever
+column that is).
 """
 
 from __future__ import annotations
@@ -100,3 +101,18 @@ class ExpertRouting:
         if lane == 0:
             sTotals[ACTIVE] = active_total
             sTotals[VALID] = pairs_total
+
+    @cute.jit
+    def share_order(self, tables, tidx, cluster_rank) -> None:
+        """Give every CTA of the cluster the pair order of its CTA 0, after `build` (the counts,
+        starts and active experts are the same in all: they do not depend on the atomics). Every
+        thread of every CTA of the cluster must call it; CTA 0 must not exit before the others
+        have read it (a cluster barrier before the kernel ends)."""
+        _, _, _, _, sTotals, sPairs = tables
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if cluster_rank != 0:
+            first = ptx.cluster_address(sPairs.iterator.toint(), 0)
+            for slot in cutlass.range(tidx, sTotals[VALID], self.threads):
+                sPairs[slot] = ptx.load_cluster_s32(first + slot * 4)
+        cute.arch.barrier()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import numpy as np
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 
 from jax_moe_publish.experts_config import MMA_K, MMA_TOKENS, SMEM_ALIGNMENT, GemmShape
 from jax_moe_publish.kernels import ptx
@@ -35,6 +35,14 @@ from jax_moe_publish.kernels import ptx
 BF16_BYTES = 2
 ROWS = (0, 1, 8, 9)
 """The rows of a 16-row step that a lane loads, after ``2q``: its A and B fragments' rows."""
+
+def _allocate_row_major(shape):
+    """Float32 shared memory of ``shape``, row-major (CuTe's default is column-major): with the
+    lane innermost, 32 lanes on 32 consecutive words, 32 banks."""
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    layout = cute.make_layout(shape, stride=strides)
+    return cutlass.memory.SmemAllocator().allocate_tensor(Float32, layout, byte_alignment=SMEM_ALIGNMENT)
+
 
 class ExpertTiles:
     """A warp's accumulation over its share of K, and the CTA's sum over the warps splitting K."""
@@ -48,11 +56,24 @@ class ExpertTiles:
         s = self.shape
         if s.warps_k == 1:
             return None
-        shape = (s.warps_k, s.warps_n, s.mma_tiles, s.token_tiles, 4, 32)
-        # Row-major (CuTe's default is column-major): 32 lanes on 32 consecutive words, 32 banks.
-        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-        layout = cute.make_layout(shape, stride=strides)
-        return cutlass.memory.SmemAllocator().allocate_tensor(Float32, layout, byte_alignment=SMEM_ALIGNMENT)
+        return _allocate_row_major((s.warps_k, s.warps_n, s.mma_tiles, s.token_tiles, 4, 32))
+
+    def allocate_partials(self):
+        """Shared memory for the sums the cluster's CTAs read (`add_cluster_partials`), None
+        without a split: ``[warps_n, mma tile, token tile, 4, lane]``, lane innermost."""
+        s = self.shape
+        if s.split_k == 1:
+            return None
+        return _allocate_row_major((s.warps_n, s.mma_tiles, s.token_tiles, 4, 32))
+
+    def allocate_ring(self):
+        """Shared memory for the warps' rings of K steps (`async_loads`), None without: per warp
+        ``unroll`` stages of `GemmShape.stage_words` words."""
+        s = self.shape
+        if not s.async_loads:
+            return None
+        layout = cute.make_layout(s.threads // 32 * s.unroll * s.stage_words)
+        return cutlass.memory.SmemAllocator().allocate_tensor(Uint32, layout, byte_alignment=SMEM_ALIGNMENT)
 
     def make_accumulators(self):
         s = self.shape
@@ -74,12 +95,13 @@ class ExpertTiles:
 
     @cute.jit
     def accumulate(self, rAcc, weights: Int64, row_bytes: int, token_rows, token_live, w_k, q,
-                   cached_tokens: cutlass.Constexpr[bool]) -> None:
+                   cached_tokens: cutlass.Constexpr[bool], sRing, warp, lane) -> None:
         """``rAcc`` = this warp's sums over its share of K. ``weights``: the address of this lane's
         first column in row 0; ``row_bytes``: a weight row's stride. ``token_rows[j]``: the
         address of row 0 of the token of column ``g`` of token tile ``j`` (Int32
         ``token_live[j]`` is 0 where that column holds no token: its B words are 0).
-        ``cached_tokens``: the token rows were written earlier in the call (load them through L2)."""
+        ``cached_tokens``: the token rows were written earlier in the call (load them through L2).
+        ``sRing`` (`allocate_ring`), ``warp`` and ``lane``: the loads of `async_loads`."""
         s = self.shape
         for i in cutlass.range_constexpr(s.mma_tiles):
             for j in cutlass.range_constexpr(s.token_tiles):
@@ -87,6 +109,77 @@ class ExpertTiles:
                     rAcc[i, j, c] = Float32(0.0)
         lane_rows = weights + Int64(2 * q) * row_bytes
         token_offset = Int64(2 * q) * BF16_BYTES
+        if cutlass.const_expr(s.async_loads):
+            self._accumulate_from_ring(rAcc, lane_rows, row_bytes, token_rows, token_live, token_offset, w_k,
+                                       sRing, warp, lane)
+        else:
+            self._accumulate_from_registers(rAcc, lane_rows, row_bytes, token_rows, token_live, token_offset, w_k,
+                                            cached_tokens)
+
+    @cute.jit
+    def _mma_step(self, rAcc, a_words, b_words) -> None:
+        """One K step's mmas: ``a_words`` the lane's words of rows ``2q, +1, +8, +9`` (`ROWS`),
+        ``b_words[j]`` its two B words of token tile ``j``."""
+        s = self.shape
+        w0, w1, w8, w9 = a_words
+        for i in cutlass.range_constexpr(s.mma_tiles):
+            a = [ptx.pair_halves(w0[i], w1[i], False), ptx.pair_halves(w0[i], w1[i], True),
+                 ptx.pair_halves(w8[i], w9[i], False), ptx.pair_halves(w8[i], w9[i], True)]
+            for j in cutlass.range_constexpr(s.token_tiles):
+                d = ptx.mma_bf16_16x8x16(a, b_words[j], [rAcc[i, j, c] for c in range(4)])
+                for c in cutlass.range_constexpr(4):
+                    rAcc[i, j, c] = d[c]
+
+    @cute.jit
+    def _accumulate_from_ring(self, rAcc, lane_rows, row_bytes: int, token_rows, token_live, token_offset, w_k,
+                              sRing, warp, lane) -> None:
+        """`accumulate` through the warp's ring: the copies of steps ``0 .. unroll - 1`` first,
+        then each step's mmas from its stage, whose copies for the step ``unroll`` later are
+        issued once those mmas have read it (each lane reads only what it copied)."""
+        s = self.shape
+        stage_bytes = s.stage_words * 4
+        ring = sRing.iterator.toint() + warp * (s.unroll * stage_bytes)
+        a_at = lane * (s.lane_words * 4)
+        a_row_bytes = 32 * s.lane_words * 4
+        b_at = 4 * a_row_bytes + lane * 8
+        for step in cutlass.range_constexpr(s.unroll):
+            if cutlass.const_expr(step < s.k_steps_per_warp):
+                self._copy_step(ring + step * stage_bytes, a_at, a_row_bytes, b_at, Int32(step), lane_rows,
+                                row_bytes, token_rows, token_live, token_offset, w_k)
+            ptx.commit_async_group()
+        for step in cutlass.range(0, s.k_steps_per_warp, 1, unroll=1):
+            # Every group but the newest unroll - 1 is complete: this step's is.
+            ptx.wait_async_groups(s.unroll - 1)
+            stage = ring + (step % s.unroll) * stage_bytes
+            a_words = [ptx.load_shared_words(stage + a_at + r * a_row_bytes, s.lane_words) for r in range(4)]
+            b_words = [[ptx.load_shared_u32(stage + b_at + j * 256), ptx.load_shared_u32(stage + b_at + j * 256 + 4)]
+                       for j in range(s.token_tiles)]
+            self._mma_step(rAcc, a_words, b_words)
+            if step + s.unroll < s.k_steps_per_warp:
+                self._copy_step(stage, a_at, a_row_bytes, b_at, step + s.unroll, lane_rows, row_bytes, token_rows,
+                                token_live, token_offset, w_k)
+            ptx.commit_async_group()
+        ptx.wait_async_groups(0)
+
+    @cute.jit
+    def _copy_step(self, stage, a_at, a_row_bytes: int, b_at, step, lane_rows, row_bytes: int, token_rows,
+                   token_live, token_offset, w_k) -> None:
+        """This lane's copies of K step ``step`` (its rows `ROWS`, its B words) into ``stage``."""
+        s = self.shape
+        k0 = Int64((step * s.warps_k + w_k) * MMA_K)
+        rows = lane_rows + k0 * row_bytes
+        for r in cutlass.range_constexpr(4):
+            ptx.copy_async(stage + a_at + r * a_row_bytes, rows + ROWS[r] * row_bytes, s.lane_words * 4)
+        for j in cutlass.range_constexpr(s.token_tiles):
+            at = token_rows[j] + k0 * BF16_BYTES + token_offset
+            ptx.copy_async(stage + b_at + j * 256, at, 4, predicate=token_live[j])
+            ptx.copy_async(stage + b_at + j * 256 + 4, at + 8 * BF16_BYTES, 4, predicate=token_live[j])
+
+    @cute.jit
+    def _accumulate_from_registers(self, rAcc, lane_rows, row_bytes: int, token_rows, token_live, token_offset,
+                                   w_k, cached_tokens: cutlass.Constexpr[bool]) -> None:
+        """`accumulate` with register loads, ``unroll`` steps' loads issued before their mmas."""
+        s = self.shape
         # Unrolled by `unroll` below, not further: the loads in flight are those of `unroll` steps.
         for step in cutlass.range(0, s.k_steps_per_warp, s.unroll, unroll=1):
             # Every load of the unrolled steps first, so that they are in flight together.
@@ -103,14 +196,7 @@ class ExpertTiles:
                                                  cached=cached_tokens)])
                 loaded.append((a_words, b_words))
             for a_words, b_words in loaded:
-                w0, w1, w8, w9 = a_words
-                for i in cutlass.range_constexpr(s.mma_tiles):
-                    a = [ptx.pair_halves(w0[i], w1[i], False), ptx.pair_halves(w0[i], w1[i], True),
-                         ptx.pair_halves(w8[i], w9[i], False), ptx.pair_halves(w8[i], w9[i], True)]
-                    for j in cutlass.range_constexpr(s.token_tiles):
-                        d = ptx.mma_bf16_16x8x16(a, b_words[j], [rAcc[i, j, c] for c in range(4)])
-                        for c in cutlass.range_constexpr(4):
-                            rAcc[i, j, c] = d[c]
+                self._mma_step(rAcc, a_words, b_words)
 
     @cute.jit
     def reduce(self, rAcc, sReduction, w_k, w_n, lane) -> None:
@@ -132,3 +218,36 @@ class ExpertTiles:
                                 rAcc[i, j, c] = rAcc[i, j, c] + sReduction[other, w_n, i, j, c, lane]
             # The next pass writes the buffer again.
             cute.arch.barrier()
+
+    @cute.jit
+    def add_cluster_partials(self, rAcc, sPartials, w_k, w_n, lane, cluster_rank) -> bool:
+        """Across the CTAs of a cluster that split K: each CTA's warp ``w_k = 0`` puts its sums in
+        shared memory, and warp ``w_n`` of CTA ``w_n % split_k`` replaces its ``rAcc`` with the
+        CTAs' sums added in cluster order; True for the warps that then hold a result. Every
+        thread of every CTA of the cluster must call it (it has cluster barriers)."""
+        s = self.shape
+        finisher = (w_k == 0) & (w_n % s.split_k == cluster_rank)
+        if w_k == 0:
+            for i in cutlass.range_constexpr(s.mma_tiles):
+                for j in cutlass.range_constexpr(s.token_tiles):
+                    for c in cutlass.range_constexpr(4):
+                        sPartials[w_n, i, j, c, lane] = rAcc[i, j, c]
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if finisher:
+            for i in cutlass.range_constexpr(s.mma_tiles):
+                for j in cutlass.range_constexpr(s.token_tiles):
+                    for c in cutlass.range_constexpr(4):
+                        rAcc[i, j, c] = Float32(0.0)
+            lane_partials = (sPartials.iterator + cute.crd2idx((w_n, 0, 0, 0, lane), sPartials.layout)).toint()
+            for cta in cutlass.range_constexpr(s.split_k):
+                remote = ptx.cluster_address(lane_partials, cta)
+                for i in cutlass.range_constexpr(s.mma_tiles):
+                    for j in cutlass.range_constexpr(s.token_tiles):
+                        for c in cutlass.range_constexpr(4):
+                            offset = cute.crd2idx((0, i, j, c, 0), sPartials.layout) * 4
+                            rAcc[i, j, c] = rAcc[i, j, c] + ptx.load_cluster_f32(remote + offset)
+        # The next pass writes the partials again: every CTA has read them.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        return finisher

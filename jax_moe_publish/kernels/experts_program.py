@@ -30,8 +30,13 @@ TRACED_GRID = 1
 def launch_plan(config: ExpertsConfig) -> list[KernelLaunch]:
     """The launches of one call of ``config``, in order (`_abi.EXPERTS.call_roles`)."""
     shapes = {"expert_gate_up": "gate_up", "expert_gate_up_split": "gate_up", "expert_down": "down"}
-    return [KernelLaunch(role, config.gemm(shapes[role]).threads, config.shared_bytes(shapes[role]), 1, "resident")
-            for role in _abi.EXPERTS.call_roles(config)]
+    def launch(role):
+        shape = config.gemm(shapes[role])
+        # A gate/up item's split_k CTAs form one thread block cluster.
+        return KernelLaunch(role, shape.threads, config.shared_bytes(shapes[role]), shape.split_k, "resident",
+                            cluster=shape.split_k)
+
+    return [launch(role) for role in _abi.EXPERTS.call_roles(config)]
 
 
 class ExpertsProgram:
@@ -62,8 +67,9 @@ class ExpertsProgram:
         for index in cutlass.range_constexpr(len(self.plan)):
             launch = self.plan[index]
             self.kernels[index](*[values[name] for name in _abi.EXPERTS.roles[launch.role].params]).launch(
-                grid=(TRACED_GRID, 1, 1),
+                grid=(TRACED_GRID * launch.cluster, 1, 1),
                 block=(launch.block, 1, 1),
+                cluster=(launch.cluster, 1, 1),
                 smem=launch.smem,
                 stream=stream,
                 use_pdl=self.config.enable_pdl,

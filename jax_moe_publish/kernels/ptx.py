@@ -136,6 +136,74 @@ def store_async_cluster_f32(address, value, barrier, *, loc=None, ip=None) -> No
 
 
 @dsl_user_op
+def copy_async(shared, address: Int64, nbytes: int, *, predicate=None, loc=None, ip=None) -> None:
+    """``cp.async`` of ``nbytes`` (4, 8 or 16) from global ``address`` to the 32-bit shared
+    address ``shared``, through L2 only where 16 bytes. With ``predicate`` (an Int32) 0, no byte
+    is read and the destination is zero-filled. Complete after `wait_async_groups`."""
+    kind = "cg" if nbytes == 16 else "ca"
+    operands = [Int32(shared).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip)]
+    if predicate is None:
+        text, constraints = f"cp.async.{kind}.shared.global [$0], [$1], {nbytes};", "r,l"
+    else:
+        text = ("{\n.reg .pred p;\n.reg .b32 n;\nsetp.ne.s32 p, $2, 0;\n"
+                f"selp.b32 n, {nbytes}, 0, p;\ncp.async.{kind}.shared.global [$0], [$1], {nbytes}, n;\n}}")
+        operands.append(Int32(predicate).ir_value(loc=loc, ip=ip))
+        constraints = "r,l,r"
+    _asm(None, operands, text, constraints, side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def commit_async_group(*, loc=None, ip=None) -> None:
+    """Close this thread's group of `copy_async` copies issued since the last one."""
+    _asm(None, [], "cp.async.commit_group;", "", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wait_async_groups(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most ``pending`` of this thread's committed copy groups are incomplete."""
+    _asm(None, [], f"cp.async.wait_group {pending};", "", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_shared_words(address, words: int, *, loc=None, ip=None) -> list:
+    """Vector load of ``words`` u32 (2 or 4) at the 32-bit shared ``address``."""
+    struct = llvm.StructType.get_literal([T.i32()] * words)
+    result = _asm(struct, [Int32(address).ir_value(loc=loc, ip=ip)],
+                  f"ld.shared.{_vector_suffix(words)}.u32 {_braced(0, words)}, [${words}];",
+                  ",".join(["=r"] * words + ["r"]), side_effects=True, loc=loc, ip=ip)
+    return _words_out(result, words, loc, ip)
+
+
+@dsl_user_op
+def load_shared_u32(address, *, loc=None, ip=None) -> Uint32:
+    """Load of one u32 at the 32-bit shared ``address``."""
+    return Uint32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip)], "ld.shared.u32 $0, [$1];", "=r,r",
+                       side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cluster_address(address, cta, *, loc=None, ip=None) -> Int32:
+    """The 32-bit ``shared::cluster`` address of this CTA's shared ``address`` in CTA ``cta``
+    of the cluster (``mapa``; kept in place, so that a loop over CTAs holds one at a time)."""
+    return Int32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip), Int32(cta).ir_value(loc=loc, ip=ip)],
+                      "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def load_cluster_f32(address, *, loc=None, ip=None) -> Float32:
+    """Load of one float at a 32-bit ``shared::cluster`` address (a CTA of the cluster)."""
+    return Float32(_asm(T.f32(), [Int32(address).ir_value(loc=loc, ip=ip)], "ld.shared::cluster.f32 $0, [$1];",
+                        "=f,r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def load_cluster_s32(address, *, loc=None, ip=None) -> Int32:
+    """Load of one int32 at a 32-bit ``shared::cluster`` address (a CTA of the cluster)."""
+    return Int32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip)], "ld.shared::cluster.s32 $0, [$1];",
+                      "=r,r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def load_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Non-coherent load of one int32 of read-only input."""
     return Int32(_scalar_at(address, "ld.global.nc.s32", T.i32(), "r", False, loc, ip))

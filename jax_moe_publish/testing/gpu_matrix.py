@@ -150,6 +150,25 @@ EXPERTS_VARIANTS = (
                                    down_unroll=4)),
     ((768, 48, 12, 3, False), dict(gate_up_warps_k=4, gate_up_unroll=3, down_warps_k=1, down_warps_n=4,
                                    down_unroll=3, enable_pdl=False)),
+    # The gate/up K split over a cluster: 16 CTAs (beyond the portable 8) of whole rows; 8 CTAs of
+    # 6 warps, two token tiles; 2 CTAs that each also split K over their warps, each finishing
+    # one of the two column blocks.
+    ((7168, 256, 32, 8, True), dict(token_tiles=1, gate_up_split_k=16, gate_up_warps_k=1, gate_up_warps_n=8,
+                                    gate_up_warp_cols=64, gate_up_unroll=4)),
+    ((2048, 96, 24, 8, False), dict(gate_up_split_k=8, gate_up_warps_k=1, gate_up_warps_n=6, gate_up_warp_cols=32,
+                                    gate_up_unroll=4)),
+    ((1024, 128, 8, 2, True), dict(gate_up_split_k=2, gate_up_warps_k=4, gate_up_warps_n=2, gate_up_warp_cols=32,
+                                   gate_up_unroll=2)),
+    # Loads through each warp's cp.async ring: 8-byte rows with one token tile, and with a
+    # K split; two tiles and split gate/up (down: a ring of 2 of a warp's 6 steps); 16-byte
+    # rows of gate/up and 8-byte rows of down with four tiles.
+    ((7168, 256, 32, 8, True), dict(async_loads=True, token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(async_loads=True, token_tiles=1, gate_up_split_k=16, gate_up_warps_k=1,
+                                    gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
+    ((2048, 96, 24, 8, False), dict(async_loads=True, down_warps_k=1, down_unroll=2)),
+    ((1024, 128, 8, 2, True), dict(async_loads=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
+                                   gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32, down_warps_k=1,
+                                   down_warps_n=8, down_unroll=4)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

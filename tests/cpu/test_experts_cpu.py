@@ -146,6 +146,49 @@ def test_bad_op_options_are_named(rng):
         experts.moe_experts(*args, config={})
 
 
+@pytest.mark.parametrize("changes, match", [
+    (dict(gate_up_split_k=3), r"ExpertsConfig.gate_up_split_k=3: expected one of \(1, 2, 4, 8, 16\)"),
+    (dict(gate_up_split_k=16, gate_up_warps_k=8, gate_up_unroll=8),
+     r"ExpertsConfig.hidden=7168: expected 16-row steps \(448\) divisible by gate_up_warps_k \* gate_up_unroll "
+     r"\* gate_up_split_k = 8 x 8 x 16"),
+])
+def test_a_k_split_the_kernels_cannot_take_is_named(changes, match):
+    with pytest.raises(ValueError, match=match):
+        ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8).replace(**changes)
+
+
+def test_a_k_split_launches_gate_up_as_clusters():
+    """split_k CTAs per gate/up item form one cluster (the launchers size the grid in whole
+    clusters), with shared memory for the sums they exchange; down is unchanged."""
+    from jax_moe_publish.kernels.experts_program import launch_plan
+
+    base = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8)
+    split = base.replace(gate_up_split_k=16, gate_up_warps_k=1, gate_up_warps_n=8, gate_up_warp_cols=64,
+                         gate_up_unroll=4)
+    (gate_up, down), (base_gate_up, base_down) = launch_plan(split), launch_plan(base)
+    assert (gate_up.cluster, gate_up.ctas_per_row, gate_up.rows) == (16, 16, "resident")
+    assert (base_gate_up.cluster, down.cluster) == (1, 1) and down == base_down
+    shape = split.gemm("gate_up")
+    assert shape.k_steps_per_warp * shape.split_k * shape.warps_k * 16 == split.hidden
+    assert gate_up.smem == base_gate_up.smem - base.gemm("gate_up").reduction_bytes() + shape.partial_bytes() > 0
+    assert split.key != base.key
+
+
+def test_async_loads_give_each_warp_a_ring_of_its_steps():
+    """Shared memory for ``unroll`` K steps per warp (each lane's four weight rows and two B
+    words per token tile), in both kernels; the other launch values stay."""
+    from jax_moe_publish.kernels.experts_program import launch_plan
+
+    base = ExpertsConfig.for_shape(hidden=2048, intermediate=96, experts=128, top_k=8)
+    ring = base.replace(async_loads=True)
+    for role, (plain, with_ring) in zip(("gate_up", "down"), zip(launch_plan(base), launch_plan(ring))):
+        shape = ring.gemm(role)
+        per_step = 32 * (4 * shape.warp_cols // 16 + 2 * shape.token_tiles) * 4
+        assert with_ring.smem - plain.smem == shape.threads // 32 * shape.unroll * per_step
+        assert dataclasses.replace(with_ring, smem=plain.smem) == plain
+    assert ring.key != base.key
+
+
 def test_shapes_the_kernels_refuse_are_named(rng, stood_in):
     inputs = numerics.random_experts(rng, m=4, hidden=48, intermediate=32, experts=6, top_k=2)
     with pytest.raises(ValueError, match=r"impl='kernel': the kernels take no call of this shape: .*hidden=48"):
