@@ -8,6 +8,7 @@ group through Lamport mailboxes that peers write over NVLink, in one custom call
 """
 
 from jax_moe_publish import reference
+from jax_moe_publish.block_scaled import BlockScaled
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.experts import moe_experts
 from jax_moe_publish.experts_config import ExpertsConfig
@@ -16,6 +17,7 @@ from jax_moe_publish.memory.process_group import ProcessGroupError
 from jax_moe_publish.op import moe_finalize_publish, sharded_moe_finalize_publish
 
 __all__ = [
+    "BlockScaled",
     "ExpertsConfig",
     "KernelConfig",
     "Mailbox",

@@ -123,7 +123,8 @@ def folding_expert_batches(experts, max_pairs: int | None = None):
             value = value if is_batched else jnp.broadcast_to(value, (batch, *value.shape))
             return value.reshape(batch * m, *value.shape[2:])
 
-        out = call(tokens(x, batched[0]), tokens(expert_ids, batched[1]), gate, up, down)
+        # x may be a BlockScaled: its values and scales fold alike.
+        out = call(jax.tree.map(tokens, x, batched[0]), tokens(expert_ids, batched[1]), gate, up, down)
         return out.reshape(batch, m * top_k, out.shape[-1]), True
 
     return call

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from jax_moe_publish import protocol
+from jax_moe_publish.block_scaled import BlockScaled
 from jax_moe_publish._abi import FP8_GROUP, RESULTS
 
 
@@ -236,13 +237,35 @@ class ExpertsShape(NamedTuple):
     hidden: int
     intermediate: int
     fused: bool
+    block_scaled: bool = False
+    """Some operand is a `BlockScaled` FP8 array."""
+
+
+def check_operand(name, a, ndim, shape=None) -> bool:
+    """``a`` is a bf16 array of ``ndim`` dimensions (and ``shape``), or a `BlockScaled` of such a
+    shape: float8_e4m3fn values, float32 scales of the same leading dimensions whose last two
+    divide the values' exactly. True for a `BlockScaled`."""
+    from jax_moe_publish.block_scaled import BlockScaled
+
+    if not isinstance(a, BlockScaled):
+        check_array(name, a, ndim, [jnp.bfloat16], shape)
+        return False
+    check_array(f"{name}.values", a.values, ndim, [jnp.float8_e4m3fn], shape)
+    check_array(f"{name}.scales", a.scales, ndim, [jnp.float32])
+    values, scales = tuple(a.values.shape), tuple(a.scales.shape)
+    if scales[:-2] != values[:-2] or any(s < 1 or v % s for v, s in zip(values[-2:], scales[-2:])):
+        raise ValueError(f"{name}.scales.shape={scales}: expected {values[:-2] + ('R', 'C')} with R and C dividing "
+                         f"{name}.values.shape={values}'s last two (one scale per block)")
+    return True
 
 
 def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
     """The experts op's arrays: ``x`` bf16 [m, hidden], ``expert_ids`` int32 [m, top_k], ``gate_up``
     bf16 [experts, hidden, 2 * intermediate] or a pair ``(gate, up)`` of bf16 [experts, hidden,
-    intermediate], ``down`` bf16 [experts, intermediate, hidden]; their `ExpertsShape`."""
-    check_array("x", x, 2, [jnp.bfloat16])
+    intermediate], ``down`` bf16 [experts, intermediate, hidden], where any of x and the weights
+    may instead be a `BlockScaled` FP8 array of that shape (`check_operand`); their
+    `ExpertsShape`."""
+    scaled = [check_operand("x", x, 2)]
     m, hidden = x.shape
     check_array("expert_ids", expert_ids, 2, [jnp.int32])
     if expert_ids.shape[0] != m:
@@ -251,7 +274,7 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
     top_k = expert_ids.shape[1]
     if top_k < 1:
         raise ValueError(f"expert_ids.shape={tuple(expert_ids.shape)}: expected at least one expert per token")
-    check_array("down", down, 3, [jnp.bfloat16])
+    scaled.append(check_operand("down", down, 3))
     experts, intermediate, down_hidden = down.shape
     if down_hidden != hidden or experts < 1 or intermediate < 1:
         raise ValueError(f"down.shape={tuple(down.shape)}: expected [experts, intermediate, hidden={hidden}] "
@@ -261,9 +284,9 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
             raise ValueError(f"gate_up: a {type(gate_up).__name__} of {len(gate_up)} arrays, expected one array "
                              "[experts, hidden, 2 * intermediate] or a pair (gate, up)")
         for name, part in zip(("gate_up[0] (gate)", "gate_up[1] (up)"), gate_up):
-            check_array(name, part, 3, [jnp.bfloat16], shape=(experts, hidden, intermediate))
+            scaled.append(check_operand(name, part, 3, shape=(experts, hidden, intermediate)))
         fused = False
     else:
-        check_array("gate_up", gate_up, 3, [jnp.bfloat16], shape=(experts, hidden, 2 * intermediate))
+        scaled.append(check_operand("gate_up", gate_up, 3, shape=(experts, hidden, 2 * intermediate)))
         fused = True
-    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused)
+    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused, any(scaled))

@@ -58,6 +58,13 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
         ``wi_0`` and ``wi_1``).
     down : bf16 [experts, intermediate, hidden]
         Down projections (MaxText's ``wo``).
+
+        Each of ``x`` and the weights may instead be a `BlockScaled` FP8 array of its shape
+        (e4m3 values, a float32 scale per block: DeepSeek-V3's weights with their 128 x 128
+        ``weight_scale_inv``, transposed like the weights; or the epilogue's FP8 out and
+        scales as ``x``). The reference and gather routes dequantize it to float32 and run
+        that GEMM in float32, with the same rounding points; the kernels take bf16 only so
+        far (``impl="kernel"`` raises, ``auto`` takes another route).
     impl : {"auto", "kernel", "gather", "reference"}
         ``kernel``: the kernels, on CUDA devices, where they take the shape (hidden a multiple
         of 32, intermediate of 16, ``m * top_k <= 8192``, at most 1024 experts and top-64);
@@ -142,7 +149,10 @@ def _has_gpus() -> bool:
 
 def _why_no_kernels(shape: checks.ExpertsShape) -> str | None:
     """Why the kernels cannot take a call of ``shape``, or None: no config of the shape exists
-    (`ExpertsConfig`'s checks say why), or the call has more pairs than they hold."""
+    (`ExpertsConfig`'s checks say why), the call has more pairs than they hold, or an operand
+    is FP8."""
+    if shape.block_scaled:
+        return "the kernels take bf16 x and weights only so far, and some operand is a BlockScaled (FP8) array"
     if shape.m * shape.top_k > MAX_PAIRS:
         return (f"m * top_k = {shape.m} x {shape.top_k} = {shape.m * shape.top_k} pairs, more than the kernels' "
                 f"{MAX_PAIRS}")

@@ -12,7 +12,8 @@ decode m. Where the gather would move more bytes than reading every expert once
 fastest (`experts_tuning`). On one H200 it beat the kernels and every ``ragged_dot`` route at
 Qwen3-30B-A3B's shards at m = 64 (benchmarks/README.md, the experts op).
 
-The numerics are the reference's (`reference.moe_experts`): bf16 operands, float32 sums,
+The numerics are the reference's (`reference.moe_experts`): bf16 operands (a `BlockScaled`
+FP8 one dequantized to float32 after the gather), float32 sums,
 gate and up rounded to bf16, ``silu(gate) * up`` in float32 rounded to bf16, the down
 projection's float32 sum rounded to bf16; a pair whose id lies outside ``[0, experts)`` gets
 a zero row. Only the order of the float32 sums may differ.
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe_publish import checks
-from jax_moe_publish.reference import as_float32
+from jax_moe_publish.reference import as_float32, gemm_operands
 
 GATHER_TRAFFIC = 3
 """Bytes the gather moves per byte of an active expert's weights: its read and its write of the
@@ -57,11 +58,12 @@ def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, d
     projections = [gate_up] if shape.fused else list(gate_up)
     if gathered:
         active, slot = jnp.unique(slot, return_inverse=True, size=slots, fill_value=shape.experts - 1)
-        projections, down = [w[active] for w in projections], down[active]
+        # A BlockScaled expert's values and scales alike: its FP8 bytes are what move.
+        projections, down = jax.tree.map(lambda w: w[active], (projections, down))
         slot = slot.reshape(-1)
 
     def gemm(spec, a, b):
-        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return jnp.einsum(spec, *gemm_operands(a, b), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
     projected = [gemm("mh,shj->smj", x, w) for w in projections]  # [slots, m, columns] each
     gate, up = jnp.split(projected[0], 2, axis=-1) if shape.fused else projected

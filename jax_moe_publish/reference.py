@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_moe_publish import checks, protocol
+from jax_moe_publish.block_scaled import BlockScaled
 
 
 def as_float32(x: jax.Array) -> jax.Array:
@@ -44,6 +45,16 @@ def as_float32(x: jax.Array) -> jax.Array:
     if x.dtype != jnp.bfloat16:
         return x.astype(jnp.float32)
     return lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+
+
+def gemm_operands(a, b) -> tuple[jax.Array, jax.Array]:
+    """Two operands of the experts' GEMMs as they are read: a `BlockScaled` dequantized to
+    float32 (`BlockScaled.dequantize`), both in float32 where their dtypes then differ (a
+    bf16 value is exact in float32), bf16 and bf16 as they are."""
+    a, b = (v.dequantize() if isinstance(v, BlockScaled) else v for v in (a, b))
+    if a.dtype == b.dtype:
+        return a, b
+    return as_float32(a), as_float32(b)
 
 
 def moe_finalize(
@@ -331,15 +342,17 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array) -
         y[p] = bf16( h @ W_down[e] )
 
     and ``y[p] = 0`` for any other id. The pairs go through `jax.lax.ragged_dot` in expert
-    order (a stable sort), as a JAX MoE layer runs them.
+    order (a stable sort), as a JAX MoE layer runs them. A `BlockScaled` FP8 operand is
+    dequantized to float32 (each e4m3 value times its block's scale) and its GEMM runs in
+    float32 (`gemm_operands`); the rounding points are the same.
 
     Parameters
     ----------
-    x : bf16 [m, hidden]
+    x : bf16 [m, hidden], or a `BlockScaled` of that shape
     expert_ids : int32 [m, top_k]
     gate_up : bf16 [experts, hidden, 2 * intermediate] (gate columns, then up), or a pair
-        ``(gate, up)`` of bf16 [experts, hidden, intermediate]
-    down : bf16 [experts, intermediate, hidden]
+        ``(gate, up)`` of bf16 [experts, hidden, intermediate]; or `BlockScaled` of those shapes
+    down : bf16 [experts, intermediate, hidden], or a `BlockScaled` of that shape
 
     Returns
     -------
@@ -358,10 +371,10 @@ def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, d
     group = jnp.where(valid, flat, shape.experts)
     order = jnp.argsort(group, stable=True)
     sizes = jnp.zeros((shape.experts + 1,), jnp.int32).at[group].add(1)[: shape.experts]
-    rows = x[order // shape.top_k]
+    rows = jax.tree.map(lambda a: a[order // shape.top_k], x)
 
     def project(a, w):
-        return lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return lax.ragged_dot(*gemm_operands(a, w), sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
     if shape.fused:
         gate, up = jnp.split(project(rows, gate_up), 2, axis=-1)

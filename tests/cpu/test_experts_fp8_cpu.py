@@ -1,0 +1,149 @@
+"""The experts op with `BlockScaled` FP8 operands, on CPU: the pure routes against a float64 model
+of the same dequantized blocks, FP8 activations from the epilogue's quantizer, the named errors,
+and the op under vmap and shard_map."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import numerics
+import jax_moe_publish as jmp
+from jax_moe_publish import experts, experts_gather, reference
+
+ROUTES = {"reference": reference.moe_experts, "gather": experts_gather.moe_experts}
+
+
+def _dequantized(a) -> np.ndarray:
+    """The float64 array a `BlockScaled` stands for: each e4m3 value times its block's scale
+    (exact in float64), the blocks expanded in NumPy, apart from `BlockScaled.dequantize`."""
+    values, scales = np.asarray(a.values).astype(np.float64), np.asarray(a.scales).astype(np.float64)
+    rows, cols = values.shape[-2] // scales.shape[-2], values.shape[-1] // scales.shape[-1]
+    return values * np.repeat(np.repeat(scales, rows, axis=-2), cols, axis=-1)
+
+
+def _fp8_case(rng, *, m, hidden, intermediate, experts_count, top_k, fused, block=(128, 128), fp8_x=False):
+    """Fresh inputs with the weights quantized per ``block`` (and with ``fp8_x`` the tokens per
+    128 channels by `reference.quantize_fp8`): the op's arguments and the model's inputs, whose
+    arrays are the float64 values the FP8 operands stand for."""
+    inputs = numerics.random_experts(rng, m=m, hidden=hidden, intermediate=intermediate, experts=experts_count,
+                                     top_k=top_k)
+    down = jmp.BlockScaled.quantize(inputs.down, block)
+    if fused:
+        gate_up = jmp.BlockScaled.quantize(inputs.gate_up, block)
+        gate, up = np.split(_dequantized(gate_up), 2, axis=-1)
+    else:
+        gate_up = tuple(jmp.BlockScaled.quantize(w, block) for w in (inputs.gate, inputs.up))
+        gate, up = (_dequantized(w) for w in gate_up)
+    x = inputs.x
+    model_x = x
+    if fp8_x:
+        x = jmp.BlockScaled(*reference.quantize_fp8(jnp.asarray(inputs.x)))
+        model_x = _dequantized(x)
+    model = dataclasses.replace(inputs, x=model_x, gate=gate, up=up, down=_dequantized(down))
+    return (x, inputs.expert_ids, gate_up, down), model
+
+
+def _check(out, model, what):
+    exact, bound = numerics.expected_rows(model)
+    numerics.assert_close(out, exact, bound, what=what)
+    numerics.assert_rows_zero(out, model, what=what)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+@pytest.mark.parametrize("m, block, fp8_x", [(1, (128, 128), False), (5, (128, 128), True), (12, (32, 64), False)])
+def test_fp8_weights_match_the_model_of_their_blocks(rng, route, fused, m, block, fp8_x):
+    args, model = _fp8_case(rng, m=m, hidden=256, intermediate=128, experts_count=6, top_k=3, fused=fused,
+                            block=block, fp8_x=fp8_x)
+    _check(jax.jit(ROUTES[route])(*args), model, f"{route} m={m}")
+
+
+def test_the_model_catches_a_wrong_block_scale(rng):
+    """The check can fail: one expert's first gate block read with twice its scale."""
+    (x, ids, gate_up, down), model = _fp8_case(rng, m=8, hidden=256, intermediate=128, experts_count=2, top_k=2,
+                                               fused=True)
+    wrong = jmp.BlockScaled(gate_up.values, gate_up.scales.at[0, 0, 0].multiply(2))
+    with pytest.raises(AssertionError, match="outside the bound"):
+        _check(reference.moe_experts(x, ids, wrong, down), model, "wrong scale")
+
+
+def test_the_op_takes_fp8_operands_on_every_pure_path(rng):
+    """auto (the reference on CPU), jit, and vmap over FP8 tokens: one call over the batch."""
+    args, model = _fp8_case(rng, m=4, hidden=256, intermediate=128, experts_count=5, top_k=2, fused=True,
+                            fp8_x=True)
+    _check(jax.jit(experts.moe_experts)(*args), model, "auto")
+    x, ids, gate_up, down = args
+    batch = jax.tree.map(lambda a: jnp.stack([a, a[::-1]]), (x, ids))
+    out = jax.vmap(experts.moe_experts, in_axes=(0, 0, None, None))(*batch, gate_up, down)
+    _check(out[0], model, "vmap element 0")
+    reversed_model = dataclasses.replace(model, x=model.x[::-1], expert_ids=model.expert_ids[::-1])
+    _check(out[1], reversed_model, "vmap element 1")
+
+
+def test_the_kernels_refuse_fp8_operands_by_name(rng):
+    """impl="kernel" names why before anything runs: the FP8 operand, not a missing device."""
+    args, _ = _fp8_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2, fused=False)
+    with pytest.raises(ValueError, match=r"impl='kernel': the kernels take bf16 x and weights only so far"):
+        experts.moe_experts(*args, impl="kernel")
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda w: jmp.BlockScaled(w.values.astype(jnp.bfloat16), w.scales), TypeError,
+     r"down.values.dtype=bfloat16: expected float8_e4m3fn"),
+    (lambda w: jmp.BlockScaled(w.values, w.scales.astype(jnp.bfloat16)), TypeError,
+     r"down.scales.dtype=bfloat16: expected float32"),
+    (lambda w: jmp.BlockScaled(w.values, w.scales[:, :, :1].repeat(3, axis=2)), ValueError,
+     r"down.scales.shape=\(4, 1, 3\): expected \(4, 'R', 'C'\) with R and C dividing "
+     r"down.values.shape=\(4, 128, 256\)'s last two"),
+    (lambda w: jmp.BlockScaled(w.values[:, :, :128], w.scales[:, :, :1]), ValueError,
+     r"down.shape=\(4, 128, 128\): expected \[experts, intermediate, hidden=256\]"),
+])
+def test_bad_fp8_operands_are_named(rng, change, error, match):
+    (x, ids, gate_up, down), _ = _fp8_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2,
+                                           fused=True)
+    with pytest.raises(error, match=match):
+        experts.moe_experts(x, ids, gate_up, change(down))
+
+
+def test_quantize_names_a_shape_its_block_does_not_divide():
+    with pytest.raises(ValueError, match=r"x.shape=\(4, 100, 128\): expected at least 2 dimensions, the last two "
+                                         r"multiples of block=\(128, 128\)"):
+        jmp.BlockScaled.quantize(jnp.ones((4, 100, 128)))
+
+
+def test_tensor_parallel_fp8_partials_sum_to_the_whole(rng):
+    """Two ranks each hold half of the intermediate columns, the FP8 values and their block
+    scales sharded alike (split layout, 128-column blocks): the sum of their partial rows is
+    the whole layer's, within the bound of two bf16 partials."""
+    tp = 2
+    (x, ids, (gate, up), down), model = _fp8_case(rng, m=6, hidden=256, intermediate=256, experts_count=5, top_k=2,
+                                                  fused=False)
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+    def shard(x, ids, gate, up, down):
+        return jax.lax.psum(experts.moe_experts(x, ids, (gate, up), down).astype(jnp.float32), "tp")
+
+    columns, rows = P(None, None, "tp"), P(None, "tp", None)
+    sharded = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), columns, columns, rows), out_specs=P()))
+    total = np.asarray(sharded(x, ids, gate, up, down))
+    exact, bound = numerics.expected_rows(model)
+    numerics.assert_close(total, exact, bound + numerics.BF16_EPS * np.abs(exact) * tp, what="sum of FP8 partials")
+
+
+def test_the_derivative_in_x_through_fp8_weights_is_the_reference_s(rng):
+    (x, ids, gate_up, down), _ = _fp8_case(rng, m=3, hidden=256, intermediate=128, experts_count=4, top_k=2,
+                                           fused=True)
+
+    def loss(function):
+        return jax.grad(lambda x: jnp.sum(function(x, ids, gate_up, down).astype(jnp.float32)))
+
+    got, want = loss(experts.moe_experts)(x), loss(reference.moe_experts)(x)
+    assert np.any(np.asarray(want, np.float32) != 0)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
