@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The whole tests/gpu tier on one GPU, in four parts of at most 10 minutes each, at one commit
+# The whole tests/gpu tier on one GPU, in five parts of at most 10 minutes each, at one commit
 # (docs/testing.md, "On the GPU machine"):
-#   bash tools/gpu_tier.sh 1|2|3|4 [LOG_DIR]    run one part, each step's output in LOG_DIR/STEP.log
+#   bash tools/gpu_tier.sh 1|2|3|4|5 [LOG_DIR]  run one part, each step's output in LOG_DIR/STEP.log
 #   bash tools/gpu_tier.sh STEP[,STEP...] [LOG_DIR]  run the named steps one after the other
 #   bash tools/gpu_tier.sh --list               the steps, one per line: part, name, gpu_check.sh arguments
 # 1: the kernel harness (virtual ranks) in four pytest processes side by side, and determinism;
-# 2: the op and mesh tests as rank processes, then the experts op; 3: the tp = 8 epilogue harness alone (beside
+# 2: the op and mesh tests as rank processes; 3: the tp = 8 epilogue harness alone (beside
 # part 1's four it ran past 10 minutes; alone it takes about 6.5), derivatives, multi-process; 4: the kernel and
-# epilogue files' JAX-level tests as rank processes, then faults, the harness's and the public API's.
+# epilogue files' JAX-level tests as rank processes, then faults, the harness's and the public API's; 5: the
+# experts op (its 14 kernel configs and the gather route: beside part 2's steps it outgrew one call).
 # Rank-process tests never run beside other processes: their kernels starved the harness's
 # (docs/testing.md). Each step is stopped after STEP_TIMEOUT_S (570) seconds; the part fails if a step does.
 set -euo pipefail
@@ -22,12 +23,12 @@ STEPS=(
     "1|harness-tp8-kernels|-m|$NOT_RANKS|-k|tp8|tests/gpu/test_kernels_gpu.py"
     "1|determinism|tests/gpu/test_determinism_gpu.py"
     "2|op-mesh|tests/gpu/test_op_gpu.py tests/gpu/test_mesh_gpu.py"
-    "2|experts|tests/gpu/test_experts_gpu.py"
     "3|harness-tp8-epilogue|-m|$NOT_RANKS|-k|tp8|tests/gpu/test_epilogue_gpu.py"
     "3|derivatives-processes|tests/gpu/test_derivatives_gpu.py tests/gpu/test_multiprocess_gpu.py"
     "4|harness-files-rank-processes|-m|gpu and rank_processes|$HARNESS"
     "4|faults-harness|-k|not $API_FAULTS|tests/gpu/test_faults_gpu.py"
     "4|faults-api|-k|$API_FAULTS|tests/gpu/test_faults_gpu.py"
+    "5|experts|tests/gpu/test_experts_gpu.py"
 )
 # Parts whose steps run side by side; the others run their steps one after the other.
 SIDE_BY_SIDE=1
@@ -50,11 +51,11 @@ if [ "${1:-}" = "--list" ]; then
     done
     exit 0
 fi
-part=${1:?usage: bash tools/gpu_tier.sh 1|2|3|4|STEP[,STEP...] [LOG_DIR], or --list}
-if ! [[ "$part" =~ ^[1234]$ ]]; then
+part=${1:?usage: bash tools/gpu_tier.sh 1|2|3|4|5|STEP[,STEP...] [LOG_DIR], or --list}
+if ! [[ "$part" =~ ^[12345]$ ]]; then
     known=$(for step in "${STEPS[@]}"; do cut -d'|' -f2 <<< "$step"; done)
     for name in ${part//,/ }; do
-        grep -qx -- "$name" <<< "$known" || { echo "$name: expected a part (1 to 4) or a step: $(echo $known)" >&2; exit 2; }
+        grep -qx -- "$name" <<< "$known" || { echo "$name: expected a part (1 to 5) or a step: $(echo $known)" >&2; exit 2; }
     done
 fi
 logs=${2:-gpu-tier-logs}

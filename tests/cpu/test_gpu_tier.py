@@ -1,5 +1,5 @@
 """``tools/gpu_tier.sh``: its steps, collected on CPU, hold every GPU test of ``tests/gpu``
-exactly once, so that its four parts are the whole tier."""
+exactly once, so that its five parts are the whole tier."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _collected(*args: str) -> list[str]:
 
 def test_the_parts_hold_every_gpu_test_once():
     steps = _steps()
-    assert {part for part, _, _ in steps} == {"1", "2", "3", "4"}
+    assert {part for part, _, _ in steps} == {"1", "2", "3", "4", "5"}
     by_step = {name: _collected(*args) for _, name, args in steps}
     everything = _collected("tests/gpu")
     seen: dict[str, str] = {}
@@ -44,4 +44,4 @@ def test_an_unknown_step_is_refused_before_anything_runs():
     run = subprocess.run(["bash", str(REPO / "tools" / "gpu_tier.sh"), "faults-api,no-such-step"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2, run
-    assert "no-such-step: expected a part (1 to 4) or a step" in run.stderr and "faults-api" in run.stderr
+    assert "no-such-step: expected a part (1 to 5) or a step" in run.stderr and "faults-api" in run.stderr
