@@ -63,7 +63,8 @@ def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, d
         slot = slot.reshape(-1)
 
     def gemm(spec, a, b):
-        return jnp.einsum(spec, *gemm_operands(a, b), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        a, b, precision = gemm_operands(a, b)
+        return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
     projected = [gemm("mh,shj->smj", x, w) for w in projections]  # [slots, m, columns] each
     gate, up = jnp.split(projected[0], 2, axis=-1) if shape.fused else projected

@@ -47,14 +47,16 @@ def as_float32(x: jax.Array) -> jax.Array:
     return lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
 
 
-def gemm_operands(a, b) -> tuple[jax.Array, jax.Array]:
-    """Two operands of the experts' GEMMs as they are read: a `BlockScaled` dequantized to
-    float32 (`BlockScaled.dequantize`), both in float32 where their dtypes then differ (a
-    bf16 value is exact in float32), bf16 and bf16 as they are."""
+def gemm_operands(a, b) -> tuple[jax.Array, jax.Array, lax.Precision | None]:
+    """Two operands of the experts' GEMMs as they are read, and the GEMM's precision: a
+    `BlockScaled` dequantized to float32 (`BlockScaled.dequantize`), both in float32 where
+    their dtypes then differ (a bf16 value is exact in float32), bf16 and bf16 as they are.
+    Float32 operands take ``HIGHEST``: float32 products, not TF32's, whatever the platform's
+    default."""
     a, b = (v.dequantize() if isinstance(v, BlockScaled) else v for v in (a, b))
-    if a.dtype == b.dtype:
-        return a, b
-    return as_float32(a), as_float32(b)
+    if a.dtype == b.dtype == jnp.bfloat16:
+        return a, b, None
+    return as_float32(a), as_float32(b), lax.Precision.HIGHEST
 
 
 def moe_finalize(
@@ -374,7 +376,9 @@ def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, d
     rows = jax.tree.map(lambda a: a[order // shape.top_k], x)
 
     def project(a, w):
-        return lax.ragged_dot(*gemm_operands(a, w), sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        a, w, precision = gemm_operands(a, w)
+        return lax.ragged_dot(a, w, sizes, precision=precision,
+                              preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
     if shape.fused:
         gate, up = jnp.split(project(rows, gate_up), 2, axis=-1)

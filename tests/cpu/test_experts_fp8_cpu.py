@@ -13,41 +13,12 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import fp8_experts
 import numerics
 import jax_moe_publish as jmp
 from jax_moe_publish import experts, experts_gather, reference
 
 ROUTES = {"reference": reference.moe_experts, "gather": experts_gather.moe_experts}
-
-
-def _dequantized(a) -> np.ndarray:
-    """The float64 array a `BlockScaled` stands for: each e4m3 value times its block's scale
-    (exact in float64), the blocks expanded in NumPy, apart from `BlockScaled.dequantize`."""
-    values, scales = np.asarray(a.values).astype(np.float64), np.asarray(a.scales).astype(np.float64)
-    rows, cols = values.shape[-2] // scales.shape[-2], values.shape[-1] // scales.shape[-1]
-    return values * np.repeat(np.repeat(scales, rows, axis=-2), cols, axis=-1)
-
-
-def _fp8_case(rng, *, m, hidden, intermediate, experts_count, top_k, fused, block=(128, 128), fp8_x=False):
-    """Fresh inputs with the weights quantized per ``block`` (and with ``fp8_x`` the tokens per
-    128 channels by `reference.quantize_fp8`): the op's arguments and the model's inputs, whose
-    arrays are the float64 values the FP8 operands stand for."""
-    inputs = numerics.random_experts(rng, m=m, hidden=hidden, intermediate=intermediate, experts=experts_count,
-                                     top_k=top_k)
-    down = jmp.BlockScaled.quantize(inputs.down, block)
-    if fused:
-        gate_up = jmp.BlockScaled.quantize(inputs.gate_up, block)
-        gate, up = np.split(_dequantized(gate_up), 2, axis=-1)
-    else:
-        gate_up = tuple(jmp.BlockScaled.quantize(w, block) for w in (inputs.gate, inputs.up))
-        gate, up = (_dequantized(w) for w in gate_up)
-    x = inputs.x
-    model_x = x
-    if fp8_x:
-        x = jmp.BlockScaled(*reference.quantize_fp8(jnp.asarray(inputs.x)))
-        model_x = _dequantized(x)
-    model = dataclasses.replace(inputs, x=model_x, gate=gate, up=up, down=_dequantized(down))
-    return (x, inputs.expert_ids, gate_up, down), model
 
 
 def _check(out, model, what):
@@ -60,14 +31,14 @@ def _check(out, model, what):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
 @pytest.mark.parametrize("m, block, fp8_x", [(1, (128, 128), False), (5, (128, 128), True), (12, (32, 64), False)])
 def test_fp8_weights_match_the_model_of_their_blocks(rng, route, fused, m, block, fp8_x):
-    args, model = _fp8_case(rng, m=m, hidden=256, intermediate=128, experts_count=6, top_k=3, fused=fused,
+    args, model = fp8_experts.random_case(rng, m=m, hidden=256, intermediate=128, experts_count=6, top_k=3, fused=fused,
                             block=block, fp8_x=fp8_x)
     _check(jax.jit(ROUTES[route])(*args), model, f"{route} m={m}")
 
 
 def test_the_model_catches_a_wrong_block_scale(rng):
     """The check can fail: one expert's first gate block read with twice its scale."""
-    (x, ids, gate_up, down), model = _fp8_case(rng, m=8, hidden=256, intermediate=128, experts_count=2, top_k=2,
+    (x, ids, gate_up, down), model = fp8_experts.random_case(rng, m=8, hidden=256, intermediate=128, experts_count=2, top_k=2,
                                                fused=True)
     wrong = jmp.BlockScaled(gate_up.values, gate_up.scales.at[0, 0, 0].multiply(2))
     with pytest.raises(AssertionError, match="outside the bound"):
@@ -76,7 +47,7 @@ def test_the_model_catches_a_wrong_block_scale(rng):
 
 def test_the_op_takes_fp8_operands_on_every_pure_path(rng):
     """auto (the reference on CPU), jit, and vmap over FP8 tokens: one call over the batch."""
-    args, model = _fp8_case(rng, m=4, hidden=256, intermediate=128, experts_count=5, top_k=2, fused=True,
+    args, model = fp8_experts.random_case(rng, m=4, hidden=256, intermediate=128, experts_count=5, top_k=2, fused=True,
                             fp8_x=True)
     _check(jax.jit(experts.moe_experts)(*args), model, "auto")
     x, ids, gate_up, down = args
@@ -89,7 +60,7 @@ def test_the_op_takes_fp8_operands_on_every_pure_path(rng):
 
 def test_the_kernels_refuse_fp8_operands_by_name(rng):
     """impl="kernel" names why before anything runs: the FP8 operand, not a missing device."""
-    args, _ = _fp8_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2, fused=False)
+    args, _ = fp8_experts.random_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2, fused=False)
     with pytest.raises(ValueError, match=r"impl='kernel': the kernels take bf16 x and weights only so far"):
         experts.moe_experts(*args, impl="kernel")
 
@@ -106,7 +77,7 @@ def test_the_kernels_refuse_fp8_operands_by_name(rng):
      r"down.shape=\(4, 128, 128\): expected \[experts, intermediate, hidden=256\]"),
 ])
 def test_bad_fp8_operands_are_named(rng, change, error, match):
-    (x, ids, gate_up, down), _ = _fp8_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2,
+    (x, ids, gate_up, down), _ = fp8_experts.random_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2,
                                            fused=True)
     with pytest.raises(error, match=match):
         experts.moe_experts(x, ids, gate_up, change(down))
@@ -123,7 +94,7 @@ def test_tensor_parallel_fp8_partials_sum_to_the_whole(rng):
     scales sharded alike (split layout, 128-column blocks): the sum of their partial rows is
     the whole layer's, within the bound of two bf16 partials."""
     tp = 2
-    (x, ids, (gate, up), down), model = _fp8_case(rng, m=6, hidden=256, intermediate=256, experts_count=5, top_k=2,
+    (x, ids, (gate, up), down), model = fp8_experts.random_case(rng, m=6, hidden=256, intermediate=256, experts_count=5, top_k=2,
                                                   fused=False)
     mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
 
@@ -138,7 +109,7 @@ def test_tensor_parallel_fp8_partials_sum_to_the_whole(rng):
 
 
 def test_the_derivative_in_x_through_fp8_weights_is_the_reference_s(rng):
-    (x, ids, gate_up, down), _ = _fp8_case(rng, m=3, hidden=256, intermediate=128, experts_count=4, top_k=2,
+    (x, ids, gate_up, down), _ = fp8_experts.random_case(rng, m=3, hidden=256, intermediate=128, experts_count=4, top_k=2,
                                            fused=True)
 
     def loss(function):

@@ -16,6 +16,8 @@ The gather route (impl="gather", pure JAX on the GPU) against the same model: it
 and rows (`experts_gather.moe_experts_with_activations`) at shapes and m where it gathers the
 active experts and where it reads them in place, with skipped ids, hot experts and every id
 skipped; the op under jit gives its bits, and under vmap each element is within the bound.
+With `BlockScaled` FP8 weights and tokens, the gather and reference routes against the model of
+the same blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fp8_experts
 import gpu_harness
 import jax_moe_publish as jmp
 import numerics
@@ -208,3 +211,17 @@ def test_the_gather_route_under_vmap(rng):
         exact, bound = numerics.expected_rows(numerics.ExpertsInputs(element.x, element.expert_ids, w.gate, w.up,
                                                                      w.down))
         numerics.assert_close(got[b], exact, bound, what=f"vmap's element {b}")
+
+
+@pytest.mark.parametrize("route", ["gather", "reference"])
+@pytest.mark.parametrize("m", (1, 64))
+def test_fp8_operands_on_the_pure_routes_match_the_model(rng, route, m):
+    """DeepSeek-V3's tp = 8 shard with 32 experts, its weights in 128 x 128 FP8 blocks and the
+    tokens in 1 x 128 ones (the epilogue's FP8 out): XLA's float32 GEMMs on the GPU against
+    the float64 model of the same blocks."""
+    (x, ids, gate_up, down), model = fp8_experts.random_case(rng, m=m, hidden=7168, intermediate=256,
+                                                             experts_count=32, top_k=8, fused=True, fp8_x=True)
+    out = np.asarray(jax.jit(lambda *args: jmp.moe_experts(*args, impl=route))(x, ids, gate_up, down))
+    exact, bound = numerics.expected_rows(model)
+    numerics.assert_close(out, exact, bound, what=f"{route} m={m}")
+    numerics.assert_rows_zero(out, model, what=f"{route} m={m}")
