@@ -17,8 +17,8 @@ import numpy as np
 from jax import lax
 
 from jax_moe_publish import protocol
-from jax_moe_publish.block_scaled import BlockScaled
 from jax_moe_publish._abi import FP8_GROUP, RESULTS
+from jax_moe_publish.block_scaled import BlockScaled
 
 
 def checked_int(name: str, value) -> int:
@@ -245,8 +245,6 @@ def check_operand(name, a, ndim, shape=None) -> bool:
     """``a`` is a bf16 array of ``ndim`` dimensions (and ``shape``), or a `BlockScaled` of such a
     shape: float8_e4m3fn values, float32 scales of the same leading dimensions whose last two
     divide the values' exactly. True for a `BlockScaled`."""
-    from jax_moe_publish.block_scaled import BlockScaled
-
     if not isinstance(a, BlockScaled):
         check_array(name, a, ndim, [jnp.bfloat16], shape)
         return False
