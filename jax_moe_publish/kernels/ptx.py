@@ -29,11 +29,13 @@ def _asm(result_type, operands, text, constraints, *, side_effects, loc, ip):
     )
 
 
-def _scalar_at(address, instruction, result_type, register, side_effects, loc, ip, operands=""):
-    """``instruction result, [address]<operands>;`` for one scalar result."""
+def _scalar_at(address, instruction, result_type, register, side_effects, loc, ip, operands="", shared=False):
+    """``instruction result, [address]<operands>;`` for one scalar result; ``shared``: a 32-bit
+    shared-memory address, else a 64-bit one."""
+    address = Int32(address) if shared else Int64(address)
     return _asm(
-        result_type, [Int64(address).ir_value(loc=loc, ip=ip)],
-        f"{instruction} $0, [$1]{operands};", f"={register},l",
+        result_type, [address.ir_value(loc=loc, ip=ip)],
+        f"{instruction} $0, [$1]{operands};", f"={register},{'r' if shared else 'l'}",
         side_effects=side_effects, loc=loc, ip=ip,
     )
 
@@ -177,8 +179,7 @@ def load_shared_words(address, words: int, *, loc=None, ip=None) -> list:
 @dsl_user_op
 def load_shared_u32(address, *, loc=None, ip=None) -> Uint32:
     """Load of one u32 at the 32-bit shared ``address``."""
-    return Uint32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip)], "ld.shared.u32 $0, [$1];", "=r,r",
-                       side_effects=True, loc=loc, ip=ip))
+    return Uint32(_scalar_at(address, "ld.shared.u32", T.i32(), "r", True, loc, ip, shared=True))
 
 
 @dsl_user_op
@@ -192,15 +193,13 @@ def cluster_address(address, cta, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def load_cluster_f32(address, *, loc=None, ip=None) -> Float32:
     """Load of one float at a 32-bit ``shared::cluster`` address (a CTA of the cluster)."""
-    return Float32(_asm(T.f32(), [Int32(address).ir_value(loc=loc, ip=ip)], "ld.shared::cluster.f32 $0, [$1];",
-                        "=f,r", side_effects=True, loc=loc, ip=ip))
+    return Float32(_scalar_at(address, "ld.shared::cluster.f32", T.f32(), "f", True, loc, ip, shared=True))
 
 
 @dsl_user_op
 def load_cluster_s32(address, *, loc=None, ip=None) -> Int32:
     """Load of one int32 at a 32-bit ``shared::cluster`` address (a CTA of the cluster)."""
-    return Int32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip)], "ld.shared::cluster.s32 $0, [$1];",
-                      "=r,r", side_effects=True, loc=loc, ip=ip))
+    return Int32(_scalar_at(address, "ld.shared::cluster.s32", T.i32(), "r", True, loc, ip, shared=True))
 
 
 @dsl_user_op
