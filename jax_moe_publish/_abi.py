@@ -226,6 +226,8 @@ OPERANDS: tuple[Operand, ...] = (
 
 FP8_GROUP = 128
 """Columns that share one scale of the dynamic FP8 out (`reference.quantize_fp8`)."""
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn: a scale is a group's or block's amax over it."""
 
 DTYPES = {"bf16": 2, "f32": 4, "s32": 4, "e4m3": 1}
 """Bytes per element of each operand dtype."""

@@ -12,8 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-FP8_MAX = 448.0
-"""The largest finite float8_e4m3fn."""
+from jax_moe_publish._abi import FP8_MAX
 
 
 @jax.tree_util.register_dataclass
@@ -44,9 +43,8 @@ class BlockScaled:
 
     def dequantize(self) -> jax.Array:
         """The float32 array (each product of an e4m3 value and its scale rounded to float32)."""
-        rows, cols = self.block
-        scales = jnp.repeat(jnp.repeat(self.scales, rows, axis=-2), cols, axis=-1)
-        return self.values.astype(jnp.float32) * scales
+        blocks = _blocks(self.values.astype(jnp.float32), self.block)
+        return (blocks * self.scales[..., :, None, :, None]).reshape(self.shape)
 
     @classmethod
     def quantize(cls, x: jax.Array, block: tuple[int, int] = (128, 128)) -> "BlockScaled":
@@ -58,8 +56,14 @@ class BlockScaled:
         if x.ndim < 2 or x.shape[-2] % rows or x.shape[-1] % cols:
             raise ValueError(f"x.shape={tuple(x.shape)}: expected at least 2 dimensions, the last two multiples "
                              f"of block={tuple(block)}")
-        blocks = x.reshape(*x.shape[:-2], x.shape[-2] // rows, rows, x.shape[-1] // cols, cols)
+        blocks = _blocks(x, block)
         scales = jnp.max(jnp.abs(blocks), axis=(-3, -1)) / jnp.float32(FP8_MAX)
         divisor = jnp.where(scales == 0, jnp.float32(1), scales)[..., :, None, :, None]
         values = (blocks / divisor).reshape(x.shape).astype(jnp.float8_e4m3fn)
         return cls(values, scales)
+
+
+def _blocks(x: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """``x [..., R * rows, C * cols]`` as ``[..., R, rows, C, cols]``: one block per ``(R, C)``."""
+    rows, cols = block
+    return x.reshape(*x.shape[:-2], x.shape[-2] // rows, rows, x.shape[-1] // cols, cols)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_moe_publish import checks, protocol
+from jax_moe_publish._abi import FP8_MAX
 from jax_moe_publish.block_scaled import BlockScaled
 
 
@@ -256,10 +257,6 @@ def quantize_fp8(x: jax.Array, scale: jax.Array | None = None):
     inverse = jnp.float32(1) / jnp.where(zero, jnp.float32(1), scales[..., None])
     q = jnp.where(zero, jnp.float32(0), groups * inverse)
     return _to_fp8(q.reshape(x.shape)), scales
-
-
-FP8_MAX = 448.0
-"""The largest finite float8_e4m3fn."""
 
 
 def _to_fp8(x):

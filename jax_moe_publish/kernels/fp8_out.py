@@ -16,11 +16,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from jax_moe_publish._abi import FP8_GROUP
+from jax_moe_publish._abi import FP8_GROUP, FP8_MAX
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.kernels import ptx
 
-FP8_MAX = 448.0
 SCALE_BYTES = 4
 
 
