@@ -181,9 +181,10 @@ def moe_finalize_publish(
         With the epilogue, ``jnp.float8_e4m3fn`` returns ``out`` quantized
         (`reference.quantize_fp8`): with a scale per row and 128 columns
         (amax * (1 / 448), float32 ``[rows, hidden / 128]``), or with ``out_scale``.
-        The quantizer runs in XLA after the epilogue, on every path.
+        At tp > 1 the epilogue kernels quantize where they make ``out``; elsewhere XLA
+        does, after the epilogue, with the same bits.
     out_scale : float32 scalar or None
-        A static FP8 scale (``out = e4m3(clip(out / out_scale, ±448))``); None
+        A static FP8 scale (``out = e4m3(clip(out * (1 / out_scale), ±448))``); None
         for the per-group scales.
 
     Returns
