@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import fp8_experts
 import numerics
 from jax_moe_publish import _launch, experts, experts_gather, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
@@ -225,12 +226,20 @@ def test_the_gather_route_under_vmap_is_one_call_over_the_batch(rng, count):
         numerics.assert_close(np.asarray(got[b]), exact, bound, what=f"element {b}")
 
 
-def test_tensor_parallel_partials_sum_to_the_whole(rng):
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_tensor_parallel_partials_sum_to_the_whole(rng, weights):
     """Four ranks each hold a quarter of the intermediate columns (split layout, sharded on the
-    last axis): the sum of their partial rows is the whole layer's, within the bound of four
-    bf16 partials."""
+    last axis, down on its rows; FP8 weights in 16 x 16 blocks, their scales sharded alike, a
+    rank's 16 columns or rows one block wide): the sum of their partial rows is the whole
+    layer's, within the bound of four bf16 partials."""
     tp, inter = 4, 64
-    inputs = numerics.random_experts(rng, m=6, hidden=128, intermediate=inter, experts=5, top_k=2)
+    shape = dict(m=6, hidden=128, intermediate=inter, top_k=2)
+    if weights == "fp8":
+        (x, ids, (gate, up), down), inputs = fp8_experts.random_case(rng, **shape, experts_count=5, fused=False,
+                                                                     block=(16, 16))
+    else:
+        inputs = numerics.random_experts(rng, **shape, experts=5)
+        x, ids, gate, up, down = inputs.x, inputs.expert_ids, inputs.gate, inputs.up, inputs.down
     mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
 
     def shard(x, ids, gate, up, down):
@@ -239,7 +248,7 @@ def test_tensor_parallel_partials_sum_to_the_whole(rng):
 
     sharded = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(None, None, "tp"), P(None, None, "tp"),
                                                                   P(None, "tp", None)), out_specs=P()))
-    total = np.asarray(sharded(inputs.x, inputs.expert_ids, inputs.gate, inputs.up, inputs.down))
+    total = np.asarray(sharded(x, ids, gate, up, down))
     exact, bound = numerics.expected_rows(inputs)
     # Each rank rounds its partial to bf16 once more than the whole layer would.
     numerics.assert_close(total, exact, bound + numerics.BF16_EPS * np.abs(exact) * tp, what="sum of partials")

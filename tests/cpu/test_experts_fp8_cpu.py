@@ -1,6 +1,6 @@
 """The experts op with `BlockScaled` FP8 operands, on CPU: the pure routes against a float64 model
 of the same dequantized blocks, FP8 activations from the epilogue's quantizer, the named errors,
-and the op under vmap and shard_map."""
+and the op under vmap (under shard_map: `test_experts_cpu`'s tensor-parallel test)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 import fp8_experts
 import numerics
@@ -87,25 +85,6 @@ def test_quantize_names_a_shape_its_block_does_not_divide():
     with pytest.raises(ValueError, match=r"x.shape=\(4, 100, 128\): expected at least 2 dimensions, the last two "
                                          r"multiples of block=\(128, 128\)"):
         jmp.BlockScaled.quantize(jnp.ones((4, 100, 128)))
-
-
-def test_tensor_parallel_fp8_partials_sum_to_the_whole(rng):
-    """Two ranks each hold half of the intermediate columns, the FP8 values and their block
-    scales sharded alike (split layout, 128-column blocks): the sum of their partial rows is
-    the whole layer's, within the bound of two bf16 partials."""
-    tp = 2
-    (x, ids, (gate, up), down), model = fp8_experts.random_case(rng, m=6, hidden=256, intermediate=256, experts_count=5, top_k=2,
-                                                  fused=False)
-    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
-
-    def shard(x, ids, gate, up, down):
-        return jax.lax.psum(experts.moe_experts(x, ids, (gate, up), down).astype(jnp.float32), "tp")
-
-    columns, rows = P(None, None, "tp"), P(None, "tp", None)
-    sharded = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), columns, columns, rows), out_specs=P()))
-    total = np.asarray(sharded(x, ids, gate, up, down))
-    exact, bound = numerics.expected_rows(model)
-    numerics.assert_close(total, exact, bound + numerics.BF16_EPS * np.abs(exact) * tp, what="sum of FP8 partials")
 
 
 def test_the_derivative_in_x_through_fp8_weights_is_the_reference_s(rng):
