@@ -367,7 +367,8 @@ def test_fp8_op_is_the_bf16_op_quantized(result, static, tp, rng):
     config = tuning.kernel_config(problem, tp=tp, m=None, result=result, epilogue="rmsnorm")
     scale = np.float32(0.02)
     fp8 = dict(out_dtype=jnp.float8_e4m3fn, out_scale=jnp.float32(scale) if static else None)
-    cpu = jax.devices("cpu")[0]
+    # This process's CPU: with rank processes, jax.devices lists every process's devices.
+    cpu = jax.local_devices(backend="cpu")[0]
     with jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, result=result) as mailbox:
         for m in M_VALUES:
             problems, residual, norm_weight = _epilogue_problem(config, m, rng)
