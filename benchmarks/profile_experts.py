@@ -52,20 +52,29 @@ def configs(args, config):
     return [base] + [base.replace(**parse_variant(variant)) for variant in args.variant]
 
 
-def time_call(op, layers, xs, ids, calls: int) -> float:
+def weights_for(config, layers):
+    """Each layer's weights as ``config`` reads them: `jmp.prepare_experts`'s tiled order for a
+    config with ``tiled_weights`` (``down`` then None), else the arrays as drawn."""
+    if config is None or not config.tiled_weights:
+        return [(layer["gate_up"], layer["down"]) for layer in layers]
+    prepare = jax.jit(lambda gate_up, down: jmp.prepare_experts(gate_up, down, config=config))
+    return [(prepare(layer["gate_up"], layer["down"]), None) for layer in layers]
+
+
+def time_call(op, weights, xs, ids, calls: int) -> float:
     """µs per call of ``op`` over the layers in turn, ``calls`` calls after one pass of warm-up."""
     def one_pass():
-        for layer in range(len(layers)):
-            rows = op(xs[layer], ids[layer], layers[layer]["gate_up"], layers[layer]["down"])
+        for layer in range(len(weights)):
+            rows = op(xs[layer], ids[layer], *weights[layer])
         return rows
 
     one_pass().block_until_ready()
-    passes = max(1, calls // len(layers))
+    passes = max(1, calls // len(weights))
     start = time.perf_counter()
     for _ in range(passes):
         rows = one_pass()
     rows.block_until_ready()
-    return (time.perf_counter() - start) / (passes * len(layers)) * 1e6
+    return (time.perf_counter() - start) / (passes * len(weights)) * 1e6
 
 
 def main(argv=None) -> int:
@@ -105,12 +114,13 @@ def main(argv=None) -> int:
         op = jax.jit(lambda x, ids, gate_up, down, c=chosen_config: jmp.moe_experts(x, ids, gate_up, down,
                                                                                     impl=args.impl, config=c))
         label = "default" if index == 0 else args.variant[index - 1]
+        weights = weights_for(chosen_config, layers)
         if args.time:
-            us = time_call(op, layers, xs, ids, args.calls)
+            us = time_call(op, weights, xs, ids, args.calls)
             print(f"  {label}: {us:.1f} us per call over {count} layers ({chosen[index].key if chosen_config else ''})")
         else:
             for _ in range(args.calls):
-                rows = op(xs[0], ids[0], layers[0]["gate_up"], layers[0]["down"])
+                rows = op(xs[0], ids[0], *weights[0])
             rows.block_until_ready()
             print(f"  {label}: {args.calls} calls")
     return 0

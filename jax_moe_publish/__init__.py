@@ -10,8 +10,9 @@ group through Lamport mailboxes that peers write over NVLink, in one custom call
 from jax_moe_publish import reference
 from jax_moe_publish.block_scaled import BlockScaled
 from jax_moe_publish.config import KernelConfig
-from jax_moe_publish.experts import moe_experts
+from jax_moe_publish.experts import moe_experts, prepare_experts
 from jax_moe_publish.experts_config import ExpertsConfig
+from jax_moe_publish.experts_layout import PreparedExperts
 from jax_moe_publish.mailbox import Mailbox, MailboxStatusError
 from jax_moe_publish.memory.process_group import ProcessGroupError
 from jax_moe_publish.op import moe_finalize_publish, sharded_moe_finalize_publish
@@ -22,9 +23,11 @@ __all__ = [
     "KernelConfig",
     "Mailbox",
     "MailboxStatusError",
+    "PreparedExperts",
     "ProcessGroupError",
     "moe_experts",
     "moe_finalize_publish",
+    "prepare_experts",
     "reference",
     "sharded_moe_finalize_publish",
 ]

@@ -19,6 +19,7 @@ from jax import lax
 from jax_moe_publish import protocol
 from jax_moe_publish._abi import FP8_GROUP, RESULTS
 from jax_moe_publish.block_scaled import BlockScaled
+from jax_moe_publish.experts_layout import PreparedExperts, Tiling
 
 
 def checked_int(name: str, value) -> int:
@@ -239,6 +240,8 @@ class ExpertsShape(NamedTuple):
     fused: bool
     block_scaled: bool = False
     """Some operand is a `BlockScaled` FP8 array."""
+    tiling: Tiling | None = None
+    """The weights came as a `PreparedExperts` in this tiled order."""
 
 
 def check_operand(name, a, ndim, shape=None) -> bool:
@@ -258,12 +261,10 @@ def check_operand(name, a, ndim, shape=None) -> bool:
 
 
 def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
-    """The experts op's arrays: ``x`` bf16 [m, hidden], ``expert_ids`` int32 [m, top_k], ``gate_up``
-    bf16 [experts, hidden, 2 * intermediate] or a pair ``(gate, up)`` of bf16 [experts, hidden,
-    intermediate], ``down`` bf16 [experts, intermediate, hidden], where any of x and the weights
-    may instead be a `BlockScaled` FP8 array of that shape (`check_operand`); their
-    `ExpertsShape`."""
-    scaled = [check_operand("x", x, 2)]
+    """The experts op's arrays: ``x`` bf16 [m, hidden], ``expert_ids`` int32 [m, top_k], and
+    the weights (`check_expert_weights`), or a `PreparedExperts` as ``gate_up`` with ``down``
+    None; their `ExpertsShape`."""
+    scaled = check_operand("x", x, 2)
     m, hidden = x.shape
     check_array("expert_ids", expert_ids, 2, [jnp.int32])
     if expert_ids.shape[0] != m:
@@ -272,11 +273,37 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
     top_k = expert_ids.shape[1]
     if top_k < 1:
         raise ValueError(f"expert_ids.shape={tuple(expert_ids.shape)}: expected at least one expert per token")
-    scaled.append(check_operand("down", down, 3))
+    tiling = None
+    if isinstance(gate_up, PreparedExperts):
+        if down is not None:
+            raise ValueError("down: expected None with a PreparedExperts as gate_up (it holds down), got "
+                             f"{type(down).__name__}")
+        tiling = gate_up.tiling
+        gate_up, down = gate_up.gate_up, gate_up.down
+        for name, part in (("gate_up.gate_up", gate_up), ("gate_up.down", down)):
+            if isinstance(part, BlockScaled):
+                raise ValueError(f"{name}: a BlockScaled array; a PreparedExperts holds bf16 weights")
+    elif down is None:
+        raise ValueError("down: expected bf16 [experts, intermediate, hidden], got None (only a PreparedExperts "
+                         "as gate_up holds down)")
+    experts, _, intermediate, fused, weights_scaled = check_expert_weights(gate_up, down, hidden=hidden,
+                                                                          hidden_from=f"x.shape={tuple(x.shape)}")
+    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused, scaled or weights_scaled, tiling)
+
+
+def check_expert_weights(gate_up, down, *, hidden: int | None = None,
+                         hidden_from: str = "") -> tuple[int, int, int, bool, bool]:
+    """The experts' weights: ``gate_up`` bf16 [experts, hidden, 2 * intermediate] or a pair
+    ``(gate, up)`` of bf16 [experts, hidden, intermediate], ``down`` bf16 [experts,
+    intermediate, hidden] (``hidden`` as given, from ``hidden_from``, else down's), where any
+    may instead be a `BlockScaled` FP8 array of that shape (`check_operand`). Returns
+    ``(experts, hidden, intermediate, fused, some BlockScaled)``."""
+    scaled = [check_operand("down", down, 3)]
     experts, intermediate, down_hidden = down.shape
+    hidden = down_hidden if hidden is None else hidden
     if down_hidden != hidden or experts < 1 or intermediate < 1:
         raise ValueError(f"down.shape={tuple(down.shape)}: expected [experts, intermediate, hidden={hidden}] "
-                         f"(hidden of x.shape={tuple(x.shape)}), experts and intermediate >= 1")
+                         f"(hidden of {hidden_from}), experts and intermediate >= 1")
     if isinstance(gate_up, (tuple, list)):
         if len(gate_up) != 2:
             raise ValueError(f"gate_up: a {type(gate_up).__name__} of {len(gate_up)} arrays, expected one array "
@@ -287,4 +314,4 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
     else:
         scaled.append(check_operand("gate_up", gate_up, 3, shape=(experts, hidden, 2 * intermediate)))
         fused = True
-    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused, any(scaled))
+    return experts, hidden, intermediate, fused, any(scaled)

@@ -7,16 +7,21 @@ token-expert pair, reading each active expert's weights once.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax import lax
 
-from jax_moe_publish import _launch, batching, checks, experts_gather, experts_tuning, reference
+import jax.numpy as jnp
+
+from jax_moe_publish import _launch, batching, checks, experts_gather, experts_layout, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
+from jax_moe_publish.experts_layout import PreparedExperts, Tiling
 
 IMPLS = ("auto", "kernel", "gather", "reference")
 
 
-def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *, impl: str = "auto",
+def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | None = None, *, impl: str = "auto",
                 config: ExpertsConfig | None = None) -> jax.Array:
     """The routed experts of one rank's shard at decode: every pair of a token and one of its
     ``top_k`` experts through that expert's SwiGLU MLP.
@@ -53,9 +58,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
     expert_ids : int32 [m, top_k]
         Each token's experts; an id outside ``[0, experts)`` skips its pair.
     gate_up : bf16 [experts, hidden, 2 * intermediate], or a pair ``(gate, up)`` of bf16
-        [experts, hidden, intermediate]
+        [experts, hidden, intermediate], or a `PreparedExperts`
         Gate and up projections: fused, gate columns first, or as two arrays (MaxText's
-        ``wi_0`` and ``wi_1``).
+        ``wi_0`` and ``wi_1``). Or every weight in the kernels' tiled order
+        (`prepare_experts`), with ``down`` left out: the kernels read it in whole blocks.
     down : bf16 [experts, intermediate, hidden]
         Down projections (MaxText's ``wo``).
 
@@ -75,8 +81,11 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
         `jax.lax.ragged_dot`). ``auto``: on CUDA devices the route that a measured table
         (`experts_tuning`) found fastest at this shape and m (the kernels only where they can
         run); the reference where the table has no entry, and on every other platform.
+        With a `PreparedExperts`, ``auto`` is the kernels on CUDA devices where they take the
+        shape; the other routes, and ``auto`` elsewhere, undo the tiling in every call first.
     config : ExpertsConfig, optional
-        The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape.
+        The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape. With
+        a `PreparedExperts`, the config it was prepared for, with ``tiled_weights``.
 
     Returns
     -------
@@ -87,7 +96,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     if config is not None:
         _check_config(config, shape)
-    why_not = _why_no_kernels(shape)
+    why_not = _why_no_kernels(shape, config)
     gpus = [device.local_hardware_id for device in jax.local_devices(backend="gpu")] if _has_gpus() else []
     if impl == "kernel" and (why_not or not gpus):
         raise ValueError(f"impl='kernel': {why_not or 'no CUDA device in this process'}; use impl='auto', "
@@ -95,26 +104,62 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *
     route = impl
     if impl == "auto":
         # The table holds runs on CUDA devices: on any other platform auto runs the reference.
-        route = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
-                                         experts=shape.experts, top_k=shape.top_k, m=shape.m) if gpus else "reference"
+        route = "reference"
+        if gpus and shape.tiling is not None:
+            route = "kernel"
+        elif gpus:
+            route = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
+                                             experts=shape.experts, top_k=shape.top_k, m=shape.m)
         if route == "kernel" and why_not:
             route = "reference"
-    gate, up = (gate_up, None) if shape.fused else gate_up
+    if shape.tiling is not None:
+        gate, up, down = gate_up.gate_up, None, gate_up.down
+    else:
+        gate, up = (gate_up, None) if shape.fused else gate_up
+    # The pure routes on the weights' rows: tiled weights are put back in them first.
+    pure = {name: _untiling(route_fn, shape.tiling) for name, route_fn in (("reference", _reference),
+                                                                           ("gather", _gather))}
     if route == "kernel":
         set_id = _launch.load(config or _default_config(shape), gpus)
 
         def kernels(x, expert_ids, gate, up, down):
             return _call_kernels(set_id, x, expert_ids, gate, up, down)
 
-        experts = _on_cuda(kernels)
+        experts = _on_cuda(kernels, pure["reference"])
     elif route == "gather" and impl == "auto":
-        experts = _on_cuda(_gather)
+        experts = _on_cuda(pure["gather"], pure["reference"])
     else:
-        experts = _gather if route == "gather" else _reference
+        experts = pure[route]
     # A batch is one call on every path: the kernels' FFI call and ragged_dot have no vmap rule
     # for a batched lhs, and the gather route reads each active expert once for the whole batch.
     experts = batching.folding_expert_batches(experts, max_pairs=MAX_PAIRS if route == "kernel" else None)
-    return _differentiable(experts)(x, expert_ids, gate, up, down)
+    return _differentiable(experts, pure["reference"])(x, expert_ids, gate, up, down)
+
+
+def prepare_experts(gate_up, down: jax.Array, *, config: ExpertsConfig | None = None) -> PreparedExperts:
+    """One rank's expert weights in the kernels' tiled order, for `moe_experts`.
+
+    ``gate_up`` and ``down`` are `moe_experts`'s bf16 weights (fused ``[experts, hidden, 2 *
+    intermediate]`` or the pair ``(gate, up)``; ``[experts, intermediate, hidden]``). ``config``:
+    the launch shapes the order is made for (`Tiling`: each kernel's ``warps_n`` and
+    ``warp_cols``); by default `ExpertsConfig.for_shape`'s, which `moe_experts` then uses. A
+    permutation of the bytes within each expert, exact; `PreparedExperts.untiled` undoes it.
+    Pure JAX: run it once (under ``jit``, or inside ``shard_map`` on each rank's slices), not in
+    every step.
+    """
+    experts, hidden, intermediate, fused, scaled = checks.check_expert_weights(gate_up, down, hidden_from="down")
+    if scaled:
+        raise ValueError("prepare_experts: the tiled order is for bf16 weights; some weight is a BlockScaled "
+                         "(FP8) array")
+    if config is None:
+        config = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=1)
+    elif not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config: expected a jax_moe_publish.ExpertsConfig, got {type(config).__name__}")
+    elif (config.hidden, config.intermediate, config.experts) != (hidden, intermediate, experts):
+        raise ValueError(f"config: hidden={config.hidden}, intermediate={config.intermediate}, "
+                         f"experts={config.experts}; expected the arrays' {hidden}, {intermediate}, {experts}")
+    fused_gate_up = gate_up if fused else jnp.concatenate(gate_up, axis=-1)
+    return experts_layout.tile(fused_gate_up, down, Tiling.of(config))
 
 
 def _gate_up(gate, up):
@@ -130,12 +175,25 @@ def _gather(x, expert_ids, gate, up, down):
     return experts_gather.moe_experts(x, expert_ids, _gate_up(gate, up), down)
 
 
-def _on_cuda(route):
-    """``route`` where the computation runs on a CUDA device, the reference elsewhere: the
+def _untiling(route, tiling: Tiling | None):
+    """``route`` on weights in the tiled order of ``tiling`` (the fused gate_up, down): their
+    rows put back first. ``route`` itself where ``tiling`` is None."""
+    if tiling is None:
+        return route
+
+    def untiled(x, expert_ids, gate_up, up, down):
+        gate_up, down = PreparedExperts(gate_up, down, tiling).untiled()
+        return route(x, expert_ids, gate_up, None, down)
+
+    return untiled
+
+
+def _on_cuda(route, reference_route):
+    """``route`` where the computation runs on a CUDA device, ``reference_route`` elsewhere: the
     platform it runs on decides, not only the devices this process has."""
 
     def experts(x, expert_ids, gate, up, down):
-        return lax.platform_dependent(x, expert_ids, gate, up, down, cuda=route, default=_reference)
+        return lax.platform_dependent(x, expert_ids, gate, up, down, cuda=route, default=reference_route)
 
     return experts
 
@@ -147,36 +205,43 @@ def _has_gpus() -> bool:
         return False
 
 
-def _why_no_kernels(shape: checks.ExpertsShape) -> str | None:
-    """Why the kernels cannot take a call of ``shape``, or None: no config of the shape exists
-    (`ExpertsConfig`'s checks say why), the call has more pairs than they hold, or an operand
-    is FP8."""
+def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = None) -> str | None:
+    """Why the kernels cannot take a call of ``shape`` (with ``config``, else the default), or
+    None: no config of the shape exists (`ExpertsConfig`'s checks say why), the call has more
+    pairs than they hold, or an operand is FP8."""
     if shape.block_scaled:
         return "the kernels take bf16 x and weights only so far, and some operand is a BlockScaled (FP8) array"
     if shape.m * shape.top_k > MAX_PAIRS:
         return (f"m * top_k = {shape.m} x {shape.top_k} = {shape.m * shape.top_k} pairs, more than the kernels' "
                 f"{MAX_PAIRS}")
-    try:
-        _default_config(shape)
-    except ValueError as error:
-        return f"the kernels take no call of this shape: {error}"
+    if config is None:
+        try:
+            _default_config(shape)
+        except ValueError as error:
+            return f"the kernels take no call of this shape: {error}"
     return None
 
 
 def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
-    return ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
-                                   top_k=shape.top_k, fused_gate_up=shape.fused)
+    """`ExpertsConfig.for_shape`'s config of ``shape``, reading the tiled order of its prepared
+    weights where they are."""
+    config = ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
+                                     top_k=shape.top_k, fused_gate_up=shape.fused)
+    return config if shape.tiling is None else shape.tiling.config_for(config)
 
 
 def _check_config(config, shape: checks.ExpertsShape) -> None:
     if not isinstance(config, ExpertsConfig):
         raise TypeError(f"config: expected a jax_moe_publish.ExpertsConfig, got {type(config).__name__}")
     call = dict(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts, top_k=shape.top_k,
-                fused_gate_up=shape.fused)
+                fused_gate_up=shape.fused, tiled_weights=shape.tiling is not None)
+    if shape.tiling is not None:
+        call.update(dataclasses.asdict(shape.tiling))
     differ = {name: (getattr(config, name), value) for name, value in call.items() if getattr(config, name) != value}
     if differ:
         listed = ", ".join(f"{name}={got!r} (the arrays give {want!r})" for name, (got, want) in differ.items())
-        raise ValueError(f"config: {listed}; expected a config of the arrays' shape")
+        raise ValueError(f"config: {listed}; expected a config of the arrays' shape"
+                         f"{' and of the tiled order they were prepared in' if shape.tiling else ''}")
 
 
 def _call_kernels(set_id, x, expert_ids, gate, up, down):
@@ -191,8 +256,9 @@ def _call_kernels(set_id, x, expert_ids, gate, up, down):
     return out
 
 
-def _differentiable(experts):
-    """``experts`` with the reference's derivative at the same inputs."""
+def _differentiable(experts, reference_route):
+    """``experts`` with the derivative of ``reference_route`` (the reference, on the weights as
+    they come) at the same inputs."""
 
     @jax.custom_jvp
     def differentiable(x, expert_ids, gate, up, down):
@@ -203,7 +269,7 @@ def _differentiable(experts):
         x, expert_ids, gate, up, down = primals
 
         def math(x, gate, up, down):
-            return _reference(x, expert_ids, gate, up, down)
+            return reference_route(x, expert_ids, gate, up, down)
 
         _, tangent = jax.jvp(math, (x, gate, up, down), (tangents[0], tangents[2], tangents[3], tangents[4]))
         return experts(*primals), tangent

@@ -25,6 +25,8 @@ MMA_TOKENS = 8
 """Tokens (the mma's N) of one tensor-core instruction."""
 MMA_K = 16
 """Rows of K of one tensor-core instruction."""
+LANE_ROWS = (0, 1, 8, 9)
+"""The rows of a 16-row K step that lane ``4g + q`` loads, after ``2q``: its A and B fragments' rows."""
 WARP_COLS = (32, 64)
 """Columns a warp covers: its lanes load 8 or 16 contiguous bytes of a weight row."""
 MAX_EXPERTS = 1024
@@ -42,7 +44,7 @@ ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
-_BOOL_FIELDS = ("fused_gate_up", "async_loads", "enable_pdl")
+_BOOL_FIELDS = ("fused_gate_up", "async_loads", "tiled_weights", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -59,7 +61,8 @@ class GemmShape:
     16-31 the same columns of up, so a warp yields ``warp_cols / 2`` SwiGLU columns;
     ``split_k``: CTAs of a cluster that each take ``k / split_k`` consecutive rows of an item
     (their sums added in cluster order); ``async_loads``: each warp's ``unroll`` steps in
-    flight are ``cp.async`` copies into its own ring of shared memory."""
+    flight are ``cp.async`` copies into its own ring of shared memory; ``tiled``: the weights
+    are in the tiled order (`tiled_offset`), else in their ``[k, columns]`` rows."""
 
     k: int
     columns: int
@@ -71,6 +74,7 @@ class GemmShape:
     token_tiles: int
     split_k: int = 1
     async_loads: bool = False
+    tiled: bool = False
 
     @property
     def threads(self) -> int:
@@ -106,6 +110,39 @@ class GemmShape:
     @property
     def k_steps_per_warp(self) -> int:
         return self.k_rows_per_cta // MMA_K // self.warps_k
+
+    @property
+    def raw_item_columns(self) -> int:
+        """Weight columns of one work item (gate and up columns both, when gated)."""
+        return self.warps_n * self.warp_cols
+
+    @property
+    def tile_lane_bytes(self) -> int:
+        """Bytes one lane loads of one of its four rows of a K step: ``warp_cols / 8`` columns."""
+        return self.lane_words * 4
+
+    @property
+    def tile_row_bytes(self) -> int:
+        """One of a warp's four loads of a K step in the tiled order: its 32 lanes' bytes."""
+        return 32 * self.tile_lane_bytes
+
+    @property
+    def tile_step_bytes(self) -> int:
+        """A K step (16 rows) of an item's columns in the tiled order: 4 rows of each warp side by side."""
+        return self.warps_n * 4 * self.tile_row_bytes
+
+    @property
+    def tile_item_bytes(self) -> int:
+        return self.k // MMA_K * self.tile_step_bytes
+
+    def tiled_offset(self, item: int, step: int, w_n: int, row: int, lane: int) -> int:
+        """The byte offset, within an expert's weights in the tiled order, of what lane ``lane``
+        of warp ``w_n`` loads as its row ``row`` (`LANE_ROWS`: rows ``2q``, ``+1``, ``+8``,
+        ``+9``) of K step ``step`` of column block ``item``: each item is contiguous, its K
+        steps in order, each step warp by warp, each warp's step as four 32-lane loads of
+        consecutive bytes. `experts_layout` builds this order; the kernels read it."""
+        return (item * self.tile_item_bytes + step * self.tile_step_bytes + w_n * 4 * self.tile_row_bytes
+                + row * self.tile_row_bytes + lane * self.tile_lane_bytes)
 
     def reduction_bytes(self) -> int:
         """Shared memory for the partial sums of the warps that split K (0 without a split):
@@ -178,6 +215,10 @@ class ExpertsConfig:
         Both kernels' weight and token loads as ``cp.async`` copies into a ring of ``unroll``
         K steps per warp in shared memory, refilled one step at a time, instead of register
         loads that the compiler may schedule after the first ``mma``.
+    tiled_weights : bool
+        The weights come in `prepare_experts`'s tiled order for this config's work items
+        (`GemmShape.tiled_offset`): each item's bytes contiguous, every warp load 32 lanes of
+        consecutive bytes. Needs ``fused_gate_up`` (the tiled gate and up are one array).
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
@@ -201,6 +242,7 @@ class ExpertsConfig:
     down_warp_cols: int = 64
     down_unroll: int = 4
     async_loads: bool = False
+    tiled_weights: bool = False
     enable_pdl: bool = True
     arch: str = "sm_90a"
 
@@ -222,6 +264,8 @@ class ExpertsConfig:
             _require(getattr(self, name) > 0 and getattr(self, name) % MMA_K == 0, name, getattr(self, name),
                      f"a positive multiple of {MMA_K} (the tensor cores' K step)")
         _require(self.gate_up_split_k in SPLIT_K, "gate_up_split_k", self.gate_up_split_k, f"one of {SPLIT_K}")
+        _require(self.fused_gate_up or not self.tiled_weights, "fused_gate_up", self.fused_gate_up,
+                 "True with tiled_weights (the tiled gate and up are one array)")
         for role in ("gate_up", "down"):
             shape = self.gemm(role)
             prefix = f"{role}_"
@@ -249,9 +293,10 @@ class ExpertsConfig:
         if role == "gate_up":
             return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
                              self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles, self.gate_up_split_k,
-                             self.async_loads)
+                             self.async_loads, self.tiled_weights)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
-                         self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.async_loads)
+                         self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.async_loads,
+                         self.tiled_weights)
 
     def shared_bytes(self, role: str) -> int:
         """Dynamic shared memory of the ``gate_up`` or ``down`` kernel."""
@@ -295,7 +340,7 @@ class ExpertsConfig:
         """Names the cubin: readable prefix + hash of every field (but the later fields at their
         defaults, so that the keys from before them still name the same cubins)."""
         fields = self.to_dict()
-        for name, default in (("gate_up_split_k", 1), ("async_loads", False)):
+        for name, default in (("gate_up_split_k", 1), ("async_loads", False), ("tiled_weights", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

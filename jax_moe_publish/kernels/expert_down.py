@@ -41,7 +41,7 @@ class ExpertDownKernel:
     def expert_down(
         self,
         expert_ids: Int64,  # (m, top_k) int32
-        down: Int64,  # (experts, intermediate, hidden) bf16
+        down: Int64,  # (experts, intermediate, hidden) bf16, in rows or tiled (`GemmShape.tiled_offset`)
         activations: Int64,  # (m * top_k, intermediate) bf16, the gate/up kernel's
         out: Int64,  # (m * top_k, hidden) bf16
         m: Int32,
@@ -70,12 +70,12 @@ class ExpertDownKernel:
             expert = sActive[item // s.items_per_expert]
             column = (item % s.items_per_expert) * s.item_columns + lane_column
             start, count = sStart[expert], sCount[expert]
-            weights = down + Int64(expert) * expert_bytes + Int64(column) * BF16_BYTES
+            walk = self.tiles.weight_walk(down + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
+                                          lane_column, Int64(0), w_n, lane, q)
             for first in cutlass.range(0, count, s.tokens_per_pass):
                 token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group, activations,
                                                                activation_row_bytes, 1)
-                self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, True,
-                                      sRing, warp, lane)
+                self.tiles.accumulate(rAcc, walk, token_rows, token_live, w_k, q, True, sRing, warp, lane)
                 self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
                 if w_k == 0:
                     for i in cutlass.range_constexpr(s.mma_tiles):

@@ -14,7 +14,8 @@ Each warp reads ``warp_cols / 2`` columns of gate and the same of up, so lanes `
 clusters of that many CTAs: cluster ``c`` takes the items ``c, c + clusters, ...``, its CTA
 ``r`` the ``r``-th range of ``hidden / split_k`` consecutive rows of each, and the CTAs' sums
 are added in cluster order before the SwiGLU (`ExpertTiles.add_cluster_partials`), so an item's
-weight rows are read in whole spans of its columns by one CTA.
+weight rows are read in whole spans of its columns by one CTA. With ``tiled_weights`` the gate
+and up weights are one array in the tiled order (`GemmShape.tiled_offset`).
 """
 
 from __future__ import annotations
@@ -110,20 +111,21 @@ class ExpertGateUpKernel:
         group, q = lane // 4, lane % 4
         # This lane's columns within an item: its group's, among gate's (groups 0-3) or up's.
         lane_column = w_n * (s.warp_cols // 2) + (group % 4) * (s.warp_cols // 8)
-        matrix = cutlass.select_(group >= 4, up, gate)
+        # Tiled, gate and up are one array: the order puts each lane's columns where it reads.
+        matrix = gate if cutlass.const_expr(s.tiled) else cutlass.select_(group >= 4, up, gate)
         expert_bytes = cfg.hidden * row_bytes
         items = sTotals[ACTIVE] * s.items_per_expert
         for item in cutlass.range(cluster, items, clusters):
             expert = sActive[item // s.items_per_expert]
             column = (item % s.items_per_expert) * s.item_columns + lane_column
             start, count = sStart[expert], sCount[expert]
-            weights = matrix + Int64(expert) * expert_bytes + k_begin * row_bytes + Int64(column) * BF16_BYTES
+            walk = self.tiles.weight_walk(matrix + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
+                                          lane_column, k_begin, w_n, lane, q)
             for first in cutlass.range(0, count, s.tokens_per_pass):
                 token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group,
                                                                x + k_begin * BF16_BYTES, cfg.hidden * BF16_BYTES,
                                                                cfg.top_k)
-                self.tiles.accumulate(rAcc, weights, row_bytes, token_rows, token_live, w_k, q, False,
-                                      sRing, warp, lane)
+                self.tiles.accumulate(rAcc, walk, token_rows, token_live, w_k, q, False, sRing, warp, lane)
                 self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
                 if cutlass.const_expr(s.split_k > 1):
                     if self.tiles.add_cluster_partials(rAcc, sPartials, w_k, w_n, lane, cluster_rank):

@@ -6,14 +6,15 @@ and up to ``8 * token_tiles`` tokens ``t``, over its share of K (the 16-row step
 ``w_k + warps_k``, ...), with ``mma.sync.m16n8k16``: the weights are the mma's A (columns as
 its rows: "swap AB", since decode has far more columns than tokens), the tokens' rows its B.
 
-Weights stay in their ``[k, columns]`` layout in global memory, columns contiguous. Lane ``l``
-(group ``g = l // 4``, ``q = l % 4``) loads ``warp_cols / 8`` contiguous columns of rows
-``k0 + 2q``, ``+1``, ``+8`` and ``+9`` of each step: its group's columns are the A rows ``g``
-(even columns) and ``g + 8`` (odd) of consecutive mma tiles, and ``prmt`` pairs the two rows
-of each A register. The same lane loads its token's B words, ``X[t, k0 + 2q .. +1]`` and
+Lane ``l`` (group ``g = l // 4``, ``q = l % 4``) loads ``warp_cols / 8`` contiguous columns of
+rows ``k0 + 2q``, ``+1``, ``+8`` and ``+9`` of each step: its group's columns are the A rows
+``g`` (even columns) and ``g + 8`` (odd) of consecutive mma tiles, and ``prmt`` pairs the two
+rows of each A register. The same lane loads its token's B words, ``X[t, k0 + 2q .. +1]`` and
 ``[k0 + 2q + 8 .. +9]``, for the token of column ``g`` of each 8-token tile. Each weight is
-read once per pass: a group's 8 or 16 bytes of a row are one sector's half or whole, and a
-warp reads 64 or 128 contiguous bytes of each of its 16 rows.
+read once per pass. In the weights' ``[k, columns]`` rows a group's 8 or 16 bytes of a row
+are one sector's half or whole, and a warp reads 64 or 128 contiguous bytes of each of its 16
+rows; in the tiled order (`GemmShape.tiled_offset`) each of a warp's four loads of a step is
+512 or 1024 consecutive bytes, and a work item's bytes are one contiguous block.
 
 Accumulators ``[mma tile, token tile, 4]`` hold the mma's D fragment: ``c0 = D[g][2q]``,
 ``c1 = D[g][2q + 1]``, ``c2 = D[g + 8][2q]``, ``c3 = D[g + 8][2q + 1]``, i.e. columns
@@ -24,17 +25,17 @@ result has one summation order whatever m and the tokens beside it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32, Int64, Uint32
 
-from jax_moe_publish.experts_config import MMA_K, MMA_TOKENS, SMEM_ALIGNMENT, GemmShape
+from jax_moe_publish.experts_config import LANE_ROWS, MMA_K, MMA_TOKENS, SMEM_ALIGNMENT, GemmShape
 from jax_moe_publish.kernels import ptx
 
 BF16_BYTES = 2
-ROWS = (0, 1, 8, 9)
-"""The rows of a 16-row step that a lane loads, after ``2q``: its A and B fragments' rows."""
 
 def _allocate_row_major(shape):
     """Float32 shared memory of ``shape``, row-major (CuTe's default is column-major): with the
@@ -42,6 +43,15 @@ def _allocate_row_major(shape):
     strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
     layout = cute.make_layout(shape, stride=strides)
     return cutlass.memory.SmemAllocator().allocate_tensor(Float32, layout, byte_alignment=SMEM_ALIGNMENT)
+
+
+class WeightWalk(NamedTuple):
+    """Where a lane's weight loads are: its row ``r`` (`LANE_ROWS`) of the K step from row ``k0``
+    at ``start + k0 * k_row_bytes + row_offsets[r]`` (the two are compile-time constants)."""
+
+    start: Int64
+    k_row_bytes: int
+    row_offsets: tuple
 
 
 class ExpertTiles:
@@ -93,13 +103,29 @@ class ExpertTiles:
             token_live.append(live)
         return token_rows, token_live
 
+    def weight_walk(self, expert_weights: Int64, row_bytes: int, item_in_expert, lane_column, k_begin: Int64, w_n,
+                    lane, q) -> WeightWalk:
+        """This lane's `WeightWalk` through an item's K steps from row ``k_begin``, with
+        ``expert_weights`` the address of the expert's weights (the lane's matrix: gate or up,
+        in the split layout). In the weights' rows (stride ``row_bytes``) the lane's columns
+        start at ``item_in_expert * item_columns + lane_column``; in the tiled order
+        (`GemmShape.tiled_offset`) the item is one block."""
+        s = self.shape
+        if cutlass.const_expr(s.tiled):
+            k_row_bytes = s.tile_step_bytes // MMA_K
+            start = (expert_weights + Int64(item_in_expert) * s.tile_item_bytes + k_begin * k_row_bytes
+                     + Int64(w_n * 4 * s.tile_row_bytes + lane * s.tile_lane_bytes))
+            return WeightWalk(start, k_row_bytes, tuple(r * s.tile_row_bytes for r in range(4)))
+        column = item_in_expert * s.item_columns + lane_column
+        start = expert_weights + k_begin * row_bytes + Int64(column) * BF16_BYTES + Int64(2 * q) * row_bytes
+        return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS))
+
     @cute.jit
-    def accumulate(self, rAcc, weights: Int64, row_bytes: int, token_rows, token_live, w_k, q,
+    def accumulate(self, rAcc, walk: WeightWalk, token_rows, token_live, w_k, q,
                    cached_tokens: cutlass.Constexpr[bool], sRing, warp, lane) -> None:
-        """``rAcc`` = this warp's sums over its share of K. ``weights``: the address of this lane's
-        first column in row 0; ``row_bytes``: a weight row's stride. ``token_rows[j]``: the
-        address of row 0 of the token of column ``g`` of token tile ``j`` (Int32
-        ``token_live[j]`` is 0 where that column holds no token: its B words are 0).
+        """``rAcc`` = this warp's sums over its share of K, the weights where ``walk`` says.
+        ``token_rows[j]``: the address of row 0 of the token of column ``g`` of token tile ``j``
+        (Int32 ``token_live[j]`` is 0 where that column holds no token: its B words are 0).
         ``cached_tokens``: the token rows were written earlier in the call (load them through L2).
         ``sRing`` (`allocate_ring`), ``warp`` and ``lane``: the loads of `async_loads`."""
         s = self.shape
@@ -107,18 +133,15 @@ class ExpertTiles:
             for j in cutlass.range_constexpr(s.token_tiles):
                 for c in cutlass.range_constexpr(4):
                     rAcc[i, j, c] = Float32(0.0)
-        lane_rows = weights + Int64(2 * q) * row_bytes
         token_offset = Int64(2 * q) * BF16_BYTES
         if cutlass.const_expr(s.async_loads):
-            self._accumulate_from_ring(rAcc, lane_rows, row_bytes, token_rows, token_live, token_offset, w_k,
-                                       sRing, warp, lane)
+            self._accumulate_from_ring(rAcc, walk, token_rows, token_live, token_offset, w_k, sRing, warp, lane)
         else:
-            self._accumulate_from_registers(rAcc, lane_rows, row_bytes, token_rows, token_live, token_offset, w_k,
-                                            cached_tokens)
+            self._accumulate_from_registers(rAcc, walk, token_rows, token_live, token_offset, w_k, cached_tokens)
 
     @cute.jit
     def _mma_step(self, rAcc, a_words, b_words) -> None:
-        """One K step's mmas: ``a_words`` the lane's words of rows ``2q, +1, +8, +9`` (`ROWS`),
+        """One K step's mmas: ``a_words`` the lane's words of rows ``2q, +1, +8, +9`` (`LANE_ROWS`),
         ``b_words[j]`` its two B words of token tile ``j``."""
         s = self.shape
         w0, w1, w8, w9 = a_words
@@ -131,8 +154,8 @@ class ExpertTiles:
                     rAcc[i, j, c] = d[c]
 
     @cute.jit
-    def _accumulate_from_ring(self, rAcc, lane_rows, row_bytes: int, token_rows, token_live, token_offset, w_k,
-                              sRing, warp, lane) -> None:
+    def _accumulate_from_ring(self, rAcc, walk: WeightWalk, token_rows, token_live, token_offset, w_k, sRing, warp,
+                              lane) -> None:
         """`accumulate` through the warp's ring: the copies of steps ``0 .. unroll - 1`` first,
         then each step's mmas from its stage, whose copies for the step ``unroll`` later are
         issued once those mmas have read it (each lane reads only what it copied)."""
@@ -144,8 +167,8 @@ class ExpertTiles:
         b_at = 4 * a_row_bytes + lane * 8
         for step in cutlass.range_constexpr(s.unroll):
             if cutlass.const_expr(step < s.k_steps_per_warp):
-                self._copy_step(ring + step * stage_bytes, a_at, a_row_bytes, b_at, Int32(step), lane_rows,
-                                row_bytes, token_rows, token_live, token_offset, w_k)
+                self._copy_step(ring + step * stage_bytes, a_at, a_row_bytes, b_at, Int32(step), walk, token_rows,
+                                token_live, token_offset, w_k)
             ptx.commit_async_group()
         for step in cutlass.range(0, s.k_steps_per_warp, 1, unroll=1):
             # Every group but the newest unroll - 1 is complete: this step's is.
@@ -156,28 +179,28 @@ class ExpertTiles:
                        for j in range(s.token_tiles)]
             self._mma_step(rAcc, a_words, b_words)
             if step + s.unroll < s.k_steps_per_warp:
-                self._copy_step(stage, a_at, a_row_bytes, b_at, step + s.unroll, lane_rows, row_bytes, token_rows,
-                                token_live, token_offset, w_k)
+                self._copy_step(stage, a_at, a_row_bytes, b_at, step + s.unroll, walk, token_rows, token_live,
+                                token_offset, w_k)
             ptx.commit_async_group()
         ptx.wait_async_groups(0)
 
     @cute.jit
-    def _copy_step(self, stage, a_at, a_row_bytes: int, b_at, step, lane_rows, row_bytes: int, token_rows,
-                   token_live, token_offset, w_k) -> None:
-        """This lane's copies of K step ``step`` (its rows `ROWS`, its B words) into ``stage``."""
+    def _copy_step(self, stage, a_at, a_row_bytes: int, b_at, step, walk: WeightWalk, token_rows, token_live,
+                   token_offset, w_k) -> None:
+        """This lane's copies of K step ``step`` (its rows `LANE_ROWS`, its B words) into ``stage``."""
         s = self.shape
         k0 = Int64((step * s.warps_k + w_k) * MMA_K)
-        rows = lane_rows + k0 * row_bytes
+        rows = walk.start + k0 * walk.k_row_bytes
         for r in cutlass.range_constexpr(4):
-            ptx.copy_async(stage + a_at + r * a_row_bytes, rows + ROWS[r] * row_bytes, s.lane_words * 4)
+            ptx.copy_async(stage + a_at + r * a_row_bytes, rows + walk.row_offsets[r], s.lane_words * 4)
         for j in cutlass.range_constexpr(s.token_tiles):
             at = token_rows[j] + k0 * BF16_BYTES + token_offset
             ptx.copy_async(stage + b_at + j * 256, at, 4, predicate=token_live[j])
             ptx.copy_async(stage + b_at + j * 256 + 4, at + 8 * BF16_BYTES, 4, predicate=token_live[j])
 
     @cute.jit
-    def _accumulate_from_registers(self, rAcc, lane_rows, row_bytes: int, token_rows, token_live, token_offset,
-                                   w_k, cached_tokens: cutlass.Constexpr[bool]) -> None:
+    def _accumulate_from_registers(self, rAcc, walk: WeightWalk, token_rows, token_live, token_offset, w_k,
+                                   cached_tokens: cutlass.Constexpr[bool]) -> None:
         """`accumulate` with register loads, ``unroll`` steps' loads issued before their mmas."""
         s = self.shape
         # Unrolled by `unroll` below, not further: the loads in flight are those of `unroll` steps.
@@ -186,8 +209,8 @@ class ExpertTiles:
             loaded = []
             for u in cutlass.range_constexpr(s.unroll):
                 k0 = Int64(((step + u) * s.warps_k + w_k) * MMA_K)
-                rows = lane_rows + k0 * row_bytes
-                a_words = [ptx.load_words(rows + r * row_bytes, s.lane_words) for r in ROWS]
+                rows = walk.start + k0 * walk.k_row_bytes
+                a_words = [ptx.load_words(rows + offset, s.lane_words) for offset in walk.row_offsets]
                 b_words = []
                 for j in cutlass.range_constexpr(s.token_tiles):
                     at = token_rows[j] + k0 * BF16_BYTES + token_offset

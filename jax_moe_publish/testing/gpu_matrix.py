@@ -169,6 +169,16 @@ EXPERTS_VARIANTS = (
     ((1024, 128, 8, 2, True), dict(async_loads=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
                                    gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32, down_warps_k=1,
                                    down_warps_n=8, down_unroll=4)),
+    # Weights in the tiled order: the heuristic's launch shapes; with the ring and one token tile;
+    # with the K split over a cluster; warps side by side in both kernels, four token tiles.
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True)),
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True, async_loads=True, token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True, token_tiles=1, gate_up_split_k=16, gate_up_warps_k=1,
+                                    gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
+    ((2048, 96, 24, 8, True), dict(tiled_weights=True)),
+    ((1024, 128, 8, 2, True), dict(tiled_weights=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
+                                   gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32, down_warps_k=1,
+                                   down_warps_n=8, down_unroll=4)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

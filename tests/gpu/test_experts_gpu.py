@@ -123,22 +123,26 @@ def test_the_same_bits_every_run_and_for_every_batch(launcher, rng):
 
 
 def test_the_op_through_jax_is_the_kernels(launcher, rng):
-    """jit, vmap and a command buffer (XLA's default on GPUs) give the harness's bits."""
+    """jit, vmap and a command buffer (XLA's default on GPUs) give the harness's bits (tiled
+    configs: on `jmp.prepare_experts`'s weights)."""
     config = launcher.config
     inputs = _inputs(rng, config, 9)
     want, _ = launcher.run(inputs)
-    gate_up = inputs.gate_up if config.fused_gate_up else (inputs.gate, inputs.up)
-    op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, gate_up, inputs.down, impl="kernel", config=config))
+    gate_up, down = inputs.gate_up if config.fused_gate_up else (inputs.gate, inputs.up), inputs.down
+    if config.tiled_weights:
+        gate_up, down = jax.jit(lambda gate_up, down: jmp.prepare_experts(gate_up, down, config=config))(
+            gate_up, down), None
+    op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, gate_up, down, impl="kernel", config=config))
     got = np.asarray(op(inputs.x, inputs.expert_ids))
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
     second = _inputs(rng, config, 9)
-    batched = jax.vmap(lambda x, ids: jmp.moe_experts(x, ids, gate_up, inputs.down, impl="kernel", config=config))
+    batched = jax.vmap(lambda x, ids: jmp.moe_experts(x, ids, gate_up, down, impl="kernel", config=config))
     both = np.asarray(batched(np.stack([inputs.x, second.x]), np.stack([inputs.expert_ids, second.expert_ids])))
     assert np.array_equal(both[0].view(np.uint16), want.view(np.uint16))
     exact, bound = numerics.expected_rows(numerics.ExpertsInputs(second.x, second.expert_ids, inputs.gate, inputs.up,
                                                                  inputs.down))
     numerics.assert_close(both[1], exact, bound, what="vmap's second element")
-    reference = np.asarray(jmp.moe_experts(inputs.x, inputs.expert_ids, gate_up, inputs.down, impl="reference"))
+    reference = np.asarray(jmp.moe_experts(inputs.x, inputs.expert_ids, gate_up, down, impl="reference"))
     exact, bound = numerics.expected_rows(inputs)
     numerics.assert_close(reference, exact, bound, what="reference path")
 

@@ -33,7 +33,7 @@ import numpy as np
 from cuda.bindings import driver
 
 import numerics
-from jax_moe_publish import _abi, protocol
+from jax_moe_publish import _abi, experts_layout, protocol
 from jax_moe_publish.aot.artifact import KernelArtifact
 from jax_moe_publish.config import KernelConfig
 from jax_moe_publish.memory.driver import CudaError, check, init, primary_context
@@ -539,7 +539,8 @@ def open_group(artifact: KernelArtifact, pool: DevicePool, *, capacity_m: int, t
 class ExpertsLauncher:
     """An experts kernel set (`ExpertsConfig`) on one GPU with buffers for calls of up to ``max_m``
     tokens: the launches the C++ launcher makes (each kernel on the CTAs the GPU holds at once,
-    rows ``"resident"``), its outputs poisoned before each call."""
+    rows ``"resident"``), its outputs poisoned before each call; the weights in the tiled order
+    (`experts_layout`) where the config reads them so."""
 
     def __init__(self, artifact: KernelArtifact, device: Device, max_m: int) -> None:
         from jax_moe_publish.aot.artifact import CONFIGS
@@ -563,6 +564,9 @@ class ExpertsLauncher:
             raise ValueError(f"m={m} exceeds the buffers' max_m={self.max_m}")
         arrays = {"x": inputs.x, "expert_ids": inputs.expert_ids.astype(np.int32), "gate_up": inputs.gate_up,
                   "gate": inputs.gate, "up": inputs.up, "down": inputs.down}
+        if self.config.tiled_weights:
+            tiled = experts_layout.tile(inputs.gate_up, inputs.down, experts_layout.Tiling.of(self.config))
+            arrays.update(gate_up=tiled.gate_up, down=tiled.down)
         for operand in self.operands:
             buffer = self.buffers[operand["name"]]
             if operand["io"] == "arg":
