@@ -9,6 +9,8 @@ program (`COLUMNS`):
 
 * ``ours``: ``jmp.moe_experts(impl="kernel")`` (``--cpu``: ``impl="auto"``, the reference
   path, since the kernels need a CUDA device; the JSON's ``ours_impl`` says which);
+* ``ours_prepared``: the same on `jmp.prepare_experts`'s weights (the kernels' tiled order,
+  made once per layer before the loop; the layers' weights are then held twice);
 * ``ragged_dot``: ``jmp.moe_experts(impl="reference")``, `jax.lax.ragged_dot` in expert
   order as XLA lowers it by default;
 * ``ragged_dot_pallas_triton``: the same, traced with JAX's flag
@@ -169,7 +171,7 @@ CPU_COPY_SHAPE = (2**10, 2**12)  # bf16, 8 MiB: the --cpu stand-in of the floor'
 GUESS = {
     "start_s": 60.0,  # JAX and CUDA start, the floors (a 4 GiB copy, the empty-call chain)
     "weights_s_per_gb": 0.1,  # drawing random bf16 weights
-    "compile_s": {"ours": 3.0, "ragged_dot": 8.0, "ragged_dot_pallas_triton": 10.0, "cudnn": 10.0,
+    "compile_s": {"ours": 3.0, "ours_prepared": 3.0, "ragged_dot": 8.0, "ragged_dot_pallas_triton": 10.0, "cudnn": 10.0,
                   "xla_triton": 10.0, "tokamax": 20.0, "gather": 8.0},
     "compile_s_per_layer": 0.3,
     "unavailable_s": 1.0,  # a column whose module or JAX flag this Python lacks
@@ -187,6 +189,7 @@ class Column:
     name: str
     what: str
     route: str  # "ours", "reference" or "gather" (jmp.moe_experts with that impl), or "tokamax"
+    prepared: bool = False  # on jmp.prepare_experts's weights (made once, before the timed loop)
     compiler_options: tuple = ()  # XLA options of this column's programs only
     jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
     needs_in_hlo: tuple = ()
@@ -196,6 +199,8 @@ class Column:
 _RAGGED_DOT_KEPT = r"\sragged-dot\("  # XLA's default rewrites every ragged dot into dots
 COLUMNS = (
     Column("ours", "jmp.moe_experts(impl='kernel'): this package's kernels", "ours"),
+    Column("ours_prepared", "jmp.moe_experts(impl='kernel') on jmp.prepare_experts's weights (the kernels' tiled "
+           "order, made once before the loop)", "ours", prepared=True),
     Column("ragged_dot", "jmp.moe_experts(impl='reference'): jax.lax.ragged_dot, XLA's default lowering",
            "reference"),
     Column("ragged_dot_pallas_triton", "jmp.moe_experts(impl='reference') traced with "
@@ -281,12 +286,18 @@ def layer_weight_bytes(config, tp):
     return config.experts * config.expert_bytes(tp)
 
 
+def weight_copies(args):
+    """Copies of each layer's weights: the arrays, and their prepared order where a column reads it."""
+    return 1 + any(column.prepared for column in COLUMNS if column.name in args.columns)
+
+
 def budget_layers(args, config, tp):
-    """The most layers whose weights fit ``--weight-budget-gb``."""
-    layers = int(args.weight_budget_gb * 1e9 // layer_weight_bytes(config, tp))
+    """The most layers whose weights (`weight_copies` of them) fit ``--weight-budget-gb``."""
+    layer_bytes = layer_weight_bytes(config, tp) * weight_copies(args)
+    layers = int(args.weight_budget_gb * 1e9 // layer_bytes)
     if layers < 1:
         raise SystemExit(f"--weight-budget-gb {args.weight_budget_gb}: one layer of {config.name} at tp={tp} "
-                         f"needs {layer_weight_bytes(config, tp) / 1e9:.2f} GB; expected a budget of at least that")
+                         f"needs {layer_bytes / 1e9:.2f} GB; expected a budget of at least that")
     return layers
 
 
@@ -348,8 +359,14 @@ def draw_layer_weights(key, config, tp):
 
 
 def draw_weights(args, config, tp, layers):
+    """Each layer's weights (`draw_layer_weights`), with ``"prepared"``, their
+    `jmp.prepare_experts` order, where a column reads it (`weight_copies`)."""
     key = jax.random.fold_in(jax.random.fold_in(shape_key(args, config.name), 2), tp)
-    return [draw_layer_weights(jax.random.fold_in(key, layer), config, tp) for layer in range(layers)]
+    weights = [draw_layer_weights(jax.random.fold_in(key, layer), config, tp) for layer in range(layers)]
+    if weight_copies(args) > 1:
+        prepare = jax.jit(jmp.prepare_experts)
+        weights = [{**w, "prepared": prepare(w["gate_up"], w["down"])} for w in weights]
+    return weights
 
 
 def active_bitmask(active, experts):
@@ -365,6 +382,8 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
     """``(layer weights, x, expert ids) -> rows`` of ``column``."""
     if column.route != "tokamax":
         impl = args.ours_impl if column.route == "ours" else column.route
+        if column.prepared:
+            return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared"], impl=impl)
         return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
 
     def grouped(w, x, ids):
@@ -735,10 +754,14 @@ def default_out(args, gpu):
 
 
 def ours_configs(args):
-    """The `jmp.ExpertsConfig` of every selected shape and tp (the op's default for the shape)."""
-    return [jmp.ExpertsConfig.for_shape(hidden=SHAPES[name].hidden, intermediate=SHAPES[name].intermediate // tp,
-                                        experts=SHAPES[name].experts, top_k=SHAPES[name].top_k)
-            for name in args.shapes for tp in args.tp]
+    """The `jmp.ExpertsConfig` of every selected shape and tp (the op's default for the shape),
+    and its tiled twin where a column reads `jmp.prepare_experts`'s weights."""
+    configs = [jmp.ExpertsConfig.for_shape(hidden=SHAPES[name].hidden, intermediate=SHAPES[name].intermediate // tp,
+                                           experts=SHAPES[name].experts, top_k=SHAPES[name].top_k)
+               for name in args.shapes for tp in args.tp]
+    if weight_copies(args) > 1:
+        configs += [config.replace(tiled_weights=True) for config in configs]
+    return configs
 
 
 def build_kernels_command(args):
@@ -813,7 +836,7 @@ def main(argv=None):
         jax.config.update("jax_platforms", "cpu")
         print("on the CPU at tiny dimensions, ours through impl='auto' (the reference path): a plumbing check, "
               "its times mean nothing", flush=True)
-    elif "ours" in args.columns:
+    elif {"ours", "ours_prepared"} & set(args.columns):
         kernel_builds.check_kernels(ours_configs(args), build_kernels_command(args))
     device = jax.devices()[0]
     bandwidth, floor_limits = read_bandwidth(args, device)
@@ -847,7 +870,7 @@ def main(argv=None):
             drawing = time.perf_counter()
             weights = jax.block_until_ready(draw_weights(args, config, tp, layers))
             data["weights"].append({"shape": config.name, "tp": tp, "layers": layers,
-                                    "bytes": layers * layer_weight_bytes(config, tp),
+                                    "bytes": layers * layer_weight_bytes(config, tp) * weight_copies(args),
                                     "draw_s": time.perf_counter() - drawing, "since_start_s": drawing - started})
             for m in args.m:
                 r = measure_case(args, config, tp, m, weights, routings[m], bandwidth, columns,

@@ -34,7 +34,7 @@ SEED = 5
 MIN_PASS_MB = 0.2  # two layers at both tps: small programs, quick to compile
 # On CPU the kernels, JAX's Pallas Triton lowering, cuDNN, XLA's Triton emitter and tokamax's GPU
 # kernels cannot run.
-TIMED_ON_CPU = ("ours", "ragged_dot", "gather")
+TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather")
 
 
 @pytest.mark.parametrize("name", TIMED_ON_CPU)
@@ -42,7 +42,7 @@ def test_chain_keeps_every_layer_in_the_timed_loop(name):
     """Each layer's sort (the expert order; the gather route's distinct experts, where it gathers)
     and its two GEMMs are in the loop body and nothing of them before it: the tie to the
     previous layer's output keeps XLA from hoisting a layer."""
-    args = types.SimpleNamespace(ours_impl="auto", seed=0, min_pass_mb=1e9, cpu=True)
+    args = types.SimpleNamespace(ours_impl="auto", seed=0, min_pass_mb=1e9, cpu=True, columns=[name])
     config = bench.shape_config(args, SHAPE)
     layers, m, tp = 3, 2, 1
     column = next(column for column in bench.COLUMNS if column.name == name)
@@ -104,7 +104,8 @@ def test_cpu_run_floor_and_active_experts_follow_the_routing(cpu_run):
     environment = data["environment"]
     bandwidth = data["floor"]["bytes_per_s"]
     assert bandwidth == data["floors"]["copy"]["bytes_per_s"] > 0
-    args = types.SimpleNamespace(seed=SEED, min_pass_mb=environment["min_pass_bytes"] / 1e6, cpu=True)
+    args = types.SimpleNamespace(seed=SEED, min_pass_mb=environment["min_pass_bytes"] / 1e6, cpu=True,
+                                 columns=list(data["columns"]))
     masks = {}
     for r in data["results"]:
         what = f"{r['shape']} tp={r['tp']}"

@@ -362,7 +362,8 @@ def test_epilogue_op_matches_model(problem, result, tp, rng):
 def test_fp8_op_is_the_bf16_op_quantized(result, static, tp, rng):
     """``out_dtype=jnp.float8_e4m3fn`` through the FFI target (the FP8 kernel sets, their
     operands and result order): every rank's FP8 results are its bf16 call's out quantized by
-    `reference.quantize_fp8` on the CPU, bit for bit, and the same residual_out."""
+    `reference.quantize_fp8` on the CPU, bit for bit, and the same residual_out. At m of the
+    first m range, whose FP8 launch shapes the harness tests cover (`gpu_matrix.fp8_outs`)."""
     problem = gpu_matrix.EPILOGUE_PROBLEMS[0]
     config = tuning.kernel_config(problem, tp=tp, m=None, result=result, epilogue="rmsnorm")
     scale = np.float32(0.02)
@@ -370,7 +371,7 @@ def test_fp8_op_is_the_bf16_op_quantized(result, static, tp, rng):
     # This process's CPU: with rank processes, jax.devices lists every process's devices.
     cpu = jax.local_devices(backend="cpu")[0]
     with jmp.Mailbox(_mesh(tp), "tp", hidden=config.hidden, capacity_m=CAPACITY_M, result=result) as mailbox:
-        for m in M_VALUES:
+        for m in (1, tuning.range_ms()[0] - 3):
             problems, residual, norm_weight = _epilogue_problem(config, m, rng)
             args = (mailbox, problems, residual, norm_weight, 1e-6, config.routed_scaling_factor)
             for rank, (bf16, quantized) in enumerate(zip(_op_outputs(*args), _op_outputs(*args, **fp8))):
