@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import fp8_experts
 import numerics
+from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
 from jax_moe_publish import _launch, experts, experts_gather, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
 
@@ -272,32 +273,6 @@ def test_derivative_is_the_reference_s(rng, impl):
 
 
 # --- the kernel path, traced on CPU ---------------------------------------------------------
-
-STAND_IN = "jax_moe_publish_experts_stand_in"
-
-
-@pytest.fixture
-def stood_in(monkeypatch):
-    """The kernel path with the kernels stood in for: GPUs claimed, `_launch.load` recording the
-    configs, the FFI target one no handler serves (the CPU runs the reference branch)."""
-    loads = []
-
-    class Gpu:
-        local_hardware_id = 3
-
-    local_devices = jax.local_devices
-    monkeypatch.setattr(experts, "_has_gpus", lambda: True)
-    monkeypatch.setattr(experts.jax, "local_devices",
-                        lambda *a, backend=None, **k: [Gpu()] if backend == "gpu" else local_devices(*a, **k))
-
-    def load(config, ordinals):
-        loads.append((config, list(ordinals)))
-        _launch._targets[-len(loads)] = STAND_IN
-        return -len(loads)
-
-    monkeypatch.setattr(_launch, "load", load)
-    return loads
-
 
 def test_the_kernel_path_traces_the_ffi_call_and_runs_the_reference_on_cpu(rng, stood_in):
     inputs = numerics.random_experts(rng, m=5, hidden=64, intermediate=32, experts=6, top_k=2)
