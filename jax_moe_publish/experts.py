@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from jax import lax
-
 import jax.numpy as jnp
+from jax import lax
 
 from jax_moe_publish import _launch, batching, checks, experts_gather, experts_layout, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig

@@ -45,9 +45,10 @@ class PreparedExperts:
     """The experts' weights in the tiled order of `tiling` (`prepare_experts`): ``gate_up`` bf16
     ``[experts, hidden, 2 * intermediate]`` (gate and up, as the fused array), ``down`` bf16
     ``[experts, intermediate, hidden]``. A pytree of the two arrays (`tiling` is static): it
-    passes through ``jit`` and ``shard_map``, and a rank's shard is prepared from the rank's
-    slices (`prepare_experts` inside ``shard_map``; ``P(None, None, axis)`` over either array
-    then keeps each rank's tiled block whole)."""
+    passes through ``jit`` and ``shard_map``. A rank prepares its own slices (`prepare_experts`
+    inside ``shard_map``): the arrays' specs over I (gate_up's last axis, down's middle one),
+    as a `PreparedExperts` of two specs with the rank's `tiling`, then keep each rank's tiled
+    block whole."""
 
     gate_up: jax.Array
     down: jax.Array

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import numerics
 from experts_stand_in import stood_in  # noqa: F401 - the fixture
@@ -123,6 +125,36 @@ def test_the_kernel_path_on_prepared_weights_loads_the_tiled_config(rng, stood_i
     gate_up, down = grad_prepared.untiled()
     assert np.array_equal(np.asarray(gate_up).view(np.uint16), np.asarray(want_gate_up).view(np.uint16))
     assert np.array_equal(np.asarray(down).view(np.uint16), np.asarray(want_down).view(np.uint16))
+
+
+def test_each_rank_prepares_its_slices_inside_shard_map(rng, stood_in):  # noqa: F811
+    """Prepared inside ``shard_map`` from each rank's slices of I and kept sharded as the arrays
+    are, the weights give each rank the partial rows of its slices."""
+    w = numerics.random_experts(rng, m=4, hidden=128, intermediate=64, experts=3, top_k=2)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    weight_specs = (P(None, None, "tp"), P(None, None, "tp"), P(None, "tp", None))
+    # A rank's tiling is that of its slices' config (intermediate 32).
+    tiling = Tiling.of(ExpertsConfig.for_shape(hidden=128, intermediate=32, experts=3, top_k=1))
+    prepared_spec = PreparedExperts(P(None, None, "tp"), P(None, "tp", None), tiling)
+
+    def prepare(gate, up, down):
+        return prepare_experts((gate, up), down)
+
+    prepared = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=weight_specs, out_specs=prepared_spec))(
+        w.gate, w.up, w.down)
+
+    def shard(x, ids, weights):
+        return experts.moe_experts(x, ids, weights, impl="kernel")[None]
+
+    out = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), prepared_spec), out_specs=P("tp")))(
+        w.x, w.expert_ids, prepared)
+    assert stood_in[-1][0].intermediate == 32 and stood_in[-1][0].tiled_weights
+    for rank in range(2):
+        columns = slice(32 * rank, 32 * (rank + 1))
+        want = reference.moe_experts(w.x, w.expert_ids, (w.gate[..., columns], w.up[..., columns]),
+                                     w.down[:, columns])
+        assert np.any(np.asarray(want).astype(np.float32) != 0)
+        assert np.array_equal(np.asarray(out[rank]).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
 def test_misuse_is_named(rng):
