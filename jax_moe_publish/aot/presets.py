@@ -2,8 +2,8 @@
 
 A model's preset holds what its calls can get: the tuning table's `KernelConfig` for every tp,
 algorithm and m range, with both router weight dtypes, and with the epilogue where the
-model runs it fused, its out bf16 or FP8 (`fp8_twins`); and the `ExpertsConfig` of its experts' shard at every tp, with gate and
-up fused and split.
+model runs it fused, its out bf16 or FP8 (`fp8_twins`); and the `ExpertsConfig` of its experts'
+shard at every tp, with gate and up fused, split, and prepared (`jmp.prepare_experts`'s tiled order).
 """
 
 from __future__ import annotations
@@ -26,10 +26,15 @@ and Qwen3-30B-A3B."""
 
 def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
     """The experts op's config for each of ``shapes`` sharded at every TP size (intermediate / tp
-    columns per rank), gate and up fused and split."""
-    return [ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count, top_k=top_k,
-                                    fused_gate_up=fused, arch=arch)
-            for hidden, intermediate, count, top_k in shapes for tp in TP_SIZES for fused in (True, False)]
+    columns per rank): gate and up fused, split, and in the tiled order of prepared weights."""
+    configs = []
+    for hidden, intermediate, count, top_k in shapes:
+        for tp in TP_SIZES:
+            fused, split = (ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count,
+                                                    top_k=top_k, fused_gate_up=fused, arch=arch)
+                            for fused in (True, False))
+            configs += [fused, split, fused.replace(tiled_weights=True)]
+    return configs
 
 
 def model(problem: tuning.Problem, arch: str = "sm_90a", epilogue_tp: tuple[int, ...] = ()) -> list[KernelConfig]:

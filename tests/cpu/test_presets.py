@@ -34,8 +34,10 @@ def test_presets_hold_the_table_choice_of_every_m():
 
 def test_the_model_presets_hold_the_experts_op_s_configs():
     """The experts op's own config (`experts._default_config`) for each model's expert shard at
-    every tp and layout is in its preset: a prebuilt folder serves the op's calls."""
+    every tp and layout, prepared weights' tiled order included, is in its preset: a prebuilt
+    folder serves the op's calls."""
     from jax_moe_publish import checks, experts
+    from jax_moe_publish.experts_layout import Tiling
 
     for make, shapes in ((presets.deepseek_v3, presets.DEEPSEEK_V3_EXPERTS),
                          (presets.qwen3_moe, presets.QWEN3_MOE_EXPERTS)):
@@ -45,3 +47,7 @@ def test_the_model_presets_hold_the_experts_op_s_configs():
                 for fused in (True, False):
                     shape = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, fused)
                     assert experts._default_config(shape) in built, (hidden, intermediate, tp, fused)
+                # prepare_experts's default tiling, as moe_experts then loads it.
+                tiling = Tiling.of(experts._default_config(shape))
+                prepared = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, True, tiling=tiling)
+                assert experts._default_config(prepared) in built, (hidden, intermediate, tp, "prepared")
