@@ -82,7 +82,7 @@ CPU_DIMS = dict(hidden=64, intermediate=64, experts=16, shared_intermediate=64)
 MAX_DIFFERENCE = 1e-2
 OP_IMPLS = {"gpu": "kernel", "cpu": "reference"}
 """Our side's ``impl`` by platform: our kernels where they run, never ``auto`` (module docstring)."""
-PATHS = ("ragged", "decode", "ours")
+PATHS = ("ragged", "decode", "ours", "prepared")
 """`moe_block.PATHS`, named before the flags are parsed, which is before JAX (and so the
 example) may be imported."""
 
@@ -244,7 +244,7 @@ def weight_bytes(config, tp, m, active, path):
     least = active * expert + shared
     if path == "ragged":
         return config.experts * expert + shared, least
-    if path == "ours":  # each active expert once (per 16 of its tokens: one pass at decode)
+    if path in ("ours", "prepared"):  # each active expert once (per 16 of its tokens: one pass at decode)
         return least, least
     slots, gathered = experts_gather.gather_slots(m, config.top_k, config.experts)
     return (experts_gather.GATHER_TRAFFIC * slots if gathered else config.experts) * expert + shared, least
@@ -292,12 +292,15 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
 
 def kernel_configs(configs, tp):
     """The kernel configs of every case: the finalize op's (the tuning table's choice for the
-    kernels) and, for the ``ours`` path, the experts op's own for the rank's expert shard."""
+    kernels) and, for the ``ours`` and ``prepared`` paths, the experts op's own for the rank's
+    expert shard (with ``tiled_weights`` for prepared weights)."""
     finalize = [chains.spec_config(op_spec(config), tp, None, m) for config in configs for m in ARGS.m]
     experts = [jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
                                            experts=config.experts, top_k=config.top_k)
-               for config in configs if "ours" in ARGS.paths]
-    return list(dict.fromkeys(finalize + experts))
+               for config in configs]
+    chosen = [c for c in experts if "ours" in ARGS.paths]
+    chosen += [c.replace(tiled_weights=True) for c in experts if "prepared" in ARGS.paths]
+    return list(dict.fromkeys(finalize + chosen))
 
 
 def print_table(results):
@@ -378,13 +381,13 @@ def main() -> int:
     key = jax.random.key(0)
     for config in configs:
         config.check_tp(tp)
-        memory = ARGS.layers * config.weight_bytes(tp)
+        memory = ARGS.layers * config.weight_bytes(tp, prepared="prepared" in ARGS.paths)
         data["problems"][config.name] = {"describe": config.describe(), "experts": config.experts,
                                          "model_experts": config.model_experts, "weight_bytes_per_rank": memory}
         print(f"{config.describe()}\n  {ARGS.layers} layers: {memory / 1e9:.2f} GB of weights per rank, tp = {tp}",
               flush=True)
         key, params_key = jax.random.split(key)
-        params = mb.init_params(params_key, config, mesh, ARGS.layers)
+        params = mb.init_params(params_key, config, mesh, ARGS.layers, prepared="prepared" in ARGS.paths)
         with jmp.Mailbox(mesh, mb.TP, hidden=config.hidden, capacity_m=max(ARGS.m)) as mailbox:
             for m in ARGS.m:
                 key, case_key = jax.random.split(key)

@@ -12,10 +12,11 @@ Each MoE layer runs what a JAX model runs:
 3. the routed experts, ``down(silu(gate(x)) * up(x))``, as grouped GEMMs. Each rank holds
    1/tp of every expert's intermediate dimension (gate/up column-parallel, fused as one
    ``[hidden, 2 * intermediate / tp]`` weight; down row-parallel), so its rows are partial
-   sums. Three interchangeable paths: ``ragged`` (`jax.lax.ragged_dot`, what JAX models
+   sums. Four interchangeable paths: ``ragged`` (`jax.lax.ragged_dot`, what JAX models
    use), ``decode`` (``jmp.moe_experts(impl="gather")``: XLA gathers only the active
-   experts' weights) and ``ours`` (`jmp.moe_experts`: its kernels on GPUs, its reference
-   elsewhere);
+   experts' weights), ``ours`` (`jmp.moe_experts`: its kernels on GPUs, its reference
+   elsewhere) and ``prepared`` (the same on `jmp.prepare_experts`'s weights, prepared once
+   with the parameters: ``init_params(..., prepared=True)``);
 4. the shared expert (DeepSeek-V3), sliced the same way;
 5. the finalize, the sum over the group and the residual add + RMSNorm, whose outputs
    ``(out, residual_out)`` are the next layer's input and residual stream:
@@ -49,7 +50,7 @@ import jax_moe_publish as jmp
 from jax_moe_publish.testing import rank_processes
 
 TP = "tp"
-PATHS = ("ragged", "decode", "ours")
+PATHS = ("ragged", "decode", "ours", "prepared")
 FINALIZES = ("ours", "xla")
 ROUTERS = ("sigmoid-grouped", "softmax")
 
@@ -105,10 +106,12 @@ class MoEConfig:
             if getattr(self, field) % tp:
                 raise ValueError(f"{self.name}: {field}={getattr(self, field)} does not split over tp={tp}")
 
-    def weight_bytes(self, tp: int) -> int:
-        """Bytes of one layer's parameters on each rank."""
+    def weight_bytes(self, tp: int, prepared: bool = False) -> int:
+        """Bytes of one layer's parameters on each rank (``prepared``: with the experts' weights
+        held twice, `init_params`'s prepared copy)."""
         router = self.hidden * self.experts * 4 + (self.experts * 4 if self.router == "sigmoid-grouped" else 0)
-        return self.experts * self.expert_bytes(tp) + self.shared_bytes(tp) + router + self.hidden * 2
+        experts = self.experts * self.expert_bytes(tp) * (2 if prepared else 1)
+        return experts + self.shared_bytes(tp) + router + self.hidden * 2
 
     def expert_bytes(self, tp: int) -> int:
         """Bytes of one routed expert's gate, up and down slices on each rank."""
@@ -169,12 +172,13 @@ def scaled(config: MoEConfig, *, experts=None, hidden=None, intermediate=None, s
                                shared_intermediate=shared)
 
 
-def max_experts(config: MoEConfig, tp: int, layers: int, available_bytes: int) -> int:
-    """The most experts, a multiple of the router's groups, whose ``layers`` layers fit in
-    ``available_bytes`` per rank (0 if none do)."""
-    # Each expert adds its weights, a router column and (grouped router) a bias.
-    per_expert = config.expert_bytes(tp) + config.hidden * 4 + (4 if config.router == "sigmoid-grouped" else 0)
-    fixed = config.weight_bytes(tp) - config.experts * per_expert
+def max_experts(config: MoEConfig, tp: int, layers: int, available_bytes: int, prepared: bool = False) -> int:
+    """The most experts, a multiple of the router's groups, whose ``layers`` layers (with their
+    prepared copy) fit in ``available_bytes`` per rank (0 if none do)."""
+    # Each expert adds its weights (twice, prepared), a router column and (grouped router) a bias.
+    per_expert = (config.expert_bytes(tp) * (2 if prepared else 1) + config.hidden * 4
+                  + (4 if config.router == "sigmoid-grouped" else 0))
+    fixed = config.weight_bytes(tp, prepared) - config.experts * per_expert
     most = (available_bytes // layers - fixed) // per_expert
     return max(0, int(most) // config.groups * config.groups)
 
@@ -183,7 +187,7 @@ def max_experts(config: MoEConfig, tp: int, layers: int, available_bytes: int) -
 # Parameters and inputs
 
 
-def param_specs(config: MoEConfig) -> dict:
+def param_specs(config: MoEConfig, prepared: bool = False) -> dict:
     """The layout of one layer's parameters: replicated (``P()``) or one slice per rank
     along a leading axis of size tp (``P("tp")``). Shapes, with ``i = intermediate / tp``::
 
@@ -193,8 +197,11 @@ def param_specs(config: MoEConfig) -> dict:
         down           bf16 [tp, experts, i, hidden]        (rank r: rows r*i..(r+1)*i)
         shared_gate_up bf16 [tp, hidden, 2 * s], shared_down bf16 [tp, s, hidden]  (shared expert)
         norm           bf16 [hidden]                        (the RMSNorm after the layer)
+        prepared       jmp.PreparedExperts of [tp, ...]     (gate_up and down prepared; ``prepared``)
     """
     specs = {"router": P(), "gate_up": P(TP), "down": P(TP), "norm": P()}
+    if prepared:
+        specs["prepared"] = P(TP)
     if config.router == "sigmoid-grouped":
         specs["bias"] = P()
     if config.shared:
@@ -233,11 +240,20 @@ def init_layer(key, config: MoEConfig, tp: int) -> dict:
     return params
 
 
-def init_params(key, config: MoEConfig, mesh, layers: int) -> list[dict]:
-    """``layers`` layers of distinct parameters, each generated on the devices in its layout."""
+def init_params(key, config: MoEConfig, mesh, layers: int, *, prepared: bool = False) -> list[dict]:
+    """``layers`` layers of distinct parameters, each generated on the devices in its layout;
+    with ``prepared``, each layer's expert weights also as each rank's `jmp.prepare_experts`
+    (held twice: the other paths read the arrays)."""
     shardings = {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
     make = jax.jit(functools.partial(init_layer, config=config, tp=mesh.shape[TP]), out_shardings=shardings)
-    return [make(layer_key) for layer_key in jax.random.split(key, layers)]
+    params = [make(layer_key) for layer_key in jax.random.split(key, layers)]
+    if prepared:
+        def prepare(gate_up, down):  # on each rank, its slices
+            return jax.tree.map(lambda a: a[None], jmp.prepare_experts(gate_up[0], down[0]))
+
+        prepare = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(P(TP), P(TP)), out_specs=P(TP)))
+        params = [{**layer, "prepared": prepare(layer["gate_up"], layer["down"])} for layer in params]
+    return params
 
 
 def init_inputs(key, config: MoEConfig, mesh, m: int):
@@ -252,10 +268,16 @@ def init_inputs(key, config: MoEConfig, mesh, m: int):
     return jax.jit(make, out_shardings=(replicated, replicated))(key)
 
 
+def layer_specs(config: MoEConfig, layer: dict) -> dict:
+    """`param_specs` of the parameters ``layer`` holds (with or without prepared weights)."""
+    return param_specs(config, prepared="prepared" in layer)
+
+
 def local_params(config: MoEConfig, layer: dict) -> dict:
     """A layer's parameters inside ``shard_map``: each rank's slice without its leading axis."""
-    specs = param_specs(config)
-    return {name: value[0] if specs[name] == P(TP) else value for name, value in layer.items()}
+    specs = layer_specs(config, layer)
+    return {name: jax.tree.map(lambda a: a[0], value) if specs[name] == P(TP) else value
+            for name, value in layer.items()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -344,7 +366,14 @@ def finalize_inputs(config: MoEConfig, layer: dict, x, *, path: str):
     else:
         # Rows in pair order: pair t * top_k + k is its own row.
         ours = "kernel" if jax.default_backend() == "gpu" else "reference"
-        rows = jmp.moe_experts(x, experts, layer["gate_up"], layer["down"], impl="gather" if path == "decode" else ours)
+        if path == "prepared":
+            if "prepared" not in layer:
+                raise ValueError("path='prepared': the layer holds no prepared weights; expected parameters of "
+                                 "init_params(..., prepared=True)")
+            rows = jmp.moe_experts(x, experts, layer["prepared"], impl=ours)
+        else:
+            rows = jmp.moe_experts(x, experts, layer["gate_up"], layer["down"],
+                                   impl="gather" if path == "decode" else ours)
         permuted_indices = jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
     shared = shared_partial(layer, x) if config.shared else None
     return rows, weights, permuted_indices, shared
@@ -393,8 +422,6 @@ def make_decode(config: MoEConfig, mesh, layer_fn, layers: int, *, steps: int = 
     (`moe_layer` with its options bound) and gets each rank's parameter slices. Each
     layer's ``out`` is the next layer's input, its ``residual_out`` the next residual.
     """
-    specs = ([param_specs(config)] * layers, P(), P())
-
     def shard(params, x, residual):
         def step(_, carry):
             for layer in params:
@@ -403,7 +430,13 @@ def make_decode(config: MoEConfig, mesh, layer_fn, layers: int, *, steps: int = 
 
         return lax.fori_loop(0, steps, step, (x, residual))
 
-    return jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=(P(), P())))
+    def decode(params, x, residual):
+        if len(params) != layers:
+            raise ValueError(f"params: {len(params)} layers, expected {layers}")
+        specs = ([layer_specs(config, layer) for layer in params], P(), P())
+        return jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=(P(), P()))(params, x, residual)
+
+    return jax.jit(decode)
 
 
 def make_parts(config: MoEConfig, mesh, path: str):
@@ -416,8 +449,11 @@ def make_parts(config: MoEConfig, mesh, path: str):
         parts = finalize_inputs(config, layer, x, path=path)
         return jax.tree.map(lambda a: a[None], parts), route(config, layer, x)[0]
 
-    return jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(config), P()),
-                                 out_specs=(P(TP), P())))
+    def parts(layer, x):
+        return jax.shard_map(shard, mesh=mesh, in_specs=(layer_specs(config, layer), P()),
+                             out_specs=(P(TP), P()))(layer, x)
+
+    return jax.jit(parts)
 
 
 def rank_copies(out) -> list[np.ndarray]:

@@ -92,10 +92,11 @@ def problem_config(name, experts):
     return mb.scaled(base, **{**dims, **({} if experts is None else {"experts": experts})})
 
 
-def check_memory(config, tp, layers, device):
-    """Stop before allocating where the weights would not fit on one GPU; the bytes per GPU (per
-    rank: rank processes that share a GPU each hold their shards)."""
-    needed = layers * config.weight_bytes(tp)
+def check_memory(config, tp, layers, device, prepared):
+    """Stop before allocating where the weights (``prepared``: with their prepared copy) would
+    not fit on one GPU; the bytes per GPU (per rank: rank processes that share a GPU each hold
+    their shards)."""
+    needed = layers * config.weight_bytes(tp, prepared)
     if not ON_GPU:
         return needed
     sharing = rank_processes.current()
@@ -103,7 +104,7 @@ def check_memory(config, tp, layers, device):
         needed *= -(-sharing.processes // sharing.gpus)
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if limit and needed > MEMORY_SHARE * limit:
-        fits = mb.max_experts(config, tp, layers, int(MEMORY_SHARE * limit))
+        fits = mb.max_experts(config, tp, layers, int(MEMORY_SHARE * limit), prepared)
         raise SystemExit(f"{config.name}: {layers} layers need {needed / 1e9:.1f} GB per GPU, more than "
                          f"{MEMORY_SHARE:.0%} of {limit / 1e9:.1f} GB: use --experts {fits} or fewer --layers")
     return needed
@@ -156,11 +157,11 @@ def run_problem(name, args, mesh, devices):
     tp = mesh.shape[mb.TP]
     config = problem_config(name, args.experts)
     config.check_tp(tp)
-    weights = check_memory(config, tp, args.layers, jax.local_devices()[0])
+    weights = check_memory(config, tp, args.layers, jax.local_devices()[0], "prepared" in args.paths)
     dims = "" if ON_GPU else " (small dimensions for CPU)"
     print(f"{config.describe()}{dims}\n  {args.layers} layers, {weights / 1e9:.3f} GB of weights per "
           f"{'GPU' if ON_GPU else 'device'}, m = {args.tokens}, tp = {tp}", flush=True)
-    params = mb.init_params(jax.random.key(0), config, mesh, args.layers)
+    params = mb.init_params(jax.random.key(0), config, mesh, args.layers, prepared="prepared" in args.paths)
     x, residual = mb.init_inputs(jax.random.key(1), config, mesh, args.tokens)
     count = args.check_layers if args.check_layers is not None else (1 if ON_GPU else args.layers)
     ok = True
