@@ -112,11 +112,6 @@ class GemmShape:
         return self.k_rows_per_cta // MMA_K // self.warps_k
 
     @property
-    def raw_item_columns(self) -> int:
-        """Weight columns of one work item (gate and up columns both, when gated)."""
-        return self.warps_n * self.warp_cols
-
-    @property
     def tile_lane_bytes(self) -> int:
         """Bytes one lane loads of one of its four rows of a K step: ``warp_cols / 8`` columns."""
         return self.lane_words * 4
