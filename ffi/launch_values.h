@@ -43,6 +43,10 @@ enum class Value {
   kGate,
   kUp,
   kDown,
+  kGateUpScales,
+  kGateScales,
+  kUpScales,
+  kDownScales,
   kActivations,
 };
 
@@ -106,6 +110,10 @@ inline constexpr ValueInfo kValues[] = {
     {"gate", "u64", Source::kOperand, kExpertsOp},
     {"up", "u64", Source::kOperand, kExpertsOp},
     {"down", "u64", Source::kOperand, kExpertsOp},
+    {"gate_up_scales", "u64", Source::kOperand, kExpertsOp},
+    {"gate_scales", "u64", Source::kOperand, kExpertsOp},
+    {"up_scales", "u64", Source::kOperand, kExpertsOp},
+    {"down_scales", "u64", Source::kOperand, kExpertsOp},
     {"activations", "u64", Source::kOperand, kExpertsOp},
 };
 inline constexpr size_t kValueCount = sizeof(kValues) / sizeof(kValues[0]);
@@ -142,6 +150,10 @@ constexpr std::string_view ValueName(Value value) {
     case Value::kGate: return "gate";
     case Value::kUp: return "up";
     case Value::kDown: return "down";
+    case Value::kGateUpScales: return "gate_up_scales";
+    case Value::kGateScales: return "gate_scales";
+    case Value::kUpScales: return "up_scales";
+    case Value::kDownScales: return "down_scales";
     case Value::kActivations: return "activations";
   }
   return {};

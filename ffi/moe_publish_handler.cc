@@ -288,6 +288,10 @@ void FillValues(const CallOperands& call, const MailboxDevice& mailbox, float ep
       case Value::kGate:
       case Value::kUp:
       case Value::kDown:
+      case Value::kGateUpScales:
+      case Value::kGateScales:
+      case Value::kUpScales:
+      case Value::kDownScales:
       case Value::kActivations:
         slot.u64 = call.addresses[i];
         break;

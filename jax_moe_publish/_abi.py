@@ -195,7 +195,8 @@ class Operand:
     (``"ret"``), named like the value that carries its address.
 
     ``dtype``: ``"bf16"``, ``"f32"``, ``"s32"``, ``"weights"`` (the config's router weight
-    dtype) or ``"out"`` (the config's out dtype, ``KernelConfig.operand_dtypes``).
+    dtype), ``"out"`` (the config's out dtype, ``KernelConfig.operand_dtypes``) or
+    ``"expert_weights"`` (the experts' weights' dtype, ``ExpertsConfig.operand_dtypes``).
     ``rows``: the leading dimension's rule: ``"num_rows"`` (any count, passed as that value),
     ``"m"`` (the first such operand fixes m), ``"out_rows"`` (the algorithm's), ``"shared"`` (m
     with the shared expert, else a [0, ...] placeholder), ``"pairs"`` (``m * top_k``), or None
@@ -245,6 +246,12 @@ EXPERTS_VALUES: dict[str, str] = {
     "gate": "u64",  # bf16 [experts, hidden, intermediate] (split layout)
     "up": "u64",  # bf16 [experts, hidden, intermediate] (split layout)
     "down": "u64",  # bf16 [experts, intermediate, hidden]
+    # With e4m3 weights (ExpertsConfig.fp8_weights), each weight array's float32 scales, one per
+    # 128 x 128 block: [experts, k / 128, columns / 128].
+    "gate_up_scales": "u64",
+    "gate_scales": "u64",
+    "up_scales": "u64",
+    "down_scales": "u64",
     "activations": "u64",  # bf16 [m * top_k, intermediate]: SwiGLU of each pair, between the kernels
     "out": "u64",  # bf16 [m * top_k, hidden]: each pair's row
     "m": "u32",  # tokens of the call
@@ -262,15 +269,29 @@ EXPERTS_ROLES: dict[str, Role] = {
                                  clustered=True),
     # The activations through down: each pair's row; zero for a skipped pair.
     "expert_down": Role(("expert_ids", "down", "activations", "out", "m"), persistent=True),
+    # The same with e4m3 weights and their block scales.
+    "expert_gate_up_fp8": Role(("x", "expert_ids", "gate_up", "gate_up_scales", "activations", "m"),
+                               persistent=True, clustered=True),
+    "expert_gate_up_split_fp8": Role(("x", "expert_ids", "gate", "up", "gate_scales", "up_scales", "activations",
+                                      "m"), persistent=True, clustered=True),
+    "expert_down_fp8": Role(("expert_ids", "down", "down_scales", "activations", "out", "m"), persistent=True),
 }
 
 EXPERTS_OPERANDS: tuple[Operand, ...] = (
     Operand("x", "arg", "bf16", "m", ("hidden",)),
     Operand("expert_ids", "arg", "s32", "m", ("top_k",)),
-    Operand("gate_up", "arg", "bf16", None, ("experts", "hidden", "gate_up_columns"), when="fused_gate_up"),
-    Operand("gate", "arg", "bf16", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
-    Operand("up", "arg", "bf16", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
-    Operand("down", "arg", "bf16", None, ("experts", "intermediate", "hidden")),
+    Operand("gate_up", "arg", "expert_weights", None, ("experts", "hidden", "gate_up_columns"), when="fused_gate_up"),
+    Operand("gate", "arg", "expert_weights", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
+    Operand("up", "arg", "expert_weights", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
+    Operand("down", "arg", "expert_weights", None, ("experts", "intermediate", "hidden")),
+    Operand("gate_up_scales", "arg", "f32", None, ("experts", "hidden_blocks", "gate_up_column_blocks"),
+            when="fused_gate_up_fp8"),
+    Operand("gate_scales", "arg", "f32", None, ("experts", "hidden_blocks", "intermediate_blocks"),
+            when="split_gate_up_fp8"),
+    Operand("up_scales", "arg", "f32", None, ("experts", "hidden_blocks", "intermediate_blocks"),
+            when="split_gate_up_fp8"),
+    Operand("down_scales", "arg", "f32", None, ("experts", "intermediate_blocks", "hidden_blocks"),
+            when="fp8_weights"),
     Operand("out", "ret", "bf16", "pairs", ("hidden",)),
     # Scratch between the two kernels, which XLA allocates like any result.
     Operand("activations", "ret", "bf16", "pairs", ("intermediate",)),
@@ -303,9 +324,13 @@ def _publish_roles(config) -> tuple[str, ...]:
 
 
 PUBLISH = Contract("publish", VALUES, ROLES, OPERANDS, TARGETS, call_roles=_publish_roles)
+def _experts_roles(config) -> tuple[str, ...]:
+    roles = ("expert_gate_up" if config.fused_gate_up else "expert_gate_up_split", "expert_down")
+    return tuple(f"{role}_fp8" for role in roles) if config.fp8_weights else roles
+
+
 EXPERTS = Contract("experts", EXPERTS_VALUES, EXPERTS_ROLES, EXPERTS_OPERANDS, {"none": "jax_moe_publish_experts"},
-                   call_roles=lambda config: ("expert_gate_up" if config.fused_gate_up else "expert_gate_up_split",
-                                              "expert_down"))
+                   call_roles=_experts_roles)
 CONTRACTS = {contract.name: contract for contract in (PUBLISH, EXPERTS)}
 """Every op's contract, by the name its configs give as ``op``."""
 

@@ -19,6 +19,7 @@ from jax import lax
 from jax_moe_publish import protocol
 from jax_moe_publish._abi import FP8_GROUP, RESULTS
 from jax_moe_publish.block_scaled import BlockScaled
+from jax_moe_publish.experts_config import FP8_BLOCK
 from jax_moe_publish.experts_layout import PreparedExperts, Tiling
 
 
@@ -242,6 +243,9 @@ class ExpertsShape(NamedTuple):
     """Some operand is a `BlockScaled` FP8 array."""
     tiling: Tiling | None = None
     """The weights came as a `PreparedExperts` in this tiled order."""
+    fp8_weights: bool = False
+    """Every weight is a `BlockScaled` of `FP8_BLOCK` x `FP8_BLOCK` blocks and x is bf16: what
+    the e4m3 kernels take."""
 
 
 def check_operand(name, a, ndim, shape=None) -> bool:
@@ -288,7 +292,9 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
                          "as gate_up holds down)")
     experts, _, intermediate, fused, weights_scaled = check_expert_weights(gate_up, down, hidden=hidden,
                                                                           hidden_from=f"x.shape={tuple(x.shape)}")
-    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused, scaled or weights_scaled, tiling)
+    weights = [down, *(gate_up if isinstance(gate_up, (tuple, list)) else (gate_up,))]
+    fp8_weights = not scaled and all(isinstance(w, BlockScaled) and w.block == (FP8_BLOCK, FP8_BLOCK) for w in weights)
+    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused, scaled or weights_scaled, tiling, fp8_weights)
 
 
 def check_expert_weights(gate_up, down, *, hidden: int | None = None,

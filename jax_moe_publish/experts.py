@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_moe_publish import _launch, batching, checks, experts_gather, experts_layout, experts_tuning, reference
+from jax_moe_publish.block_scaled import BlockScaled
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
 from jax_moe_publish.experts_layout import PreparedExperts, Tiling
 
@@ -68,8 +69,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         (e4m3 values, a float32 scale per block: DeepSeek-V3's weights with their 128 x 128
         ``weight_scale_inv``, transposed like the weights; or the epilogue's FP8 out and
         scales as ``x``). The reference and gather routes dequantize it to float32 and run
-        that GEMM in float32, with the same rounding points; the kernels take bf16 only so
-        far (``impl="kernel"`` raises, ``auto`` takes another route).
+        that GEMM in float32, with the same rounding points. The kernels take e4m3 weights
+        of 128 x 128 blocks (every weight, hidden and intermediate multiples of 128) with bf16
+        ``x``: each weight widened to bf16 exactly, each 16-row K step's float32 sums times
+        its block's scale added up (`ExpertsConfig.fp8_weights`); not FP8 ``x`` so far.
     impl : {"auto", "kernel", "gather", "reference"}
         ``kernel``: the kernels, on CUDA devices, where they take the shape (hidden a multiple
         of 32, intermediate of 16, ``m * top_k <= 8192``, at most 1024 experts and top-64);
@@ -82,6 +85,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         run); the reference where the table has no entry, and on every other platform.
         With a `PreparedExperts`, ``auto`` is the kernels on CUDA devices where they take the
         shape; the other routes, and ``auto`` elsewhere, undo the tiling in every call first.
+        With e4m3 weights ``auto`` takes the reference where the table names the kernels.
     config : ExpertsConfig, optional
         The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape. With
         a `PreparedExperts`, the config it was prepared for, with ``tiled_weights``.
@@ -105,11 +109,13 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         # The table holds runs on CUDA devices: on any other platform auto runs the reference.
         route = "reference"
         if gpus and shape.tiling is not None:
+            # The other routes would undo the tiled order in every call.
             route = "kernel"
         elif gpus:
             route = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
                                              experts=shape.experts, top_k=shape.top_k, m=shape.m)
-        if route == "kernel" and why_not:
+        # The table measured bf16 weights: e4m3 weights reach the kernels by impl="kernel" only.
+        if route == "kernel" and (why_not or shape.block_scaled):
             route = "reference"
     if shape.tiling is not None:
         gate, up, down = gate_up.gate_up, None, gate_up.down
@@ -208,8 +214,9 @@ def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = N
     """Why the kernels cannot take a call of ``shape`` (with ``config``, else the default), or
     None: no config of the shape exists (`ExpertsConfig`'s checks say why), the call has more
     pairs than they hold, or an operand is FP8."""
-    if shape.block_scaled:
-        return "the kernels take bf16 x and weights only so far, and some operand is a BlockScaled (FP8) array"
+    if shape.block_scaled and not shape.fp8_weights:
+        return ("the kernels take bf16 x, and bf16 weights or every weight a BlockScaled of 128 x 128 blocks (e4m3 "
+                "weights); this call's BlockScaled operands are otherwise")
     if shape.m * shape.top_k > MAX_PAIRS:
         return (f"m * top_k = {shape.m} x {shape.top_k} = {shape.m * shape.top_k} pairs, more than the kernels' "
                 f"{MAX_PAIRS}")
@@ -226,6 +233,8 @@ def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
     weights where they are."""
     config = ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
                                      top_k=shape.top_k, fused_gate_up=shape.fused)
+    if shape.fp8_weights:
+        return config.replace(fp8_weights=True)
     return config if shape.tiling is None else shape.tiling.config_for(config)
 
 
@@ -233,7 +242,7 @@ def _check_config(config, shape: checks.ExpertsShape) -> None:
     if not isinstance(config, ExpertsConfig):
         raise TypeError(f"config: expected a jax_moe_publish.ExpertsConfig, got {type(config).__name__}")
     call = dict(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts, top_k=shape.top_k,
-                fused_gate_up=shape.fused, tiled_weights=shape.tiling is not None)
+                fused_gate_up=shape.fused, tiled_weights=shape.tiling is not None, fp8_weights=shape.fp8_weights)
     if shape.tiling is not None:
         call.update(dataclasses.asdict(shape.tiling))
     differ = {name: (getattr(config, name), value) for name, value in call.items() if getattr(config, name) != value}
@@ -248,10 +257,12 @@ def _call_kernels(set_id, x, expert_ids, gate, up, down):
     activations a scratch result that is dropped."""
     out_type = jax.eval_shape(lambda: _reference(x, expert_ids, gate, up, down))
     activations_type = out_type.update(shape=(out_type.shape[0], down.shape[1]))
-    weights = [gate] if up is None else [gate, up]
+    weights = [gate, down] if up is None else [gate, up, down]
+    if isinstance(down, BlockScaled):
+        # e4m3 weights: their values, then their scales (`_abi.EXPERTS_OPERANDS`' order).
+        weights = [w.values for w in weights] + [w.scales for w in weights]
     # Pure: no state outside XLA, so XLA may merge, hoist or drop calls like any computation.
-    out, _ = _launch.ffi_call(set_id, (out_type, activations_type), [x, expert_ids, *weights, down],
-                              side_effects=False)
+    out, _ = _launch.ffi_call(set_id, (out_type, activations_type), [x, expert_ids, *weights], side_effects=False)
     return out
 
 

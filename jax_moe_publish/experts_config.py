@@ -25,6 +25,9 @@ MMA_TOKENS = 8
 """Tokens (the mma's N) of one tensor-core instruction."""
 MMA_K = 16
 """Rows of K of one tensor-core instruction."""
+FP8_BLOCK = 128
+"""Rows and columns of the weights that share one scale with ``fp8_weights`` (DeepSeek-V3's
+128 x 128 ``weight_scale_inv`` blocks)."""
 LANE_ROWS = (0, 1, 8, 9)
 """The rows of a 16-row K step that lane ``4g + q`` loads, after ``2q``: its A and B fragments' rows."""
 WARP_COLS = (32, 64)
@@ -44,7 +47,7 @@ ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
-_BOOL_FIELDS = ("fused_gate_up", "async_loads", "tiled_weights", "enable_pdl")
+_BOOL_FIELDS = ("fused_gate_up", "async_loads", "tiled_weights", "fp8_weights", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -62,7 +65,8 @@ class GemmShape:
     ``split_k``: CTAs of a cluster that each take ``k / split_k`` consecutive rows of an item
     (their sums added in cluster order); ``async_loads``: each warp's ``unroll`` steps in
     flight are ``cp.async`` copies into its own ring of shared memory; ``tiled``: the weights
-    are in the tiled order (`tiled_offset`), else in their ``[k, columns]`` rows."""
+    are in the tiled order (`tiled_offset`), else in their ``[k, columns]`` rows; ``fp8``: the
+    weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block, else bf16."""
 
     k: int
     columns: int
@@ -75,6 +79,18 @@ class GemmShape:
     split_k: int = 1
     async_loads: bool = False
     tiled: bool = False
+    fp8: bool = False
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one weight element: e4m3 or bf16."""
+        return 1 if self.fp8 else 2
+
+    @property
+    def lane_weight_words(self) -> int:
+        """Words of a weight row that one lane loads (``warp_cols / 8`` columns): `lane_words`
+        in bf16, half as many in e4m3 (each widened to two bf16 words)."""
+        return self.lane_words * self.weight_bytes // 2
 
     @property
     def threads(self) -> int:
@@ -214,6 +230,12 @@ class ExpertsConfig:
         The weights come in `prepare_experts`'s tiled order for this config's work items
         (`GemmShape.tiled_offset`): each item's bytes contiguous, every warp load 32 lanes of
         consecutive bytes. Needs ``fused_gate_up`` (the tiled gate and up are one array).
+    fp8_weights : bool
+        The weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block of each
+        expert's ``[k, columns]`` (`BlockScaled`): widened to bf16 in registers (exactly), each
+        K step's sums times its block's scale added into the float32 sums. Needs hidden and
+        intermediate multiples of `FP8_BLOCK`, and the weights' rows (no tiled order, ring or
+        K split).
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
@@ -238,6 +260,7 @@ class ExpertsConfig:
     down_unroll: int = 4
     async_loads: bool = False
     tiled_weights: bool = False
+    fp8_weights: bool = False
     enable_pdl: bool = True
     arch: str = "sm_90a"
 
@@ -261,6 +284,13 @@ class ExpertsConfig:
         _require(self.gate_up_split_k in SPLIT_K, "gate_up_split_k", self.gate_up_split_k, f"one of {SPLIT_K}")
         _require(self.fused_gate_up or not self.tiled_weights, "fused_gate_up", self.fused_gate_up,
                  "True with tiled_weights (the tiled gate and up are one array)")
+        if self.fp8_weights:
+            for name in ("hidden", "intermediate"):
+                _require(getattr(self, name) % FP8_BLOCK == 0, name, getattr(self, name),
+                         f"a multiple of {FP8_BLOCK} with fp8_weights (whole scale blocks)")
+            for name, plain in (("tiled_weights", False), ("async_loads", False), ("gate_up_split_k", 1)):
+                _require(getattr(self, name) == plain, name, getattr(self, name),
+                         f"{plain!r} with fp8_weights (the e4m3 kernels read the weights' rows with register loads)")
         for role in ("gate_up", "down"):
             shape = self.gemm(role)
             prefix = f"{role}_"
@@ -288,10 +318,10 @@ class ExpertsConfig:
         if role == "gate_up":
             return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
                              self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles, self.gate_up_split_k,
-                             self.async_loads, self.tiled_weights)
+                             self.async_loads, self.tiled_weights, self.fp8_weights)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
                          self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.async_loads,
-                         self.tiled_weights)
+                         self.tiled_weights, self.fp8_weights)
 
     def shared_bytes(self, role: str) -> int:
         """Dynamic shared memory of the ``gate_up`` or ``down`` kernel."""
@@ -303,17 +333,21 @@ class ExpertsConfig:
         return {}
 
     def operand_dtypes(self) -> dict:
-        """No dtype rule of `_abi.EXPERTS_OPERANDS` depends on the config."""
-        return {}
+        """The weights' dtype (``"expert_weights"`` of `_abi.EXPERTS_OPERANDS`)."""
+        return {"expert_weights": "e4m3" if self.fp8_weights else "bf16"}
 
     def dimensions(self) -> dict:
-        """The sizes `_abi.EXPERTS_OPERANDS` names."""
+        """The sizes `_abi.EXPERTS_OPERANDS` names (the ``*_blocks``: of FP8 scale blocks)."""
         return {"hidden": self.hidden, "top_k": self.top_k, "experts": self.experts,
-                "intermediate": self.intermediate, "gate_up_columns": 2 * self.intermediate}
+                "intermediate": self.intermediate, "gate_up_columns": 2 * self.intermediate,
+                "hidden_blocks": self.hidden // FP8_BLOCK, "intermediate_blocks": self.intermediate // FP8_BLOCK,
+                "gate_up_column_blocks": 2 * self.intermediate // FP8_BLOCK}
 
     def conditions(self) -> set:
-        """The ``when`` word of the gate and up operands this config's calls take."""
-        return {"fused_gate_up" if self.fused_gate_up else "split_gate_up"}
+        """The ``when`` words of the operands this config's calls take: the gate and up layout,
+        and with ``fp8_weights`` the scales of each weight array."""
+        layout = "fused_gate_up" if self.fused_gate_up else "split_gate_up"
+        return {layout, f"{layout}_fp8", "fp8_weights"} if self.fp8_weights else {layout}
 
     @property
     def max_m(self) -> int:
@@ -335,7 +369,8 @@ class ExpertsConfig:
         """Names the cubin: readable prefix + hash of every field (but the later fields at their
         defaults, so that the keys from before them still name the same cubins)."""
         fields = self.to_dict()
-        for name, default in (("gate_up_split_k", 1), ("async_loads", False), ("tiled_weights", False)):
+        for name, default in (("gate_up_split_k", 1), ("async_loads", False), ("tiled_weights", False),
+                              ("fp8_weights", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

@@ -17,13 +17,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from jax_moe_publish.experts_config import MMA_TOKENS, ExpertsConfig
+from jax_moe_publish.experts_config import FP8_BLOCK, MMA_TOKENS, ExpertsConfig
 from jax_moe_publish.kernels import ptx
 from jax_moe_publish.kernels.expert_routing import ACTIVE, ExpertRouting
 from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, ExpertTiles
 
 WARP = 32
 VECTOR_BYTES = 16
+SCALE_BYTES = 4
 
 
 class ExpertDownKernel:
@@ -46,6 +47,23 @@ class ExpertDownKernel:
         out: Int64,  # (m * top_k, hidden) bf16
         m: Int32,
     ) -> None:
+        self._down(expert_ids, down, None, activations, out, m)
+
+    @cute.kernel
+    def expert_down_fp8(
+        self,
+        expert_ids: Int64,  # (m, top_k) int32
+        down: Int64,  # (experts, intermediate, hidden) e4m3
+        down_scales: Int64,  # (experts, intermediate / 128, hidden / 128) float32
+        activations: Int64,  # (m * top_k, intermediate) bf16, the gate/up kernel's
+        out: Int64,  # (m * top_k, hidden) bf16
+        m: Int32,
+    ) -> None:
+        self._down(expert_ids, down, down_scales, activations, out, m)
+
+    @cute.jit
+    def _down(self, expert_ids, down, down_scales, activations, out, m) -> None:
+        """The kernel; ``down_scales``: e4m3 weights' scales, else None."""
         cfg, s = self.config, self.shape
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
@@ -62,16 +80,22 @@ class ExpertDownKernel:
         w_k, w_n = warp % s.warps_k, warp // s.warps_k
         group, q = lane // 4, lane % 4
         lane_column = w_n * s.warp_cols + group * (s.warp_cols // 8)
-        row_bytes = cfg.hidden * BF16_BYTES
+        row_bytes = cfg.hidden * s.weight_bytes
         expert_bytes = cfg.intermediate * row_bytes
+        scale_row_bytes = cfg.hidden // FP8_BLOCK * SCALE_BYTES
+        expert_scale_bytes = cfg.intermediate // FP8_BLOCK * scale_row_bytes
         activation_row_bytes = cfg.intermediate * BF16_BYTES
+        out_row_bytes = cfg.hidden * BF16_BYTES
         items = sTotals[ACTIVE] * s.items_per_expert
         for item in cutlass.range(block, items, grid):
             expert = sActive[item // s.items_per_expert]
             column = (item % s.items_per_expert) * s.item_columns + lane_column
             start, count = sStart[expert], sCount[expert]
+            expert_scales = None
+            if cutlass.const_expr(s.fp8):
+                expert_scales = down_scales + Int64(expert) * expert_scale_bytes
             walk = self.tiles.weight_walk(down + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
-                                          lane_column, Int64(0), w_n, lane, q)
+                                          lane_column, Int64(0), w_n, lane, q, expert_scales, scale_row_bytes)
             for first in cutlass.range(0, count, s.tokens_per_pass):
                 token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group, activations,
                                                                activation_row_bytes, 1)
@@ -85,7 +109,7 @@ class ExpertDownKernel:
                                 slot = first + j * MMA_TOKENS + 2 * q + token
                                 if slot < count:
                                     word = ptx.f32x2_to_bf16x2(rAcc[i, j, token], rAcc[i, j, token + 2])
-                                    row = out + Int64(sPairs[start + slot]) * row_bytes
+                                    row = out + Int64(sPairs[start + slot]) * out_row_bytes
                                     ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)
         self._zero_skipped(out, expert_ids, m, warp, lane, block, grid)
         if cutlass.const_expr(cfg.enable_pdl):

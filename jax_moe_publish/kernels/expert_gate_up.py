@@ -15,7 +15,9 @@ clusters of that many CTAs: cluster ``c`` takes the items ``c, c + clusters, ...
 ``r`` the ``r``-th range of ``hidden / split_k`` consecutive rows of each, and the CTAs' sums
 are added in cluster order before the SwiGLU (`ExpertTiles.add_cluster_partials`), so an item's
 weight rows are read in whole spans of its columns by one CTA. With ``tiled_weights`` the gate
-and up weights are one array in the tiled order (`GemmShape.tiled_offset`).
+and up weights are one array in the tiled order (`GemmShape.tiled_offset`); with ``fp8_weights``
+they are e4m3 with a float32 scale per 128 x 128 block (roles ``expert_gate_up_fp8`` and
+``expert_gate_up_split_fp8``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from jax_moe_publish.experts_config import MMA_TOKENS, ExpertsConfig
+from jax_moe_publish.experts_config import FP8_BLOCK, MMA_TOKENS, ExpertsConfig
 from jax_moe_publish.kernels import ptx
 from jax_moe_publish.kernels.expert_routing import ACTIVE, ExpertRouting
 from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, ExpertTiles
 
 WARP = 32
+SCALE_BYTES = 4
 UP_LANES = 16
 """Lane ``l + UP_LANES`` holds the up sums of the columns whose gate sums lane ``l`` holds."""
 LOG2_E = math.log2(math.e)
@@ -71,6 +74,35 @@ class ExpertGateUpKernel:
         self._gate_up(x, expert_ids, gate_up, up, 2 * self.config.intermediate * BF16_BYTES, activations, m)
 
     @cute.kernel
+    def expert_gate_up_fp8(
+        self,
+        x: Int64,  # (m, hidden) bf16
+        expert_ids: Int64,  # (m, top_k) int32
+        gate_up: Int64,  # (experts, hidden, 2 * intermediate) e4m3, gate columns first
+        gate_up_scales: Int64,  # (experts, hidden / 128, 2 * intermediate / 128) float32
+        activations: Int64,  # (m * top_k, intermediate) bf16, written
+        m: Int32,
+    ) -> None:
+        blocks = self.config.intermediate // FP8_BLOCK
+        self._gate_up(x, expert_ids, gate_up, gate_up + self.config.intermediate, 2 * self.config.intermediate,
+                      activations, m, gate_up_scales, gate_up_scales + blocks * SCALE_BYTES, 2 * blocks * SCALE_BYTES)
+
+    @cute.kernel
+    def expert_gate_up_split_fp8(
+        self,
+        x: Int64,  # (m, hidden) bf16
+        expert_ids: Int64,  # (m, top_k) int32
+        gate: Int64,  # (experts, hidden, intermediate) e4m3
+        up: Int64,  # (experts, hidden, intermediate) e4m3
+        gate_scales: Int64,  # (experts, hidden / 128, intermediate / 128) float32
+        up_scales: Int64,  # (experts, hidden / 128, intermediate / 128) float32
+        activations: Int64,  # (m * top_k, intermediate) bf16, written
+        m: Int32,
+    ) -> None:
+        self._gate_up(x, expert_ids, gate, up, self.config.intermediate, activations, m, gate_scales, up_scales,
+                      self.config.intermediate // FP8_BLOCK * SCALE_BYTES)
+
+    @cute.kernel
     def expert_gate_up_split(
         self,
         x: Int64,  # (m, hidden) bf16
@@ -83,9 +115,11 @@ class ExpertGateUpKernel:
         self._gate_up(x, expert_ids, gate, up, self.config.intermediate * BF16_BYTES, activations, m)
 
     @cute.jit
-    def _gate_up(self, x, expert_ids, gate, up, row_bytes: int, activations, m) -> None:
+    def _gate_up(self, x, expert_ids, gate, up, row_bytes: int, activations, m, gate_scales=None, up_scales=None,
+                 scale_row_bytes: int = 0) -> None:
         """The kernel, with ``gate`` and ``up`` the addresses of expert 0's row 0 and
-        ``row_bytes`` their rows' stride (both layouts)."""
+        ``row_bytes`` their rows' stride (both layouts); e4m3 weights: ``gate_scales`` and
+        ``up_scales`` those of expert 0's scales, rows ``scale_row_bytes`` apart."""
         cfg, s = self.config, self.shape
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
@@ -114,13 +148,19 @@ class ExpertGateUpKernel:
         # Tiled, gate and up are one array: the order puts each lane's columns where it reads.
         matrix = gate if cutlass.const_expr(s.tiled) else cutlass.select_(group >= 4, up, gate)
         expert_bytes = cfg.hidden * row_bytes
+        scales, expert_scale_bytes = None, cfg.hidden // FP8_BLOCK * scale_row_bytes
+        if cutlass.const_expr(s.fp8):
+            scales = cutlass.select_(group >= 4, up_scales, gate_scales)
         items = sTotals[ACTIVE] * s.items_per_expert
         for item in cutlass.range(cluster, items, clusters):
             expert = sActive[item // s.items_per_expert]
             column = (item % s.items_per_expert) * s.item_columns + lane_column
             start, count = sStart[expert], sCount[expert]
+            expert_scales = None
+            if cutlass.const_expr(s.fp8):
+                expert_scales = scales + Int64(expert) * expert_scale_bytes
             walk = self.tiles.weight_walk(matrix + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
-                                          lane_column, k_begin, w_n, lane, q)
+                                          lane_column, k_begin, w_n, lane, q, expert_scales, scale_row_bytes)
             for first in cutlass.range(0, count, s.tokens_per_pass):
                 token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group,
                                                                x + k_begin * BF16_BYTES, cfg.hidden * BF16_BYTES,

@@ -16,6 +16,9 @@ are one sector's half or whole, and a warp reads 64 or 128 contiguous bytes of e
 rows; in the tiled order (`GemmShape.tiled_offset`) each of a warp's four loads of a step is
 512 or 1024 consecutive bytes, and a work item's bytes are one contiguous block.
 
+e4m3 weights (`GemmShape.fp8`) are loaded at half the bytes, widened to bf16 in registers (exact)
+and their step's sums added times the float32 scale of their 128 x 128 block; the tokens stay bf16.
+
 Accumulators ``[mma tile, token tile, 4]`` hold the mma's D fragment: ``c0 = D[g][2q]``,
 ``c1 = D[g][2q + 1]``, ``c2 = D[g + 8][2q]``, ``c3 = D[g + 8][2q + 1]``, i.e. columns
 ``2i`` (c0, c1) and ``2i + 1`` (c2, c3) of this lane's group, tokens ``2q`` and ``2q + 1``.
@@ -32,7 +35,7 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32, Int64, Uint32
 
-from jax_moe_publish.experts_config import LANE_ROWS, MMA_K, MMA_TOKENS, SMEM_ALIGNMENT, GemmShape
+from jax_moe_publish.experts_config import FP8_BLOCK, LANE_ROWS, MMA_K, MMA_TOKENS, SMEM_ALIGNMENT, GemmShape
 from jax_moe_publish.kernels import ptx
 
 BF16_BYTES = 2
@@ -47,11 +50,15 @@ def _allocate_row_major(shape):
 
 class WeightWalk(NamedTuple):
     """Where a lane's weight loads are: its row ``r`` (`LANE_ROWS`) of the K step from row ``k0``
-    at ``start + k0 * k_row_bytes + row_offsets[r]`` (the two are compile-time constants)."""
+    at ``start + k0 * k_row_bytes + row_offsets[r]`` (the two are compile-time constants). With
+    e4m3 weights, the float32 scale of its columns' block in the K block of row ``k0`` at
+    ``scales + (k0 / FP8_BLOCK) * scale_row_bytes`` (else ``scales`` is None)."""
 
     start: Int64
     k_row_bytes: int
     row_offsets: tuple
+    scales: Int64 | None = None
+    scale_row_bytes: int = 0
 
 
 class ExpertTiles:
@@ -104,12 +111,14 @@ class ExpertTiles:
         return token_rows, token_live
 
     def weight_walk(self, expert_weights: Int64, row_bytes: int, item_in_expert, lane_column, k_begin: Int64, w_n,
-                    lane, q) -> WeightWalk:
+                    lane, q, expert_scales: Int64 | None = None, scale_row_bytes: int = 0) -> WeightWalk:
         """This lane's `WeightWalk` through an item's K steps from row ``k_begin``, with
         ``expert_weights`` the address of the expert's weights (the lane's matrix: gate or up,
         in the split layout). In the weights' rows (stride ``row_bytes``) the lane's columns
         start at ``item_in_expert * item_columns + lane_column``; in the tiled order
-        (`GemmShape.tiled_offset`) the item is one block."""
+        (`GemmShape.tiled_offset`) the item is one block. e4m3 weights: ``expert_scales`` is
+        the address of the lane's matrix's scales of the expert (``[k / FP8_BLOCK, columns /
+        FP8_BLOCK]``, rows ``scale_row_bytes`` apart)."""
         s = self.shape
         if cutlass.const_expr(s.tiled):
             k_row_bytes = s.tile_step_bytes // MMA_K
@@ -117,7 +126,11 @@ class ExpertTiles:
                      + Int64(w_n * 4 * s.tile_row_bytes + lane * s.tile_lane_bytes))
             return WeightWalk(start, k_row_bytes, tuple(r * s.tile_row_bytes for r in range(4)))
         column = item_in_expert * s.item_columns + lane_column
-        start = expert_weights + k_begin * row_bytes + Int64(column) * BF16_BYTES + Int64(2 * q) * row_bytes
+        start = expert_weights + k_begin * row_bytes + Int64(column) * s.weight_bytes + Int64(2 * q) * row_bytes
+        if cutlass.const_expr(s.fp8):
+            # A lane's columns lie in one block: they are warp_cols / 8 of an aligned group.
+            scales = expert_scales + Int64(column // FP8_BLOCK) * 4
+            return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS), scales, scale_row_bytes)
         return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS))
 
     @cute.jit
@@ -140,18 +153,24 @@ class ExpertTiles:
             self._accumulate_from_registers(rAcc, walk, token_rows, token_live, token_offset, w_k, cached_tokens)
 
     @cute.jit
-    def _mma_step(self, rAcc, a_words, b_words) -> None:
+    def _mma_step(self, rAcc, a_words, b_words, scale=None) -> None:
         """One K step's mmas: ``a_words`` the lane's words of rows ``2q, +1, +8, +9`` (`LANE_ROWS`),
-        ``b_words[j]`` its two B words of token tile ``j``."""
+        ``b_words[j]`` its two B words of token tile ``j``. With ``scale`` (e4m3 weights) the
+        step's sums are made apart and added times ``scale``, its weight block's."""
         s = self.shape
         w0, w1, w8, w9 = a_words
         for i in cutlass.range_constexpr(s.mma_tiles):
             a = [ptx.pair_halves(w0[i], w1[i], False), ptx.pair_halves(w0[i], w1[i], True),
                  ptx.pair_halves(w8[i], w9[i], False), ptx.pair_halves(w8[i], w9[i], True)]
             for j in cutlass.range_constexpr(s.token_tiles):
-                d = ptx.mma_bf16_16x8x16(a, b_words[j], [rAcc[i, j, c] for c in range(4)])
-                for c in cutlass.range_constexpr(4):
-                    rAcc[i, j, c] = d[c]
+                if cutlass.const_expr(scale is None):
+                    d = ptx.mma_bf16_16x8x16(a, b_words[j], [rAcc[i, j, c] for c in range(4)])
+                    for c in cutlass.range_constexpr(4):
+                        rAcc[i, j, c] = d[c]
+                else:
+                    d = ptx.mma_bf16_16x8x16(a, b_words[j], [Float32(0.0)] * 4)
+                    for c in cutlass.range_constexpr(4):
+                        rAcc[i, j, c] = rAcc[i, j, c] + d[c] * scale
 
     @cute.jit
     def _accumulate_from_ring(self, rAcc, walk: WeightWalk, token_rows, token_live, token_offset, w_k, sRing, warp,
@@ -210,16 +229,28 @@ class ExpertTiles:
             for u in cutlass.range_constexpr(s.unroll):
                 k0 = Int64(((step + u) * s.warps_k + w_k) * MMA_K)
                 rows = walk.start + k0 * walk.k_row_bytes
-                a_words = [ptx.load_words(rows + offset, s.lane_words) for offset in walk.row_offsets]
+                a_words = [self._load_weight_row(rows + offset) for offset in walk.row_offsets]
                 b_words = []
                 for j in cutlass.range_constexpr(s.token_tiles):
                     at = token_rows[j] + k0 * BF16_BYTES + token_offset
                     b_words.append([ptx.load_u32(at, predicate=token_live[j], cached=cached_tokens),
                                     ptx.load_u32(at + 8 * BF16_BYTES, predicate=token_live[j],
                                                  cached=cached_tokens)])
-                loaded.append((a_words, b_words))
-            for a_words, b_words in loaded:
-                self._mma_step(rAcc, a_words, b_words)
+                scale = None
+                if cutlass.const_expr(s.fp8):
+                    scale = ptx.load_f32(walk.scales + (k0 // FP8_BLOCK) * walk.scale_row_bytes)
+                loaded.append((a_words, b_words, scale))
+            for a_words, b_words, scale in loaded:
+                self._mma_step(rAcc, a_words, b_words, scale)
+
+    def _load_weight_row(self, address: Int64) -> list:
+        """This lane's words of one weight row as bf16 words (`lane_words` of them): loaded as
+        they are, or e4m3 loaded and widened (`ptx.e4m3x4_to_bf16x4`)."""
+        s = self.shape
+        if not s.fp8:
+            return ptx.load_words(address, s.lane_words)
+        raw = [ptx.load_u32(address)] if s.lane_weight_words == 1 else ptx.load_words(address, s.lane_weight_words)
+        return [word for packed in raw for word in ptx.e4m3x4_to_bf16x4(packed)]
 
     @cute.jit
     def reduce(self, rAcc, sReduction, w_k, w_n, lane) -> None:

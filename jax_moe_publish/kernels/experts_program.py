@@ -21,7 +21,8 @@ from jax_moe_publish.kernels.expert_gate_up import ExpertGateUpKernel
 from jax_moe_publish.kernels.program import KernelLaunch
 
 KERNELS = {"expert_gate_up": ExpertGateUpKernel, "expert_gate_up_split": ExpertGateUpKernel,
-           "expert_down": ExpertDownKernel}
+           "expert_down": ExpertDownKernel, "expert_gate_up_fp8": ExpertGateUpKernel,
+           "expert_gate_up_split_fp8": ExpertGateUpKernel, "expert_down_fp8": ExpertDownKernel}
 """The class of each role; its method named after the role is the kernel."""
 TRACED_GRID = 1
 """The grid CuTe DSL's own launch is traced with; the launchers size the real one at load."""
@@ -29,11 +30,11 @@ TRACED_GRID = 1
 
 def launch_plan(config: ExpertsConfig) -> list[KernelLaunch]:
     """The launches of one call of ``config``, in order (`_abi.EXPERTS.call_roles`)."""
-    shapes = {"expert_gate_up": "gate_up", "expert_gate_up_split": "gate_up", "expert_down": "down"}
     def launch(role):
-        shape = config.gemm(shapes[role])
+        gemm = "down" if role.startswith("expert_down") else "gate_up"
+        shape = config.gemm(gemm)
         # A gate/up item's split_k CTAs form one thread block cluster.
-        return KernelLaunch(role, shape.threads, config.shared_bytes(shapes[role]), shape.split_k, "resident",
+        return KernelLaunch(role, shape.threads, config.shared_bytes(gemm), shape.split_k, "resident",
                             cluster=shape.split_k)
 
     return [launch(role) for role in _abi.EXPERTS.call_roles(config)]
@@ -56,6 +57,10 @@ class ExpertsProgram:
         gate: Int64,
         up: Int64,
         down: Int64,
+        gate_up_scales: Int64,
+        gate_scales: Int64,
+        up_scales: Int64,
+        down_scales: Int64,
         activations: Int64,
         out: Int64,
         m: Int32,
@@ -63,7 +68,8 @@ class ExpertsProgram:
     ) -> None:
         """Launch the call's kernels: the parameters are `_abi.EXPERTS.values`, in order, then the
         stream (``tests/compile/test_abi.py`` checks that the tuple below names them in that order)."""
-        values = dict(zip(_abi.EXPERTS.values, (x, expert_ids, gate_up, gate, up, down, activations, out, m)))
+        values = dict(zip(_abi.EXPERTS.values, (x, expert_ids, gate_up, gate, up, down, gate_up_scales, gate_scales,
+                                                up_scales, down_scales, activations, out, m)))
         for index in cutlass.range_constexpr(len(self.plan)):
             launch = self.plan[index]
             self.kernels[index](*[values[name] for name in _abi.EXPERTS.roles[launch.role].params]).launch(

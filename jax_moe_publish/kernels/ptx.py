@@ -395,6 +395,22 @@ def f32x4_to_e4m3x4(v0, v1, v2, v3, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def e4m3x4_to_bf16x4(word, *, loc=None, ip=None) -> list:
+    """The four float8_e4m3fn of a word widened to bf16 (exact: every e4m3 value is one) and
+    packed as two words: bytes 0 and 1 in the first (byte 0 in its low half), 2 and 3 in the
+    second. Through float16 and float32, both exact for e4m3; a NaN stays a NaN."""
+    text = ("{\n.reg .b16 lo, hi, h0, h1, h2, h3;\n.reg .b32 p, q;\n.reg .f32 f0, f1, f2, f3;\n"
+            "mov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 p, lo;\ncvt.rn.f16x2.e4m3x2 q, hi;\n"
+            "mov.b32 {h0, h1}, p;\nmov.b32 {h2, h3}, q;\n"
+            "cvt.f32.f16 f0, h0;\ncvt.f32.f16 f1, h1;\ncvt.f32.f16 f2, h2;\ncvt.f32.f16 f3, h3;\n"
+            "cvt.rn.bf16x2.f32 $0, f1, f0;\ncvt.rn.bf16x2.f32 $1, f3, f2;\n}")
+    struct = llvm.StructType.get_literal([T.i32()] * 2)
+    result = _asm(struct, [Uint32(word).ir_value(loc=loc, ip=ip)], text, "=r,=r,r", side_effects=False, loc=loc,
+                  ip=ip)
+    return _words_out(result, 2, loc, ip)
+
+
+@dsl_user_op
 def store_f32(address: Int64, value, *, loc=None, ip=None) -> None:
     """Store of one float32."""
     _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],

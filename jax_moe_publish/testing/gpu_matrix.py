@@ -179,6 +179,14 @@ EXPERTS_VARIANTS = (
     ((1024, 128, 8, 2, True), dict(tiled_weights=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
                                    gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32, down_warps_k=1,
                                    down_warps_n=8, down_unroll=4)),
+    # e4m3 weights with 128 x 128 scale blocks: the heuristic's shapes, fused and split (4-byte
+    # rows of gate/up, 8-byte rows of down); 8-byte rows of gate/up and 4-byte rows of down with
+    # warps side by side and four token tiles.
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True)),
+    ((7168, 256, 32, 8, False), dict(fp8_weights=True)),
+    ((1024, 128, 8, 2, True), dict(fp8_weights=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
+                                   gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32, down_warps_k=1,
+                                   down_warps_n=8, down_unroll=4)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

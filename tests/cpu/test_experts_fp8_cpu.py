@@ -13,8 +13,9 @@ import pytest
 
 import fp8_experts
 import numerics
+from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
 import jax_moe_publish as jmp
-from jax_moe_publish import experts, experts_gather, reference
+from jax_moe_publish import _abi, experts, experts_gather, reference
 
 ROUTES = {"reference": reference.moe_experts, "gather": experts_gather.moe_experts}
 
@@ -56,11 +57,40 @@ def test_the_op_takes_fp8_operands_on_every_pure_path(rng):
     _check(out[1], reversed_model, "vmap element 1")
 
 
-def test_the_kernels_refuse_fp8_operands_by_name(rng):
-    """impl="kernel" names why before anything runs: the FP8 operand, not a missing device."""
-    args, _ = fp8_experts.random_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2, fused=False)
-    with pytest.raises(ValueError, match=r"impl='kernel': the kernels take bf16 x and weights only so far"):
+@pytest.mark.parametrize("block, fp8_x", [((128, 128), True), ((32, 64), False)], ids=["fp8-x", "32x64-blocks"])
+def test_the_kernels_refuse_what_they_do_not_take_by_name(rng, block, fp8_x):
+    """impl="kernel" names why before anything runs (the FP8 tokens, or weight blocks other than
+    128 x 128), not a missing device."""
+    args, _ = fp8_experts.random_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2, fused=False,
+                                      block=block, fp8_x=fp8_x)
+    with pytest.raises(ValueError, match=r"impl='kernel': the kernels take bf16 x, and bf16 weights or every weight "
+                                         r"a BlockScaled of 128 x 128 blocks"):
         experts.moe_experts(*args, impl="kernel")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+def test_the_kernel_path_takes_e4m3_weights(rng, stood_in, fused, monkeypatch):  # noqa: F811
+    """128 x 128 blocks with bf16 x: the kernels' config has ``fp8_weights``, the FFI call gets
+    the values and then the scales (`_abi.EXPERTS_OPERANDS`), and the CPU runs the reference."""
+    args, model = fp8_experts.random_case(rng, m=3, hidden=256, intermediate=128, experts_count=4, top_k=2,
+                                          fused=fused)
+    jaxpr = str(jax.make_jaxpr(lambda *a: experts.moe_experts(*a, impl="kernel"))(*args))
+    config, _ = stood_in[-1]
+    assert config == jmp.ExpertsConfig.for_shape(hidden=256, intermediate=128, experts=4, top_k=2,
+                                                 fused_gate_up=fused).replace(fp8_weights=True)
+    assert STAND_IN in jaxpr
+    layout = ["gate_up"] if fused else ["gate", "up"]
+    args_record = [(o["name"], o["dtype"], o["shape"]) for o in _abi.call_operands(config) if o["io"] == "arg"]
+    scales = [(f"{name}_scales", "f32", [4, 2, 2 if fused else 1]) for name in layout]
+    assert args_record == [("x", "bf16", [256]), ("expert_ids", "s32", [2]),
+                           *[(name, "e4m3", [4, 256, 256 if fused else 128]) for name in layout],
+                           ("down", "e4m3", [4, 128, 256]), *scales, ("down_scales", "f32", [4, 1, 2])]
+    _check(jax.jit(lambda *a: experts.moe_experts(*a, impl="kernel"))(*args), model, "kernel path on CPU")
+    # Where the table names the kernels (for bf16 weights), auto keeps e4m3 weights off them.
+    monkeypatch.setattr(experts.experts_tuning, "auto_impl", lambda **shape: "kernel")
+    loads = len(stood_in)
+    _check(jax.jit(experts.moe_experts)(*args), model, "auto on CPU")
+    assert len(stood_in) == loads, "auto took the e4m3 kernels"
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -97,3 +127,17 @@ def test_the_derivative_in_x_through_fp8_weights_is_the_reference_s(rng):
     got, want = loss(experts.moe_experts)(x), loss(reference.moe_experts)(x)
     assert np.any(np.asarray(want, np.float32) != 0)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(intermediate=64), r"intermediate=64: expected a multiple of 128 with fp8_weights"),
+    (dict(tiled_weights=True), r"tiled_weights=True: expected False with fp8_weights"),
+    (dict(async_loads=True), r"async_loads=True: expected False with fp8_weights"),
+    (dict(gate_up_split_k=2, gate_up_warps_k=4), r"gate_up_split_k=2: expected 1 with fp8_weights"),
+])
+def test_e4m3_configs_the_kernels_do_not_take_are_named(changes, match):
+    base = jmp.ExpertsConfig.for_shape(hidden=256, intermediate=128, experts=4, top_k=2)
+    base.replace(fp8_weights=True)  # takes it
+    with pytest.raises(ValueError, match=match):
+        jmp.ExpertsConfig.for_shape(hidden=256, intermediate=changes.pop("intermediate", 128), experts=4,
+                                    top_k=2).replace(fp8_weights=True, **changes)

@@ -38,7 +38,9 @@ from jax_moe_publish.testing import gpu_matrix
 
 pytestmark = pytest.mark.gpus(1)
 
-CONFIGS = gpu_matrix.experts_configs()
+CONFIGS = [config for config in gpu_matrix.experts_configs() if not config.fp8_weights]
+FP8_CONFIGS = [config for config in gpu_matrix.experts_configs() if config.fp8_weights]
+"""e4m3 weights' configs, whose inputs are `BlockScaled` (`test_e4m3_weights_match_the_model_of_their_blocks`)."""
 MS = (1, 2, 7, 16, 17, 64, 130)
 """Tokens: one pass and several (16 tokens per pass with two token tiles), one past a pass."""
 
@@ -145,6 +147,35 @@ def test_the_op_through_jax_is_the_kernels(launcher, rng):
     reference = np.asarray(jmp.moe_experts(inputs.x, inputs.expert_ids, gate_up, down, impl="reference"))
     exact, bound = numerics.expected_rows(inputs)
     numerics.assert_close(reference, exact, bound, what="reference path")
+
+
+@pytest.mark.parametrize("config", FP8_CONFIGS, ids=_id)
+def test_e4m3_weights_match_the_model_of_their_blocks(devices, rng, config):
+    """e4m3 weights with 128 x 128 scale blocks (`BlockScaled`) and bf16 tokens, through the
+    harness (outputs poisoned) at m across the passes, hot experts and every id skipped, against
+    the float64 model of the dequantized blocks; twice the same bits; through JAX the same bits."""
+    launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=max(MS))
+    try:
+        for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0))]:
+            (x, ids, gate_up, down), model = fp8_experts.random_case(
+                rng, m=m, hidden=config.hidden, intermediate=config.intermediate, experts_count=config.experts,
+                top_k=config.top_k, fused=config.fused_gate_up, **options)
+            weights = {"gate_up": gate_up} if config.fused_gate_up else dict(zip(("gate", "up"), gate_up))
+            weights["down"] = down
+            arrays = {"x": x, "expert_ids": ids}
+            for name, w in weights.items():
+                arrays.update({name: np.asarray(w.values), f"{name}_scales": np.asarray(w.scales)})
+            what = f"m={m} {options or ''}"
+            out, activations = launcher.run_arrays(arrays)
+            _check(out, activations, model, what)
+            again, _ = launcher.run_arrays(arrays)
+            assert np.array_equal(again.view(np.uint16), out.view(np.uint16)), f"{what}: two runs differ"
+            if m == 7:
+                op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, gate_up, down, impl="kernel", config=config))
+                got = np.asarray(op(x, ids))
+                assert np.array_equal(got.view(np.uint16), out.view(np.uint16)), "through JAX"
+    finally:
+        launcher.close()
 
 
 def test_a_chain_of_layers_in_one_program(rng):

@@ -21,12 +21,14 @@ def dequantized(a) -> np.ndarray:
     return values * np.repeat(np.repeat(scales, rows, axis=-2), cols, axis=-1)
 
 
-def random_case(rng, *, m, hidden, intermediate, experts_count, top_k, fused, block=(128, 128), fp8_x=False):
+def random_case(rng, *, m, hidden, intermediate, experts_count, top_k, fused, block=(128, 128), fp8_x=False,
+                **routing):
     """Fresh inputs with the weights quantized per ``block`` (and with ``fp8_x`` the tokens per
     128 channels by `reference.quantize_fp8`): the op's arguments and the model's inputs, whose
-    arrays are the float64 values the FP8 operands stand for."""
+    arrays are the float64 values the FP8 operands stand for. ``routing``: `numerics.random_experts`'
+    ``skipped_fraction`` and ``hot_experts``."""
     inputs = numerics.random_experts(rng, m=m, hidden=hidden, intermediate=intermediate, experts=experts_count,
-                                     top_k=top_k)
+                                     top_k=top_k, **routing)
     down = jmp.BlockScaled.quantize(inputs.down, block)
     if fused:
         gate_up = jmp.BlockScaled.quantize(inputs.gate_up, block)

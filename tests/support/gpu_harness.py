@@ -559,14 +559,20 @@ class ExpertsLauncher:
     def run(self, inputs: numerics.ExpertsInputs, timeout_s: float = 30.0):
         """One call on ``inputs`` into poisoned outputs: (rows, activations) as bf16
         ``[m * top_k, hidden]`` and ``[m * top_k, intermediate]``."""
-        m = inputs.x.shape[0]
-        if m > self.max_m:
-            raise ValueError(f"m={m} exceeds the buffers' max_m={self.max_m}")
-        arrays = {"x": inputs.x, "expert_ids": inputs.expert_ids.astype(np.int32), "gate_up": inputs.gate_up,
-                  "gate": inputs.gate, "up": inputs.up, "down": inputs.down}
+        arrays = {"x": inputs.x, "expert_ids": inputs.expert_ids, "gate_up": inputs.gate_up, "gate": inputs.gate,
+                  "up": inputs.up, "down": inputs.down}
         if self.config.tiled_weights:
             tiled = experts_layout.tile(inputs.gate_up, inputs.down, experts_layout.Tiling.of(self.config))
             arrays.update(gate_up=tiled.gate_up, down=tiled.down)
+        return self.run_arrays(arrays, timeout_s)
+
+    def run_arrays(self, arrays: dict, timeout_s: float = 30.0):
+        """`run` on the call's args by name (`_abi.call_operands`), as NumPy arrays: e4m3 weights
+        and their scales for an ``fp8_weights`` config."""
+        m = arrays["x"].shape[0]
+        if m > self.max_m:
+            raise ValueError(f"m={m} exceeds the buffers' max_m={self.max_m}")
+        arrays = {**arrays, "expert_ids": np.asarray(arrays["expert_ids"]).astype(np.int32)}
         for operand in self.operands:
             buffer = self.buffers[operand["name"]]
             if operand["io"] == "arg":
