@@ -20,11 +20,10 @@ from cutlass import Int32, Int64, Uint32
 from jax_moe_publish.experts_config import FP8_BLOCK, MMA_TOKENS, ExpertsConfig
 from jax_moe_publish.kernels import ptx
 from jax_moe_publish.kernels.expert_routing import ACTIVE, ExpertRouting
-from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, ExpertTiles
+from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, SCALE_BYTES, ExpertTiles
 
 WARP = 32
 VECTOR_BYTES = 16
-SCALE_BYTES = 4
 
 
 class ExpertDownKernel:

@@ -31,10 +31,9 @@ from cutlass import Float32, Int32, Int64
 from jax_moe_publish.experts_config import FP8_BLOCK, MMA_TOKENS, ExpertsConfig
 from jax_moe_publish.kernels import ptx
 from jax_moe_publish.kernels.expert_routing import ACTIVE, ExpertRouting
-from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, ExpertTiles
+from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, SCALE_BYTES, ExpertTiles
 
 WARP = 32
-SCALE_BYTES = 4
 UP_LANES = 16
 """Lane ``l + UP_LANES`` holds the up sums of the columns whose gate sums lane ``l`` holds."""
 LOG2_E = math.log2(math.e)

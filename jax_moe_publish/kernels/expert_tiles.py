@@ -39,6 +39,8 @@ from jax_moe_publish.experts_config import FP8_BLOCK, LANE_ROWS, MMA_K, MMA_TOKE
 from jax_moe_publish.kernels import ptx
 
 BF16_BYTES = 2
+SCALE_BYTES = 4
+"""A float32 block scale of e4m3 weights."""
 
 def _allocate_row_major(shape):
     """Float32 shared memory of ``shape``, row-major (CuTe's default is column-major): with the
@@ -129,7 +131,7 @@ class ExpertTiles:
         start = expert_weights + k_begin * row_bytes + Int64(column) * s.weight_bytes + Int64(2 * q) * row_bytes
         if cutlass.const_expr(s.fp8):
             # A lane's columns lie in one block: they are warp_cols / 8 of an aligned group.
-            scales = expert_scales + Int64(column // FP8_BLOCK) * 4
+            scales = expert_scales + Int64(column // FP8_BLOCK) * SCALE_BYTES
             return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS), scales, scale_row_bytes)
         return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS))
 
