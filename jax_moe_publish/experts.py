@@ -98,7 +98,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     if config is not None:
-        _check_config(config, shape)
+        _check_config(config, _call_fields(shape), "the arrays' shape"
+                      f"{' and of the tiled order they were prepared in' if shape.tiling else ''}")
     why_not = _why_no_kernels(shape, config)
     gpus = [device.local_hardware_id for device in jax.local_devices(backend="gpu")] if _has_gpus() else []
     if impl == "kernel" and (why_not or not gpus):
@@ -158,11 +159,8 @@ def prepare_experts(gate_up, down: jax.Array, *, config: ExpertsConfig | None = 
                          "(FP8) array")
     if config is None:
         config = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=1)
-    elif not isinstance(config, ExpertsConfig):
-        raise TypeError(f"config: expected a jax_moe_publish.ExpertsConfig, got {type(config).__name__}")
-    elif (config.hidden, config.intermediate, config.experts) != (hidden, intermediate, experts):
-        raise ValueError(f"config: hidden={config.hidden}, intermediate={config.intermediate}, "
-                         f"experts={config.experts}; expected the arrays' {hidden}, {intermediate}, {experts}")
+    else:
+        _check_config(config, dict(hidden=hidden, intermediate=intermediate, experts=experts), "the arrays' shape")
     fused_gate_up = gate_up if fused else jnp.concatenate(gate_up, axis=-1)
     return experts_layout.tile(fused_gate_up, down, Tiling.of(config))
 
@@ -238,18 +236,23 @@ def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
     return config if shape.tiling is None else shape.tiling.config_for(config)
 
 
-def _check_config(config, shape: checks.ExpertsShape) -> None:
-    if not isinstance(config, ExpertsConfig):
-        raise TypeError(f"config: expected a jax_moe_publish.ExpertsConfig, got {type(config).__name__}")
+def _call_fields(shape: checks.ExpertsShape) -> dict:
+    """The `ExpertsConfig` fields that a call of ``shape`` fixes."""
     call = dict(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts, top_k=shape.top_k,
                 fused_gate_up=shape.fused, tiled_weights=shape.tiling is not None, fp8_weights=shape.fp8_weights)
     if shape.tiling is not None:
         call.update(dataclasses.asdict(shape.tiling))
+    return call
+
+
+def _check_config(config, call: dict, expected: str) -> None:
+    """``config`` is an `ExpertsConfig` with the fields ``call`` gives (``expected`` says of what)."""
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config: expected a jax_moe_publish.ExpertsConfig, got {type(config).__name__}")
     differ = {name: (getattr(config, name), value) for name, value in call.items() if getattr(config, name) != value}
     if differ:
         listed = ", ".join(f"{name}={got!r} (the arrays give {want!r})" for name, (got, want) in differ.items())
-        raise ValueError(f"config: {listed}; expected a config of the arrays' shape"
-                         f"{' and of the tiled order they were prepared in' if shape.tiling else ''}")
+        raise ValueError(f"config: {listed}; expected a config of {expected}")
 
 
 def _call_kernels(set_id, x, expert_ids, gate, up, down):
