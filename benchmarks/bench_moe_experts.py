@@ -24,6 +24,12 @@ program (`COLUMNS`):
 * ``gather``: ``jmp.moe_experts(impl="gather")`` (`jax_moe_publish.experts_gather`: XLA
   gathers the active experts' weights into slots, two batched GEMMs), the route that
   ``impl="auto"`` runs where the table (`experts_tuning`) has it fastest;
+* ``ours_fp8``, ``ours_fp8_prepared``, ``gather_fp8``: ``ours``, ``ours_prepared`` and
+  ``gather`` on the same weights as DeepSeek-V3 ships them: e4m3 with a float32 scale per
+  128 x 128 block (`jmp.BlockScaled.quantize` of each layer's bf16 weights), where the shard
+  holds whole blocks. Their outputs are checked against the first FP8 column's (the FP8
+  weights compute another function than the bf16 ones), their ``floor_fraction`` is of
+  ``floor_fp8``: the FP8 bytes (values and scales) at the same bandwidth;
 * ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
   the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
   written per second, which a read-only stream moves at about the same rate, the HBM's
@@ -151,8 +157,8 @@ SHAPES = {
 }
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_MS = (1, 2, 4)
-# --cpu: every shape at dimensions that split over tp = 8.
-CPU_DIMS = {"hidden": 64, "intermediate": 64, "experts": 16, "shared_intermediate": 64}
+# --cpu: every shape at dimensions that split over tp = 8, and hold whole FP8 blocks at tp = 1 and 2.
+CPU_DIMS = {"hidden": 128, "intermediate": 256, "experts": 16, "shared_intermediate": 64}
 MAX_DIFFERENCE = 1e-2
 MIN_LAYERS = 2  # so that no two consecutive calls share weights or routing
 MAX_ITERATIONS = 20_000
@@ -172,7 +178,8 @@ GUESS = {
     "start_s": 60.0,  # JAX and CUDA start, the floors (a 4 GiB copy, the empty-call chain)
     "weights_s_per_gb": 0.1,  # drawing random bf16 weights
     "compile_s": {"ours": 3.0, "ours_prepared": 3.0, "ragged_dot": 8.0, "ragged_dot_pallas_triton": 10.0,
-                  "cudnn": 10.0, "xla_triton": 10.0, "tokamax": 20.0, "gather": 8.0},
+                  "cudnn": 10.0, "xla_triton": 10.0, "tokamax": 20.0, "gather": 8.0, "ours_fp8": 3.0,
+                  "ours_fp8_prepared": 3.0, "gather_fp8": 8.0},
     "compile_s_per_layer": 0.3,
     "unavailable_s": 1.0,  # a column whose module or JAX flag this Python lacks
     "hbm_bytes_per_s": 4.0e12,
@@ -190,6 +197,7 @@ class Column:
     what: str
     route: str  # "ours", "reference" or "gather" (jmp.moe_experts with that impl), or "tokamax"
     prepared: bool = False  # on jmp.prepare_experts's weights (made once, before the timed loop)
+    fp8: bool = False  # on the layers' e4m3 weights (BlockScaled of 128 x 128 blocks)
     compiler_options: tuple = ()  # XLA options of this column's programs only
     jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
     needs_in_hlo: tuple = ()
@@ -223,8 +231,16 @@ COLUMNS = (
            "'mosaic', else 'triton')", "tokamax"),
     Column("gather", "jmp.moe_experts(impl='gather'): the active experts' weights gathered by XLA into slots, "
            "two batched GEMMs", "gather"),
+    Column("ours_fp8", "jmp.moe_experts(impl='kernel') on e4m3 weights with 128 x 128 block scales", "ours",
+           fp8=True),
+    Column("ours_fp8_prepared", "jmp.moe_experts(impl='kernel') on jmp.prepare_experts's order of the e4m3 weights",
+           "ours", prepared=True, fp8=True),
+    Column("gather_fp8", "jmp.moe_experts(impl='gather') on the e4m3 weights (dequantized after the gather)",
+           "gather", fp8=True),
 )
+FP8_BLOCK = 128
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)
+COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
 TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton")  # tokamax's "xla" is jax.lax.ragged_dot: the ragged_dot column
 
 
@@ -286,9 +302,26 @@ def layer_weight_bytes(config, tp):
     return config.experts * config.expert_bytes(tp)
 
 
+def weight_layouts(args) -> set:
+    """The layers' weight arrays that the selected columns read: ``(fp8, prepared)`` pairs, the
+    bf16 arrays always (the FP8 ones are quantized from them)."""
+    return {(False, False)} | {(column.fp8, column.prepared) for column in COLUMNS if column.name in args.columns}
+
+
 def weight_copies(args):
-    """Copies of each layer's weights: the arrays, and their prepared order where a column reads it."""
-    return 1 + any(column.prepared for column in COLUMNS if column.name in args.columns)
+    """Bytes of each layer's weights held, in copies of its bf16 arrays (`weight_layouts`; e4m3: half)."""
+    return sum(0.5 if fp8 else 1 for fp8, _ in weight_layouts(args))
+
+
+def fp8_expert_bytes(config, tp):
+    """One expert's e4m3 weights on a rank: a byte per weight and a float32 per 128 x 128 block."""
+    i = config.intermediate // tp
+    return 3 * config.hidden * i + 3 * (config.hidden // FP8_BLOCK) * (i // FP8_BLOCK) * 4
+
+
+def holds_fp8_blocks(config, tp):
+    """Whether a rank's shard holds whole 128 x 128 blocks (the FP8 columns' weights)."""
+    return config.hidden % FP8_BLOCK == 0 and config.intermediate // tp % FP8_BLOCK == 0
 
 
 def budget_layers(args, config, tp):
@@ -359,13 +392,24 @@ def draw_layer_weights(key, config, tp):
 
 
 def draw_weights(args, config, tp, layers):
-    """Each layer's weights (`draw_layer_weights`), with ``"prepared"``, their
-    `jmp.prepare_experts` order, where a column reads it (`weight_copies`)."""
+    """Each layer's weights (`draw_layer_weights`), with those the columns read besides
+    (`weight_layouts`): ``"prepared"``, their `jmp.prepare_experts` order; ``"fp8"``, the pair
+    ``(gate_up, down)`` quantized (`jmp.BlockScaled.quantize`, where the shard holds whole
+    blocks); ``"fp8_prepared"``, its prepared order."""
     key = jax.random.fold_in(jax.random.fold_in(shape_key(args, config.name), 2), tp)
     weights = [draw_layer_weights(jax.random.fold_in(key, layer), config, tp) for layer in range(layers)]
-    if weight_copies(args) > 1:
-        prepare = jax.jit(jmp.prepare_experts)
-        weights = [{**w, "prepared": prepare(w["gate_up"], w["down"])} for w in weights]
+    layouts = weight_layouts(args)
+    prepare = jax.jit(jmp.prepare_experts)
+    quantize = jax.jit(jmp.BlockScaled.quantize)
+    for w in weights:
+        if (False, True) in layouts:
+            w["prepared"] = prepare(w["gate_up"], w["down"])
+        if holds_fp8_blocks(config, tp) and {(True, False), (True, True)} & layouts:
+            fp8 = (quantize(w["gate_up"]), quantize(w["down"]))
+            if (True, False) in layouts:
+                w["fp8"] = fp8
+            if (True, True) in layouts:
+                w["fp8_prepared"] = prepare(*fp8)
     return weights
 
 
@@ -383,7 +427,10 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
     if column.route != "tokamax":
         impl = args.ours_impl if column.route == "ours" else column.route
         if column.prepared:
-            return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared"], impl=impl)
+            name = "fp8_prepared" if column.fp8 else "prepared"
+            return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
+        if column.fp8:
+            return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
         return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
 
     def grouped(w, x, ids):
@@ -562,7 +609,8 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
     out = np.asarray(runner(compiled, 1)(*inputs), np.float64)
     # tokamax leaves the rows in expert order; the last layer's routing orders them.
     outputs[column.name] = pair_order(out, inputs[2][-1]) if column.route == "tokamax" else out
-    reference = next(iter(outputs))
+    # The first column that ran on the same weights: bf16, or e4m3.
+    reference = next(name for name in outputs if COLUMNS_BY_NAME[name].fp8 == column.fp8)
     if column.name != reference:
         difference = float(np.linalg.norm(outputs[column.name] - outputs[reference])
                            / np.linalg.norm(outputs[reference]))
@@ -586,6 +634,7 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     expert_bytes = config.expert_bytes(tp)
     active_bytes = mean_active * expert_bytes
     floor_us = active_bytes / bandwidth * 1e6
+    fp8_floor_us = mean_active * fp8_expert_bytes(config, tp) / bandwidth * 1e6
     result = {"shape": config.name, "tp": tp, "hidden": hidden, "intermediate": config.intermediate // tp,
               "model_intermediate": config.intermediate, "experts": config.experts, "top_k": top_k, "m": m,
               "router": config.router, "layers": layers, "budget_layers": budget_layers(args, config, tp),
@@ -603,6 +652,9 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
         programs = {}
         for column in columns:
             entry = figures[column.name]
+            if column.fp8 and not holds_fp8_blocks(config, tp):
+                entry["why_not"] = (f"the rank's shard (hidden {hidden}, intermediate {config.intermediate // tp}) "
+                                    f"holds no whole {FP8_BLOCK} x {FP8_BLOCK} blocks")
             if "why_not" in entry:
                 continue
             try:
@@ -623,11 +675,15 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     for name, column_rounds in timings.items():
         entry = figures[name]
         entry.update(timing.summarize(column_rounds))
-        entry["floor_fraction"] = floor_us / entry["us"]
+        entry["floor_fraction"] = (fp8_floor_us if COLUMNS_BY_NAME[name].fp8 else floor_us) / entry["us"]
         if "ours" in timings and name != "ours":
             entry["over_ours"] = timing.paired_ratio(column_rounds, timings["ours"])
     figures["floor"] = {"us": floor_us, "what": "the active experts' weight bytes at the measured HBM bandwidth",
                         "bytes": active_bytes, "bytes_per_s": bandwidth}
+    if any(column.fp8 for column in columns):
+        figures["floor_fp8"] = {"us": fp8_floor_us, "bytes": mean_active * fp8_expert_bytes(config, tp),
+                                "bytes_per_s": bandwidth,
+                                "what": "the active experts' e4m3 weights and scales at the measured HBM bandwidth"}
     result["columns"] = figures
     result["checked_against"] = next(iter(outputs), None)
     result["elapsed_s"] = time.perf_counter() - start
@@ -725,6 +781,10 @@ def plot(paths, png):
                 elif any(name in r["columns"] for r in cases):
                     without.append(name)
             axis.plot([r["m"] for r in cases], [r["columns"]["floor"]["us"] for r in cases], "k--", label="floor")
+            fp8_cases = [r for r in cases if "floor_fp8" in r["columns"]]
+            if fp8_cases:
+                axis.plot([r["m"] for r in fp8_cases], [r["columns"]["floor_fp8"]["us"] for r in fp8_cases], "k:",
+                          label="floor_fp8")
             axis.set_xscale("log", base=2)
             axis.set_xticks([r["m"] for r in cases], [str(r["m"]) for r in cases])
             axis.set_yscale("log")
@@ -754,13 +814,19 @@ def default_out(args, gpu):
 
 
 def ours_configs(args):
-    """The `jmp.ExpertsConfig` of every selected shape and tp (the op's default for the shape),
-    and its tiled twin where a column reads `jmp.prepare_experts`'s weights."""
-    configs = [jmp.ExpertsConfig.for_shape(hidden=SHAPES[name].hidden, intermediate=SHAPES[name].intermediate // tp,
-                                           experts=SHAPES[name].experts, top_k=SHAPES[name].top_k)
-               for name in args.shapes for tp in args.tp]
-    if weight_copies(args) > 1:
-        configs += [config.replace(tiled_weights=True) for config in configs]
+    """The `jmp.ExpertsConfig` of every selected shape, tp and weight layout that a column reads
+    (`weight_layouts`: the op's default for the shape, its tiled twin for `jmp.prepare_experts`'s
+    weights; e4m3 where the shard holds whole blocks)."""
+    configs = []
+    for name in args.shapes:
+        config = SHAPES[name]
+        for tp in args.tp:
+            for fp8, prepared in sorted(weight_layouts(args)):
+                if fp8 and not holds_fp8_blocks(config, tp):
+                    continue
+                ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
+                                                   experts=config.experts, top_k=config.top_k, fp8_weights=fp8)
+                configs.append(ours.replace(tiled_weights=prepared))
     return configs
 
 
@@ -797,7 +863,7 @@ def cudnn_version():
 
 def print_case(r):
     cells = []
-    for name in (*COLUMN_NAMES, "floor"):
+    for name in (*COLUMN_NAMES, "floor", "floor_fp8"):
         entry = r["columns"].get(name)
         if entry is not None:
             cells.append(f"{name} {entry['us']:.1f}" if "us" in entry else f"{name} -")
@@ -836,7 +902,7 @@ def main(argv=None):
         jax.config.update("jax_platforms", "cpu")
         print("on the CPU at tiny dimensions, ours through impl='auto' (the reference path): a plumbing check, "
               "its times mean nothing", flush=True)
-    elif {"ours", "ours_prepared"} & set(args.columns):
+    elif any(column.route == "ours" for column in columns):
         kernel_builds.check_kernels(ours_configs(args), build_kernels_command(args))
     device = jax.devices()[0]
     bandwidth, floor_limits = read_bandwidth(args, device)

@@ -48,17 +48,22 @@ def parse_variant(text: str) -> dict:
 def configs(args, config):
     """The default launch shapes of the shard, then each variant's."""
     base = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // args.tp,
-                                       experts=config.experts, top_k=config.top_k)
+                                       experts=config.experts, top_k=config.top_k, fp8_weights=args.fp8)
     return [base] + [base.replace(**parse_variant(variant)) for variant in args.variant]
 
 
 def weights_for(config, layers):
-    """Each layer's weights as ``config`` reads them: `jmp.prepare_experts`'s tiled order for a
-    config with ``tiled_weights`` (``down`` then None), else the arrays as drawn."""
+    """Each layer's weights as ``config`` reads them: e4m3 with 128 x 128 block scales
+    (`jmp.BlockScaled.quantize`) for a config with ``fp8_weights``; `jmp.prepare_experts`'s
+    tiled order for one with ``tiled_weights`` (``down`` then None), else the arrays as drawn."""
+    weights = [(layer["gate_up"], layer["down"]) for layer in layers]
+    if config is not None and config.fp8_weights:
+        quantize = jax.jit(jmp.BlockScaled.quantize)
+        weights = [(quantize(gate_up), quantize(down)) for gate_up, down in weights]
     if config is None or not config.tiled_weights:
-        return [(layer["gate_up"], layer["down"]) for layer in layers]
+        return weights
     prepare = jax.jit(lambda gate_up, down: jmp.prepare_experts(gate_up, down, config=config))
-    return [(prepare(layer["gate_up"], layer["down"]), None) for layer in layers]
+    return [(prepare(gate_up, down), None) for gate_up, down in weights]
 
 
 def time_call(op, weights, xs, ids, calls: int) -> float:
@@ -88,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time", action="store_true", help="time each config over a chain of layers")
     parser.add_argument("--impl", default="kernel", choices=["kernel", "reference"],
                         help="reference: the plumbing on a machine without a GPU")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 weights with 128 x 128 block scales (the default "
+                                                           "config's fp8_weights)")
     parser.add_argument("--build-kernels", metavar="DIR", help="compile the configs into DIR (CuTe DSL), then exit")
     args = parser.parse_args(argv)
     config = bench.SHAPES[args.shape]
@@ -102,8 +109,9 @@ def main(argv=None) -> int:
         return bench.draw_routing(config, args.m, jax.random.fold_in(key, 0), jax.random.fold_in(key, 1 + layer))
 
     active = np.unique(np.asarray(routing(0)[1]))
-    gate_up_bytes = active.size * config.hidden * 2 * intermediate * 2
-    down_bytes = active.size * intermediate * config.hidden * 2
+    weight_bytes = 1 if args.fp8 else 2
+    gate_up_bytes = active.size * config.hidden * 2 * intermediate * weight_bytes
+    down_bytes = active.size * intermediate * config.hidden * weight_bytes
     print(f"{args.shape} tp={args.tp} (intermediate {intermediate}) m={args.m}: {active.size} active experts; "
           f"weight bytes gate/up {gate_up_bytes / 1e6:.2f} MB, down {down_bytes / 1e6:.2f} MB (the first layer)")
     count = int(np.ceil(MIN_PASS_BYTES / (gate_up_bytes + down_bytes))) if args.time else 1

@@ -284,9 +284,10 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
                              f"{type(down).__name__}")
         tiling = gate_up.tiling
         gate_up, down = gate_up.gate_up, gate_up.down
-        for name, part in (("gate_up.gate_up", gate_up), ("gate_up.down", down)):
-            if isinstance(part, BlockScaled):
-                raise ValueError(f"{name}: a BlockScaled array; a PreparedExperts holds bf16 weights")
+        if isinstance(gate_up, BlockScaled) != isinstance(down, BlockScaled):
+            scaled = "gate_up" if isinstance(gate_up, BlockScaled) else "down"
+            raise ValueError(f"gate_up: a PreparedExperts whose {scaled} alone is a BlockScaled; expected both "
+                             "weights bf16 or both BlockScaled (prepare_experts makes them so)")
     elif down is None:
         raise ValueError("down: expected bf16 [experts, intermediate, hidden], got None (only a PreparedExperts "
                          "as gate_up holds down)")

@@ -15,7 +15,7 @@ from jax import lax
 
 from jax_moe_publish import _launch, batching, checks, experts_gather, experts_layout, experts_tuning, reference
 from jax_moe_publish.block_scaled import BlockScaled
-from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
+from jax_moe_publish.experts_config import FP8_BLOCK, MAX_PAIRS, ExpertsConfig
 from jax_moe_publish.experts_layout import PreparedExperts, Tiling
 
 IMPLS = ("auto", "kernel", "gather", "reference")
@@ -85,7 +85,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         run); the reference where the table has no entry, and on every other platform.
         With a `PreparedExperts`, ``auto`` is the kernels on CUDA devices where they take the
         shape; the other routes, and ``auto`` elsewhere, undo the tiling in every call first.
-        With e4m3 weights ``auto`` takes the reference where the table names the kernels.
+        e4m3 weights follow the table of bf16 weights (the kernels read half their bytes).
     config : ExpertsConfig, optional
         The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape. With
         a `PreparedExperts`, the config it was prepared for, with ``tiled_weights``.
@@ -115,8 +115,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         elif gpus:
             route = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
                                              experts=shape.experts, top_k=shape.top_k, m=shape.m)
-        # The table measured bf16 weights: e4m3 weights reach the kernels by impl="kernel" only.
-        if route == "kernel" and (why_not or shape.block_scaled):
+        if route == "kernel" and why_not:
             route = "reference"
     if shape.tiling is not None:
         gate, up, down = gate_up.gate_up, None, gate_up.down
@@ -142,26 +141,35 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     return _differentiable(experts, pure["reference"])(x, expert_ids, gate, up, down)
 
 
-def prepare_experts(gate_up, down: jax.Array, *, config: ExpertsConfig | None = None) -> PreparedExperts:
+def prepare_experts(gate_up, down, *, config: ExpertsConfig | None = None) -> PreparedExperts:
     """One rank's expert weights in the kernels' tiled order, for `moe_experts`.
 
-    ``gate_up`` and ``down`` are `moe_experts`'s bf16 weights (fused ``[experts, hidden, 2 *
-    intermediate]`` or the pair ``(gate, up)``; ``[experts, intermediate, hidden]``). ``config``:
-    the launch shapes the order is made for (`Tiling`: each kernel's ``warps_n`` and
-    ``warp_cols``); by default `ExpertsConfig.for_shape`'s, which `moe_experts` then uses. A
-    permutation of the bytes within each expert, exact; `PreparedExperts.untiled` undoes it.
-    Pure JAX: run it once (under ``jit``, or inside ``shard_map`` on each rank's slices), not in
-    every step.
+    ``gate_up`` and ``down`` are `moe_experts`'s weights (fused ``[experts, hidden, 2 *
+    intermediate]`` or the pair ``(gate, up)``; ``[experts, intermediate, hidden]``): all bf16,
+    or all e4m3 `BlockScaled` of 128 x 128 blocks (the kernels' FP8 weights: their values are
+    tiled, their scales kept). ``config``: the launch shapes the order is made for (`Tiling`:
+    each kernel's ``warps_n`` and ``warp_cols``); by default `ExpertsConfig.for_shape`'s, which
+    `moe_experts` then uses. A permutation of the bytes within each expert, exact;
+    `PreparedExperts.untiled` undoes it. Pure JAX: run it once (under ``jit``, or inside
+    ``shard_map`` on each rank's slices), not in every step.
     """
     experts, hidden, intermediate, fused, scaled = checks.check_expert_weights(gate_up, down, hidden_from="down")
-    if scaled:
-        raise ValueError("prepare_experts: the tiled order is for bf16 weights; some weight is a BlockScaled "
-                         "(FP8) array")
+    weights = [down, *(gate_up if not fused else (gate_up,))]
+    if scaled and not all(isinstance(w, BlockScaled) and w.block == (FP8_BLOCK, FP8_BLOCK) for w in weights):
+        blocks = [w.block if isinstance(w, BlockScaled) else "bf16" for w in weights]
+        raise ValueError(f"prepare_experts: weights of blocks {blocks} (down first); expected every weight bf16, "
+                         f"or every weight a BlockScaled of {FP8_BLOCK} x {FP8_BLOCK} blocks (the kernels' FP8)")
     if config is None:
         config = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=1)
     else:
         _check_config(config, dict(hidden=hidden, intermediate=intermediate, experts=experts), "the arrays' shape")
-    fused_gate_up = gate_up if fused else jnp.concatenate(gate_up, axis=-1)
+    if fused:
+        fused_gate_up = gate_up
+    elif scaled:
+        fused_gate_up = BlockScaled(jnp.concatenate([w.values for w in gate_up], axis=-1),
+                                    jnp.concatenate([w.scales for w in gate_up], axis=-1))
+    else:
+        fused_gate_up = jnp.concatenate(gate_up, axis=-1)
     return experts_layout.tile(fused_gate_up, down, Tiling.of(config))
 
 
@@ -230,9 +238,7 @@ def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
     """`ExpertsConfig.for_shape`'s config of ``shape``, reading the tiled order of its prepared
     weights where they are."""
     config = ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
-                                     top_k=shape.top_k, fused_gate_up=shape.fused)
-    if shape.fp8_weights:
-        return config.replace(fp8_weights=True)
+                                     top_k=shape.top_k, fused_gate_up=shape.fused, fp8_weights=shape.fp8_weights)
     return config if shape.tiling is None else shape.tiling.config_for(config)
 
 

@@ -130,7 +130,7 @@ class GemmShape:
     @property
     def tile_lane_bytes(self) -> int:
         """Bytes one lane loads of one of its four rows of a K step: ``warp_cols / 8`` columns."""
-        return self.lane_words * 4
+        return self.lane_weight_words * 4
 
     @property
     def tile_row_bytes(self) -> int:
@@ -164,9 +164,10 @@ class GemmShape:
 
     @property
     def stage_words(self) -> int:
-        """Words of one K step in a warp's ring (`async_loads`): each lane's four weight rows,
-        then its two B words per token tile."""
-        return (4 * self.lane_words + 2 * self.token_tiles) * 32
+        """Words of one K step in a warp's ring (`async_loads`): each lane's four weight rows
+        (as loaded: e4m3 or bf16), then its two B words per token tile, then with e4m3 weights
+        its block's scale."""
+        return (4 * self.lane_weight_words + 2 * self.token_tiles + int(self.fp8)) * 32
 
     def ring_bytes(self) -> int:
         """Shared memory for the warps' rings of ``unroll`` steps (0 without `async_loads`)."""
@@ -234,8 +235,7 @@ class ExpertsConfig:
         The weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block of each
         expert's ``[k, columns]`` (`BlockScaled`): widened to bf16 in registers (exactly), each
         K step's sums times its block's scale added into the float32 sums. Needs hidden and
-        intermediate multiples of `FP8_BLOCK`, and the weights' rows (no tiled order, ring or
-        K split).
+        intermediate multiples of `FP8_BLOCK`, and a K split of whole blocks.
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
@@ -288,9 +288,9 @@ class ExpertsConfig:
             for name in ("hidden", "intermediate"):
                 _require(getattr(self, name) % FP8_BLOCK == 0, name, getattr(self, name),
                          f"a multiple of {FP8_BLOCK} with fp8_weights (whole scale blocks)")
-            for name, plain in (("tiled_weights", False), ("async_loads", False), ("gate_up_split_k", 1)):
-                _require(getattr(self, name) == plain, name, getattr(self, name),
-                         f"{plain!r} with fp8_weights (the e4m3 kernels read the weights' rows with register loads)")
+            _require(self.hidden // self.gate_up_split_k % FP8_BLOCK == 0, "gate_up_split_k", self.gate_up_split_k,
+                     f"hidden / gate_up_split_k a multiple of {FP8_BLOCK} with fp8_weights (each CTA's rows whole "
+                     f"scale blocks; hidden={self.hidden})")
         for role in ("gate_up", "down"):
             shape = self.gemm(role)
             prefix = f"{role}_"
@@ -381,13 +381,15 @@ class ExpertsConfig:
 
     @classmethod
     def for_shape(cls, *, hidden: int, intermediate: int, experts: int, top_k: int, fused_gate_up: bool = True,
-                  arch: str = "sm_90a") -> "ExpertsConfig":
+                  fp8_weights: bool = False, arch: str = "sm_90a") -> "ExpertsConfig":
         """The launch shapes for one shard shape, before any measurement: both kernels with 8 warps
         (2 CTAs of 256 threads fit an SM), work items sized so that 8 active experts (one token at
         top-8) give about as many items as an H200's 132 SMs hold CTAs, and the most K steps in
         flight that divide a warp's share, up to 8 for gate/up (at one token per expert a few
         CTAs per SM must keep HBM busy: 8 steps are 32 KB in flight per CTA of 32-column warps)
-        and 4 for down (its items are many and short)."""
+        and 4 for down (its items are many and short). e4m3 weights: the same, but at most 4
+        steps of split gate and up in 64-column warps (at 8, their widened rows spilled at
+        DeepSeek-V3's tp = 1 shard)."""
         sms = 132
         # gate/up: all warps split hidden (K is long, the columns few); 64 columns per warp
         # (32 of gate, 32 of up) once 8 experts still give two items per SM.
@@ -410,8 +412,9 @@ class ExpertsConfig:
         gate_up_warps_k = 8
         while gate_up_warps_k > 1 and (hidden // MMA_K) % gate_up_warps_k:
             gate_up_warps_k //= 2
+        gate_up_steps = 4 if fp8_weights and not fused_gate_up and gate_up_cols == 64 else 8
         return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                    fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
-                   gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, 8),
+                   gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, gate_up_steps),
                    down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
-                   down_unroll=unroll(intermediate, down_warps_k, 4), arch=arch)
+                   down_unroll=unroll(intermediate, down_warps_k, 4), fp8_weights=fp8_weights, arch=arch)

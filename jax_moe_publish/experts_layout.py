@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jax_moe_publish.block_scaled import BlockScaled
 from jax_moe_publish.experts_config import MMA_K, ExpertsConfig
 
 
@@ -42,19 +43,20 @@ class Tiling:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PreparedExperts:
-    """The experts' weights in the tiled order of `tiling` (`prepare_experts`): ``gate_up`` bf16
-    ``[experts, hidden, 2 * intermediate]`` (gate and up, as the fused array), ``down`` bf16
-    ``[experts, intermediate, hidden]``. A pytree of the two arrays (`tiling` is static): it
-    passes through ``jit`` and ``shard_map``. A rank prepares its own slices (`prepare_experts`
-    inside ``shard_map``): the arrays' specs over I (gate_up's last axis, down's middle one),
-    as a `PreparedExperts` of two specs with the rank's `tiling`, then keep each rank's tiled
-    block whole."""
+    """The experts' weights in the tiled order of `tiling` (`prepare_experts`): ``gate_up``
+    ``[experts, hidden, 2 * intermediate]`` (gate and up, as the fused array), ``down``
+    ``[experts, intermediate, hidden]``, both bf16 or both `BlockScaled` e4m3 (the values
+    tiled, the scales as they were). A pytree of the arrays (`tiling` is static): it passes
+    through ``jit`` and ``shard_map``. A rank prepares its own slices (`prepare_experts` inside
+    ``shard_map``): the arrays' specs over I (gate_up's last axis, down's middle one), as a
+    `PreparedExperts` of two specs with the rank's `tiling`, then keep each rank's tiled block
+    whole."""
 
     gate_up: jax.Array
     down: jax.Array
     tiling: Tiling = dataclasses.field(metadata=dict(static=True))
 
-    def untiled(self) -> tuple[jax.Array, jax.Array]:
+    def untiled(self) -> tuple:
         """``(gate_up, down)`` in their rows again: the fused gate_up, and down."""
         gate_up = _untile(self.gate_up, self.tiling.gate_up_warps_n, self.tiling.gate_up_warp_cols, gated=True)
         down = _untile(self.down, self.tiling.down_warps_n, self.tiling.down_warp_cols, gated=False)
@@ -62,8 +64,8 @@ class PreparedExperts:
 
 
 def tile(gate_up, down, tiling: Tiling) -> PreparedExperts:
-    """The fused ``gate_up`` and ``down`` (checked bf16 arrays, JAX's or NumPy's) in the tiled
-    order of ``tiling``."""
+    """The fused ``gate_up`` and ``down`` (checked arrays, JAX's or NumPy's: bf16, or
+    `BlockScaled` whose values are tiled) in the tiled order of ``tiling``."""
     return PreparedExperts(_tile(gate_up, tiling.gate_up_warps_n, tiling.gate_up_warp_cols, gated=True),
                            _tile(down, tiling.down_warps_n, tiling.down_warp_cols, gated=False), tiling)
 
@@ -101,12 +103,16 @@ def _split_axes(shape: tuple, warps_n: int, warp_cols: int, gated: bool) -> tupl
     return split, order
 
 
-def _tile(weights: jax.Array, warps_n: int, warp_cols: int, *, gated: bool) -> jax.Array:
+def _tile(weights, warps_n: int, warp_cols: int, *, gated: bool):
+    if isinstance(weights, BlockScaled):
+        return BlockScaled(_tile(weights.values, warps_n, warp_cols, gated=gated), weights.scales)
     split, order = _split_axes(tuple(weights.shape), warps_n, warp_cols, gated)
     return weights.reshape(split).transpose(order).reshape(weights.shape)
 
 
-def _untile(tiled: jax.Array, warps_n: int, warp_cols: int, *, gated: bool) -> jax.Array:
+def _untile(tiled, warps_n: int, warp_cols: int, *, gated: bool):
+    if isinstance(tiled, BlockScaled):
+        return BlockScaled(_untile(tiled.values, warps_n, warp_cols, gated=gated), tiled.scales)
     split, order = _split_axes(tuple(tiled.shape), warps_n, warp_cols, gated)
     tiled_split = tuple(split[axis] for axis in order)
     return tiled.reshape(tiled_split).transpose(tuple(int(a) for a in np.argsort(order))).reshape(tiled.shape)

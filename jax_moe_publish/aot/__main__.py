@@ -90,7 +90,8 @@ def _configs(args) -> list:
         if missing:
             raise SystemExit(f"an explicit experts config needs --{' --'.join(missing).replace('_', '-')}")
         shape = {name: given[name] for name in ("hidden", "intermediate", "experts", "top_k")}
-        base = ExpertsConfig.for_shape(**shape, fused_gate_up=given.get("fused_gate_up", True), arch=arch)
+        base = ExpertsConfig.for_shape(**shape, fused_gate_up=given.get("fused_gate_up", True),
+                                       fp8_weights=given.get("fp8_weights", False), arch=arch)
         configs.append(base.replace(**given))
     elif given:
         missing = [name for name in ("hidden", "top_k", "tp") if name not in given]

@@ -120,20 +120,23 @@ class ExpertTiles:
         start at ``item_in_expert * item_columns + lane_column``; in the tiled order
         (`GemmShape.tiled_offset`) the item is one block. e4m3 weights: ``expert_scales`` is
         the address of the lane's matrix's scales of the expert (``[k / FP8_BLOCK, columns /
-        FP8_BLOCK]``, rows ``scale_row_bytes`` apart)."""
+        FP8_BLOCK]``, rows ``scale_row_bytes`` apart), whatever the order of the weights."""
         s = self.shape
+        column = item_in_expert * s.item_columns + lane_column
+        scales = None
+        if cutlass.const_expr(s.fp8):
+            # A lane's columns lie in one block (warp_cols / 8 of an aligned group), and k_begin
+            # starts a block (`ExpertsConfig` checks the K split).
+            scales = (expert_scales + (k_begin // FP8_BLOCK) * scale_row_bytes
+                      + Int64(column // FP8_BLOCK) * SCALE_BYTES)
         if cutlass.const_expr(s.tiled):
             k_row_bytes = s.tile_step_bytes // MMA_K
             start = (expert_weights + Int64(item_in_expert) * s.tile_item_bytes + k_begin * k_row_bytes
                      + Int64(w_n * 4 * s.tile_row_bytes + lane * s.tile_lane_bytes))
-            return WeightWalk(start, k_row_bytes, tuple(r * s.tile_row_bytes for r in range(4)))
-        column = item_in_expert * s.item_columns + lane_column
+            return WeightWalk(start, k_row_bytes, tuple(r * s.tile_row_bytes for r in range(4)), scales,
+                              scale_row_bytes)
         start = expert_weights + k_begin * row_bytes + Int64(column) * s.weight_bytes + Int64(2 * q) * row_bytes
-        if cutlass.const_expr(s.fp8):
-            # A lane's columns lie in one block: they are warp_cols / 8 of an aligned group.
-            scales = expert_scales + Int64(column // FP8_BLOCK) * SCALE_BYTES
-            return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS), scales, scale_row_bytes)
-        return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS))
+        return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS), scales, scale_row_bytes)
 
     @cute.jit
     def accumulate(self, rAcc, walk: WeightWalk, token_rows, token_live, w_k, q,
@@ -183,41 +186,49 @@ class ExpertTiles:
         s = self.shape
         stage_bytes = s.stage_words * 4
         ring = sRing.iterator.toint() + warp * (s.unroll * stage_bytes)
-        a_at = lane * (s.lane_words * 4)
-        a_row_bytes = 32 * s.lane_words * 4
+        # A stage (`GemmShape.stage_words`): the weight rows, the B words, the e4m3 scales.
+        a_at = lane * s.tile_lane_bytes
+        a_row_bytes = 32 * s.tile_lane_bytes
         b_at = 4 * a_row_bytes + lane * 8
+        scale_at = 4 * a_row_bytes + s.token_tiles * 256 + lane * SCALE_BYTES
         for step in cutlass.range_constexpr(s.unroll):
             if cutlass.const_expr(step < s.k_steps_per_warp):
-                self._copy_step(ring + step * stage_bytes, a_at, a_row_bytes, b_at, Int32(step), walk, token_rows,
-                                token_live, token_offset, w_k)
+                self._copy_step(ring + step * stage_bytes, a_at, a_row_bytes, b_at, scale_at, Int32(step), walk,
+                                token_rows, token_live, token_offset, w_k)
             ptx.commit_async_group()
         for step in cutlass.range(0, s.k_steps_per_warp, 1, unroll=1):
             # Every group but the newest unroll - 1 is complete: this step's is.
             ptx.wait_async_groups(s.unroll - 1)
             stage = ring + (step % s.unroll) * stage_bytes
-            a_words = [ptx.load_shared_words(stage + a_at + r * a_row_bytes, s.lane_words) for r in range(4)]
+            a_words = [self._load_weight_row(stage + a_at + r * a_row_bytes, shared=True) for r in range(4)]
             b_words = [[ptx.load_shared_u32(stage + b_at + j * 256), ptx.load_shared_u32(stage + b_at + j * 256 + 4)]
                        for j in range(s.token_tiles)]
-            self._mma_step(rAcc, a_words, b_words)
+            scale = None
+            if cutlass.const_expr(s.fp8):
+                scale = ptx.load_shared_f32(stage + scale_at)
+            self._mma_step(rAcc, a_words, b_words, scale)
             if step + s.unroll < s.k_steps_per_warp:
-                self._copy_step(stage, a_at, a_row_bytes, b_at, step + s.unroll, walk, token_rows, token_live,
-                                token_offset, w_k)
+                self._copy_step(stage, a_at, a_row_bytes, b_at, scale_at, step + s.unroll, walk, token_rows,
+                                token_live, token_offset, w_k)
             ptx.commit_async_group()
         ptx.wait_async_groups(0)
 
     @cute.jit
-    def _copy_step(self, stage, a_at, a_row_bytes: int, b_at, step, walk: WeightWalk, token_rows, token_live,
-                   token_offset, w_k) -> None:
-        """This lane's copies of K step ``step`` (its rows `LANE_ROWS`, its B words) into ``stage``."""
+    def _copy_step(self, stage, a_at, a_row_bytes: int, b_at, scale_at, step, walk: WeightWalk, token_rows,
+                   token_live, token_offset, w_k) -> None:
+        """This lane's copies of K step ``step`` (its rows `LANE_ROWS`, its B words, its e4m3
+        block's scale) into ``stage``."""
         s = self.shape
         k0 = Int64((step * s.warps_k + w_k) * MMA_K)
         rows = walk.start + k0 * walk.k_row_bytes
         for r in cutlass.range_constexpr(4):
-            ptx.copy_async(stage + a_at + r * a_row_bytes, rows + walk.row_offsets[r], s.lane_words * 4)
+            ptx.copy_async(stage + a_at + r * a_row_bytes, rows + walk.row_offsets[r], s.tile_lane_bytes)
         for j in cutlass.range_constexpr(s.token_tiles):
             at = token_rows[j] + k0 * BF16_BYTES + token_offset
             ptx.copy_async(stage + b_at + j * 256, at, 4, predicate=token_live[j])
             ptx.copy_async(stage + b_at + j * 256 + 4, at + 8 * BF16_BYTES, 4, predicate=token_live[j])
+        if cutlass.const_expr(s.fp8):
+            ptx.copy_async(stage + scale_at, walk.scales + (k0 // FP8_BLOCK) * walk.scale_row_bytes, SCALE_BYTES)
 
     @cute.jit
     def _accumulate_from_registers(self, rAcc, walk: WeightWalk, token_rows, token_live, token_offset, w_k,
@@ -245,14 +256,19 @@ class ExpertTiles:
             for a_words, b_words, scale in loaded:
                 self._mma_step(rAcc, a_words, b_words, scale)
 
-    def _load_weight_row(self, address: Int64) -> list:
-        """This lane's words of one weight row as bf16 words (`lane_words` of them): loaded as
-        they are, or e4m3 loaded and widened (`ptx.e4m3x4_to_bf16x4`)."""
+    def _load_weight_row(self, address, shared: bool = False) -> list:
+        """This lane's words of one weight row, at a global ``address`` or in its ring stage
+        (``shared``), as bf16 words (`lane_words` of them): as they are, or e4m3 widened
+        (`ptx.e4m3x4_to_bf16x4`)."""
         s = self.shape
+        if s.lane_weight_words == 1:
+            words = [ptx.load_shared_u32(address) if shared else ptx.load_u32(address)]
+        else:
+            load = ptx.load_shared_words if shared else ptx.load_words
+            words = load(address, s.lane_weight_words)
         if not s.fp8:
-            return ptx.load_words(address, s.lane_words)
-        raw = [ptx.load_u32(address)] if s.lane_weight_words == 1 else ptx.load_words(address, s.lane_weight_words)
-        return [word for packed in raw for word in ptx.e4m3x4_to_bf16x4(packed)]
+            return words
+        return [word for packed in words for word in ptx.e4m3x4_to_bf16x4(packed)]
 
     @cute.jit
     def reduce(self, rAcc, sReduction, w_k, w_n, lane) -> None:

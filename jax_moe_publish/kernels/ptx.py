@@ -183,6 +183,12 @@ def load_shared_u32(address, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def load_shared_f32(address, *, loc=None, ip=None) -> Float32:
+    """Load of one float32 at the 32-bit shared ``address``."""
+    return Float32(_scalar_at(address, "ld.shared.f32", T.f32(), "f", True, loc, ip, shared=True))
+
+
+@dsl_user_op
 def cluster_address(address, cta, *, loc=None, ip=None) -> Int32:
     """The 32-bit ``shared::cluster`` address of this CTA's shared ``address`` in CTA ``cta``
     of the cluster (``mapa``; kept in place, so that a loop over CTAs holds one at a time)."""

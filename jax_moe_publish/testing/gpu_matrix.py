@@ -187,6 +187,12 @@ EXPERTS_VARIANTS = (
     ((1024, 128, 8, 2, True), dict(fp8_weights=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
                                    gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32, down_warps_k=1,
                                    down_warps_n=8, down_unroll=4)),
+    # e4m3 weights in the tiled order, without and with the ring (scales copied beside the
+    # weights); the ring and the K split over 8 CTAs (896 rows each: whole blocks) in the rows.
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, tiled_weights=True)),
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, tiled_weights=True, async_loads=True, token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, async_loads=True, gate_up_split_k=8, gate_up_warps_k=1,
+                                    gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

@@ -34,7 +34,7 @@ SEED = 5
 MIN_PASS_MB = 0.2  # two layers at both tps: small programs, quick to compile
 # On CPU the kernels, JAX's Pallas Triton lowering, cuDNN, XLA's Triton emitter and tokamax's GPU
 # kernels cannot run.
-TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather")
+TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather", "ours_fp8", "ours_fp8_prepared", "gather_fp8")
 
 
 @pytest.mark.parametrize("name", TIMED_ON_CPU)
@@ -53,7 +53,7 @@ def test_chain_keeps_every_layer_in_the_timed_loop(name):
                   jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16))
         compiled, _ = bench.compile_column(column, args, config.top_k, layers, inputs)
     inside, outside = hlo_text.loop_body_opcodes(compiled.as_text())
-    sorts = layers if name != "gather" or experts_gather.gather_slots(m, config.top_k, config.experts)[1] else 0
+    sorts = layers if column.route != "gather" or experts_gather.gather_slots(m, config.top_k, config.experts)[1] else 0
     assert {op: inside.get(op, 0) for op in ("sort", "dot")} == {"sort": sorts, "dot": 2 * layers}, inside
     assert not {op: outside[op] for op in ("sort", "dot", "gather", "scatter") if op in outside}, outside
 
@@ -65,7 +65,7 @@ def cpu_run(tmp_path_factory):
     run = subprocess.run([sys.executable, str(BENCHMARK), "--cpu", "--shapes", SHAPE, "--tp", *map(str, TPS),
                           "--m", str(M), "--reps", "1", "--seed", str(SEED), "--min-pass-mb", str(MIN_PASS_MB),
                           "--out", str(out)],
-                         check=False, capture_output=True, text=True, timeout=300)
+                         check=False, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
     return out, json.loads(out.read_text())
 
@@ -79,7 +79,7 @@ def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
     assert [(r["shape"], r["tp"], r["m"]) for r in data["results"]] == [(SHAPE, tp, M) for tp in TPS]
     for r in data["results"]:
         what = f"{r['shape']} tp={r['tp']}"
-        assert set(r["columns"]) == {*bench.COLUMN_NAMES, "floor"}, what
+        assert set(r["columns"]) == {*bench.COLUMN_NAMES, "floor", "floor_fp8"}, what
         for name in bench.COLUMN_NAMES:
             entry = r["columns"][name]
             if name not in TIMED_ON_CPU:
@@ -89,7 +89,8 @@ def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
             assert all(math.isfinite(entry[field]) for field in ("us", "p10", "p90")), (what, name)
             assert entry["p10"] <= entry["us"] <= entry["p90"], (what, name)
             assert entry["iterations"][0] < entry["iterations"][1], (what, name)
-            assert entry["floor_fraction"] == pytest.approx(r["columns"]["floor"]["us"] / entry["us"]), (what, name)
+            floor = "floor_fp8" if bench.COLUMNS_BY_NAME[name].fp8 else "floor"
+            assert entry["floor_fraction"] == pytest.approx(r["columns"][floor]["us"] / entry["us"]), (what, name)
             if name != "ours":
                 ratio = entry["over_ours"]
                 assert ratio["p10"] <= ratio["ratio"] <= ratio["p90"], (what, name)
@@ -131,6 +132,11 @@ def test_cpu_run_floor_and_active_experts_follow_the_routing(cpu_run):
         floor = r["columns"]["floor"]
         assert floor["bytes"] == r["active_bytes_per_call"], what
         assert floor["us"] == pytest.approx(r["active_bytes_per_call"] / bandwidth * 1e6), what
+        # e4m3: a byte per weight, a float32 per 128 x 128 block.
+        blocks = 3 * (r["hidden"] // 128) * (r["intermediate"] // 128)
+        fp8_floor = r["columns"]["floor_fp8"]
+        assert fp8_floor["bytes"] == pytest.approx(active["mean"] * (r["expert_bytes"] / 2 + 4 * blocks)), what
+        assert fp8_floor["us"] == pytest.approx(fp8_floor["bytes"] / bandwidth * 1e6), what
 
 
 def test_plot_writes_a_png(cpu_run, tmp_path):

@@ -176,14 +176,65 @@ def test_misuse_is_named(rng):
         experts.moe_experts(w.x, w.expert_ids, prepared, config=other)
     with pytest.raises(ValueError, match=r"fused_gate_up=False: expected True with tiled_weights"):
         base.replace(fused_gate_up=False, tiled_weights=True)
-    with pytest.raises(ValueError, match="the tiled order is for bf16 weights"):
+    with pytest.raises(ValueError, match=r"prepare_experts: weights of blocks \['bf16', \(32, 32\)\] \(down "
+                                         r"first\); expected every weight bf16, or every weight a BlockScaled of "
+                                         r"128 x 128 blocks"):
         prepare_experts(BlockScaled.quantize(jnp.asarray(w.gate_up, jnp.float32), (32, 32)), w.down)
     with pytest.raises(ValueError, match=r"config: hidden=256 \(the arrays give 128\); expected a config of the "
                                          r"arrays' shape$"):
         prepare_experts(w.gate_up, w.down, config=base.replace(hidden=256))
     with pytest.raises(TypeError, match="config: expected a jax_moe_publish.ExpertsConfig, got dict"):
         prepare_experts(w.gate_up, w.down, config={})
-    with pytest.raises(ValueError, match=r"gate_up.gate_up: a BlockScaled array"):
+    with pytest.raises(ValueError, match=r"gate_up: a PreparedExperts whose gate_up alone is a BlockScaled; "
+                                         r"expected both weights bf16 or both BlockScaled"):
         experts.moe_experts(w.x, w.expert_ids, PreparedExperts(BlockScaled.quantize(
             jnp.asarray(w.gate_up, jnp.float32), (32, 32)), prepared.down, prepared.tiling))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+def test_e4m3_weights_tile_their_values_and_keep_their_scales(rng, fused):
+    """`prepare_experts` of `BlockScaled` weights (128 x 128 blocks): the values in the bf16
+    order's permutation (byte for byte what the bf16 weights of the same values get), the scales
+    as they were (split gate and up: joined as the fused array's), and untiling is exact."""
+    config = _config(256, 256, 2, dict(gate_up_warps_n=2, gate_up_warp_cols=64, gate_up_warps_k=4, gate_up_unroll=2))
+    w = numerics.random_experts(rng, m=1, hidden=256, intermediate=256, experts=2, top_k=1)
+    fp8 = {name: BlockScaled.quantize(jnp.asarray(getattr(w, name), jnp.float32))
+           for name in ("gate_up", "gate", "up", "down")}
+    gate_up = fp8["gate_up"] if fused else (fp8["gate"], fp8["up"])
+    prepared = jax.jit(lambda gate_up, down: prepare_experts(gate_up, down, config=config))(gate_up, fp8["down"])
+    fused_values = (fp8["gate_up"].values if fused else
+                    jnp.concatenate([fp8["gate"].values, fp8["up"].values], axis=-1))
+    fused_scales = (fp8["gate_up"].scales if fused else
+                    jnp.concatenate([fp8["gate"].scales, fp8["up"].scales], axis=-1))
+    # The same permutation as bf16 weights: tile the values' bytes widened to bf16 (exact).
+    as_bf16 = prepare_experts(fused_values.astype(jnp.bfloat16), fp8["down"].values.astype(jnp.bfloat16),
+                              config=config)
+    for got, want, scales in ((prepared.gate_up, as_bf16.gate_up, fused_scales),
+                              (prepared.down, as_bf16.down, fp8["down"].scales)):
+        assert got.values.dtype == jnp.float8_e4m3fn
+        assert np.array_equal(np.asarray(got.values.astype(jnp.bfloat16)).view(np.uint16),
+                              np.asarray(want).view(np.uint16))
+        assert np.array_equal(np.asarray(got.scales), np.asarray(scales))
+    gate_up_back, down_back = prepared.untiled()
+    assert np.array_equal(np.asarray(gate_up_back.values).view(np.uint8), np.asarray(fused_values).view(np.uint8))
+    assert np.array_equal(np.asarray(down_back.values).view(np.uint8), np.asarray(fp8["down"].values).view(np.uint8))
+
+
+def test_the_op_on_prepared_e4m3_weights_is_the_op_on_them(rng, stood_in):  # noqa: F811
+    """On CPU every route on prepared e4m3 weights gives the bits of the op on the `BlockScaled`
+    arrays; the kernel path (and ``auto``, on CUDA) loads `for_shape`'s e4m3 config with
+    ``tiled_weights``."""
+    w = numerics.random_experts(rng, m=5, hidden=256, intermediate=128, experts=4, top_k=2)
+    gate_up, down = (BlockScaled.quantize(jnp.asarray(a, jnp.float32)) for a in (w.gate_up, w.down))
+    prepared = prepare_experts(gate_up, down)
+    for impl in ("kernel", "auto", "reference", "gather"):
+        got = jax.jit(lambda x, ids, p, impl=impl: experts.moe_experts(x, ids, p, impl=impl))(w.x, w.expert_ids,
+                                                                                            prepared)
+        want = experts.moe_experts(w.x, w.expert_ids, gate_up, down, impl="gather" if impl == "gather" else
+                                   "reference")
+        assert np.any(np.asarray(want).astype(np.float32) != 0)
+        assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)), impl
+    config, _ = stood_in[-1]
+    assert config == ExpertsConfig.for_shape(hidden=256, intermediate=128, experts=4, top_k=2,
+                                             fp8_weights=True).replace(tiled_weights=True)
 

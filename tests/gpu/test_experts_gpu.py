@@ -31,7 +31,7 @@ import fp8_experts
 import gpu_harness
 import jax_moe_publish as jmp
 import numerics
-from jax_moe_publish import experts_gather
+from jax_moe_publish import experts_gather, experts_layout
 from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.experts_config import MAX_PAIRS
 from jax_moe_publish.testing import gpu_matrix
@@ -153,15 +153,20 @@ def test_the_op_through_jax_is_the_kernels(launcher, rng):
 def test_e4m3_weights_match_the_model_of_their_blocks(devices, rng, config):
     """e4m3 weights with 128 x 128 scale blocks (`BlockScaled`) and bf16 tokens, through the
     harness (outputs poisoned) at m across the passes, hot experts and every id skipped, against
-    the float64 model of the dequantized blocks; twice the same bits; through JAX the same bits."""
+    the float64 model of the dequantized blocks; twice the same bits; through JAX the same bits
+    (tiled configs: their values in the tiled order, and `jmp.prepare_experts` through JAX)."""
     launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=max(MS))
     try:
         for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0))]:
             (x, ids, gate_up, down), model = fp8_experts.random_case(
                 rng, m=m, hidden=config.hidden, intermediate=config.intermediate, experts_count=config.experts,
                 top_k=config.top_k, fused=config.fused_gate_up, **options)
-            weights = {"gate_up": gate_up} if config.fused_gate_up else dict(zip(("gate", "up"), gate_up))
-            weights["down"] = down
+            if config.tiled_weights:
+                tiled = experts_layout.tile(gate_up, down, experts_layout.Tiling.of(config))
+                weights = {"gate_up": tiled.gate_up, "down": tiled.down}
+            else:
+                weights = {"gate_up": gate_up} if config.fused_gate_up else dict(zip(("gate", "up"), gate_up))
+                weights["down"] = down
             arrays = {"x": x, "expert_ids": ids}
             for name, w in weights.items():
                 arrays.update({name: np.asarray(w.values), f"{name}_scales": np.asarray(w.scales)})
@@ -171,7 +176,9 @@ def test_e4m3_weights_match_the_model_of_their_blocks(devices, rng, config):
             again, _ = launcher.run_arrays(arrays)
             assert np.array_equal(again.view(np.uint16), out.view(np.uint16)), f"{what}: two runs differ"
             if m == 7:
-                op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, gate_up, down, impl="kernel", config=config))
+                operands = (jmp.prepare_experts(gate_up, down, config=config), None) if config.tiled_weights else (
+                    gate_up, down)
+                op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, *operands, impl="kernel", config=config))
                 got = np.asarray(op(x, ids))
                 assert np.array_equal(got.view(np.uint16), out.view(np.uint16)), "through JAX"
     finally:
