@@ -47,6 +47,7 @@ enum class Value {
   kGateScales,
   kUpScales,
   kDownScales,
+  kXScales,
   kActivations,
 };
 
@@ -114,6 +115,7 @@ inline constexpr ValueInfo kValues[] = {
     {"gate_scales", "u64", Source::kOperand, kExpertsOp},
     {"up_scales", "u64", Source::kOperand, kExpertsOp},
     {"down_scales", "u64", Source::kOperand, kExpertsOp},
+    {"x_scales", "u64", Source::kOperand, kExpertsOp},
     {"activations", "u64", Source::kOperand, kExpertsOp},
 };
 inline constexpr size_t kValueCount = sizeof(kValues) / sizeof(kValues[0]);
@@ -154,6 +156,7 @@ constexpr std::string_view ValueName(Value value) {
     case Value::kGateScales: return "gate_scales";
     case Value::kUpScales: return "up_scales";
     case Value::kDownScales: return "down_scales";
+    case Value::kXScales: return "x_scales";
     case Value::kActivations: return "activations";
   }
   return {};

@@ -292,6 +292,7 @@ void FillValues(const CallOperands& call, const MailboxDevice& mailbox, float ep
       case Value::kGateScales:
       case Value::kUpScales:
       case Value::kDownScales:
+      case Value::kXScales:
       case Value::kActivations:
         slot.u64 = call.addresses[i];
         break;

@@ -196,7 +196,8 @@ class Operand:
 
     ``dtype``: ``"bf16"``, ``"f32"``, ``"s32"``, ``"weights"`` (the config's router weight
     dtype), ``"out"`` (the config's out dtype, ``KernelConfig.operand_dtypes``) or
-    ``"expert_weights"`` (the experts' weights' dtype, ``ExpertsConfig.operand_dtypes``).
+    ``"expert_weights"`` and ``"tokens"`` (the experts' weights' and tokens' dtypes,
+    ``ExpertsConfig.operand_dtypes``).
     ``rows``: the leading dimension's rule: ``"num_rows"`` (any count, passed as that value),
     ``"m"`` (the first such operand fixes m), ``"out_rows"`` (the algorithm's), ``"shared"`` (m
     with the shared expert, else a [0, ...] placeholder), ``"pairs"`` (``m * top_k``), or None
@@ -240,7 +241,7 @@ TARGETS = {"none": "jax_moe_publish", "rmsnorm": "jax_moe_publish_rmsnorm"}
 # --- the experts' decode GEMM, the second op ---------------------------------------------
 
 EXPERTS_VALUES: dict[str, str] = {
-    "x": "u64",  # bf16 [m, hidden]: the tokens
+    "x": "u64",  # bf16 [m, hidden]: the tokens (e4m3 with ExpertsConfig.fp8_tokens)
     "expert_ids": "u64",  # int32 [m, top_k]
     "gate_up": "u64",  # bf16 [experts, hidden, 2 * intermediate], gate columns first (fused layout)
     "gate": "u64",  # bf16 [experts, hidden, intermediate] (split layout)
@@ -252,6 +253,8 @@ EXPERTS_VALUES: dict[str, str] = {
     "gate_scales": "u64",
     "up_scales": "u64",
     "down_scales": "u64",
+    # With e4m3 tokens (ExpertsConfig.fp8_tokens), their float32 scales: [m, hidden / 128].
+    "x_scales": "u64",
     "activations": "u64",  # bf16 [m * top_k, intermediate]: SwiGLU of each pair, between the kernels
     "out": "u64",  # bf16 [m * top_k, hidden]: each pair's row
     "m": "u32",  # tokens of the call
@@ -275,10 +278,15 @@ EXPERTS_ROLES: dict[str, Role] = {
     "expert_gate_up_split_fp8": Role(("x", "expert_ids", "gate", "up", "gate_scales", "up_scales", "activations",
                                       "m"), persistent=True, clustered=True),
     "expert_down_fp8": Role(("expert_ids", "down", "down_scales", "activations", "out", "m"), persistent=True),
+    # The gate/up kernels with e4m3 tokens and their scales too.
+    "expert_gate_up_fp8_tokens": Role(("x", "expert_ids", "gate_up", "gate_up_scales", "x_scales", "activations",
+                                       "m"), persistent=True, clustered=True),
+    "expert_gate_up_split_fp8_tokens": Role(("x", "expert_ids", "gate", "up", "gate_scales", "up_scales", "x_scales",
+                                             "activations", "m"), persistent=True, clustered=True),
 }
 
 EXPERTS_OPERANDS: tuple[Operand, ...] = (
-    Operand("x", "arg", "bf16", "m", ("hidden",)),
+    Operand("x", "arg", "tokens", "m", ("hidden",)),
     Operand("expert_ids", "arg", "s32", "m", ("top_k",)),
     Operand("gate_up", "arg", "expert_weights", None, ("experts", "hidden", "gate_up_columns"), when="fused_gate_up"),
     Operand("gate", "arg", "expert_weights", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
@@ -292,6 +300,7 @@ EXPERTS_OPERANDS: tuple[Operand, ...] = (
             when="split_gate_up_fp8"),
     Operand("down_scales", "arg", "f32", None, ("experts", "intermediate_blocks", "hidden_blocks"),
             when="fp8_weights"),
+    Operand("x_scales", "arg", "f32", "m", ("hidden_blocks",), when="fp8_tokens"),
     Operand("out", "ret", "bf16", "pairs", ("hidden",)),
     # Scratch between the two kernels, which XLA allocates like any result.
     Operand("activations", "ret", "bf16", "pairs", ("intermediate",)),
@@ -325,8 +334,10 @@ def _publish_roles(config) -> tuple[str, ...]:
 
 PUBLISH = Contract("publish", VALUES, ROLES, OPERANDS, TARGETS, call_roles=_publish_roles)
 def _experts_roles(config) -> tuple[str, ...]:
-    roles = ("expert_gate_up" if config.fused_gate_up else "expert_gate_up_split", "expert_down")
-    return tuple(f"{role}_fp8" for role in roles) if config.fp8_weights else roles
+    gate_up, down = ("expert_gate_up" if config.fused_gate_up else "expert_gate_up_split", "expert_down")
+    if config.fp8_tokens:
+        return f"{gate_up}_fp8_tokens", f"{down}_fp8"
+    return (f"{gate_up}_fp8", f"{down}_fp8") if config.fp8_weights else (gate_up, down)
 
 
 EXPERTS = Contract("experts", EXPERTS_VALUES, EXPERTS_ROLES, EXPERTS_OPERANDS, {"none": "jax_moe_publish_experts"},

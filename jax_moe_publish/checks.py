@@ -244,8 +244,11 @@ class ExpertsShape(NamedTuple):
     tiling: Tiling | None = None
     """The weights came as a `PreparedExperts` in this tiled order."""
     fp8_weights: bool = False
-    """Every weight is a `BlockScaled` of `FP8_BLOCK` x `FP8_BLOCK` blocks and x is bf16: what
-    the e4m3 kernels take."""
+    """Every weight is a `BlockScaled` of `FP8_BLOCK` x `FP8_BLOCK` blocks, and x is bf16 or
+    e4m3 tokens (`fp8_tokens`): what the e4m3 kernels take."""
+    fp8_tokens: bool = False
+    """With `fp8_weights`, x is a `BlockScaled` of 1 x `FP8_BLOCK` blocks (a scale per token
+    and 128 channels): what the kernels with e4m3 tokens take."""
 
 
 def check_operand(name, a, ndim, shape=None) -> bool:
@@ -294,8 +297,11 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
     experts, _, intermediate, fused, weights_scaled = check_expert_weights(gate_up, down, hidden=hidden,
                                                                           hidden_from=f"x.shape={tuple(x.shape)}")
     weights = [down, *(gate_up if isinstance(gate_up, (tuple, list)) else (gate_up,))]
-    fp8_weights = not scaled and all(isinstance(w, BlockScaled) and w.block == (FP8_BLOCK, FP8_BLOCK) for w in weights)
-    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused, scaled or weights_scaled, tiling, fp8_weights)
+    e4m3_weights = all(isinstance(w, BlockScaled) and w.block == (FP8_BLOCK, FP8_BLOCK) for w in weights)
+    fp8_tokens = e4m3_weights and scaled and x.block == (1, FP8_BLOCK)
+    fp8_weights = e4m3_weights and (not scaled or fp8_tokens)
+    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused, scaled or weights_scaled, tiling, fp8_weights,
+                        fp8_tokens)
 
 
 def check_expert_weights(gate_up, down, *, hidden: int | None = None,

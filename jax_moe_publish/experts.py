@@ -70,9 +70,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         ``weight_scale_inv``, transposed like the weights; or the epilogue's FP8 out and
         scales as ``x``). The reference and gather routes dequantize it to float32 and run
         that GEMM in float32, with the same rounding points. The kernels take e4m3 weights
-        of 128 x 128 blocks (every weight, hidden and intermediate multiples of 128) with bf16
-        ``x``: each weight widened to bf16 exactly, each 16-row K step's float32 sums times
-        its block's scale added up (`ExpertsConfig.fp8_weights`); not FP8 ``x`` so far.
+        of 128 x 128 blocks (every weight, hidden and intermediate multiples of 128) with
+        ``x`` bf16 or e4m3 of 1 x 128 blocks (a scale per token and 128 channels): each e4m3
+        value widened to bf16 exactly, each 16-row K step's float32 sums times its weight
+        block's scale (and its token's) added up (`ExpertsConfig.fp8_weights`, ``fp8_tokens``).
     impl : {"auto", "kernel", "gather", "reference"}
         ``kernel``: the kernels, on CUDA devices, where they take the shape (hidden a multiple
         of 32, intermediate of 16, ``m * top_k <= 8192``, at most 1024 experts and top-64);
@@ -221,8 +222,9 @@ def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = N
     None: no config of the shape exists (`ExpertsConfig`'s checks say why), the call has more
     pairs than they hold, or an operand is FP8."""
     if shape.block_scaled and not shape.fp8_weights:
-        return ("the kernels take bf16 x, and bf16 weights or every weight a BlockScaled of 128 x 128 blocks (e4m3 "
-                "weights); this call's BlockScaled operands are otherwise")
+        return ("the kernels take bf16 x and weights, or every weight a BlockScaled of 128 x 128 blocks (e4m3 "
+                "weights) with x bf16 or a BlockScaled of 1 x 128 blocks (e4m3 tokens); this call's BlockScaled "
+                "operands are otherwise")
     if shape.m * shape.top_k > MAX_PAIRS:
         return (f"m * top_k = {shape.m} x {shape.top_k} = {shape.m * shape.top_k} pairs, more than the kernels' "
                 f"{MAX_PAIRS}")
@@ -238,14 +240,16 @@ def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
     """`ExpertsConfig.for_shape`'s config of ``shape``, reading the tiled order of its prepared
     weights where they are."""
     config = ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
-                                     top_k=shape.top_k, fused_gate_up=shape.fused, fp8_weights=shape.fp8_weights)
+                                     top_k=shape.top_k, fused_gate_up=shape.fused, fp8_weights=shape.fp8_weights,
+                                     fp8_tokens=shape.fp8_tokens)
     return config if shape.tiling is None else shape.tiling.config_for(config)
 
 
 def _call_fields(shape: checks.ExpertsShape) -> dict:
     """The `ExpertsConfig` fields that a call of ``shape`` fixes."""
     call = dict(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts, top_k=shape.top_k,
-                fused_gate_up=shape.fused, tiled_weights=shape.tiling is not None, fp8_weights=shape.fp8_weights)
+                fused_gate_up=shape.fused, tiled_weights=shape.tiling is not None, fp8_weights=shape.fp8_weights,
+                fp8_tokens=shape.fp8_tokens)
     if shape.tiling is not None:
         call.update(dataclasses.asdict(shape.tiling))
     return call
@@ -270,8 +274,11 @@ def _call_kernels(set_id, x, expert_ids, gate, up, down):
     if isinstance(down, BlockScaled):
         # e4m3 weights: their values, then their scales (`_abi.EXPERTS_OPERANDS`' order).
         weights = [w.values for w in weights] + [w.scales for w in weights]
+    # e4m3 tokens: their values first, their scales last.
+    tokens, token_scales = (x.values, [x.scales]) if isinstance(x, BlockScaled) else (x, [])
     # Pure: no state outside XLA, so XLA may merge, hoist or drop calls like any computation.
-    out, _ = _launch.ffi_call(set_id, (out_type, activations_type), [x, expert_ids, *weights], side_effects=False)
+    out, _ = _launch.ffi_call(set_id, (out_type, activations_type), [tokens, expert_ids, *weights, *token_scales],
+                              side_effects=False)
     return out
 
 

@@ -47,7 +47,7 @@ ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
-_BOOL_FIELDS = ("fused_gate_up", "async_loads", "tiled_weights", "fp8_weights", "enable_pdl")
+_BOOL_FIELDS = ("fused_gate_up", "async_loads", "tiled_weights", "fp8_weights", "fp8_tokens", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -66,7 +66,9 @@ class GemmShape:
     (their sums added in cluster order); ``async_loads``: each warp's ``unroll`` steps in
     flight are ``cp.async`` copies into its own ring of shared memory; ``tiled``: the weights
     are in the tiled order (`tiled_offset`), else in their ``[k, columns]`` rows; ``fp8``: the
-    weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block, else bf16."""
+    weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block, else bf16;
+    ``fp8_tokens``: the tokens (B) are e4m3 with a float32 scale per token and `FP8_BLOCK` rows
+    of K, else bf16 (gate/up only: down's tokens are the activations)."""
 
     k: int
     columns: int
@@ -80,6 +82,7 @@ class GemmShape:
     async_loads: bool = False
     tiled: bool = False
     fp8: bool = False
+    fp8_tokens: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -165,9 +168,11 @@ class GemmShape:
     @property
     def stage_words(self) -> int:
         """Words of one K step in a warp's ring (`async_loads`): each lane's four weight rows
-        (as loaded: e4m3 or bf16), then its two B words per token tile, then with e4m3 weights
-        its block's scale."""
-        return (4 * self.lane_weight_words + 2 * self.token_tiles + int(self.fp8)) * 32
+        (as loaded: e4m3 or bf16); the B words (bf16 tokens: two per lane and token tile;
+        e4m3 tokens: each tile's 8 tokens' 16 bytes, then two token scales per lane); with
+        e4m3 weights each lane's block scale."""
+        b_words = 3 if self.fp8_tokens else 2
+        return (4 * self.lane_weight_words + b_words * self.token_tiles + int(self.fp8)) * 32
 
     def ring_bytes(self) -> int:
         """Shared memory for the warps' rings of ``unroll`` steps (0 without `async_loads`)."""
@@ -236,6 +241,11 @@ class ExpertsConfig:
         expert's ``[k, columns]`` (`BlockScaled`): widened to bf16 in registers (exactly), each
         K step's sums times its block's scale added into the float32 sums. Needs hidden and
         intermediate multiples of `FP8_BLOCK`, and a K split of whole blocks.
+    fp8_tokens : bool
+        With ``fp8_weights``: the tokens ``x`` are e4m3 with a float32 scale per token and
+        `FP8_BLOCK` channels (`BlockScaled` of ``(1, FP8_BLOCK)`` blocks: the epilogue's FP8
+        out), widened to bf16 exactly; each K step's sums of a token are added times its
+        weight block's scale and its own.
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
@@ -261,6 +271,7 @@ class ExpertsConfig:
     async_loads: bool = False
     tiled_weights: bool = False
     fp8_weights: bool = False
+    fp8_tokens: bool = False
     enable_pdl: bool = True
     arch: str = "sm_90a"
 
@@ -284,6 +295,8 @@ class ExpertsConfig:
         _require(self.gate_up_split_k in SPLIT_K, "gate_up_split_k", self.gate_up_split_k, f"one of {SPLIT_K}")
         _require(self.fused_gate_up or not self.tiled_weights, "fused_gate_up", self.fused_gate_up,
                  "True with tiled_weights (the tiled gate and up are one array)")
+        _require(self.fp8_weights or not self.fp8_tokens, "fp8_tokens", self.fp8_tokens,
+                 "False without fp8_weights (e4m3 tokens go with e4m3 weights)")
         if self.fp8_weights:
             for name in ("hidden", "intermediate"):
                 _require(getattr(self, name) % FP8_BLOCK == 0, name, getattr(self, name),
@@ -318,7 +331,7 @@ class ExpertsConfig:
         if role == "gate_up":
             return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
                              self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles, self.gate_up_split_k,
-                             self.async_loads, self.tiled_weights, self.fp8_weights)
+                             self.async_loads, self.tiled_weights, self.fp8_weights, self.fp8_tokens)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
                          self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.async_loads,
                          self.tiled_weights, self.fp8_weights)
@@ -333,8 +346,9 @@ class ExpertsConfig:
         return {}
 
     def operand_dtypes(self) -> dict:
-        """The weights' dtype (``"expert_weights"`` of `_abi.EXPERTS_OPERANDS`)."""
-        return {"expert_weights": "e4m3" if self.fp8_weights else "bf16"}
+        """The weights' and the tokens' dtypes (``"expert_weights"`` and ``"tokens"`` of
+        `_abi.EXPERTS_OPERANDS`)."""
+        return {"expert_weights": "e4m3" if self.fp8_weights else "bf16", "tokens": "e4m3" if self.fp8_tokens else "bf16"}
 
     def dimensions(self) -> dict:
         """The sizes `_abi.EXPERTS_OPERANDS` names (the ``*_blocks``: of FP8 scale blocks)."""
@@ -345,9 +359,10 @@ class ExpertsConfig:
 
     def conditions(self) -> set:
         """The ``when`` words of the operands this config's calls take: the gate and up layout,
-        and with ``fp8_weights`` the scales of each weight array."""
+        with ``fp8_weights`` the scales of each weight array, with ``fp8_tokens`` the tokens'."""
         layout = "fused_gate_up" if self.fused_gate_up else "split_gate_up"
-        return {layout, f"{layout}_fp8", "fp8_weights"} if self.fp8_weights else {layout}
+        words = {layout, f"{layout}_fp8", "fp8_weights"} if self.fp8_weights else {layout}
+        return words | {"fp8_tokens"} if self.fp8_tokens else words
 
     @property
     def max_m(self) -> int:
@@ -370,7 +385,7 @@ class ExpertsConfig:
         defaults, so that the keys from before them still name the same cubins)."""
         fields = self.to_dict()
         for name, default in (("gate_up_split_k", 1), ("async_loads", False), ("tiled_weights", False),
-                              ("fp8_weights", False)):
+                              ("fp8_weights", False), ("fp8_tokens", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))
@@ -381,7 +396,7 @@ class ExpertsConfig:
 
     @classmethod
     def for_shape(cls, *, hidden: int, intermediate: int, experts: int, top_k: int, fused_gate_up: bool = True,
-                  fp8_weights: bool = False, arch: str = "sm_90a") -> "ExpertsConfig":
+                  fp8_weights: bool = False, fp8_tokens: bool = False, arch: str = "sm_90a") -> "ExpertsConfig":
         """The launch shapes for one shard shape, before any measurement: both kernels with 8 warps
         (2 CTAs of 256 threads fit an SM), work items sized so that 8 active experts (one token at
         top-8) give about as many items as an H200's 132 SMs hold CTAs, and the most K steps in
@@ -417,4 +432,5 @@ class ExpertsConfig:
                    fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
                    gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, gate_up_steps),
                    down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
-                   down_unroll=unroll(intermediate, down_warps_k, 4), fp8_weights=fp8_weights, arch=arch)
+                   down_unroll=unroll(intermediate, down_warps_k, 4), fp8_weights=fp8_weights,
+                   fp8_tokens=fp8_tokens, arch=arch)

@@ -4,7 +4,7 @@ A model's preset holds what its calls can get: the tuning table's `KernelConfig`
 algorithm and m range, with both router weight dtypes, and with the epilogue where the
 model runs it fused, its out bf16 or FP8 (`fp8_twins`); and the `ExpertsConfig` of its experts'
 shard at every tp, with gate and up fused, split, and prepared (`jmp.prepare_experts`'s tiled order),
-bf16 and (where the shard holds whole 128 x 128 blocks) e4m3.
+bf16, and where the shard holds whole 128 x 128 blocks e4m3 weights with bf16 or e4m3 tokens.
 """
 
 from __future__ import annotations
@@ -28,15 +28,17 @@ and Qwen3-30B-A3B."""
 def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
     """The experts op's config for each of ``shapes`` sharded at every TP size (intermediate / tp
     columns per rank): gate and up fused, split, and in the tiled order of prepared weights; the
-    same with e4m3 weights where the shard holds whole 128 x 128 blocks."""
+    same with e4m3 weights, and with e4m3 weights and tokens, where the shard holds whole
+    128 x 128 blocks."""
     configs = []
     for hidden, intermediate, count, top_k in shapes:
         for tp in TP_SIZES:
             whole_blocks = hidden % FP8_BLOCK == 0 and intermediate // tp % FP8_BLOCK == 0
-            for fp8_weights in (False, True) if whole_blocks else (False,):
+            # (fp8_weights, fp8_tokens): bf16; e4m3 weights with bf16 or e4m3 tokens.
+            for fp8 in ((False, False), (True, False), (True, True)) if whole_blocks else ((False, False),):
                 fused, split = (ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count,
-                                                        top_k=top_k, fused_gate_up=fused, fp8_weights=fp8_weights,
-                                                        arch=arch)
+                                                        top_k=top_k, fused_gate_up=fused, fp8_weights=fp8[0],
+                                                        fp8_tokens=fp8[1], arch=arch)
                                 for fused in (True, False))
                 configs += [fused, split, fused.replace(tiled_weights=True)]
     return configs

@@ -96,9 +96,8 @@ class ExpertDownKernel:
             walk = self.tiles.weight_walk(down + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
                                           lane_column, Int64(0), w_n, lane, q, expert_scales, scale_row_bytes)
             for first in cutlass.range(0, count, s.tokens_per_pass):
-                token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group, activations,
-                                                               activation_row_bytes, 1)
-                self.tiles.accumulate(rAcc, walk, token_rows, token_live, w_k, q, True, sRing, warp, lane)
+                tokens = self.tiles.tokens(sPairs, start, count, first, lane, activations, activation_row_bytes, 1)
+                self.tiles.accumulate(rAcc, walk, tokens, w_k, lane, True, sRing, warp)
                 self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
                 if w_k == 0:
                     for i in cutlass.range_constexpr(s.mma_tiles):

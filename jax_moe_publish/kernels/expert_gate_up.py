@@ -17,7 +17,8 @@ are added in cluster order before the SwiGLU (`ExpertTiles.add_cluster_partials`
 weight rows are read in whole spans of its columns by one CTA. With ``tiled_weights`` the gate
 and up weights are one array in the tiled order (`GemmShape.tiled_offset`); with ``fp8_weights``
 they are e4m3 with a float32 scale per 128 x 128 block (roles ``expert_gate_up_fp8`` and
-``expert_gate_up_split_fp8``).
+``expert_gate_up_split_fp8``), and with ``fp8_tokens`` so are the tokens, with a float32 scale
+per token and 128 channels (the roles ``..._fp8_tokens``).
 """
 
 from __future__ import annotations
@@ -102,6 +103,38 @@ class ExpertGateUpKernel:
                       self.config.intermediate // FP8_BLOCK * SCALE_BYTES)
 
     @cute.kernel
+    def expert_gate_up_fp8_tokens(
+        self,
+        x: Int64,  # (m, hidden) e4m3
+        expert_ids: Int64,  # (m, top_k) int32
+        gate_up: Int64,  # (experts, hidden, 2 * intermediate) e4m3, gate columns first
+        gate_up_scales: Int64,  # (experts, hidden / 128, 2 * intermediate / 128) float32
+        x_scales: Int64,  # (m, hidden / 128) float32
+        activations: Int64,  # (m * top_k, intermediate) bf16, written
+        m: Int32,
+    ) -> None:
+        blocks = self.config.intermediate // FP8_BLOCK
+        self._gate_up(x, expert_ids, gate_up, gate_up + self.config.intermediate, 2 * self.config.intermediate,
+                      activations, m, gate_up_scales, gate_up_scales + blocks * SCALE_BYTES, 2 * blocks * SCALE_BYTES,
+                      x_scales)
+
+    @cute.kernel
+    def expert_gate_up_split_fp8_tokens(
+        self,
+        x: Int64,  # (m, hidden) e4m3
+        expert_ids: Int64,  # (m, top_k) int32
+        gate: Int64,  # (experts, hidden, intermediate) e4m3
+        up: Int64,  # (experts, hidden, intermediate) e4m3
+        gate_scales: Int64,  # (experts, hidden / 128, intermediate / 128) float32
+        up_scales: Int64,  # (experts, hidden / 128, intermediate / 128) float32
+        x_scales: Int64,  # (m, hidden / 128) float32
+        activations: Int64,  # (m * top_k, intermediate) bf16, written
+        m: Int32,
+    ) -> None:
+        self._gate_up(x, expert_ids, gate, up, self.config.intermediate, activations, m, gate_scales, up_scales,
+                      self.config.intermediate // FP8_BLOCK * SCALE_BYTES, x_scales)
+
+    @cute.kernel
     def expert_gate_up_split(
         self,
         x: Int64,  # (m, hidden) bf16
@@ -115,10 +148,11 @@ class ExpertGateUpKernel:
 
     @cute.jit
     def _gate_up(self, x, expert_ids, gate, up, row_bytes: int, activations, m, gate_scales=None, up_scales=None,
-                 scale_row_bytes: int = 0) -> None:
+                 scale_row_bytes: int = 0, x_scales=None) -> None:
         """The kernel, with ``gate`` and ``up`` the addresses of expert 0's row 0 and
         ``row_bytes`` their rows' stride (both layouts); e4m3 weights: ``gate_scales`` and
-        ``up_scales`` those of expert 0's scales, rows ``scale_row_bytes`` apart."""
+        ``up_scales`` those of expert 0's scales, rows ``scale_row_bytes`` apart; e4m3 tokens:
+        ``x_scales`` the address of theirs."""
         cfg, s = self.config, self.shape
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
@@ -150,6 +184,11 @@ class ExpertGateUpKernel:
         scales, expert_scale_bytes = None, cfg.hidden // FP8_BLOCK * scale_row_bytes
         if cutlass.const_expr(s.fp8):
             scales = cutlass.select_(group >= 4, up_scales, gate_scales)
+        # e4m3 tokens: a byte each, and their scales from this CTA's first K block on.
+        token_bytes = 1 if cutlass.const_expr(s.fp8_tokens) else BF16_BYTES
+        token_scales = None
+        if cutlass.const_expr(s.fp8_tokens):
+            token_scales = x_scales + (k_begin // FP8_BLOCK) * SCALE_BYTES
         items = sTotals[ACTIVE] * s.items_per_expert
         for item in cutlass.range(cluster, items, clusters):
             expert = sActive[item // s.items_per_expert]
@@ -161,10 +200,10 @@ class ExpertGateUpKernel:
             walk = self.tiles.weight_walk(matrix + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
                                           lane_column, k_begin, w_n, lane, q, expert_scales, scale_row_bytes)
             for first in cutlass.range(0, count, s.tokens_per_pass):
-                token_rows, token_live = self.tiles.token_rows(sPairs, start, count, first, group,
-                                                               x + k_begin * BF16_BYTES, cfg.hidden * BF16_BYTES,
-                                                               cfg.top_k)
-                self.tiles.accumulate(rAcc, walk, token_rows, token_live, w_k, q, False, sRing, warp, lane)
+                tokens = self.tiles.tokens(sPairs, start, count, first, lane, x + k_begin * token_bytes,
+                                           cfg.hidden * token_bytes, cfg.top_k, token_scales,
+                                           cfg.hidden // FP8_BLOCK * SCALE_BYTES)
+                self.tiles.accumulate(rAcc, walk, tokens, w_k, lane, False, sRing, warp)
                 self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
                 if cutlass.const_expr(s.split_k > 1):
                     if self.tiles.add_cluster_partials(rAcc, sPartials, w_k, w_n, lane, cluster_rank):

@@ -63,6 +63,27 @@ class WeightWalk(NamedTuple):
     scale_row_bytes: int = 0
 
 
+class Tokens(NamedTuple):
+    """A pass's tokens for a lane (`ExpertTiles.tokens`): per token tile, the address of row 0
+    of the token in column ``g`` (``rows``) and whether that column holds one (Int32 ``live``);
+    with e4m3 tokens, per tile the addresses of the scales of the tokens in columns ``2q`` and
+    ``2q + 1`` (``scale_rows``: the first K block's), else None."""
+
+    rows: list
+    live: list
+    scale_rows: list | None = None
+
+
+class StageOffsets(NamedTuple):
+    """A lane's byte offsets in a ring stage (`ExpertTiles._stage_offsets`)."""
+
+    weights: int
+    weight_row_bytes: int
+    tokens: int
+    token_scales: int
+    scale: int
+
+
 class ExpertTiles:
     """A warp's accumulation over its share of K, and the CTA's sum over the warps splitting K."""
 
@@ -98,19 +119,28 @@ class ExpertTiles:
         s = self.shape
         return cute.make_rmem_tensor(cute.make_layout((s.mma_tiles, s.token_tiles, 4)), Float32)
 
-    def token_rows(self, sPairs, start, count, first, group, rows: Int64, row_bytes: int, pairs_per_row: int):
-        """`accumulate`'s ``(token_rows, token_live)`` for the pass from slot ``first`` of the
-        expert's pairs ``sPairs[start:start + count]``: the token in column ``group`` of each
+    def tokens(self, sPairs, start, count, first, lane, rows: Int64, row_bytes: int, pairs_per_row: int,
+               scales: Int64 | None = None, scale_row_bytes: int = 0) -> Tokens:
+        """`accumulate`'s `Tokens` for the pass from slot ``first`` of the expert's pairs
+        ``sPairs[start:start + count]``: the token in column ``g`` (this lane's group) of each
         token tile reads row ``pair // pairs_per_row`` of ``rows`` (stride ``row_bytes``); a
-        column past ``count`` is not live (its address is slot 0's, never read)."""
-        token_rows, token_live = [], []
-        for j in range(self.shape.token_tiles):
-            slot = first + j * MMA_TOKENS + group
+        column past ``count`` is not live (its address is slot 0's, never read). e4m3 tokens:
+        ``scales`` is the address of token 0's scale of the first K block of ``rows``, a
+        token's ``scale_row_bytes`` apart; this lane's sums are of columns ``2q`` and ``2q + 1``."""
+        def token_of(slot):
             live = Int32(slot < count)
-            pair = sPairs[start + cutlass.select_(live != 0, slot, Int32(0))]
-            token_rows.append(rows + Int64(pair // pairs_per_row) * row_bytes)
+            return live, sPairs[start + cutlass.select_(live != 0, slot, Int32(0))] // pairs_per_row
+
+        group, q = lane // 4, lane % 4
+        token_rows, token_live, scale_rows = [], [], []
+        for j in range(self.shape.token_tiles):
+            live, token = token_of(first + j * MMA_TOKENS + group)
+            token_rows.append(rows + Int64(token) * row_bytes)
             token_live.append(live)
-        return token_rows, token_live
+            if self.shape.fp8_tokens:
+                scale_rows.append([scales + Int64(token_of(first + j * MMA_TOKENS + 2 * q + u)[1]) * scale_row_bytes
+                                   for u in range(2)])
+        return Tokens(token_rows, token_live, scale_rows if self.shape.fp8_tokens else None)
 
     def weight_walk(self, expert_weights: Int64, row_bytes: int, item_in_expert, lane_column, k_begin: Int64, w_n,
                     lane, q, expert_scales: Int64 | None = None, scale_row_bytes: int = 0) -> WeightWalk:
@@ -139,29 +169,28 @@ class ExpertTiles:
         return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS), scales, scale_row_bytes)
 
     @cute.jit
-    def accumulate(self, rAcc, walk: WeightWalk, token_rows, token_live, w_k, q,
-                   cached_tokens: cutlass.Constexpr[bool], sRing, warp, lane) -> None:
-        """``rAcc`` = this warp's sums over its share of K, the weights where ``walk`` says.
-        ``token_rows[j]``: the address of row 0 of the token of column ``g`` of token tile ``j``
-        (Int32 ``token_live[j]`` is 0 where that column holds no token: its B words are 0).
+    def accumulate(self, rAcc, walk: WeightWalk, tokens: Tokens, w_k, lane,
+                   cached_tokens: cutlass.Constexpr[bool], sRing, warp) -> None:
+        """``rAcc`` = this warp's sums over its share of K, the weights where ``walk`` says and
+        the tokens where ``tokens`` says (`tokens`; B words 0 where a column holds no token).
         ``cached_tokens``: the token rows were written earlier in the call (load them through L2).
-        ``sRing`` (`allocate_ring`), ``warp`` and ``lane``: the loads of `async_loads`."""
+        ``sRing`` (`allocate_ring`) and ``warp``: the loads of `async_loads`."""
         s = self.shape
         for i in cutlass.range_constexpr(s.mma_tiles):
             for j in cutlass.range_constexpr(s.token_tiles):
                 for c in cutlass.range_constexpr(4):
                     rAcc[i, j, c] = Float32(0.0)
-        token_offset = Int64(2 * q) * BF16_BYTES
         if cutlass.const_expr(s.async_loads):
-            self._accumulate_from_ring(rAcc, walk, token_rows, token_live, token_offset, w_k, sRing, warp, lane)
+            self._accumulate_from_ring(rAcc, walk, tokens, w_k, sRing, warp, lane)
         else:
-            self._accumulate_from_registers(rAcc, walk, token_rows, token_live, token_offset, w_k, cached_tokens)
+            self._accumulate_from_registers(rAcc, walk, tokens, w_k, lane, cached_tokens)
 
     @cute.jit
-    def _mma_step(self, rAcc, a_words, b_words, scale=None) -> None:
+    def _mma_step(self, rAcc, a_words, b_words, scale=None, token_scales=None) -> None:
         """One K step's mmas: ``a_words`` the lane's words of rows ``2q, +1, +8, +9`` (`LANE_ROWS`),
         ``b_words[j]`` its two B words of token tile ``j``. With ``scale`` (e4m3 weights) the
-        step's sums are made apart and added times ``scale``, its weight block's."""
+        step's sums are made apart and added times ``scale``, its weight block's, and with
+        ``token_scales[j]`` (e4m3 tokens) times those of the tile's tokens ``2q`` and ``2q + 1``."""
         s = self.shape
         w0, w1, w8, w9 = a_words
         for i in cutlass.range_constexpr(s.mma_tiles):
@@ -172,69 +201,108 @@ class ExpertTiles:
                     d = ptx.mma_bf16_16x8x16(a, b_words[j], [rAcc[i, j, c] for c in range(4)])
                     for c in cutlass.range_constexpr(4):
                         rAcc[i, j, c] = d[c]
-                else:
+                elif cutlass.const_expr(token_scales is None):
                     d = ptx.mma_bf16_16x8x16(a, b_words[j], [Float32(0.0)] * 4)
                     for c in cutlass.range_constexpr(4):
                         rAcc[i, j, c] = rAcc[i, j, c] + d[c] * scale
+                else:
+                    # c0, c2: token 2q; c1, c3: token 2q + 1.
+                    d = ptx.mma_bf16_16x8x16(a, b_words[j], [Float32(0.0)] * 4)
+                    for c in cutlass.range_constexpr(4):
+                        rAcc[i, j, c] = rAcc[i, j, c] + d[c] * (scale * token_scales[j][c % 2])
 
     @cute.jit
-    def _accumulate_from_ring(self, rAcc, walk: WeightWalk, token_rows, token_live, token_offset, w_k, sRing, warp,
-                              lane) -> None:
+    def _accumulate_from_ring(self, rAcc, walk: WeightWalk, tokens: Tokens, w_k, sRing, warp, lane) -> None:
         """`accumulate` through the warp's ring: the copies of steps ``0 .. unroll - 1`` first,
         then each step's mmas from its stage, whose copies for the step ``unroll`` later are
-        issued once those mmas have read it (each lane reads only what it copied)."""
+        issued once those mmas have read it. A lane reads only what it copied, but with e4m3
+        tokens its group's four lanes copy their token's bytes together: the warp syncs after
+        each step's copies land and before it refills that stage."""
         s = self.shape
         stage_bytes = s.stage_words * 4
         ring = sRing.iterator.toint() + warp * (s.unroll * stage_bytes)
-        # A stage (`GemmShape.stage_words`): the weight rows, the B words, the e4m3 scales.
-        a_at = lane * s.tile_lane_bytes
-        a_row_bytes = 32 * s.tile_lane_bytes
-        b_at = 4 * a_row_bytes + lane * 8
-        scale_at = 4 * a_row_bytes + s.token_tiles * 256 + lane * SCALE_BYTES
         for step in cutlass.range_constexpr(s.unroll):
             if cutlass.const_expr(step < s.k_steps_per_warp):
-                self._copy_step(ring + step * stage_bytes, a_at, a_row_bytes, b_at, scale_at, Int32(step), walk,
-                                token_rows, token_live, token_offset, w_k)
+                self._copy_step(ring + step * stage_bytes, Int32(step), walk, tokens, w_k, lane)
             ptx.commit_async_group()
         for step in cutlass.range(0, s.k_steps_per_warp, 1, unroll=1):
             # Every group but the newest unroll - 1 is complete: this step's is.
             ptx.wait_async_groups(s.unroll - 1)
+            if cutlass.const_expr(s.fp8_tokens):
+                cute.arch.sync_warp()
             stage = ring + (step % s.unroll) * stage_bytes
-            a_words = [self._load_weight_row(stage + a_at + r * a_row_bytes, shared=True) for r in range(4)]
-            b_words = [[ptx.load_shared_u32(stage + b_at + j * 256), ptx.load_shared_u32(stage + b_at + j * 256 + 4)]
-                       for j in range(s.token_tiles)]
+            at = self._stage_offsets(lane)
+            a_words = [self._widened(self._load_weight_row(stage + at.weights + r * at.weight_row_bytes, shared=True))
+                       for r in range(4)]
+            b_words, token_scales = [], None
+            if cutlass.const_expr(s.fp8_tokens):
+                token_scales = []
+                for j in cutlass.range_constexpr(s.token_tiles):
+                    b = stage + at.tokens + j * (MMA_TOKENS * MMA_K) + (lane // 4) * MMA_K + 2 * (lane % 4)
+                    b_words.append([ptx.load_shared_e4m3x2_as_bf16x2(b), ptx.load_shared_e4m3x2_as_bf16x2(b + 8)])
+                    scales = stage + at.token_scales + j * 256 + lane * 8
+                    token_scales.append([ptx.load_shared_f32(scales), ptx.load_shared_f32(scales + 4)])
+            else:
+                for j in cutlass.range_constexpr(s.token_tiles):
+                    b = stage + at.tokens + j * 256 + lane * 8
+                    b_words.append([ptx.load_shared_u32(b), ptx.load_shared_u32(b + 4)])
             scale = None
             if cutlass.const_expr(s.fp8):
-                scale = ptx.load_shared_f32(stage + scale_at)
-            self._mma_step(rAcc, a_words, b_words, scale)
+                scale = ptx.load_shared_f32(stage + at.scale)
+            self._mma_step(rAcc, a_words, b_words, scale, token_scales)
             if step + s.unroll < s.k_steps_per_warp:
-                self._copy_step(stage, a_at, a_row_bytes, b_at, scale_at, step + s.unroll, walk, token_rows,
-                                token_live, token_offset, w_k)
+                if cutlass.const_expr(s.fp8_tokens):
+                    cute.arch.sync_warp()
+                self._copy_step(stage, step + s.unroll, walk, tokens, w_k, lane)
             ptx.commit_async_group()
         ptx.wait_async_groups(0)
 
-    @cute.jit
-    def _copy_step(self, stage, a_at, a_row_bytes: int, b_at, scale_at, step, walk: WeightWalk, token_rows,
-                   token_live, token_offset, w_k) -> None:
-        """This lane's copies of K step ``step`` (its rows `LANE_ROWS`, its B words, its e4m3
-        block's scale) into ``stage``."""
+    def _stage_offsets(self, lane) -> StageOffsets:
+        """This lane's places in a ring stage (`GemmShape.stage_words`): its four weight rows,
+        then the tokens (bf16: two words per lane and tile; e4m3: each tile's 8 tokens' 16-byte
+        K steps, then two token scales per lane and tile), then its weight block's scale."""
         s = self.shape
+        weight_row_bytes = 32 * s.tile_lane_bytes
+        tokens = 4 * weight_row_bytes
+        token_bytes = (MMA_TOKENS * MMA_K if s.fp8_tokens else 256) * s.token_tiles
+        token_scales = tokens + token_bytes
+        scale = token_scales + (256 * s.token_tiles if s.fp8_tokens else 0)
+        return StageOffsets(lane * s.tile_lane_bytes, weight_row_bytes, tokens, token_scales,
+                            scale + lane * SCALE_BYTES)
+
+    @cute.jit
+    def _copy_step(self, stage, step, walk: WeightWalk, tokens: Tokens, w_k, lane) -> None:
+        """This lane's copies of K step ``step`` into ``stage`` (`_stage_offsets`): its rows
+        `LANE_ROWS`; its B words (e4m3 tokens: bytes ``4q .. 4q + 3`` of its group's token's
+        step, and the scales of tokens ``2q`` and ``2q + 1``); its e4m3 block's scale."""
+        s = self.shape
+        at = self._stage_offsets(lane)
         k0 = Int64((step * s.warps_k + w_k) * MMA_K)
         rows = walk.start + k0 * walk.k_row_bytes
         for r in cutlass.range_constexpr(4):
-            ptx.copy_async(stage + a_at + r * a_row_bytes, rows + walk.row_offsets[r], s.tile_lane_bytes)
+            ptx.copy_async(stage + at.weights + r * at.weight_row_bytes, rows + walk.row_offsets[r],
+                           s.tile_lane_bytes)
         for j in cutlass.range_constexpr(s.token_tiles):
-            at = token_rows[j] + k0 * BF16_BYTES + token_offset
-            ptx.copy_async(stage + b_at + j * 256, at, 4, predicate=token_live[j])
-            ptx.copy_async(stage + b_at + j * 256 + 4, at + 8 * BF16_BYTES, 4, predicate=token_live[j])
+            if cutlass.const_expr(s.fp8_tokens):
+                ptx.copy_async(stage + at.tokens + j * (MMA_TOKENS * MMA_K) + lane * 4,
+                               tokens.rows[j] + k0 + (lane % 4) * 4, 4, predicate=tokens.live[j])
+                for u in cutlass.range_constexpr(2):
+                    ptx.copy_async(stage + at.token_scales + j * 256 + lane * 8 + u * 4,
+                                   tokens.scale_rows[j][u] + (k0 // FP8_BLOCK) * SCALE_BYTES, SCALE_BYTES)
+            else:
+                b = tokens.rows[j] + (k0 + 2 * (lane % 4)) * BF16_BYTES
+                ptx.copy_async(stage + at.tokens + j * 256 + lane * 8, b, 4, predicate=tokens.live[j])
+                ptx.copy_async(stage + at.tokens + j * 256 + lane * 8 + 4, b + 8 * BF16_BYTES, 4,
+                               predicate=tokens.live[j])
         if cutlass.const_expr(s.fp8):
-            ptx.copy_async(stage + scale_at, walk.scales + (k0 // FP8_BLOCK) * walk.scale_row_bytes, SCALE_BYTES)
+            ptx.copy_async(stage + at.scale, walk.scales + (k0 // FP8_BLOCK) * walk.scale_row_bytes, SCALE_BYTES)
 
     @cute.jit
-    def _accumulate_from_registers(self, rAcc, walk: WeightWalk, token_rows, token_live, token_offset, w_k,
+    def _accumulate_from_registers(self, rAcc, walk: WeightWalk, tokens: Tokens, w_k, lane,
                                    cached_tokens: cutlass.Constexpr[bool]) -> None:
         """`accumulate` with register loads, ``unroll`` steps' loads issued before their mmas."""
         s = self.shape
+        q = lane % 4
         # Unrolled by `unroll` below, not further: the loads in flight are those of `unroll` steps.
         for step in cutlass.range(0, s.k_steps_per_warp, s.unroll, unroll=1):
             # Every load of the unrolled steps first, so that they are in flight together.
@@ -242,31 +310,43 @@ class ExpertTiles:
             for u in cutlass.range_constexpr(s.unroll):
                 k0 = Int64(((step + u) * s.warps_k + w_k) * MMA_K)
                 rows = walk.start + k0 * walk.k_row_bytes
-                a_words = [self._load_weight_row(rows + offset) for offset in walk.row_offsets]
-                b_words = []
-                for j in cutlass.range_constexpr(s.token_tiles):
-                    at = token_rows[j] + k0 * BF16_BYTES + token_offset
-                    b_words.append([ptx.load_u32(at, predicate=token_live[j], cached=cached_tokens),
-                                    ptx.load_u32(at + 8 * BF16_BYTES, predicate=token_live[j],
-                                                 cached=cached_tokens)])
+                # As loaded (e4m3: half the registers), widened at their mmas.
+                a_loaded = [self._load_weight_row(rows + offset) for offset in walk.row_offsets]
+                b_words, token_scales = [], None
+                if cutlass.const_expr(s.fp8_tokens):
+                    token_scales = []
+                    for j in cutlass.range_constexpr(s.token_tiles):
+                        at = tokens.rows[j] + k0 + 2 * q
+                        b_words.append([ptx.load_e4m3x2_as_bf16x2(at, predicate=tokens.live[j]),
+                                        ptx.load_e4m3x2_as_bf16x2(at + 8, predicate=tokens.live[j])])
+                        token_scales.append([ptx.load_f32(tokens.scale_rows[j][v] + (k0 // FP8_BLOCK) * SCALE_BYTES)
+                                             for v in range(2)])
+                else:
+                    for j in cutlass.range_constexpr(s.token_tiles):
+                        at = tokens.rows[j] + (k0 + 2 * q) * BF16_BYTES
+                        b_words.append([ptx.load_u32(at, predicate=tokens.live[j], cached=cached_tokens),
+                                        ptx.load_u32(at + 8 * BF16_BYTES, predicate=tokens.live[j],
+                                                     cached=cached_tokens)])
                 scale = None
                 if cutlass.const_expr(s.fp8):
                     scale = ptx.load_f32(walk.scales + (k0 // FP8_BLOCK) * walk.scale_row_bytes)
-                loaded.append((a_words, b_words, scale))
-            for a_words, b_words, scale in loaded:
-                self._mma_step(rAcc, a_words, b_words, scale)
+                loaded.append((a_loaded, b_words, scale, token_scales))
+            for a_loaded, b_words, scale, token_scales in loaded:
+                self._mma_step(rAcc, [self._widened(words) for words in a_loaded], b_words, scale, token_scales)
 
     def _load_weight_row(self, address, shared: bool = False) -> list:
-        """This lane's words of one weight row, at a global ``address`` or in its ring stage
-        (``shared``), as bf16 words (`lane_words` of them): as they are, or e4m3 widened
-        (`ptx.e4m3x4_to_bf16x4`)."""
+        """This lane's words of one weight row as stored (`lane_weight_words`), at a global
+        ``address`` or in its ring stage (``shared``)."""
         s = self.shape
         if s.lane_weight_words == 1:
-            words = [ptx.load_shared_u32(address) if shared else ptx.load_u32(address)]
-        else:
-            load = ptx.load_shared_words if shared else ptx.load_words
-            words = load(address, s.lane_weight_words)
-        if not s.fp8:
+            return [ptx.load_shared_u32(address) if shared else ptx.load_u32(address)]
+        load = ptx.load_shared_words if shared else ptx.load_words
+        return load(address, s.lane_weight_words)
+
+    def _widened(self, words: list) -> list:
+        """A lane's loaded words of one weight row as bf16 words (`lane_words`): as they are, or
+        e4m3 widened (`ptx.e4m3x4_to_bf16x4`)."""
+        if not self.shape.fp8:
             return words
         return [word for packed in words for word in ptx.e4m3x4_to_bf16x4(packed)]
 

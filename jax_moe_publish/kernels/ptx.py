@@ -464,6 +464,33 @@ def load_u32(address: Int64, *, predicate=None, cached: bool = False, loc=None, 
     )
 
 
+_E4M3X2_TO_BF16X2 = ("cvt.rn.f16x2.e4m3x2 p, h;\nmov.b32 {h0, h1}, p;\n"
+                     "cvt.f32.f16 f0, h0;\ncvt.f32.f16 f1, h1;\ncvt.rn.bf16x2.f32 $0, f1, f0;\n")
+"""Two e4m3 in ``h`` (byte 0 low) widened to a bf16x2 word in ``$0`` (exact, as `e4m3x4_to_bf16x4`)."""
+_E4M3X2_REGISTERS = ".reg .b16 h, h0, h1;\n.reg .b32 p;\n.reg .f32 f0, f1;\n"
+
+
+@dsl_user_op
+def load_e4m3x2_as_bf16x2(address: Int64, *, predicate=None, loc=None, ip=None) -> Uint32:
+    """Non-coherent load of two e4m3 (2 bytes) of read-only input, widened to a bf16x2 word
+    (the first in its low half); 0 without access where ``predicate`` (an Int32) is 0."""
+    text = ("{\n.reg .pred q;\n" + _E4M3X2_REGISTERS + "setp.ne.s32 q, $2, 0;\nmov.b16 h, 0;\n"
+            "@q ld.global.nc.u16 h, [$1];\n" + _E4M3X2_TO_BF16X2 + "}")
+    one = Int32(1) if predicate is None else Int32(predicate)
+    return Uint32(
+        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), one.ir_value(loc=loc, ip=ip)], text, "=r,l,r",
+             side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def load_shared_e4m3x2_as_bf16x2(address, *, loc=None, ip=None) -> Uint32:
+    """Load of two e4m3 (2 bytes) at the 32-bit shared ``address``, widened to a bf16x2 word."""
+    text = "{\n" + _E4M3X2_REGISTERS + "ld.shared.u16 h, [$1];\n" + _E4M3X2_TO_BF16X2 + "}"
+    return Uint32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip)], text, "=r,r", side_effects=True,
+                       loc=loc, ip=ip))
+
+
 @dsl_user_op
 def store_u32(address: Int64, value, *, loc=None, ip=None) -> None:
     """Store of one u32 (two bf16 lanes)."""

@@ -181,11 +181,12 @@ EXPERTS_VARIANTS = (
                                    down_warps_n=8, down_unroll=4)),
     # e4m3 weights with 128 x 128 scale blocks: the heuristic's shapes, fused and split (4-byte
     # rows of gate/up, 8-byte rows of down); 8-byte rows of gate/up and 4-byte rows of down with
-    # warps side by side and four token tiles.
+    # warps side by side and four token tiles (one step in flight: at two, ptxas held 128
+    # registers and spilled).
     ((7168, 256, 32, 8, True), dict(fp8_weights=True)),
     ((7168, 256, 32, 8, False), dict(fp8_weights=True)),
     ((1024, 128, 8, 2, True), dict(fp8_weights=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
-                                   gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32, down_warps_k=1,
+                                   gate_up_warp_cols=64, gate_up_unroll=1, down_warp_cols=32, down_warps_k=1,
                                    down_warps_n=8, down_unroll=4)),
     # e4m3 weights in the tiled order, without and with the ring (scales copied beside the
     # weights); the ring and the K split over 8 CTAs (896 rows each: whole blocks) in the rows.
@@ -193,6 +194,18 @@ EXPERTS_VARIANTS = (
     ((7168, 256, 32, 8, True), dict(fp8_weights=True, tiled_weights=True, async_loads=True, token_tiles=1)),
     ((7168, 256, 32, 8, True), dict(fp8_weights=True, async_loads=True, gate_up_split_k=8, gate_up_warps_k=1,
                                     gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
+    # e4m3 tokens too (1 x 128 scale blocks): with register loads, fused and split; with the
+    # ring in the tiled order; the ring with the K split (each CTA's tokens from its first
+    # block); four token tiles with the ring.
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True)),
+    ((7168, 256, 32, 8, False), dict(fp8_weights=True, fp8_tokens=True)),
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True, tiled_weights=True, async_loads=True,
+                                    token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True, async_loads=True, gate_up_split_k=8,
+                                    gate_up_warps_k=1, gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
+    ((1024, 128, 8, 2, True), dict(fp8_weights=True, fp8_tokens=True, async_loads=True, token_tiles=4,
+                                   gate_up_warps_k=4, gate_up_warps_n=2, gate_up_warp_cols=64, gate_up_unroll=2,
+                                   down_warp_cols=32, down_warps_k=1, down_warps_n=8, down_unroll=4)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

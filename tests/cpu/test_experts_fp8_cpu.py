@@ -57,40 +57,53 @@ def test_the_op_takes_fp8_operands_on_every_pure_path(rng):
     _check(out[1], reversed_model, "vmap element 1")
 
 
-@pytest.mark.parametrize("block, fp8_x", [((128, 128), True), ((32, 64), False)], ids=["fp8-x", "32x64-blocks"])
-def test_the_kernels_refuse_what_they_do_not_take_by_name(rng, block, fp8_x):
-    """impl="kernel" names why before anything runs (the FP8 tokens, or weight blocks other than
-    128 x 128), not a missing device."""
-    args, _ = fp8_experts.random_case(rng, m=2, hidden=256, intermediate=128, experts_count=4, top_k=2, fused=False,
-                                      block=block, fp8_x=fp8_x)
-    with pytest.raises(ValueError, match=r"impl='kernel': the kernels take bf16 x, and bf16 weights or every weight "
-                                         r"a BlockScaled of 128 x 128 blocks"):
-        experts.moe_experts(*args, impl="kernel")
+@pytest.mark.parametrize("case", ["32x64-blocks", "fp8-x-with-bf16-weights", "x-blocks-of-1x64"])
+def test_the_kernels_refuse_what_they_do_not_take_by_name(rng, case):
+    """impl="kernel" names why before anything runs (weight blocks other than 128 x 128, e4m3
+    tokens with bf16 weights, token blocks other than 1 x 128), not a missing device."""
+    block = (32, 64) if case == "32x64-blocks" else (128, 128)
+    (x, ids, gate_up, down), _ = fp8_experts.random_case(rng, m=2, hidden=256, intermediate=128, experts_count=4,
+                                                         top_k=2, fused=False, block=block,
+                                                         fp8_x=case != "32x64-blocks")
+    if case == "fp8-x-with-bf16-weights":
+        gate_up, down = tuple(w.dequantize().astype(jnp.bfloat16) for w in gate_up), down.dequantize().astype(
+            jnp.bfloat16)
+    if case == "x-blocks-of-1x64":
+        x = jmp.BlockScaled(x.values, jnp.repeat(x.scales, 2, axis=-1))
+    with pytest.raises(ValueError, match=r"impl='kernel': the kernels take bf16 x and weights, or every weight a "
+                                         r"BlockScaled of 128 x 128 blocks \(e4m3 weights\) with x bf16 or a "
+                                         r"BlockScaled of 1 x 128 blocks"):
+        experts.moe_experts(x, ids, gate_up, down, impl="kernel")
 
 
+@pytest.mark.parametrize("fp8_x", [False, True], ids=["bf16-x", "fp8-x"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
-def test_the_kernel_path_takes_e4m3_weights(rng, stood_in, fused, monkeypatch):  # noqa: F811
-    """128 x 128 blocks with bf16 x: the kernels' config has ``fp8_weights``, the FFI call gets
-    the values and then the scales (`_abi.EXPERTS_OPERANDS`), and the CPU runs the reference."""
+def test_the_kernel_path_takes_e4m3_weights(rng, stood_in, fused, fp8_x, monkeypatch):  # noqa: F811
+    """128 x 128 blocks with bf16 x, or with e4m3 x of 1 x 128 blocks: the kernels' config has
+    ``fp8_weights`` (and ``fp8_tokens``), the FFI call gets the values, then the weights' scales,
+    then the tokens' (`_abi.EXPERTS_OPERANDS`), and the CPU runs the reference."""
     args, model = fp8_experts.random_case(rng, m=3, hidden=256, intermediate=128, experts_count=4, top_k=2,
-                                          fused=fused)
+                                          fused=fused, fp8_x=fp8_x)
     jaxpr = str(jax.make_jaxpr(lambda *a: experts.moe_experts(*a, impl="kernel"))(*args))
     config, _ = stood_in[-1]
     assert config == jmp.ExpertsConfig.for_shape(hidden=256, intermediate=128, experts=4, top_k=2,
-                                                 fused_gate_up=fused).replace(fp8_weights=True)
+                                                 fused_gate_up=fused, fp8_weights=True, fp8_tokens=fp8_x)
     assert STAND_IN in jaxpr
     layout = ["gate_up"] if fused else ["gate", "up"]
     args_record = [(o["name"], o["dtype"], o["shape"]) for o in _abi.call_operands(config) if o["io"] == "arg"]
     scales = [(f"{name}_scales", "f32", [4, 2, 2 if fused else 1]) for name in layout]
-    assert args_record == [("x", "bf16", [256]), ("expert_ids", "s32", [2]),
+    assert args_record == [("x", "e4m3" if fp8_x else "bf16", [256]), ("expert_ids", "s32", [2]),
                            *[(name, "e4m3", [4, 256, 256 if fused else 128]) for name in layout],
-                           ("down", "e4m3", [4, 128, 256]), *scales, ("down_scales", "f32", [4, 1, 2])]
+                           ("down", "e4m3", [4, 128, 256]), *scales, ("down_scales", "f32", [4, 1, 2]),
+                           *([("x_scales", "f32", [2])] if fp8_x else [])]
     _check(jax.jit(lambda *a: experts.moe_experts(*a, impl="kernel"))(*args), model, "kernel path on CPU")
-    # Where the table names the kernels (for bf16 weights), auto keeps e4m3 weights off them.
-    monkeypatch.setattr(experts.experts_tuning, "auto_impl", lambda **shape: "kernel")
-    loads = len(stood_in)
-    _check(jax.jit(experts.moe_experts)(*args), model, "auto on CPU")
-    assert len(stood_in) == loads, "auto took the e4m3 kernels"
+    # auto follows the table of bf16 weights: the e4m3 kernels where it names the kernels.
+    for route, loads in (("kernel", 1), ("gather", 0)):
+        monkeypatch.setattr(experts.experts_tuning, "auto_impl", lambda route=route, **shape: route)
+        before = len(stood_in)
+        _check(jax.jit(experts.moe_experts)(*args), model, f"auto on CPU, the table naming {route}")
+        assert len(stood_in) == before + loads, route
+        assert not loads or stood_in[-1][0] == config
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -131,13 +144,15 @@ def test_the_derivative_in_x_through_fp8_weights_is_the_reference_s(rng):
 
 @pytest.mark.parametrize("changes, match", [
     (dict(intermediate=64), r"intermediate=64: expected a multiple of 128 with fp8_weights"),
-    (dict(tiled_weights=True), r"tiled_weights=True: expected False with fp8_weights"),
-    (dict(async_loads=True), r"async_loads=True: expected False with fp8_weights"),
-    (dict(gate_up_split_k=2, gate_up_warps_k=4), r"gate_up_split_k=2: expected 1 with fp8_weights"),
+    (dict(hidden=384, gate_up_split_k=2, gate_up_warps_k=4, gate_up_unroll=1),
+     r"gate_up_split_k=2: expected hidden / gate_up_split_k a multiple of 128 with fp8_weights \(each CTA's rows "
+     r"whole scale blocks; hidden=384\)"),
 ])
 def test_e4m3_configs_the_kernels_do_not_take_are_named(changes, match):
+    """Scale blocks must be whole: in each weight, and in each CTA's rows of a K split. The
+    tiled order, the ring and a K split of whole blocks are taken."""
     base = jmp.ExpertsConfig.for_shape(hidden=256, intermediate=128, experts=4, top_k=2)
-    base.replace(fp8_weights=True)  # takes it
+    base.replace(fp8_weights=True, tiled_weights=True, async_loads=True, gate_up_split_k=2, gate_up_warps_k=4)
+    shape = dict(hidden=changes.pop("hidden", 256), intermediate=changes.pop("intermediate", 128))
     with pytest.raises(ValueError, match=match):
-        jmp.ExpertsConfig.for_shape(hidden=256, intermediate=changes.pop("intermediate", 128), experts=4,
-                                    top_k=2).replace(fp8_weights=True, **changes)
+        jmp.ExpertsConfig.for_shape(**shape, experts=4, top_k=2).replace(fp8_weights=True, **changes)

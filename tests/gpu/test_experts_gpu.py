@@ -151,23 +151,26 @@ def test_the_op_through_jax_is_the_kernels(launcher, rng):
 
 @pytest.mark.parametrize("config", FP8_CONFIGS, ids=_id)
 def test_e4m3_weights_match_the_model_of_their_blocks(devices, rng, config):
-    """e4m3 weights with 128 x 128 scale blocks (`BlockScaled`) and bf16 tokens, through the
-    harness (outputs poisoned) at m across the passes, hot experts and every id skipped, against
-    the float64 model of the dequantized blocks; twice the same bits; through JAX the same bits
-    (tiled configs: their values in the tiled order, and `jmp.prepare_experts` through JAX)."""
+    """e4m3 weights with 128 x 128 scale blocks (`BlockScaled`) and bf16 tokens (``fp8_tokens``
+    configs: e4m3 tokens with a scale per token and 128 channels, `reference.quantize_fp8`),
+    through the harness (outputs poisoned) at m across the passes, hot experts and every id
+    skipped, against the float64 model of the dequantized blocks; twice the same bits; through
+    JAX the same bits (tiled configs: their values in the tiled order, and
+    `jmp.prepare_experts` through JAX)."""
     launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=max(MS))
     try:
         for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0))]:
             (x, ids, gate_up, down), model = fp8_experts.random_case(
                 rng, m=m, hidden=config.hidden, intermediate=config.intermediate, experts_count=config.experts,
-                top_k=config.top_k, fused=config.fused_gate_up, **options)
+                top_k=config.top_k, fused=config.fused_gate_up, fp8_x=config.fp8_tokens, **options)
             if config.tiled_weights:
                 tiled = experts_layout.tile(gate_up, down, experts_layout.Tiling.of(config))
                 weights = {"gate_up": tiled.gate_up, "down": tiled.down}
             else:
                 weights = {"gate_up": gate_up} if config.fused_gate_up else dict(zip(("gate", "up"), gate_up))
                 weights["down"] = down
-            arrays = {"x": x, "expert_ids": ids}
+            arrays = {"x": x.values, "x_scales": x.scales} if config.fp8_tokens else {"x": x}
+            arrays["expert_ids"] = ids
             for name, w in weights.items():
                 arrays.update({name: np.asarray(w.values), f"{name}_scales": np.asarray(w.scales)})
             what = f"m={m} {options or ''}"
