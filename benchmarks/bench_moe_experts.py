@@ -30,6 +30,9 @@ program (`COLUMNS`):
   holds whole blocks. Their outputs are checked against the first FP8 column's (the FP8
   weights compute another function than the bf16 ones), their ``floor_fraction`` is of
   ``floor_fp8``: the FP8 bytes (values and scales) at the same bandwidth;
+* ``ours_fp8_tokens_prepared``: ``ours_fp8_prepared`` with e4m3 tokens, each layer's ``x``
+  quantized in the step by `reference.quantize_fp8` (a scale per token and 128 channels, a
+  separate XLA fusion: what the epilogue's FP8 out saves);
 * ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
   the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
   written per second, which a read-only stream moves at about the same rate, the HBM's
@@ -145,6 +148,7 @@ import records
 import timing
 
 import jax_moe_publish as jmp
+from jax_moe_publish import reference
 from jax_moe_publish.testing import rank_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -161,7 +165,7 @@ DEFAULT_MS = (1, 2, 4)
 CPU_DIMS = {"hidden": 128, "intermediate": 256, "experts": 16, "shared_intermediate": 64}
 MAX_DIFFERENCE = 1e-2
 MAX_FP8_DIFFERENCE = 0.1
-"""e4m3 weights against bf16 ones: a 3-bit mantissa, about 4 % per weight (relative, RMS)."""
+"""e4m3 operands against the unquantized ones: a 3-bit mantissa, about 4 % per value (relative, RMS)."""
 MIN_LAYERS = 2  # so that no two consecutive calls share weights or routing
 MAX_ITERATIONS = 20_000
 # By platform: the long run's excess over the short one (ms), the weights' budget (GB) and the
@@ -181,7 +185,7 @@ GUESS = {
     "weights_s_per_gb": 0.1,  # drawing random bf16 weights
     "compile_s": {"ours": 3.0, "ours_prepared": 3.0, "ragged_dot": 8.0, "ragged_dot_pallas_triton": 10.0,
                   "cudnn": 10.0, "xla_triton": 10.0, "tokamax": 20.0, "gather": 8.0, "ours_fp8": 3.0,
-                  "ours_fp8_prepared": 3.0, "gather_fp8": 8.0},
+                  "ours_fp8_prepared": 3.0, "gather_fp8": 8.0, "ours_fp8_tokens_prepared": 4.0},
     "compile_s_per_layer": 0.3,
     "unavailable_s": 1.0,  # a column whose module or JAX flag this Python lacks
     "hbm_bytes_per_s": 4.0e12,
@@ -200,6 +204,7 @@ class Column:
     route: str  # "ours", "reference" or "gather" (jmp.moe_experts with that impl), or "tokamax"
     prepared: bool = False  # on jmp.prepare_experts's weights (made once, before the timed loop)
     fp8: bool = False  # on the layers' e4m3 weights (BlockScaled of 128 x 128 blocks)
+    fp8_tokens: bool = False  # x quantized to e4m3 per token and 128 channels in the step
     compiler_options: tuple = ()  # XLA options of this column's programs only
     jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
     needs_in_hlo: tuple = ()
@@ -239,6 +244,9 @@ COLUMNS = (
            "ours", prepared=True, fp8=True),
     Column("gather_fp8", "jmp.moe_experts(impl='gather') on the e4m3 weights (dequantized after the gather)",
            "gather", fp8=True),
+    Column("ours_fp8_tokens_prepared", "jmp.moe_experts(impl='kernel') on e4m3 tokens (quantized in the step by "
+           "reference.quantize_fp8) and jmp.prepare_experts's order of the e4m3 weights", "ours", prepared=True,
+           fp8=True, fp8_tokens=True),
 )
 FP8_BLOCK = 128
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)
@@ -428,6 +436,9 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
     """``(layer weights, x, expert ids) -> rows`` of ``column``."""
     if column.route != "tokamax":
         impl = args.ours_impl if column.route == "ours" else column.route
+        if column.fp8_tokens:
+            return lambda w, x, ids: jmp.moe_experts(jmp.BlockScaled(*reference.quantize_fp8(x)), ids,
+                                                     w["fp8_prepared"], impl=impl)
         if column.prepared:
             name = "fp8_prepared" if column.fp8 else "prepared"
             return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
@@ -611,12 +622,14 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
     out = np.asarray(runner(compiled, 1)(*inputs), np.float64)
     # tokamax leaves the rows in expert order; the last layer's routing orders them.
     outputs[column.name] = pair_order(out, inputs[2][-1]) if column.route == "tokamax" else out
-    # The first column that ran on the same weights (bf16, or e4m3); the first e4m3 column
-    # against the first bf16 one, within the quantization's error.
-    reference = next(name for name in outputs if COLUMNS_BY_NAME[name].fp8 == column.fp8)
+    # The first column that ran on the same operands (`operand_kind`); the first of a kind
+    # against the first of the kind one quantization before (e4m3 weights against bf16, e4m3
+    # tokens against e4m3 weights alone), within that quantization's error.
+    kind = operand_kind(column)
+    reference = next(name for name in outputs if operand_kind(COLUMNS_BY_NAME[name]) == kind)
     bound = MAX_DIFFERENCE
-    if column.name == reference and column.fp8:
-        reference = next((name for name in outputs if not COLUMNS_BY_NAME[name].fp8), column.name)
+    if column.name == reference and kind > 0:
+        reference = next((name for name in outputs if operand_kind(COLUMNS_BY_NAME[name]) == kind - 1), column.name)
         bound = MAX_FP8_DIFFERENCE
     if column.name != reference:
         difference = float(np.linalg.norm(outputs[column.name] - outputs[reference])
@@ -627,6 +640,11 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
                            f"{bound}): it would time another computation")
     entry["iterations"] = list(loop_counts(compiled, inputs, args.target_ms / 1e3))
     return compiled
+
+
+def operand_kind(column) -> int:
+    """0: bf16 operands; 1: e4m3 weights; 2: e4m3 weights and tokens."""
+    return int(column.fp8) + int(column.fp8_tokens)
 
 
 def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_prefix):
@@ -823,16 +841,20 @@ def default_out(args, gpu):
 def ours_configs(args):
     """The `jmp.ExpertsConfig` of every selected shape, tp and weight layout that a column reads
     (`weight_layouts`: the op's default for the shape, its tiled twin for `jmp.prepare_experts`'s
-    weights; e4m3 where the shard holds whole blocks)."""
+    weights; e4m3 where the shard holds whole blocks, with e4m3 tokens where a column has them)."""
     configs = []
     for name in args.shapes:
         config = SHAPES[name]
         for tp in args.tp:
-            for fp8, prepared in sorted(weight_layouts(args)):
+            layouts = [(fp8, prepared, False) for fp8, prepared in sorted(weight_layouts(args))]
+            if any(column.fp8_tokens for column in COLUMNS if column.name in args.columns):
+                layouts.append((True, True, True))
+            for fp8, prepared, fp8_tokens in layouts:
                 if fp8 and not holds_fp8_blocks(config, tp):
                     continue
                 ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
-                                                   experts=config.experts, top_k=config.top_k, fp8_weights=fp8)
+                                                   experts=config.experts, top_k=config.top_k, fp8_weights=fp8,
+                                                   fp8_tokens=fp8_tokens)
                 configs.append(ours.replace(tiled_weights=prepared))
     return configs
 

@@ -90,6 +90,11 @@ class GemmShape:
         return 1 if self.fp8 else 2
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes of one token element (B): e4m3 or bf16."""
+        return 1 if self.fp8_tokens else 2
+
+    @property
     def lane_weight_words(self) -> int:
         """Words of a weight row that one lane loads (``warp_cols / 8`` columns): `lane_words`
         in bf16, half as many in e4m3 (each widened to two bf16 words)."""

@@ -75,13 +75,18 @@ class Tokens(NamedTuple):
 
 
 class StageOffsets(NamedTuple):
-    """A lane's byte offsets in a ring stage (`ExpertTiles._stage_offsets`)."""
+    """A lane's byte offsets in a ring stage (`ExpertTiles._stage_offsets`): its weight rows
+    (``weight_row_bytes`` apart); its B words of token tile 0 (bf16 tokens); with e4m3 tokens
+    where it copies its 4 bytes of tile 0, where its 2 + 2 bytes are, and its two token scales;
+    its weight block's scale."""
 
-    weights: int
+    weights: object
     weight_row_bytes: int
-    tokens: int
-    token_scales: int
-    scale: int
+    tokens: object
+    fp8_token_copy: object
+    fp8_tokens: object
+    token_scales: object
+    scale: object
 
 
 class ExpertTiles:
@@ -180,10 +185,12 @@ class ExpertTiles:
             for j in cutlass.range_constexpr(s.token_tiles):
                 for c in cutlass.range_constexpr(4):
                     rAcc[i, j, c] = Float32(0.0)
+        # This lane's B bytes of a token's K step start at column 2q.
+        token_offset = Int64(2 * (lane % 4)) * s.token_bytes
         if cutlass.const_expr(s.async_loads):
-            self._accumulate_from_ring(rAcc, walk, tokens, w_k, sRing, warp, lane)
+            self._accumulate_from_ring(rAcc, walk, tokens, token_offset, w_k, sRing, warp, lane)
         else:
-            self._accumulate_from_registers(rAcc, walk, tokens, w_k, lane, cached_tokens)
+            self._accumulate_from_registers(rAcc, walk, tokens, token_offset, w_k, cached_tokens)
 
     @cute.jit
     def _mma_step(self, rAcc, a_words, b_words, scale=None, token_scales=None) -> None:
@@ -212,7 +219,8 @@ class ExpertTiles:
                         rAcc[i, j, c] = rAcc[i, j, c] + d[c] * (scale * token_scales[j][c % 2])
 
     @cute.jit
-    def _accumulate_from_ring(self, rAcc, walk: WeightWalk, tokens: Tokens, w_k, sRing, warp, lane) -> None:
+    def _accumulate_from_ring(self, rAcc, walk: WeightWalk, tokens: Tokens, token_offset, w_k, sRing, warp,
+                              lane) -> None:
         """`accumulate` through the warp's ring: the copies of steps ``0 .. unroll - 1`` first,
         then each step's mmas from its stage, whose copies for the step ``unroll`` later are
         issued once those mmas have read it. A lane reads only what it copied, but with e4m3
@@ -221,9 +229,10 @@ class ExpertTiles:
         s = self.shape
         stage_bytes = s.stage_words * 4
         ring = sRing.iterator.toint() + warp * (s.unroll * stage_bytes)
+        at = self._stage_offsets(lane)
         for step in cutlass.range_constexpr(s.unroll):
             if cutlass.const_expr(step < s.k_steps_per_warp):
-                self._copy_step(ring + step * stage_bytes, Int32(step), walk, tokens, w_k, lane)
+                self._copy_step(ring + step * stage_bytes, at, Int32(step), walk, tokens, token_offset, w_k, lane)
             ptx.commit_async_group()
         for step in cutlass.range(0, s.k_steps_per_warp, 1, unroll=1):
             # Every group but the newest unroll - 1 is complete: this step's is.
@@ -231,21 +240,20 @@ class ExpertTiles:
             if cutlass.const_expr(s.fp8_tokens):
                 cute.arch.sync_warp()
             stage = ring + (step % s.unroll) * stage_bytes
-            at = self._stage_offsets(lane)
             a_words = [self._widened(self._load_weight_row(stage + at.weights + r * at.weight_row_bytes, shared=True))
                        for r in range(4)]
             b_words, token_scales = [], None
             if cutlass.const_expr(s.fp8_tokens):
                 token_scales = []
                 for j in cutlass.range_constexpr(s.token_tiles):
-                    b = stage + at.tokens + j * (MMA_TOKENS * MMA_K) + (lane // 4) * MMA_K + 2 * (lane % 4)
+                    b = stage + at.fp8_tokens + j * (MMA_TOKENS * MMA_K)
                     b_words.append([ptx.load_shared_e4m3x2_as_bf16x2(b), ptx.load_shared_e4m3x2_as_bf16x2(b + 8)])
-                    scales = stage + at.token_scales + j * 256 + lane * 8
+                    scales = stage + at.token_scales + j * 256
                     token_scales.append([ptx.load_shared_f32(scales), ptx.load_shared_f32(scales + 4)])
             else:
                 for j in cutlass.range_constexpr(s.token_tiles):
-                    b = stage + at.tokens + j * 256 + lane * 8
-                    b_words.append([ptx.load_shared_u32(b), ptx.load_shared_u32(b + 4)])
+                    b_words.append([ptx.load_shared_u32(stage + at.tokens + j * 256),
+                                    ptx.load_shared_u32(stage + at.tokens + j * 256 + 4)])
             scale = None
             if cutlass.const_expr(s.fp8):
                 scale = ptx.load_shared_f32(stage + at.scale)
@@ -253,7 +261,7 @@ class ExpertTiles:
             if step + s.unroll < s.k_steps_per_warp:
                 if cutlass.const_expr(s.fp8_tokens):
                     cute.arch.sync_warp()
-                self._copy_step(stage, step + s.unroll, walk, tokens, w_k, lane)
+                self._copy_step(stage, at, step + s.unroll, walk, tokens, token_offset, w_k, lane)
             ptx.commit_async_group()
         ptx.wait_async_groups(0)
 
@@ -264,19 +272,19 @@ class ExpertTiles:
         s = self.shape
         weight_row_bytes = 32 * s.tile_lane_bytes
         tokens = 4 * weight_row_bytes
-        token_bytes = (MMA_TOKENS * MMA_K if s.fp8_tokens else 256) * s.token_tiles
-        token_scales = tokens + token_bytes
+        token_scales = tokens + (MMA_TOKENS * MMA_K if s.fp8_tokens else 256) * s.token_tiles
         scale = token_scales + (256 * s.token_tiles if s.fp8_tokens else 0)
-        return StageOffsets(lane * s.tile_lane_bytes, weight_row_bytes, tokens, token_scales,
-                            scale + lane * SCALE_BYTES)
+        return StageOffsets(lane * s.tile_lane_bytes, weight_row_bytes, tokens + lane * 8,
+                            tokens + lane * 4, tokens + (lane // 4) * MMA_K + 2 * (lane % 4),
+                            token_scales + lane * 8, scale + lane * SCALE_BYTES)
 
     @cute.jit
-    def _copy_step(self, stage, step, walk: WeightWalk, tokens: Tokens, w_k, lane) -> None:
-        """This lane's copies of K step ``step`` into ``stage`` (`_stage_offsets`): its rows
+    def _copy_step(self, stage, at: StageOffsets, step, walk: WeightWalk, tokens: Tokens, token_offset, w_k,
+                   lane) -> None:
+        """This lane's copies of K step ``step`` into ``stage`` (at ``at``): its rows
         `LANE_ROWS`; its B words (e4m3 tokens: bytes ``4q .. 4q + 3`` of its group's token's
         step, and the scales of tokens ``2q`` and ``2q + 1``); its e4m3 block's scale."""
         s = self.shape
-        at = self._stage_offsets(lane)
         k0 = Int64((step * s.warps_k + w_k) * MMA_K)
         rows = walk.start + k0 * walk.k_row_bytes
         for r in cutlass.range_constexpr(4):
@@ -284,25 +292,23 @@ class ExpertTiles:
                            s.tile_lane_bytes)
         for j in cutlass.range_constexpr(s.token_tiles):
             if cutlass.const_expr(s.fp8_tokens):
-                ptx.copy_async(stage + at.tokens + j * (MMA_TOKENS * MMA_K) + lane * 4,
-                               tokens.rows[j] + k0 + (lane % 4) * 4, 4, predicate=tokens.live[j])
+                ptx.copy_async(stage + at.fp8_token_copy + j * (MMA_TOKENS * MMA_K),
+                               tokens.rows[j] + k0 + Int64(4 * (lane % 4)), 4, predicate=tokens.live[j])
                 for u in cutlass.range_constexpr(2):
-                    ptx.copy_async(stage + at.token_scales + j * 256 + lane * 8 + u * 4,
+                    ptx.copy_async(stage + at.token_scales + j * 256 + u * 4,
                                    tokens.scale_rows[j][u] + (k0 // FP8_BLOCK) * SCALE_BYTES, SCALE_BYTES)
             else:
-                b = tokens.rows[j] + (k0 + 2 * (lane % 4)) * BF16_BYTES
-                ptx.copy_async(stage + at.tokens + j * 256 + lane * 8, b, 4, predicate=tokens.live[j])
-                ptx.copy_async(stage + at.tokens + j * 256 + lane * 8 + 4, b + 8 * BF16_BYTES, 4,
-                               predicate=tokens.live[j])
+                b = tokens.rows[j] + k0 * BF16_BYTES + token_offset
+                ptx.copy_async(stage + at.tokens + j * 256, b, 4, predicate=tokens.live[j])
+                ptx.copy_async(stage + at.tokens + j * 256 + 4, b + 8 * BF16_BYTES, 4, predicate=tokens.live[j])
         if cutlass.const_expr(s.fp8):
             ptx.copy_async(stage + at.scale, walk.scales + (k0 // FP8_BLOCK) * walk.scale_row_bytes, SCALE_BYTES)
 
     @cute.jit
-    def _accumulate_from_registers(self, rAcc, walk: WeightWalk, tokens: Tokens, w_k, lane,
+    def _accumulate_from_registers(self, rAcc, walk: WeightWalk, tokens: Tokens, token_offset, w_k,
                                    cached_tokens: cutlass.Constexpr[bool]) -> None:
         """`accumulate` with register loads, ``unroll`` steps' loads issued before their mmas."""
         s = self.shape
-        q = lane % 4
         # Unrolled by `unroll` below, not further: the loads in flight are those of `unroll` steps.
         for step in cutlass.range(0, s.k_steps_per_warp, s.unroll, unroll=1):
             # Every load of the unrolled steps first, so that they are in flight together.
@@ -316,14 +322,14 @@ class ExpertTiles:
                 if cutlass.const_expr(s.fp8_tokens):
                     token_scales = []
                     for j in cutlass.range_constexpr(s.token_tiles):
-                        at = tokens.rows[j] + k0 + 2 * q
+                        at = tokens.rows[j] + k0 + token_offset
                         b_words.append([ptx.load_e4m3x2_as_bf16x2(at, predicate=tokens.live[j]),
                                         ptx.load_e4m3x2_as_bf16x2(at + 8, predicate=tokens.live[j])])
                         token_scales.append([ptx.load_f32(tokens.scale_rows[j][v] + (k0 // FP8_BLOCK) * SCALE_BYTES)
                                              for v in range(2)])
                 else:
                     for j in cutlass.range_constexpr(s.token_tiles):
-                        at = tokens.rows[j] + (k0 + 2 * q) * BF16_BYTES
+                        at = tokens.rows[j] + k0 * BF16_BYTES + token_offset
                         b_words.append([ptx.load_u32(at, predicate=tokens.live[j], cached=cached_tokens),
                                         ptx.load_u32(at + 8 * BF16_BYTES, predicate=tokens.live[j],
                                                      cached=cached_tokens)])

@@ -34,7 +34,8 @@ SEED = 5
 MIN_PASS_MB = 0.2  # two layers at both tps: small programs, quick to compile
 # On CPU the kernels, JAX's Pallas Triton lowering, cuDNN, XLA's Triton emitter and tokamax's GPU
 # kernels cannot run.
-TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather", "ours_fp8", "ours_fp8_prepared", "gather_fp8")
+TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather", "ours_fp8", "ours_fp8_prepared", "gather_fp8",
+                "ours_fp8_tokens_prepared")
 
 
 @pytest.mark.parametrize("name", TIMED_ON_CPU)
@@ -94,14 +95,16 @@ def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
             if name != "ours":
                 ratio = entry["over_ours"]
                 assert ratio["p10"] <= ratio["ratio"] <= ratio["p90"], (what, name)
-                # Each column against the first of its weights' dtype; the first e4m3 one against ours.
-                fp8 = bench.COLUMNS_BY_NAME[name].fp8
-                first = "ours_fp8" if fp8 and name != "ours_fp8" else "ours"
-                bound = bench.MAX_FP8_DIFFERENCE if name == "ours_fp8" else bench.MAX_DIFFERENCE
+                # Each column against the first of its operands' kind; the first e4m3-weight one
+                # against ours, the e4m3-token one against the first e4m3-weight one.
+                first_of_kind = name in ("ours_fp8", "ours_fp8_tokens_prepared")
+                first = {"ours_fp8": "ours", "ours_fp8_tokens_prepared": "ours_fp8"}.get(name, (
+                    "ours_fp8" if bench.COLUMNS_BY_NAME[name].fp8 else "ours"))
+                bound = bench.MAX_FP8_DIFFERENCE if first_of_kind else bench.MAX_DIFFERENCE
                 assert entry["checked_against"] == first, (what, name)
                 assert entry["relative_difference"] <= bound, (what, name)
-                # e4m3 weights compute another function than bf16 ones.
-                assert name != "ours_fp8" or entry["relative_difference"] > 0, (what, name)
+                # A quantization computes another function.
+                assert not first_of_kind or entry["relative_difference"] > 0, (what, name)
         assert r["columns"]["ours"]["ran"] == "jmp.moe_experts(impl='auto')" and r["checked_against"] == "ours"
 
 
@@ -171,9 +174,12 @@ def test_the_profiling_program_runs_its_calls(timed):
 def test_the_profiling_variants_change_the_default_launch_shapes():
     import profile_experts
 
-    args = profile_experts.argparse.Namespace(tp=8, variant=["gate_up_warp_cols=64", "down_warps_k=1,enable_pdl=false"])
-    default, wide, no_split = profile_experts.configs(args, bench.SHAPES["deepseek-v3"])
-    assert default == jmp.ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8)
-    assert wide == default.replace(gate_up_warp_cols=64)
-    assert no_split == default.replace(down_warps_k=1, enable_pdl=False)
-    assert len({default.key, wide.key, no_split.key}) == 3
+    for fp8 in (False, True):
+        args = profile_experts.argparse.Namespace(tp=8, fp8=fp8, variant=["gate_up_warp_cols=64",
+                                                                          "down_warps_k=1,enable_pdl=false"])
+        default, wide, no_split = profile_experts.configs(args, bench.SHAPES["deepseek-v3"])
+        assert default == jmp.ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8,
+                                                      fp8_weights=fp8)
+        assert wide == default.replace(gate_up_warp_cols=64)
+        assert no_split == default.replace(down_warps_k=1, enable_pdl=False)
+        assert len({default.key, wide.key, no_split.key}) == 3
