@@ -47,7 +47,8 @@ ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
-_BOOL_FIELDS = ("fused_gate_up", "async_loads", "tiled_weights", "fp8_weights", "fp8_tokens", "enable_pdl")
+_BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "tiled_weights", "fp8_weights",
+                "fp8_tokens", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -233,10 +234,11 @@ class ExpertsConfig:
         added in cluster order. 1: one CTA per item, no cluster.
     down_warps_k, down_warps_n, down_warp_cols, down_unroll : int
         The same for the down kernel (K is intermediate, the columns are hidden).
-    async_loads : bool
-        Both kernels' weight and token loads as ``cp.async`` copies into a ring of ``unroll``
+    gate_up_async_loads, down_async_loads : bool
+        The kernel's weight and token loads as ``cp.async`` copies into a ring of ``unroll``
         K steps per warp in shared memory, refilled one step at a time, instead of register
-        loads that the compiler may schedule after the first ``mma``.
+        loads that the compiler may schedule after the first ``mma``. Each kernel's own:
+        which is faster differs between them (benchmarks/EXPERIMENTS.md).
     tiled_weights : bool
         The weights come in `prepare_experts`'s tiled order for this config's work items
         (`GemmShape.tiled_offset`): each item's bytes contiguous, every warp load 32 lanes of
@@ -273,7 +275,8 @@ class ExpertsConfig:
     down_warps_n: int = 4
     down_warp_cols: int = 64
     down_unroll: int = 4
-    async_loads: bool = False
+    gate_up_async_loads: bool = False
+    down_async_loads: bool = False
     tiled_weights: bool = False
     fp8_weights: bool = False
     fp8_tokens: bool = False
@@ -336,9 +339,9 @@ class ExpertsConfig:
         if role == "gate_up":
             return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
                              self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles, self.gate_up_split_k,
-                             self.async_loads, self.tiled_weights, self.fp8_weights, self.fp8_tokens)
+                             self.gate_up_async_loads, self.tiled_weights, self.fp8_weights, self.fp8_tokens)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
-                         self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.async_loads,
+                         self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.down_async_loads,
                          self.tiled_weights, self.fp8_weights)
 
     def shared_bytes(self, role: str) -> int:
@@ -389,8 +392,8 @@ class ExpertsConfig:
         """Names the cubin: readable prefix + hash of every field (but the later fields at their
         defaults, so that the keys from before them still name the same cubins)."""
         fields = self.to_dict()
-        for name, default in (("gate_up_split_k", 1), ("async_loads", False), ("tiled_weights", False),
-                              ("fp8_weights", False), ("fp8_tokens", False)):
+        for name, default in (("gate_up_split_k", 1), ("gate_up_async_loads", False), ("down_async_loads", False),
+                              ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

@@ -17,7 +17,9 @@ rows; in the tiled order (`GemmShape.tiled_offset`) each of a warp's four loads 
 512 or 1024 consecutive bytes, and a work item's bytes are one contiguous block.
 
 e4m3 weights (`GemmShape.fp8`) are loaded at half the bytes, widened to bf16 in registers (exact)
-and their step's sums added times the float32 scale of their 128 x 128 block; the tokens stay bf16.
+and their step's sums added times the float32 scale of their 128 x 128 block; e4m3 tokens
+(`GemmShape.fp8_tokens`) are widened alike, and each sum is also times its token's scale of that
+block.
 
 Accumulators ``[mma tile, token tile, 4]`` hold the mma's D fragment: ``c0 = D[g][2q]``,
 ``c1 = D[g][2q + 1]``, ``c2 = D[g + 8][2q]``, ``c3 = D[g + 8][2q + 1]``, i.e. columns

@@ -140,6 +140,9 @@ EXPERTS_SHAPES = (
     (7168, 256, 32, 8, True),  # DeepSeek-V3's tp = 8 shard, with fewer experts
     (2048, 96, 24, 8, False),  # Qwen3-30B's tp = 8 shard: 3 K-steps of down per warp pair
 )
+RING = dict(gate_up_async_loads=True, down_async_loads=True)
+"""Both kernels' loads through their warps' cp.async rings."""
+
 EXPERTS_VARIANTS = (
     # Launch shapes the heuristic does not choose, over an `EXPERTS_SHAPES` entry's: one 8-token
     # tile per pass, or four; gate/up warps side by side; 64-column gate/up warps and 32-column
@@ -162,17 +165,19 @@ EXPERTS_VARIANTS = (
     # Loads through each warp's cp.async ring: 8-byte rows with one token tile, and with a
     # K split; two tiles and split gate/up (down: a ring of 2 of a warp's 6 steps); 16-byte
     # rows of gate/up and 8-byte rows of down with four tiles.
-    ((7168, 256, 32, 8, True), dict(async_loads=True, token_tiles=1)),
-    ((7168, 256, 32, 8, True), dict(async_loads=True, token_tiles=1, gate_up_split_k=16, gate_up_warps_k=1,
+    ((7168, 256, 32, 8, True), dict(**RING, token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(**RING, token_tiles=1, gate_up_split_k=16, gate_up_warps_k=1,
                                     gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
-    ((2048, 96, 24, 8, False), dict(async_loads=True, down_warps_k=1, down_unroll=2)),
-    ((1024, 128, 8, 2, True), dict(async_loads=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
+    ((2048, 96, 24, 8, False), dict(**RING, down_warps_k=1, down_unroll=2)),
+    ((1024, 128, 8, 2, True), dict(**RING, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
                                    gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32, down_warps_k=1,
                                    down_warps_n=8, down_unroll=4)),
-    # Weights in the tiled order: the heuristic's launch shapes; with the ring and one token tile;
-    # with the K split over a cluster; warps side by side in both kernels, four token tiles.
+    # Weights in the tiled order: the heuristic's launch shapes; with the ring and one token tile,
+    # in both kernels and in gate/up alone; with the K split over a cluster; warps side by side
+    # in both kernels, four token tiles.
     ((7168, 256, 32, 8, True), dict(tiled_weights=True)),
-    ((7168, 256, 32, 8, True), dict(tiled_weights=True, async_loads=True, token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True, **RING, token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True, gate_up_async_loads=True, token_tiles=1)),
     ((7168, 256, 32, 8, True), dict(tiled_weights=True, token_tiles=1, gate_up_split_k=16, gate_up_warps_k=1,
                                     gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
     ((2048, 96, 24, 8, True), dict(tiled_weights=True)),
@@ -191,19 +196,19 @@ EXPERTS_VARIANTS = (
     # e4m3 weights in the tiled order, without and with the ring (scales copied beside the
     # weights); the ring and the K split over 8 CTAs (896 rows each: whole blocks) in the rows.
     ((7168, 256, 32, 8, True), dict(fp8_weights=True, tiled_weights=True)),
-    ((7168, 256, 32, 8, True), dict(fp8_weights=True, tiled_weights=True, async_loads=True, token_tiles=1)),
-    ((7168, 256, 32, 8, True), dict(fp8_weights=True, async_loads=True, gate_up_split_k=8, gate_up_warps_k=1,
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, tiled_weights=True, **RING, token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, **RING, gate_up_split_k=8, gate_up_warps_k=1,
                                     gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
     # e4m3 tokens too (1 x 128 scale blocks): with register loads, fused and split; with the
     # ring in the tiled order; the ring with the K split (each CTA's tokens from its first
     # block); four token tiles with the ring.
     ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True)),
     ((7168, 256, 32, 8, False), dict(fp8_weights=True, fp8_tokens=True)),
-    ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True, tiled_weights=True, async_loads=True,
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True, tiled_weights=True, **RING,
                                     token_tiles=1)),
-    ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True, async_loads=True, gate_up_split_k=8,
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True, **RING, gate_up_split_k=8,
                                     gate_up_warps_k=1, gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
-    ((1024, 128, 8, 2, True), dict(fp8_weights=True, fp8_tokens=True, async_loads=True, token_tiles=4,
+    ((1024, 128, 8, 2, True), dict(fp8_weights=True, fp8_tokens=True, **RING, token_tiles=4,
                                    gate_up_warps_k=4, gate_up_warps_n=2, gate_up_warp_cols=64, gate_up_unroll=2,
                                    down_warp_cols=32, down_warps_k=1, down_warps_n=8, down_unroll=4)),
 )

@@ -176,16 +176,18 @@ def test_a_k_split_launches_gate_up_as_clusters():
     assert split.key != base.key
 
 
-def test_async_loads_give_each_warp_a_ring_of_its_steps():
+@pytest.mark.parametrize("rings", [("gate_up", "down"), ("gate_up",), ("down",)])
+def test_async_loads_give_each_warp_a_ring_of_its_steps(rings):
     """Shared memory for ``unroll`` K steps per warp (each lane's four weight rows and two B
-    words per token tile), in both kernels; the other launch values stay."""
+    words per token tile), in the kernels that ask for it; the other launch values stay."""
     from jax_moe_publish.kernels.experts_program import launch_plan
 
     base = ExpertsConfig.for_shape(hidden=2048, intermediate=96, experts=128, top_k=8)
-    ring = base.replace(async_loads=True)
+    ring = base.replace(**{f"{role}_async_loads": True for role in rings})
     for role, (plain, with_ring) in zip(("gate_up", "down"), zip(launch_plan(base), launch_plan(ring))):
         shape = ring.gemm(role)
-        per_step = 32 * (4 * shape.warp_cols // 16 + 2 * shape.token_tiles) * 4
+        assert shape.async_loads == (role in rings)
+        per_step = 32 * (4 * shape.warp_cols // 16 + 2 * shape.token_tiles) * 4 if role in rings else 0
         assert with_ring.smem - plain.smem == shape.threads // 32 * shape.unroll * per_step
         assert dataclasses.replace(with_ring, smem=plain.smem) == plain
     assert ring.key != base.key

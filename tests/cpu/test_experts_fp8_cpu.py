@@ -152,7 +152,8 @@ def test_e4m3_configs_the_kernels_do_not_take_are_named(changes, match):
     """Scale blocks must be whole: in each weight, and in each CTA's rows of a K split. The
     tiled order, the ring and a K split of whole blocks are taken."""
     base = jmp.ExpertsConfig.for_shape(hidden=256, intermediate=128, experts=4, top_k=2)
-    base.replace(fp8_weights=True, tiled_weights=True, async_loads=True, gate_up_split_k=2, gate_up_warps_k=4)
+    base.replace(fp8_weights=True, tiled_weights=True, gate_up_async_loads=True, down_async_loads=True,
+                 gate_up_split_k=2, gate_up_warps_k=4)
     shape = dict(hidden=changes.pop("hidden", 256), intermediate=changes.pop("intermediate", 128))
     with pytest.raises(ValueError, match=match):
         jmp.ExpertsConfig.for_shape(**shape, experts=4, top_k=2).replace(fp8_weights=True, **changes)
