@@ -220,7 +220,7 @@ def _has_gpus() -> bool:
 def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = None) -> str | None:
     """Why the kernels cannot take a call of ``shape`` (with ``config``, else the default), or
     None: no config of the shape exists (`ExpertsConfig`'s checks say why), the call has more
-    pairs than they hold, or an operand is FP8."""
+    pairs than they hold, or its FP8 operands are not those the kernels take."""
     if shape.block_scaled and not shape.fp8_weights:
         return ("the kernels take bf16 x and weights, or every weight a BlockScaled of 128 x 128 blocks (e4m3 "
                 "weights) with x bf16 or a BlockScaled of 1 x 128 blocks (e4m3 tokens); this call's BlockScaled "

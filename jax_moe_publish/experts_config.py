@@ -356,7 +356,8 @@ class ExpertsConfig:
     def operand_dtypes(self) -> dict:
         """The weights' and the tokens' dtypes (``"expert_weights"`` and ``"tokens"`` of
         `_abi.EXPERTS_OPERANDS`)."""
-        return {"expert_weights": "e4m3" if self.fp8_weights else "bf16", "tokens": "e4m3" if self.fp8_tokens else "bf16"}
+        return {"expert_weights": "e4m3" if self.fp8_weights else "bf16",
+                "tokens": "e4m3" if self.fp8_tokens else "bf16"}
 
     def dimensions(self) -> dict:
         """The sizes `_abi.EXPERTS_OPERANDS` names (the ``*_blocks``: of FP8 scale blocks)."""

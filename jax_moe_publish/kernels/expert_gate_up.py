@@ -185,7 +185,7 @@ class ExpertGateUpKernel:
         if cutlass.const_expr(s.fp8):
             scales = cutlass.select_(group >= 4, up_scales, gate_scales)
         # e4m3 tokens: a byte each, and their scales from this CTA's first K block on.
-        token_bytes = 1 if cutlass.const_expr(s.fp8_tokens) else BF16_BYTES
+        token_bytes = s.token_bytes
         token_scales = None
         if cutlass.const_expr(s.fp8_tokens):
             token_scales = x_scales + (k_begin // FP8_BLOCK) * SCALE_BYTES
