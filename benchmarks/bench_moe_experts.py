@@ -27,12 +27,14 @@ program (`COLUMNS`):
 * ``ours_fp8``, ``ours_fp8_prepared``, ``gather_fp8``: ``ours``, ``ours_prepared`` and
   ``gather`` on the same weights as DeepSeek-V3 ships them: e4m3 with a float32 scale per
   128 x 128 block (`jmp.BlockScaled.quantize` of each layer's bf16 weights), where the shard
-  holds whole blocks. Their outputs are checked against the first FP8 column's (the FP8
-  weights compute another function than the bf16 ones), their ``floor_fraction`` is of
-  ``floor_fp8``: the FP8 bytes (values and scales) at the same bandwidth;
+  holds whole blocks. Each is checked against the first column on the same operands, and
+  the first of them against ours within `MAX_FP8_DIFFERENCE` (the FP8 weights compute
+  another function than the bf16 ones); their ``floor_fraction`` is of ``floor_fp8``: the
+  FP8 bytes (values and scales) at the same bandwidth;
 * ``ours_fp8_tokens_prepared``: ``ours_fp8_prepared`` with e4m3 tokens, each layer's ``x``
   quantized in the step by `reference.quantize_fp8` (a scale per token and 128 channels, a
-  separate XLA fusion: what the epilogue's FP8 out saves);
+  separate XLA fusion: what the epilogue's FP8 out saves), checked against ``ours_fp8``
+  within `MAX_FP8_DIFFERENCE`;
 * ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
   the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
   written per second, which a read-only stream moves at about the same rate, the HBM's
@@ -40,8 +42,8 @@ program (`COLUMNS`):
 
 ``tokamax`` returns the rows in expert order, as the MoE block's finalize reads them; the
 others in pair order. Every column's output of one pass is checked against ours
-(or, where ours cannot run, the first column that ran; relative difference at most 1e-2)
-before its times count. XLA's options are per-program
+(or, where ours cannot run, the first column that ran; relative difference at most 1e-2;
+the FP8 columns as said above) before its times count. XLA's options are per-program
 compile options (as `chains`' ``xla_nccl`` column), not ``XLA_FLAGS``: each column keeps its
 own options in this process, so that its runs interleave with ours. A column that cannot run
 records ``why_not``: the error, or, where the optimized HLO lacks what the column claims (a
@@ -149,6 +151,7 @@ import timing
 
 import jax_moe_publish as jmp
 from jax_moe_publish import reference
+from jax_moe_publish.experts_config import FP8_BLOCK
 from jax_moe_publish.testing import rank_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -248,7 +251,6 @@ COLUMNS = (
            "reference.quantize_fp8) and jmp.prepare_experts's order of the e4m3 weights", "ours", prepared=True,
            fp8=True, fp8_tokens=True),
 )
-FP8_BLOCK = 128
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)
 COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
 TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton")  # tokamax's "xla" is jax.lax.ragged_dot: the ragged_dot column
