@@ -70,8 +70,7 @@ class ExpertGateUpKernel:
         activations: Int64,  # (m * top_k, intermediate) bf16, written
         m: Int32,
     ) -> None:
-        up = gate_up + self.config.intermediate * BF16_BYTES
-        self._gate_up(x, expert_ids, gate_up, up, 2 * self.config.intermediate * BF16_BYTES, activations, m)
+        self._fused(x, expert_ids, gate_up, activations, m)
 
     @cute.kernel
     def expert_gate_up_fp8(
@@ -83,9 +82,7 @@ class ExpertGateUpKernel:
         activations: Int64,  # (m * top_k, intermediate) bf16, written
         m: Int32,
     ) -> None:
-        blocks = self.config.intermediate // FP8_BLOCK
-        self._gate_up(x, expert_ids, gate_up, gate_up + self.config.intermediate, 2 * self.config.intermediate,
-                      activations, m, gate_up_scales, gate_up_scales + blocks * SCALE_BYTES, 2 * blocks * SCALE_BYTES)
+        self._fused(x, expert_ids, gate_up, activations, m, gate_up_scales)
 
     @cute.kernel
     def expert_gate_up_split_fp8(
@@ -99,8 +96,7 @@ class ExpertGateUpKernel:
         activations: Int64,  # (m * top_k, intermediate) bf16, written
         m: Int32,
     ) -> None:
-        self._gate_up(x, expert_ids, gate, up, self.config.intermediate, activations, m, gate_scales, up_scales,
-                      self.config.intermediate // FP8_BLOCK * SCALE_BYTES)
+        self._split(x, expert_ids, gate, up, activations, m, gate_scales, up_scales)
 
     @cute.kernel
     def expert_gate_up_fp8_tokens(
@@ -113,10 +109,7 @@ class ExpertGateUpKernel:
         activations: Int64,  # (m * top_k, intermediate) bf16, written
         m: Int32,
     ) -> None:
-        blocks = self.config.intermediate // FP8_BLOCK
-        self._gate_up(x, expert_ids, gate_up, gate_up + self.config.intermediate, 2 * self.config.intermediate,
-                      activations, m, gate_up_scales, gate_up_scales + blocks * SCALE_BYTES, 2 * blocks * SCALE_BYTES,
-                      x_scales)
+        self._fused(x, expert_ids, gate_up, activations, m, gate_up_scales, x_scales)
 
     @cute.kernel
     def expert_gate_up_split_fp8_tokens(
@@ -131,8 +124,7 @@ class ExpertGateUpKernel:
         activations: Int64,  # (m * top_k, intermediate) bf16, written
         m: Int32,
     ) -> None:
-        self._gate_up(x, expert_ids, gate, up, self.config.intermediate, activations, m, gate_scales, up_scales,
-                      self.config.intermediate // FP8_BLOCK * SCALE_BYTES, x_scales)
+        self._split(x, expert_ids, gate, up, activations, m, gate_scales, up_scales, x_scales)
 
     @cute.kernel
     def expert_gate_up_split(
@@ -144,7 +136,23 @@ class ExpertGateUpKernel:
         activations: Int64,  # (m * top_k, intermediate) bf16, written
         m: Int32,
     ) -> None:
-        self._gate_up(x, expert_ids, gate, up, self.config.intermediate * BF16_BYTES, activations, m)
+        self._split(x, expert_ids, gate, up, activations, m)
+
+    def _fused(self, x, expert_ids, gate_up, activations, m, gate_up_scales=None, x_scales=None) -> None:
+        """`_gate_up` on the fused layout: each row (of weights, and of e4m3 scales) holds gate's
+        columns, then up's."""
+        cfg, s = self.config, self.shape
+        up_scales = None if gate_up_scales is None else gate_up_scales + cfg.intermediate // FP8_BLOCK * SCALE_BYTES
+        self._gate_up(x, expert_ids, gate_up, gate_up + cfg.intermediate * s.weight_bytes,
+                      2 * cfg.intermediate * s.weight_bytes, activations, m, gate_up_scales, up_scales,
+                      2 * (cfg.intermediate // FP8_BLOCK) * SCALE_BYTES, x_scales)
+
+    def _split(self, x, expert_ids, gate, up, activations, m, gate_scales=None, up_scales=None,
+               x_scales=None) -> None:
+        """`_gate_up` on the split layout: gate and up (and their e4m3 scales) as two arrays."""
+        cfg, s = self.config, self.shape
+        self._gate_up(x, expert_ids, gate, up, cfg.intermediate * s.weight_bytes, activations, m, gate_scales,
+                      up_scales, cfg.intermediate // FP8_BLOCK * SCALE_BYTES, x_scales)
 
     @cute.jit
     def _gate_up(self, x, expert_ids, gate, up, row_bytes: int, activations, m, gate_scales=None, up_scales=None,
