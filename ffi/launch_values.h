@@ -88,7 +88,7 @@ inline constexpr ValueInfo kValues[] = {
     {"routed", "u64", Source::kOperand, kPublishOp},
     {"weights", "u64", Source::kOperand, kPublishOp},
     {"indices", "u64", Source::kOperand, kPublishOp},
-    {"shared", "u64", Source::kOperand, kPublishOp},
+    {"shared", "u64", Source::kOperand, kPublishOp | kExpertsOp},
     {"mailbox", "u64", Source::kMailbox, kPublishOp},
     {"peer_table", "u64", Source::kMailbox, kPublishOp},
     {"stage_state", "u64", Source::kMailbox, kPublishOp},

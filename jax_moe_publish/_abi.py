@@ -255,8 +255,9 @@ EXPERTS_VALUES: dict[str, str] = {
     "down_scales": "u64",
     # With e4m3 tokens (ExpertsConfig.fp8_tokens), their float32 scales: [m, hidden / 128].
     "x_scales": "u64",
-    "activations": "u64",  # bf16 [m * top_k, intermediate]: SwiGLU of each pair, between the kernels
+    "activations": "u64",  # bf16 [m, top_k (+ 1), intermediate]: SwiGLU of each pair, between the kernels
     "out": "u64",  # bf16 [m * top_k, hidden]: each pair's row
+    "shared": "u64",  # bf16 [m, hidden]: each token's shared expert row (ExpertsConfig.shared_expert)
     "m": "u32",  # tokens of the call
 }
 """Name -> PTX type of every value a kernel of the experts op can receive, in the order of
@@ -283,27 +284,35 @@ EXPERTS_ROLES: dict[str, Role] = {
                                        "m"), persistent=True, clustered=True),
     "expert_gate_up_split_fp8_tokens": Role(("x", "expert_ids", "gate", "up", "gate_scales", "up_scales", "x_scales",
                                              "activations", "m"), persistent=True, clustered=True),
+    # With the shared expert (the weights' last), down writes its rows apart; the gate/up roles
+    # take the same values (the shared pairs' activations are rows of theirs).
+    "expert_down_shared": Role(("expert_ids", "down", "activations", "out", "shared", "m"), persistent=True),
+    "expert_down_fp8_shared": Role(("expert_ids", "down", "down_scales", "activations", "out", "shared", "m"),
+                                   persistent=True),
 }
 
 EXPERTS_OPERANDS: tuple[Operand, ...] = (
     Operand("x", "arg", "tokens", "m", ("hidden",)),
     Operand("expert_ids", "arg", "s32", "m", ("top_k",)),
-    Operand("gate_up", "arg", "expert_weights", None, ("experts", "hidden", "gate_up_columns"), when="fused_gate_up"),
-    Operand("gate", "arg", "expert_weights", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
-    Operand("up", "arg", "expert_weights", None, ("experts", "hidden", "intermediate"), when="split_gate_up"),
-    Operand("down", "arg", "expert_weights", None, ("experts", "intermediate", "hidden")),
-    Operand("gate_up_scales", "arg", "f32", None, ("experts", "hidden_blocks", "gate_up_column_blocks"),
+    # The weight arrays hold the routed experts, then the shared expert where there is one.
+    Operand("gate_up", "arg", "expert_weights", None, ("weight_experts", "hidden", "gate_up_columns"),
+            when="fused_gate_up"),
+    Operand("gate", "arg", "expert_weights", None, ("weight_experts", "hidden", "intermediate"), when="split_gate_up"),
+    Operand("up", "arg", "expert_weights", None, ("weight_experts", "hidden", "intermediate"), when="split_gate_up"),
+    Operand("down", "arg", "expert_weights", None, ("weight_experts", "intermediate", "hidden")),
+    Operand("gate_up_scales", "arg", "f32", None, ("weight_experts", "hidden_blocks", "gate_up_column_blocks"),
             when="fused_gate_up_fp8"),
-    Operand("gate_scales", "arg", "f32", None, ("experts", "hidden_blocks", "intermediate_blocks"),
+    Operand("gate_scales", "arg", "f32", None, ("weight_experts", "hidden_blocks", "intermediate_blocks"),
             when="split_gate_up_fp8"),
-    Operand("up_scales", "arg", "f32", None, ("experts", "hidden_blocks", "intermediate_blocks"),
+    Operand("up_scales", "arg", "f32", None, ("weight_experts", "hidden_blocks", "intermediate_blocks"),
             when="split_gate_up_fp8"),
-    Operand("down_scales", "arg", "f32", None, ("experts", "intermediate_blocks", "hidden_blocks"),
+    Operand("down_scales", "arg", "f32", None, ("weight_experts", "intermediate_blocks", "hidden_blocks"),
             when="fp8_weights"),
     Operand("x_scales", "arg", "f32", "m", ("hidden_blocks",), when="fp8_tokens"),
     Operand("out", "ret", "bf16", "pairs", ("hidden",)),
-    # Scratch between the two kernels, which XLA allocates like any result.
-    Operand("activations", "ret", "bf16", "pairs", ("intermediate",)),
+    Operand("shared", "ret", "bf16", "m", ("hidden",), when="shared_expert"),
+    # Scratch between the two kernels, which XLA allocates like any result: a row per pair.
+    Operand("activations", "ret", "bf16", "m", ("token_pairs", "intermediate")),
 )
 
 
@@ -335,9 +344,10 @@ def _publish_roles(config) -> tuple[str, ...]:
 PUBLISH = Contract("publish", VALUES, ROLES, OPERANDS, TARGETS, call_roles=_publish_roles)
 def _experts_roles(config) -> tuple[str, ...]:
     gate_up, down = ("expert_gate_up" if config.fused_gate_up else "expert_gate_up_split", "expert_down")
+    shared = "_shared" if config.shared_expert else ""
     if config.fp8_tokens:
-        return f"{gate_up}_fp8_tokens", f"{down}_fp8"
-    return (f"{gate_up}_fp8", f"{down}_fp8") if config.fp8_weights else (gate_up, down)
+        return f"{gate_up}_fp8_tokens", f"{down}_fp8{shared}"
+    return (f"{gate_up}_fp8", f"{down}_fp8{shared}") if config.fp8_weights else (gate_up, f"{down}{shared}")
 
 
 EXPERTS = Contract("experts", EXPERTS_VALUES, EXPERTS_ROLES, EXPERTS_OPERANDS, {"none": "jax_moe_publish_experts"},

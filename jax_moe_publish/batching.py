@@ -94,11 +94,12 @@ def fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_
     return folded, unfold
 
 
-def folding_expert_batches(experts, max_pairs: int | None = None):
+def folding_expert_batches(experts, max_pairs: int | None = None, shared: bool = False):
     """The experts op's ``experts(x, expert_ids, gate, up, down)`` under ``jax.vmap``: one call
     whose tokens are the whole batch's, element b's after element b - 1's, so the kernels'
     FFI call (and ragged_dot) never sees a batch. The weights must be the same for the whole
-    batch; ``max_pairs`` bounds the call's pairs (the kernels')."""
+    batch; ``max_pairs`` bounds the call's pairs (the kernels'), a token's ``top_k`` and with
+    ``shared`` one more; each result's rows are per token (``[m * rows per token, ...]``)."""
 
     @jax.custom_batching.custom_vmap
     def call(x, expert_ids, gate, up, down):
@@ -114,9 +115,10 @@ def folding_expert_batches(experts, max_pairs: int | None = None):
                                  "experts op reads one set of weights; expected the same weights for the whole "
                                  "batch (in_axes=None for them)")
         m, top_k = expert_ids.shape[-2:]
-        if max_pairs is not None and batch * m * top_k > max_pairs:
+        pairs = top_k + int(shared)
+        if max_pairs is not None and batch * m * pairs > max_pairs:
             raise ValueError(f"jax.vmap over a batch of {batch}: one call takes the batch's pairs, {batch} x {m} x "
-                             f"{top_k} = {batch * m * top_k}, more than the kernels' {max_pairs}; expected a "
+                             f"{pairs} = {batch * m * pairs}, more than the kernels' {max_pairs}; expected a "
                              "smaller batch, or impl='reference'")
 
         def tokens(value, is_batched):  # [batch, m, ...] -> [batch * m, ...]
@@ -125,6 +127,7 @@ def folding_expert_batches(experts, max_pairs: int | None = None):
 
         # x may be a BlockScaled: its values and scales fold alike.
         out = call(jax.tree.map(tokens, x, batched[0]), tokens(expert_ids, batched[1]), gate, up, down)
-        return out.reshape(batch, m * top_k, out.shape[-1]), True
+        return jax.tree.map(lambda rows: rows.reshape(batch, -1, rows.shape[-1]), out), jax.tree.map(
+            lambda _: True, out)
 
     return call

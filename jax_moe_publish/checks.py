@@ -249,6 +249,11 @@ class ExpertsShape(NamedTuple):
     fp8_tokens: bool = False
     """With `fp8_weights`, x is a `BlockScaled` of 1 x `FP8_BLOCK` blocks (a scale per token
     and 128 channels): what the kernels with e4m3 tokens take."""
+    shared: bool = False
+    """The call computes a shared expert too (given, or held by the `PreparedExperts`)."""
+    prepared_shared: bool = False
+    """The `PreparedExperts` holds the shared expert after the routed ones (``experts`` does
+    not count it)."""
 
 
 def check_operand(name, a, ndim, shape=None) -> bool:
@@ -267,10 +272,11 @@ def check_operand(name, a, ndim, shape=None) -> bool:
     return True
 
 
-def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
+def check_expert_arrays(x, expert_ids, gate_up, down, shared=None) -> ExpertsShape:
     """The experts op's arrays: ``x`` bf16 [m, hidden], ``expert_ids`` int32 [m, top_k], and
     the weights (`check_expert_weights`), or a `PreparedExperts` as ``gate_up`` with ``down``
-    None; their `ExpertsShape`."""
+    None; ``shared`` None or the shared expert's weights (`check_expert_weights` of one
+    expert), which a `PreparedExperts` may hold instead. Their `ExpertsShape`."""
     scaled = check_operand("x", x, 2)
     m, hidden = x.shape
     check_array("expert_ids", expert_ids, 2, [jnp.int32])
@@ -280,12 +286,15 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
     top_k = expert_ids.shape[1]
     if top_k < 1:
         raise ValueError(f"expert_ids.shape={tuple(expert_ids.shape)}: expected at least one expert per token")
-    tiling = None
+    tiling, prepared_shared = None, False
     if isinstance(gate_up, PreparedExperts):
         if down is not None:
             raise ValueError("down: expected None with a PreparedExperts as gate_up (it holds down), got "
                              f"{type(down).__name__}")
-        tiling = gate_up.tiling
+        if gate_up.shared and shared is not None:
+            raise ValueError("shared: expected None with a PreparedExperts that holds the shared expert "
+                             "(prepare_experts(..., shared=...) put it after the routed experts)")
+        tiling, prepared_shared = gate_up.tiling, gate_up.shared
         gate_up, down = gate_up.gate_up, gate_up.down
         if isinstance(gate_up, BlockScaled) != isinstance(down, BlockScaled):
             scaled = "gate_up" if isinstance(gate_up, BlockScaled) else "down"
@@ -297,34 +306,53 @@ def check_expert_arrays(x, expert_ids, gate_up, down) -> ExpertsShape:
     experts, _, intermediate, fused, weights_scaled = check_expert_weights(gate_up, down, hidden=hidden,
                                                                           hidden_from=f"x.shape={tuple(x.shape)}")
     weights = [down, *(gate_up if isinstance(gate_up, (tuple, list)) else (gate_up,))]
+    if shared is not None:
+        check_shared_expert(shared, hidden=hidden, hidden_from=f"x.shape={tuple(x.shape)}")
     e4m3_weights = all(isinstance(w, BlockScaled) and w.block == (FP8_BLOCK, FP8_BLOCK) for w in weights)
     fp8_tokens = e4m3_weights and scaled and x.block == (1, FP8_BLOCK)
     fp8_weights = e4m3_weights and (not scaled or fp8_tokens)
-    return ExpertsShape(m, top_k, experts, hidden, intermediate, fused, scaled or weights_scaled, tiling, fp8_weights,
-                        fp8_tokens)
+    return ExpertsShape(m, top_k, experts - prepared_shared, hidden, intermediate, fused,
+                        scaled or weights_scaled, tiling, fp8_weights, fp8_tokens,
+                        shared is not None or prepared_shared, prepared_shared)
 
 
-def check_expert_weights(gate_up, down, *, hidden: int | None = None,
-                         hidden_from: str = "") -> tuple[int, int, int, bool, bool]:
+def check_expert_weights(gate_up, down, *, hidden: int | None = None, hidden_from: str = "",
+                         name: str = "", stacked: bool = True) -> tuple[int, int, int, bool, bool]:
     """The experts' weights: ``gate_up`` bf16 [experts, hidden, 2 * intermediate] or a pair
     ``(gate, up)`` of bf16 [experts, hidden, intermediate], ``down`` bf16 [experts,
     intermediate, hidden] (``hidden`` as given, from ``hidden_from``, else down's), where any
-    may instead be a `BlockScaled` FP8 array of that shape (`check_operand`). Returns
-    ``(experts, hidden, intermediate, fused, some BlockScaled)``."""
-    scaled = [check_operand("down", down, 3)]
-    experts, intermediate, down_hidden = down.shape
+    may instead be a `BlockScaled` FP8 array of that shape (`check_operand`). Not ``stacked``:
+    one expert's, without the experts axis (``experts`` is then 1). ``name`` prefixes the
+    arrays' names in errors. Returns ``(experts, hidden, intermediate, fused, some BlockScaled)``."""
+    lead = 1 if stacked else 0
+    axes = "experts, " if stacked else ""
+    scaled = [check_operand(f"{name}down", down, 2 + lead)]
+    experts = down.shape[0] if stacked else 1
+    intermediate, down_hidden = down.shape[lead:]
     hidden = down_hidden if hidden is None else hidden
     if down_hidden != hidden or experts < 1 or intermediate < 1:
-        raise ValueError(f"down.shape={tuple(down.shape)}: expected [experts, intermediate, hidden={hidden}] "
-                         f"(hidden of {hidden_from}), experts and intermediate >= 1")
+        raise ValueError(f"{name}down.shape={tuple(down.shape)}: expected [{axes}intermediate, hidden={hidden}] "
+                         f"(hidden of {hidden_from}), {axes}intermediate >= 1")
+    leading = (experts,) * lead
     if isinstance(gate_up, (tuple, list)):
         if len(gate_up) != 2:
-            raise ValueError(f"gate_up: a {type(gate_up).__name__} of {len(gate_up)} arrays, expected one array "
-                             "[experts, hidden, 2 * intermediate] or a pair (gate, up)")
-        for name, part in zip(("gate_up[0] (gate)", "gate_up[1] (up)"), gate_up):
-            scaled.append(check_operand(name, part, 3, shape=(experts, hidden, intermediate)))
+            raise ValueError(f"{name}gate_up: a {type(gate_up).__name__} of {len(gate_up)} arrays, expected one "
+                             f"array [{axes}hidden, 2 * intermediate] or a pair (gate, up)")
+        for part_name, part in zip((f"{name}gate_up[0] (gate)", f"{name}gate_up[1] (up)"), gate_up):
+            scaled.append(check_operand(part_name, part, 2 + lead, shape=(*leading, hidden, intermediate)))
         fused = False
     else:
-        scaled.append(check_operand("gate_up", gate_up, 3, shape=(experts, hidden, 2 * intermediate)))
+        scaled.append(check_operand(f"{name}gate_up", gate_up, 2 + lead, shape=(*leading, hidden, 2 * intermediate)))
         fused = True
     return experts, hidden, intermediate, fused, any(scaled)
+
+
+def check_shared_expert(shared, *, hidden: int | None = None,
+                        hidden_from: str = "") -> tuple[int, int, int, bool, bool]:
+    """The shared expert's weights ``shared = (gate_up, down)``: one expert's
+    (`check_expert_weights` without the experts axis), named ``shared.*`` in errors."""
+    if not isinstance(shared, (tuple, list)) or len(shared) != 2:
+        raise ValueError(f"shared: expected a pair (gate_up, down) of the shared expert's weights, gate_up "
+                         f"[hidden, 2 * intermediate] or (gate, up) and down [intermediate, hidden], got "
+                         f"{type(shared).__name__}")
+    return check_expert_weights(*shared, hidden=hidden, hidden_from=hidden_from, name="shared.", stacked=False)

@@ -21,8 +21,8 @@ from jax_moe_publish.experts_layout import PreparedExperts, Tiling
 IMPLS = ("auto", "kernel", "gather", "reference")
 
 
-def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | None = None, *, impl: str = "auto",
-                config: ExpertsConfig | None = None) -> jax.Array:
+def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | None = None, *, shared=None,
+                impl: str = "auto", config: ExpertsConfig | None = None):
     """The routed experts of one rank's shard at decode: every pair of a token and one of its
     ``top_k`` experts through that expert's SwiGLU MLP.
 
@@ -64,6 +64,13 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         (`prepare_experts`), with ``down`` left out: the kernels read it in whole blocks.
     down : bf16 [experts, intermediate, hidden]
         Down projections (MaxText's ``wo``).
+    shared : a pair ``(gate_up, down)``, optional
+        The shared expert, which every token uses: ``gate_up`` bf16 [hidden, 2 * I_shared] or
+        ``(gate, up)`` of [hidden, I_shared], ``down`` [I_shared, hidden] (this rank's slices,
+        like the routed experts'). Its rows come out as a second result through XLA's GEMMs
+        (`reference.shared_expert`). The kernels compute it as one more expert, beside the
+        routed ones in one pass over the weights, where `prepare_experts` holds it
+        (``prepare_experts(gate_up, down, shared=...)``; then leave this None).
 
         Each of ``x`` and the weights may instead be a `BlockScaled` FP8 array of its shape
         (e4m3 values, a float32 scale per block: DeepSeek-V3's weights with their 128 x 128
@@ -93,9 +100,11 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
 
     Returns
     -------
-    bf16 [m * top_k, hidden]: pair ``t * top_k + k`` in row ``t * top_k + k``.
+    bf16 [m * top_k, hidden]: pair ``t * top_k + k`` in row ``t * top_k + k``. With a shared
+    expert (``shared``, or held by the `PreparedExperts`), a pair ``(rows, shared_rows)``,
+    ``shared_rows`` bf16 [m, hidden]: `moe_finalize_publish`'s ``shared``.
     """
-    shape = checks.check_expert_arrays(x, expert_ids, gate_up, down)
+    shape = checks.check_expert_arrays(x, expert_ids, gate_up, down, shared)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     if config is not None:
@@ -123,13 +132,13 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     else:
         gate, up = (gate_up, None) if shape.fused else gate_up
     # The pure routes on the weights' rows: tiled weights are put back in them first.
-    pure = {name: _untiling(route_fn, shape.tiling) for name, route_fn in (("reference", _reference),
-                                                                           ("gather", _gather))}
+    pure = {name: _untiling(route_fn, shape.tiling, shape.prepared_shared)
+            for name, route_fn in (("reference", _reference), ("gather", _gather))}
     if route == "kernel":
         set_id = _launch.load(config or _default_config(shape), gpus)
 
         def kernels(x, expert_ids, gate, up, down):
-            return _call_kernels(set_id, x, expert_ids, gate, up, down)
+            return _call_kernels(set_id, x, expert_ids, gate, up, down, shape.prepared_shared)
 
         experts = _on_cuda(kernels, pure["reference"])
     elif route == "gather" and impl == "auto":
@@ -138,17 +147,25 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         experts = pure[route]
     # A batch is one call on every path: the kernels' FFI call and ragged_dot have no vmap rule
     # for a batched lhs, and the gather route reads each active expert once for the whole batch.
-    experts = batching.folding_expert_batches(experts, max_pairs=MAX_PAIRS if route == "kernel" else None)
-    return _differentiable(experts, pure["reference"])(x, expert_ids, gate, up, down)
+    experts = batching.folding_expert_batches(experts, max_pairs=MAX_PAIRS if route == "kernel" else None,
+                                              shared=shape.prepared_shared)
+    rows = _differentiable(experts, pure["reference"])(x, expert_ids, gate, up, down)
+    if shared is None:
+        return rows
+    # Given apart from the routed experts' arrays: XLA's GEMMs, which batch and differentiate.
+    return rows, reference.shared_expert(x, *shared)
 
 
-def prepare_experts(gate_up, down, *, config: ExpertsConfig | None = None) -> PreparedExperts:
+def prepare_experts(gate_up, down, *, shared=None, config: ExpertsConfig | None = None) -> PreparedExperts:
     """One rank's expert weights in the kernels' tiled order, for `moe_experts`.
 
     ``gate_up`` and ``down`` are `moe_experts`'s weights (fused ``[experts, hidden, 2 *
     intermediate]`` or the pair ``(gate, up)``; ``[experts, intermediate, hidden]``): all bf16,
     or all e4m3 `BlockScaled` of 128 x 128 blocks (the kernels' FP8 weights: their values are
-    tiled, their scales kept). ``config``: the launch shapes the order is made for (`Tiling`:
+    tiled, their scales kept). ``shared``: the shared expert's ``(gate_up, down)`` as
+    `moe_experts` takes it, of the same kind and intermediate as the routed experts': held
+    after them, so that the kernels compute it with them and `moe_experts` returns its rows
+    too. ``config``: the launch shapes the order is made for (`Tiling`:
     each kernel's ``warps_n`` and ``warp_cols``); by default `ExpertsConfig.for_shape`'s, which
     `moe_experts` then uses. A permutation of the bytes within each expert, exact;
     `PreparedExperts.untiled` undoes it. Pure JAX: run it once (under ``jit``, or inside
@@ -156,22 +173,37 @@ def prepare_experts(gate_up, down, *, config: ExpertsConfig | None = None) -> Pr
     """
     experts, hidden, intermediate, fused, scaled = checks.check_expert_weights(gate_up, down, hidden_from="down")
     weights = [down, *(gate_up if not fused else (gate_up,))]
+    if shared is not None:
+        _, _, shared_intermediate, _, shared_scaled = checks.check_shared_expert(
+            shared, hidden=hidden, hidden_from=f"down.shape={tuple(down.shape)}")
+        if shared_intermediate != intermediate:
+            raise ValueError(f"shared: intermediate {shared_intermediate}, expected the routed experts' {intermediate} "
+                             "(the kernels run the shared expert as one more expert); pass it to moe_experts as "
+                             "shared= instead, where XLA computes it")
+        scaled = scaled or shared_scaled
+        weights += jax.tree.leaves(shared, is_leaf=lambda w: isinstance(w, BlockScaled))
     if scaled and not all(isinstance(w, BlockScaled) and w.block == (FP8_BLOCK, FP8_BLOCK) for w in weights):
         blocks = [w.block if isinstance(w, BlockScaled) else "bf16" for w in weights]
-        raise ValueError(f"prepare_experts: weights of blocks {blocks} (down first); expected every weight bf16, "
-                         f"or every weight a BlockScaled of {FP8_BLOCK} x {FP8_BLOCK} blocks (the kernels' FP8)")
+        raise ValueError(f"prepare_experts: weights of blocks {blocks} (down first, the shared expert's last); "
+                         f"expected every weight bf16, or every weight a BlockScaled of {FP8_BLOCK} x {FP8_BLOCK} "
+                         "blocks (the kernels' FP8)")
     if config is None:
         config = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=1)
     else:
         _check_config(config, dict(hidden=hidden, intermediate=intermediate, experts=experts), "the arrays' shape")
-    if fused:
-        fused_gate_up = gate_up
-    elif scaled:
-        fused_gate_up = BlockScaled(jnp.concatenate([w.values for w in gate_up], axis=-1),
-                                    jnp.concatenate([w.scales for w in gate_up], axis=-1))
-    else:
-        fused_gate_up = jnp.concatenate(gate_up, axis=-1)
-    return experts_layout.tile(fused_gate_up, down, Tiling.of(config))
+    fused_gate_up = _fused(gate_up)
+    if shared is not None:
+        # The shared expert after the routed ones, as one more of them.
+        fused_gate_up, down = jax.tree.map(lambda routed, one: jnp.concatenate([routed, one[None]]),
+                                           (fused_gate_up, down), (_fused(shared[0]), shared[1]))
+    return experts_layout.tile(fused_gate_up, down, Tiling.of(config), shared=shared is not None)
+
+
+def _fused(gate_up):
+    """Gate and up as one array, gate columns first (values and scales alike)."""
+    if not isinstance(gate_up, (tuple, list)):
+        return gate_up
+    return jax.tree.map(lambda gate, up: jnp.concatenate([gate, up], axis=-1), *gate_up)
 
 
 def _gate_up(gate, up):
@@ -187,15 +219,21 @@ def _gather(x, expert_ids, gate, up, down):
     return experts_gather.moe_experts(x, expert_ids, _gate_up(gate, up), down)
 
 
-def _untiling(route, tiling: Tiling | None):
+def _untiling(route, tiling: Tiling | None, shared: bool = False):
     """``route`` on weights in the tiled order of ``tiling`` (the fused gate_up, down): their
-    rows put back first. ``route`` itself where ``tiling`` is None."""
+    rows put back first; ``shared``: their last expert is the shared one, and the result the
+    pair of the routed rows and its rows. ``route`` itself where ``tiling`` is None."""
     if tiling is None:
         return route
 
     def untiled(x, expert_ids, gate_up, up, down):
-        gate_up, down = PreparedExperts(gate_up, down, tiling).untiled()
-        return route(x, expert_ids, gate_up, None, down)
+        weights = PreparedExperts(gate_up, down, tiling).untiled()
+        if not shared:
+            return route(x, expert_ids, weights[0], None, weights[1])
+        routed_gate_up, routed_down = jax.tree.map(lambda w: w[:-1], weights)
+        shared_gate_up, shared_down = jax.tree.map(lambda w: w[-1], weights)
+        return (route(x, expert_ids, routed_gate_up, None, routed_down),
+                reference.shared_expert(x, shared_gate_up, shared_down))
 
     return untiled
 
@@ -225,9 +263,11 @@ def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = N
         return ("the kernels take bf16 x and weights, or every weight a BlockScaled of 128 x 128 blocks (e4m3 "
                 "weights) with x bf16 or a BlockScaled of 1 x 128 blocks (e4m3 tokens); this call's BlockScaled "
                 "operands are otherwise")
-    if shape.m * shape.top_k > MAX_PAIRS:
-        return (f"m * top_k = {shape.m} x {shape.top_k} = {shape.m * shape.top_k} pairs, more than the kernels' "
-                f"{MAX_PAIRS}")
+    pairs_per_token = shape.top_k + int(shape.prepared_shared)
+    if shape.m * pairs_per_token > MAX_PAIRS:
+        what = "(top_k + 1, the shared expert's)" if shape.prepared_shared else "top_k"
+        return (f"m * {what} = {shape.m} x {pairs_per_token} = {shape.m * pairs_per_token} pairs, more than the "
+                f"kernels' {MAX_PAIRS}")
     if config is None:
         try:
             _default_config(shape)
@@ -241,7 +281,7 @@ def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
     weights where they are."""
     config = ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
                                      top_k=shape.top_k, fused_gate_up=shape.fused, fp8_weights=shape.fp8_weights,
-                                     fp8_tokens=shape.fp8_tokens)
+                                     fp8_tokens=shape.fp8_tokens, shared_expert=shape.prepared_shared)
     return config if shape.tiling is None else shape.tiling.config_for(config)
 
 
@@ -249,7 +289,7 @@ def _call_fields(shape: checks.ExpertsShape) -> dict:
     """The `ExpertsConfig` fields that a call of ``shape`` fixes."""
     call = dict(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts, top_k=shape.top_k,
                 fused_gate_up=shape.fused, tiled_weights=shape.tiling is not None, fp8_weights=shape.fp8_weights,
-                fp8_tokens=shape.fp8_tokens)
+                fp8_tokens=shape.fp8_tokens, shared_expert=shape.prepared_shared)
     if shape.tiling is not None:
         call.update(dataclasses.asdict(shape.tiling))
     return call
@@ -265,11 +305,15 @@ def _check_config(config, call: dict, expected: str) -> None:
         raise ValueError(f"config: {listed}; expected a config of {expected}")
 
 
-def _call_kernels(set_id, x, expert_ids, gate, up, down):
+def _call_kernels(set_id, x, expert_ids, gate, up, down, shared: bool = False):
     """The FFI call of a loaded experts kernel set: the operands of its call record, the
-    activations a scratch result that is dropped."""
-    out_type = jax.eval_shape(lambda: _reference(x, expert_ids, gate, up, down))
-    activations_type = out_type.update(shape=(out_type.shape[0], down.shape[1]))
+    activations a scratch result that is dropped. ``shared``: the weights' last expert is the
+    shared one, and the result ``(rows, shared_rows)``."""
+    m, top_k = expert_ids.shape
+    # The reference's result type: its varying manual axes too, under shard_map.
+    rows_type = jax.eval_shape(lambda: _reference(x, expert_ids, gate, up, down))
+    shared_type = [rows_type.update(shape=(m, down.shape[-1]))] if shared else []
+    activations_type = rows_type.update(shape=(m, top_k + int(shared), down.shape[1]))
     weights = [gate, down] if up is None else [gate, up, down]
     if isinstance(down, BlockScaled):
         # e4m3 weights: their values, then their scales (`_abi.EXPERTS_OPERANDS`' order).
@@ -277,9 +321,9 @@ def _call_kernels(set_id, x, expert_ids, gate, up, down):
     # e4m3 tokens: their values first, their scales last.
     tokens, token_scales = (x.values, [x.scales]) if isinstance(x, BlockScaled) else (x, [])
     # Pure: no state outside XLA, so XLA may merge, hoist or drop calls like any computation.
-    out, _ = _launch.ffi_call(set_id, (out_type, activations_type), [tokens, expert_ids, *weights, *token_scales],
-                              side_effects=False)
-    return out
+    *results, _ = _launch.ffi_call(set_id, (rows_type, *shared_type, activations_type),
+                                   [tokens, expert_ids, *weights, *token_scales], side_effects=False)
+    return tuple(results) if shared else results[0]
 
 
 def _differentiable(experts, reference_route):

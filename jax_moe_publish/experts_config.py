@@ -35,8 +35,8 @@ WARP_COLS = (32, 64)
 MAX_EXPERTS = 1024
 MAX_TOP_K = 64
 MAX_PAIRS = 8192
-"""Token-expert pairs (``m * top_k``) of one call: each CTA keeps their expert order in shared
-memory (4 bytes each)."""
+"""Token-expert pairs (``m * top_k``, and ``m`` more with the shared expert) of one call: each
+CTA keeps their expert order in shared memory (4 bytes each)."""
 MAX_THREADS = 1024
 SPLIT_K = (1, 2, 4, 8, 16)
 """CTAs of one cluster that split a gate/up work item's K (16: beyond the portable cluster
@@ -48,7 +48,7 @@ _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gat
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
 _BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "tiled_weights", "fp8_weights",
-                "fp8_tokens", "enable_pdl")
+                "fp8_tokens", "shared_expert", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -199,10 +199,11 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def routing_bytes(experts: int) -> int:
-    """Shared memory of a CTA's routing tables (`kernels.expert_routing`): four int32 per expert,
-    four totals, and the pairs in expert order, each array 16-byte aligned."""
-    return 4 * _aligned(4 * experts) + _aligned(4 * 4) + _aligned(4 * MAX_PAIRS)
+def routing_bytes(groups: int) -> int:
+    """Shared memory of a CTA's routing tables (`kernels.expert_routing`): four int32 per group
+    (expert, and the shared expert), four totals, and the pairs in group order, each array
+    16-byte aligned."""
+    return 4 * _aligned(4 * groups) + _aligned(4 * 4) + _aligned(4 * MAX_PAIRS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +254,11 @@ class ExpertsConfig:
         `FP8_BLOCK` channels (`BlockScaled` of ``(1, FP8_BLOCK)`` blocks: the epilogue's FP8
         out), widened to bf16 exactly; each K step's sums of a token are added times its
         weight block's scale and its own.
+    shared_expert : bool
+        The weight arrays hold one more expert after the routed ones, the shared expert, which
+        every token uses: its rows are a second result, ``shared`` ``[m, hidden]``. The
+        kernels treat it as one more group of ``m`` pairs (`pairs_per_token`), scheduled
+        before the routed experts.
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
@@ -280,6 +286,7 @@ class ExpertsConfig:
     tiled_weights: bool = False
     fp8_weights: bool = False
     fp8_tokens: bool = False
+    shared_expert: bool = False
     enable_pdl: bool = True
     arch: str = "sm_90a"
 
@@ -347,7 +354,7 @@ class ExpertsConfig:
     def shared_bytes(self, role: str) -> int:
         """Dynamic shared memory of the ``gate_up`` or ``down`` kernel."""
         shape = self.gemm(role)
-        return routing_bytes(self.experts) + shape.reduction_bytes() + shape.partial_bytes() + shape.ring_bytes()
+        return routing_bytes(self.groups) + shape.reduction_bytes() + shape.partial_bytes() + shape.ring_bytes()
 
     def operand_rows(self) -> dict:
         """No rows rule of `_abi.EXPERTS_OPERANDS` depends on the config."""
@@ -360,23 +367,38 @@ class ExpertsConfig:
                 "tokens": "e4m3" if self.fp8_tokens else "bf16"}
 
     def dimensions(self) -> dict:
-        """The sizes `_abi.EXPERTS_OPERANDS` names (the ``*_blocks``: of FP8 scale blocks)."""
-        return {"hidden": self.hidden, "top_k": self.top_k, "experts": self.experts,
-                "intermediate": self.intermediate, "gate_up_columns": 2 * self.intermediate,
+        """The sizes `_abi.EXPERTS_OPERANDS` names (``weight_experts``: the experts the weight
+        arrays hold; ``token_pairs``: a token's pairs; the ``*_blocks``: of FP8 scale blocks)."""
+        return {"hidden": self.hidden, "top_k": self.top_k, "weight_experts": self.groups,
+                "token_pairs": self.pairs_per_token, "intermediate": self.intermediate,
+                "gate_up_columns": 2 * self.intermediate,
                 "hidden_blocks": self.hidden // FP8_BLOCK, "intermediate_blocks": self.intermediate // FP8_BLOCK,
                 "gate_up_column_blocks": 2 * self.intermediate // FP8_BLOCK}
 
     def conditions(self) -> set:
         """The ``when`` words of the operands this config's calls take: the gate and up layout,
-        with ``fp8_weights`` the scales of each weight array, with ``fp8_tokens`` the tokens'."""
+        with ``fp8_weights`` the scales of each weight array, with ``fp8_tokens`` the tokens',
+        with ``shared_expert`` its rows."""
         layout = "fused_gate_up" if self.fused_gate_up else "split_gate_up"
         words = {layout, f"{layout}_fp8", "fp8_weights"} if self.fp8_weights else {layout}
-        return words | {"fp8_tokens"} if self.fp8_tokens else words
+        flags = {word for word in ("fp8_tokens", "shared_expert") if getattr(self, word)}
+        return words | flags
+
+    @property
+    def groups(self) -> int:
+        """The experts the weight arrays hold: the routed ones, then the shared expert."""
+        return self.experts + int(self.shared_expert)
+
+    @property
+    def pairs_per_token(self) -> int:
+        """A token's pairs in the kernels: its ``top_k`` routed ones, then its shared expert's.
+        Pair ``p = t * pairs_per_token + k`` is token ``t``'s ``k``-th."""
+        return self.top_k + int(self.shared_expert)
 
     @property
     def max_m(self) -> int:
-        """The most tokens of a call: ``m * top_k <= MAX_PAIRS``."""
-        return MAX_PAIRS // self.top_k
+        """The most tokens of a call: ``m * pairs_per_token <= MAX_PAIRS``."""
+        return MAX_PAIRS // self.pairs_per_token
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -394,7 +416,8 @@ class ExpertsConfig:
         defaults, so that the keys from before them still name the same cubins)."""
         fields = self.to_dict()
         for name, default in (("gate_up_split_k", 1), ("gate_up_async_loads", False), ("down_async_loads", False),
-                              ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False)):
+                              ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False),
+                              ("shared_expert", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))
@@ -405,7 +428,8 @@ class ExpertsConfig:
 
     @classmethod
     def for_shape(cls, *, hidden: int, intermediate: int, experts: int, top_k: int, fused_gate_up: bool = True,
-                  fp8_weights: bool = False, fp8_tokens: bool = False, arch: str = "sm_90a") -> "ExpertsConfig":
+                  fp8_weights: bool = False, fp8_tokens: bool = False, shared_expert: bool = False,
+                  arch: str = "sm_90a") -> "ExpertsConfig":
         """The launch shapes for one shard shape, before any measurement: both kernels with 8 warps
         (2 CTAs of 256 threads fit an SM), work items sized so that 8 active experts (one token at
         top-8) give about as many items as an H200's 132 SMs hold CTAs, and the most K steps in
@@ -442,4 +466,4 @@ class ExpertsConfig:
                    gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, gate_up_steps),
                    down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
                    down_unroll=unroll(intermediate, down_warps_k, 4), fp8_weights=fp8_weights,
-                   fp8_tokens=fp8_tokens, arch=arch)
+                   fp8_tokens=fp8_tokens, shared_expert=shared_expert, arch=arch)

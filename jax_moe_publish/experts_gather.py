@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe_publish import checks
-from jax_moe_publish.reference import as_float32, gemm_operands
+from jax_moe_publish.reference import gemm_operands, swiglu
 
 GATHER_TRAFFIC = 3
 """Bytes the gather moves per byte of an active expert's weights: its read and its write of the
@@ -68,7 +68,7 @@ def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, d
 
     projected = [gemm("mh,shj->smj", x, w) for w in projections]  # [slots, m, columns] each
     gate, up = jnp.split(projected[0], 2, axis=-1) if shape.fused else projected
-    h = (jax.nn.silu(as_float32(gate)) * as_float32(up)).astype(jnp.bfloat16)
+    h = swiglu(gate, up)
     y = gemm("smi,sih->smh", h, down)
     token = jnp.arange(flat.shape[0]) // shape.top_k
     skipped = ~valid[:, None]

@@ -50,24 +50,28 @@ class PreparedExperts:
     through ``jit`` and ``shard_map``. A rank prepares its own slices (`prepare_experts` inside
     ``shard_map``): the arrays' specs over I (gate_up's last axis, down's middle one), as a
     `PreparedExperts` of two specs with the rank's `tiling`, then keep each rank's tiled block
-    whole."""
+    whole. With `shared` the arrays hold one more expert after the routed ones: the shared
+    expert, which every token uses."""
 
     gate_up: jax.Array
     down: jax.Array
     tiling: Tiling = dataclasses.field(metadata=dict(static=True))
+    shared: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def untiled(self) -> tuple:
-        """``(gate_up, down)`` in their rows again: the fused gate_up, and down."""
+        """``(gate_up, down)`` in their rows again: the fused gate_up, and down (with `shared`,
+        the shared expert last)."""
         gate_up = _untile(self.gate_up, self.tiling.gate_up_warps_n, self.tiling.gate_up_warp_cols, gated=True)
         down = _untile(self.down, self.tiling.down_warps_n, self.tiling.down_warp_cols, gated=False)
         return gate_up, down
 
 
-def tile(gate_up, down, tiling: Tiling) -> PreparedExperts:
+def tile(gate_up, down, tiling: Tiling, *, shared: bool = False) -> PreparedExperts:
     """The fused ``gate_up`` and ``down`` (checked arrays, JAX's or NumPy's: bf16, or
-    `BlockScaled` whose values are tiled) in the tiled order of ``tiling``."""
+    `BlockScaled` whose values are tiled) in the tiled order of ``tiling``; ``shared``: their
+    last expert is the shared one."""
     return PreparedExperts(_tile(gate_up, tiling.gate_up_warps_n, tiling.gate_up_warp_cols, gated=True),
-                           _tile(down, tiling.down_warps_n, tiling.down_warp_cols, gated=False), tiling)
+                           _tile(down, tiling.down_warps_n, tiling.down_warp_cols, gated=False), tiling, shared)
 
 
 def _split_axes(shape: tuple, warps_n: int, warp_cols: int, gated: bool) -> tuple[tuple, tuple]:

@@ -360,6 +360,37 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array) -
     return moe_experts_with_activations(x, expert_ids, gate_up, down)[0]
 
 
+def shared_expert(x: jax.Array, gate_up, down: jax.Array) -> jax.Array:
+    """The shared expert, which every token uses, with `moe_experts`'s rounding points::
+
+        gate = bf16( x[t] @ W_gate )        up = bf16( x[t] @ W_up )
+        y[t] = bf16( bf16(silu(gate) * up) @ W_down )
+
+    ``x`` bf16 [m, hidden] (or a `BlockScaled`); ``gate_up`` bf16 [hidden, 2 * intermediate]
+    (gate columns, then up) or a pair ``(gate, up)`` of [hidden, intermediate]; ``down`` bf16
+    [intermediate, hidden]; any weight may be a `BlockScaled` of its shape (float32 GEMMs of
+    the dequantized blocks, `gemm_operands`). Returns bf16 [m, hidden]: the ``shared`` operand
+    of `moe_finalize`.
+    """
+    checks.check_operand("x", x, 2)
+    checks.check_shared_expert((gate_up, down), hidden=x.shape[1], hidden_from=f"x.shape={tuple(x.shape)}")
+
+    def project(a, w):
+        a, w, precision = gemm_operands(a, w)
+        return jnp.dot(a, w, precision=precision, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    if isinstance(gate_up, (tuple, list)):
+        gate, up = project(x, gate_up[0]), project(x, gate_up[1])
+    else:
+        gate, up = jnp.split(project(x, gate_up), 2, axis=-1)
+    return project(swiglu(gate, up), down)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``bf16(silu(gate) * up)`` of the bf16 gate and up sums, in float32."""
+    return (jax.nn.silu(as_float32(gate)) * as_float32(up)).astype(jnp.bfloat16)
+
+
 def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array):
     """`moe_experts` and its activations ``h``: ``(y, h)``, h bf16 [m * top_k, intermediate] in
     pair order (the kernels' intermediate between their two GEMMs), zero for a skipped pair."""
@@ -382,8 +413,7 @@ def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, d
     else:
         gate, up = project(rows, gate_up[0]), project(rows, gate_up[1])
     skipped = ~valid[order][:, None]
-    h = jnp.where(skipped, jnp.zeros((), jnp.bfloat16),
-                  (jax.nn.silu(as_float32(gate)) * as_float32(up)).astype(jnp.bfloat16))
+    h = jnp.where(skipped, jnp.zeros((), jnp.bfloat16), swiglu(gate, up))
     y = jnp.where(skipped, jnp.zeros((), jnp.bfloat16), project(h, down))
 
     def unsort(sorted_rows):

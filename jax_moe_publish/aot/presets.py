@@ -3,8 +3,9 @@
 A model's preset holds what its calls can get: the tuning table's `KernelConfig` for every tp,
 algorithm and m range, with both router weight dtypes, and with the epilogue where the
 model runs it fused, its out bf16 or FP8 (`fp8_twins`); and the `ExpertsConfig` of its experts'
-shard at every tp, with gate and up fused, split, and prepared (`jmp.prepare_experts`'s tiled order),
-bf16, and where the shard holds whole 128 x 128 blocks e4m3 weights with bf16 or e4m3 tokens.
+shard at every tp, with gate and up fused, split, and prepared (`jmp.prepare_experts`'s tiled order;
+with the model's shared expert, prepared with them too), bf16, and where the shard holds whole
+128 x 128 blocks e4m3 weights with bf16 or e4m3 tokens.
 """
 
 from __future__ import annotations
@@ -19,19 +20,19 @@ TP_SIZES = (1, 2, 4, 8)
 DEEPSEEK_V3 = tuning.Problem(hidden=7168, top_k=8, routed_scaling_factor=2.5, include_shared_expert=True)
 QWEN3_MOE = tuning.Problem(hidden=4096, top_k=8, routed_scaling_factor=1.0, include_shared_expert=False)
 
-DEEPSEEK_V3_EXPERTS = ((7168, 2048, 256, 8),)
-QWEN3_MOE_EXPERTS = ((4096, 1536, 128, 8), (2048, 768, 128, 8))
-"""(hidden, intermediate, experts, top_k) of the models' routed experts: DeepSeek-V3; Qwen3-235B-A22B
-and Qwen3-30B-A3B."""
+DEEPSEEK_V3_EXPERTS = ((7168, 2048, 256, 8, True),)
+QWEN3_MOE_EXPERTS = ((4096, 1536, 128, 8, False), (2048, 768, 128, 8, False))
+"""(hidden, intermediate, experts, top_k, a shared expert of the same intermediate) of the models'
+routed experts: DeepSeek-V3; Qwen3-235B-A22B and Qwen3-30B-A3B."""
 
 
 def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
     """The experts op's config for each of ``shapes`` sharded at every TP size (intermediate / tp
     columns per rank): gate and up fused, split, and in the tiled order of prepared weights; the
     same with e4m3 weights, and with e4m3 weights and tokens, where the shard holds whole
-    128 x 128 blocks."""
+    128 x 128 blocks; with a shared expert, the tiled order with it too."""
     configs = []
-    for hidden, intermediate, count, top_k in shapes:
+    for hidden, intermediate, count, top_k, shared in shapes:
         for tp in TP_SIZES:
             whole_blocks = hidden % FP8_BLOCK == 0 and intermediate // tp % FP8_BLOCK == 0
             # (fp8_weights, fp8_tokens): bf16; e4m3 weights with bf16 or e4m3 tokens.
@@ -41,6 +42,8 @@ def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
                                                         fp8_tokens=fp8[1], arch=arch)
                                 for fused in (True, False))
                 configs += [fused, split, fused.replace(tiled_weights=True)]
+                if shared:
+                    configs.append(fused.replace(tiled_weights=True, shared_expert=True))
     return configs
 
 

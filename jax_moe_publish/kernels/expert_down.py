@@ -4,7 +4,9 @@ For every token-expert pair ``p = t * top_k + k`` whose id ``e`` is a valid expe
 
     out[p] = bf16( activations[p] @ W_down[e] )          (float32 sums)
 
-and ``out[p] = 0`` for a pair whose id lies outside ``[0, experts)``. The grid is persistent;
+and ``out[p] = 0`` for a pair whose id lies outside ``[0, experts)``. With ``shared_expert``
+(roles ``..._shared``) each token's last pair (`ExpertRouting`) is its shared expert's, whose
+row goes to ``shared[t]``. The grid is persistent;
 every CTA builds the routing tables (`ExpertRouting`) once the gate/up kernel has finished
 (the activations are its), then takes the work items ``b, b + grid, ...`` (item
 ``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert), and the grid's
@@ -49,6 +51,31 @@ class ExpertDownKernel:
         self._down(expert_ids, down, None, activations, out, m)
 
     @cute.kernel
+    def expert_down_shared(
+        self,
+        expert_ids: Int64,  # (m, top_k) int32
+        down: Int64,  # (experts + 1, intermediate, hidden) bf16, the shared expert last
+        activations: Int64,  # (m, top_k + 1, intermediate) bf16, the gate/up kernel's
+        out: Int64,  # (m * top_k, hidden) bf16
+        shared: Int64,  # (m, hidden) bf16
+        m: Int32,
+    ) -> None:
+        self._down(expert_ids, down, None, activations, out, m, shared)
+
+    @cute.kernel
+    def expert_down_fp8_shared(
+        self,
+        expert_ids: Int64,  # (m, top_k) int32
+        down: Int64,  # (experts + 1, intermediate, hidden) e4m3, the shared expert last
+        down_scales: Int64,  # (experts + 1, intermediate / 128, hidden / 128) float32
+        activations: Int64,  # (m, top_k + 1, intermediate) bf16, the gate/up kernel's
+        out: Int64,  # (m * top_k, hidden) bf16
+        shared: Int64,  # (m, hidden) bf16
+        m: Int32,
+    ) -> None:
+        self._down(expert_ids, down, down_scales, activations, out, m, shared)
+
+    @cute.kernel
     def expert_down_fp8(
         self,
         expert_ids: Int64,  # (m, top_k) int32
@@ -61,8 +88,9 @@ class ExpertDownKernel:
         self._down(expert_ids, down, down_scales, activations, out, m)
 
     @cute.jit
-    def _down(self, expert_ids, down, down_scales, activations, out, m) -> None:
-        """The kernel; ``down_scales``: e4m3 weights' scales, else None."""
+    def _down(self, expert_ids, down, down_scales, activations, out, m, shared=None) -> None:
+        """The kernel; ``down_scales``: e4m3 weights' scales, else None; ``shared``: the shared
+        expert's rows, else None."""
         cfg, s = self.config, self.shape
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
@@ -107,11 +135,22 @@ class ExpertDownKernel:
                                 slot = first + j * MMA_TOKENS + 2 * q + token
                                 if slot < count:
                                     word = ptx.f32x2_to_bf16x2(rAcc[i, j, token], rAcc[i, j, token + 2])
-                                    row = out + Int64(sPairs[start + slot]) * out_row_bytes
+                                    row = self._row(sPairs[start + slot], out, shared, out_row_bytes)
                                     ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)
         self._zero_skipped(out, expert_ids, m, warp, lane, block, grid)
         if cutlass.const_expr(cfg.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
+
+    def _row(self, pair, out, shared, row_bytes: int):
+        """The address of ``pair``'s row: ``out``'s row ``pair``; with the shared expert, the
+        routed pair ``(t, k)``'s ``t * top_k + k`` and the shared one's ``shared[t]``."""
+        if shared is None:
+            return out + Int64(pair) * row_bytes
+        cfg = self.config
+        token = pair // cfg.pairs_per_token
+        k = pair - token * cfg.pairs_per_token
+        return cutlass.select_(k == cfg.top_k, shared + Int64(token) * row_bytes,
+                               out + Int64(token * cfg.top_k + k) * row_bytes)
 
     @cute.jit
     def _zero_skipped(self, out, expert_ids, m, warp, lane, block, grid) -> None:

@@ -18,7 +18,9 @@ weight rows are read in whole spans of its columns by one CTA. With ``tiled_weig
 and up weights are one array in the tiled order (`GemmShape.tiled_offset`); with ``fp8_weights``
 they are e4m3 with a float32 scale per 128 x 128 block (roles ``expert_gate_up_fp8`` and
 ``expert_gate_up_split_fp8``), and with ``fp8_tokens`` so are the tokens, with a float32 scale
-per token and 128 channels (the roles ``..._fp8_tokens``).
+per token and 128 channels (the roles ``..._fp8_tokens``). With ``shared_expert`` the weights'
+last expert is the shared one and each token's last pair its (`ExpertRouting`): pair ``p`` is
+token ``p // (top_k + 1)``'s, and ``activations`` holds ``top_k + 1`` rows per token.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ class ExpertGateUpKernel:
                                           lane_column, k_begin, w_n, lane, q, expert_scales, scale_row_bytes)
             for first in cutlass.range(0, count, s.tokens_per_pass):
                 tokens = self.tiles.tokens(sPairs, start, count, first, lane, x + k_begin * token_bytes,
-                                           cfg.hidden * token_bytes, cfg.top_k, token_scales,
+                                           cfg.hidden * token_bytes, cfg.pairs_per_token, token_scales,
                                            cfg.hidden // FP8_BLOCK * SCALE_BYTES)
                 self.tiles.accumulate(rAcc, walk, tokens, w_k, lane, False, sRing, warp)
                 self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)

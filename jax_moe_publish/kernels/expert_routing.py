@@ -7,6 +7,10 @@ its expert's segment of ``pairs``; the pairs whose id lies outside ``[0, experts
 place. No CTA waits for another and nothing goes through global memory: the tables cost a read
 of the ids (8 KiB at m = 256, top-8) and two atomics per pair.
 
+With the shared expert (`ExpertsConfig.shared_expert`) a token has ``top_k + 1`` pairs, ``p = t *
+(top_k + 1) + k``, its last one the shared expert's: group ``experts``, every token's. Its group
+comes first among the active ones, so that its items (the most pairs) start first.
+
 The order of the pairs inside a segment is the atomics': it differs between runs and between
 the CTAs of one run, so a slot names the same pair only within one CTA, and work is split
 between CTAs by expert, never by slot; the CTAs of a cluster, which add their sums by slot,
@@ -27,25 +31,29 @@ from jax_moe_publish.kernels import ptx
 WARP = 32
 
 ACTIVE = 0
-"""Totals: experts with at least one pair."""
+"""Totals: groups with at least one pair."""
 VALID = 1
 """Totals: pairs with a valid expert id (the segments' total)."""
 
 class ExpertRouting:
-    """The routing tables of one call, in shared memory: per expert its pair count (``count``),
-    its segment's first slot (``start``) and a fill counter; the active experts in increasing
-    order; the totals; and the pairs in expert order (``pairs``)."""
+    """The routing tables of one call, in shared memory: per group (expert, then the shared
+    expert) its pair count (``count``), its segment's first slot (``start``) and a fill
+    counter; the active groups (the shared expert, then the experts in increasing order); the
+    totals; and the pairs in group order (``pairs``)."""
 
     def __init__(self, config: ExpertsConfig, threads: int) -> None:
         self.experts = config.experts
         self.top_k = config.top_k
+        self.shared = config.shared_expert
+        self.groups = config.groups
+        self.pairs_per_token = config.pairs_per_token
         self.threads = threads
         self.experts_per_lane = -(-config.experts // WARP)
 
     def allocate(self):
         """(count, start, fill, active, totals, pairs), int32 tensors in shared memory."""
         smem = cutlass.memory.SmemAllocator()
-        per_expert = [smem.allocate_tensor(Int32, cute.make_layout(self.experts), byte_alignment=SMEM_ALIGNMENT)
+        per_expert = [smem.allocate_tensor(Int32, cute.make_layout(self.groups), byte_alignment=SMEM_ALIGNMENT)
                       for _ in range(4)]
         totals = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=SMEM_ALIGNMENT)
         pairs = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS), byte_alignment=SMEM_ALIGNMENT)
@@ -56,29 +64,43 @@ class ExpertRouting:
         """Fill ``tables`` for the call's ``m`` tokens; every thread of the CTA takes part, and
         the tables are complete for all of them on return."""
         sCount, sStart, sFill, sActive, sTotals, sPairs = tables
-        pairs = m * self.top_k
-        for e in cutlass.range(tidx, self.experts, self.threads):
+        pairs = m * self.pairs_per_token
+        for e in cutlass.range(tidx, self.groups, self.threads):
             sCount[e] = Int32(0)
             sFill[e] = Int32(0)
         cute.arch.barrier()
         for p in cutlass.range(tidx, pairs, self.threads):
-            expert = ptx.load_s32(expert_ids + Int64(p) * 4)
-            if (expert >= 0) & (expert < self.experts):
-                ptx.shared_fetch_add_s32((sCount.iterator + expert).toint(), 1)
+            group, valid = self._group(expert_ids, p)
+            if valid:
+                ptx.shared_fetch_add_s32((sCount.iterator + group).toint(), 1)
         cute.arch.barrier()
         if tidx < WARP:
             self._scan(sCount, sStart, sActive, sTotals, tidx)
         cute.arch.barrier()
         for p in cutlass.range(tidx, pairs, self.threads):
-            expert = ptx.load_s32(expert_ids + Int64(p) * 4)
-            if (expert >= 0) & (expert < self.experts):
-                sPairs[sStart[expert] + ptx.shared_fetch_add_s32((sFill.iterator + expert).toint(), 1)] = p
+            group, valid = self._group(expert_ids, p)
+            if valid:
+                sPairs[sStart[group] + ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1)] = p
         cute.arch.barrier()
+
+    def _group(self, expert_ids: Int64, p):
+        """``(group, valid)`` of pair ``p``: its id and whether it lies in ``[0, experts)``; with
+        the shared expert, a token's last pair is group ``experts``, always valid (the load of
+        its token's last id keeps the address in bounds)."""
+        if not self.shared:
+            expert = ptx.load_s32(expert_ids + Int64(p) * 4)
+            return expert, (expert >= 0) & (expert < self.experts)
+        token = p // self.pairs_per_token
+        k = p - token * self.pairs_per_token
+        is_shared = k == self.top_k
+        expert = ptx.load_s32(expert_ids + Int64(token * self.top_k + cutlass.select_(is_shared, k - 1, k)) * 4)
+        valid = (expert >= 0) & (expert < self.experts)
+        return cutlass.select_(is_shared, Int32(self.experts), expert), is_shared | valid
 
     @cute.jit
     def _scan(self, sCount, sStart, sActive, sTotals, lane) -> None:
-        """One warp: each segment's start and the active experts in increasing order, from the
-        counts. Lane ``l`` takes experts ``[l * n, (l + 1) * n)``."""
+        """One warp: each segment's start and the active groups (the shared expert's first, it
+        has a pair per token), from the counts. Lane ``l`` takes experts ``[l * n, (l + 1) * n)``."""
         first = lane * self.experts_per_lane
         pairs_here = Int32(0)
         active_here = Int32(0)
@@ -89,6 +111,14 @@ class ExpertRouting:
                 active_here = active_here + Int32(sCount[e] > 0)
         pairs_before, pairs_total = ptx.warp_exclusive_sum(pairs_here, lane)
         active_before, active_total = ptx.warp_exclusive_sum(active_here, lane)
+        if cutlass.const_expr(self.shared):
+            # Its segment after the experts', its item first.
+            active_before = active_before + 1
+            if lane == 0:
+                sStart[self.experts] = pairs_total
+                sActive[0] = Int32(self.experts)
+            pairs_total = pairs_total + sCount[self.experts]
+            active_total = active_total + 1
         for i in cutlass.range_constexpr(self.experts_per_lane):
             e = first + i
             if e < self.experts:

@@ -23,7 +23,8 @@ from jax_moe_publish.kernels.program import KernelLaunch
 KERNELS = {"expert_gate_up": ExpertGateUpKernel, "expert_gate_up_split": ExpertGateUpKernel,
            "expert_down": ExpertDownKernel, "expert_gate_up_fp8": ExpertGateUpKernel,
            "expert_gate_up_split_fp8": ExpertGateUpKernel, "expert_down_fp8": ExpertDownKernel,
-           "expert_gate_up_fp8_tokens": ExpertGateUpKernel, "expert_gate_up_split_fp8_tokens": ExpertGateUpKernel}
+           "expert_gate_up_fp8_tokens": ExpertGateUpKernel, "expert_gate_up_split_fp8_tokens": ExpertGateUpKernel,
+           "expert_down_shared": ExpertDownKernel, "expert_down_fp8_shared": ExpertDownKernel}
 """The class of each role; its method named after the role is the kernel."""
 TRACED_GRID = 1
 """The grid CuTe DSL's own launch is traced with; the launchers size the real one at load."""
@@ -65,13 +66,14 @@ class ExpertsProgram:
         x_scales: Int64,
         activations: Int64,
         out: Int64,
+        shared: Int64,
         m: Int32,
         stream: cuda.CUstream,
     ) -> None:
         """Launch the call's kernels: the parameters are `_abi.EXPERTS.values`, in order, then the
         stream (``tests/compile/test_abi.py`` checks that the tuple below names them in that order)."""
         values = dict(zip(_abi.EXPERTS.values, (x, expert_ids, gate_up, gate, up, down, gate_up_scales, gate_scales,
-                                                up_scales, down_scales, x_scales, activations, out, m)))
+                                                up_scales, down_scales, x_scales, activations, out, shared, m)))
         for index in cutlass.range_constexpr(len(self.plan)):
             launch = self.plan[index]
             self.kernels[index](*[values[name] for name in _abi.EXPERTS.roles[launch.role].params]).launch(

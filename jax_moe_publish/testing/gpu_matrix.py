@@ -211,6 +211,20 @@ EXPERTS_VARIANTS = (
     ((1024, 128, 8, 2, True), dict(fp8_weights=True, fp8_tokens=True, **RING, token_tiles=4,
                                    gate_up_warps_k=4, gate_up_warps_n=2, gate_up_warp_cols=64, gate_up_unroll=2,
                                    down_warp_cols=32, down_warps_k=1, down_warps_n=8, down_unroll=4)),
+    # The shared expert held after the routed ones (`prepare_experts(..., shared=...)`: the tiled
+    # order): the heuristic's shapes (33 groups); the ring and one token tile; the K split over a
+    # cluster (the shared pairs in CTA 0's order); four token tiles at top-2 (3 pairs a token);
+    # e4m3 weights; e4m3 tokens with the ring.
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True)),
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, **RING, token_tiles=1)),
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, token_tiles=1, gate_up_split_k=16,
+                                    gate_up_warps_k=1, gate_up_warps_n=8, gate_up_warp_cols=64, gate_up_unroll=4)),
+    ((1024, 128, 8, 2, True), dict(shared_expert=True, tiled_weights=True, token_tiles=4, gate_up_warps_k=4,
+                                   gate_up_warps_n=2, gate_up_warp_cols=64, gate_up_unroll=2, down_warp_cols=32,
+                                   down_warps_k=1, down_warps_n=8, down_unroll=4)),
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, fp8_weights=True, tiled_weights=True)),
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, fp8_weights=True, fp8_tokens=True, tiled_weights=True,
+                                    **RING, token_tiles=1)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

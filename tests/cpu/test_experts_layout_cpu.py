@@ -177,8 +177,8 @@ def test_misuse_is_named(rng):
     with pytest.raises(ValueError, match=r"fused_gate_up=False: expected True with tiled_weights"):
         base.replace(fused_gate_up=False, tiled_weights=True)
     with pytest.raises(ValueError, match=r"prepare_experts: weights of blocks \['bf16', \(32, 32\)\] \(down "
-                                         r"first\); expected every weight bf16, or every weight a BlockScaled of "
-                                         r"128 x 128 blocks"):
+                                         r"first, the shared expert's last\); expected every weight bf16, or every "
+                                         r"weight a BlockScaled of 128 x 128 blocks"):
         prepare_experts(BlockScaled.quantize(jnp.asarray(w.gate_up, jnp.float32), (32, 32)), w.down)
     with pytest.raises(ValueError, match=r"config: hidden=256 \(the arrays give 128\); expected a config of the "
                                          r"arrays' shape$"):

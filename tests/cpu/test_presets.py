@@ -42,12 +42,15 @@ def test_the_model_presets_hold_the_experts_op_s_configs():
     for make, shapes in ((presets.deepseek_v3, presets.DEEPSEEK_V3_EXPERTS),
                          (presets.qwen3_moe, presets.QWEN3_MOE_EXPERTS)):
         built = set(make())
-        for hidden, intermediate, count, top_k in shapes:
+        for hidden, intermediate, count, top_k, shared in shapes:
             for tp in presets.TP_SIZES:
                 for fused in (True, False):
                     shape = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, fused)
                     assert experts._default_config(shape) in built, (hidden, intermediate, tp, fused)
-                # prepare_experts's default tiling, as moe_experts then loads it.
+                # prepare_experts's default tiling, as moe_experts then loads it; with the model's
+                # shared expert held too.
                 tiling = Tiling.of(experts._default_config(shape))
-                prepared = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, True, tiling=tiling)
-                assert experts._default_config(prepared) in built, (hidden, intermediate, tp, "prepared")
+                for held in (False, True) if shared else (False,):
+                    prepared = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, True, tiling=tiling,
+                                                   shared=held, prepared_shared=held)
+                    assert experts._default_config(prepared) in built, (hidden, intermediate, tp, "prepared", held)

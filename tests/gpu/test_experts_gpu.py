@@ -38,9 +38,11 @@ from jax_moe_publish.testing import gpu_matrix
 
 pytestmark = pytest.mark.gpus(1)
 
-CONFIGS = [config for config in gpu_matrix.experts_configs() if not config.fp8_weights]
-FP8_CONFIGS = [config for config in gpu_matrix.experts_configs() if config.fp8_weights]
+CONFIGS = [config for config in gpu_matrix.experts_configs() if not (config.fp8_weights or config.shared_expert)]
+FP8_CONFIGS = [config for config in gpu_matrix.experts_configs() if config.fp8_weights and not config.shared_expert]
 """e4m3 weights' configs, whose inputs are `BlockScaled` (`test_e4m3_weights_match_the_model_of_their_blocks`)."""
+SHARED_CONFIGS = [config for config in gpu_matrix.experts_configs() if config.shared_expert]
+"""Configs whose weights hold the shared expert after the routed ones (`test_the_shared_expert_is_one_more_group`)."""
 MS = (1, 2, 7, 16, 17, 64, 130)
 """Tokens: one pass and several (16 tokens per pass with two token tiles), one past a pass."""
 
@@ -184,6 +186,78 @@ def test_e4m3_weights_match_the_model_of_their_blocks(devices, rng, config):
                 op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, *operands, impl="kernel", config=config))
                 got = np.asarray(op(x, ids))
                 assert np.array_equal(got.view(np.uint16), out.view(np.uint16)), "through JAX"
+    finally:
+        launcher.close()
+
+
+def _shared_case(rng, config, m, **routing):
+    """Routed experts and a shared expert of ``config``'s shape (e4m3 for its FP8 configs): the
+    op's ``(x, ids, gate_up, down, shared)``, and the model's inputs of the routed experts and
+    of the shared one (a call of one expert that every token names, on the same x)."""
+    def draw(experts_count, top_k, **options):
+        return fp8_experts.random_case(rng, m=m, hidden=config.hidden, intermediate=config.intermediate,
+                                       experts_count=experts_count, top_k=top_k, fused=config.fused_gate_up,
+                                       fp8_x=config.fp8_tokens, **options)
+
+    if config.fp8_weights:
+        (x, ids, gate_up, down), model = draw(config.experts, config.top_k, **routing)
+        (_, _, shared_gate_up, shared_down), shared_model = draw(1, 1, skipped_fraction=0.0)
+    else:
+        model = _inputs(rng, config, m, **routing)
+        shared_model = numerics.random_experts(rng, m=m, hidden=config.hidden, intermediate=config.intermediate,
+                                               experts=1, top_k=1, skipped_fraction=0.0)
+        x, ids, gate_up, down = model.x, model.expert_ids, model.gate_up, model.down
+        shared_gate_up, shared_down = shared_model.gate_up, shared_model.down
+    shared_model = numerics.ExpertsInputs(model.x, np.zeros((m, 1), np.int32), shared_model.gate, shared_model.up,
+                                          shared_model.down)
+    shared = jax.tree.map(lambda w: w[0], (shared_gate_up, shared_down))
+    return (x, ids, gate_up, down, shared), model, shared_model
+
+
+@pytest.mark.parametrize("config", SHARED_CONFIGS, ids=_id)
+def test_the_shared_expert_is_one_more_group(devices, rng, config):
+    """The shared expert held after the routed experts (`jmp.prepare_experts`'s order), through
+    the harness (outputs poisoned) at m across the passes, with hot experts and with every
+    routed id skipped: the routed rows and activations against their float64 model, the
+    shared rows and activations against the model of one expert that every token names. The
+    same bits twice and for a token alone; through JAX (``prepare_experts(..., shared=...)``,
+    ``impl="kernel"``) the same bits."""
+    launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=max(MS))
+    try:
+        for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0))]:
+            (x, ids, gate_up, down, shared), model, shared_model = _shared_case(rng, config, m, **options)
+            prepared = jmp.prepare_experts(gate_up, down, shared=shared, config=config)
+            weights = {"gate_up": prepared.gate_up, "down": prepared.down}
+            arrays = {"x": x.values, "x_scales": x.scales} if config.fp8_tokens else {"x": x}
+            arrays["expert_ids"] = ids
+            for name, w in weights.items():
+                if config.fp8_weights:
+                    arrays.update({name: np.asarray(w.values), f"{name}_scales": np.asarray(w.scales)})
+                else:
+                    arrays[name] = np.asarray(w)
+            what = f"m={m} {options or ''}"
+            out, activations, shared_rows, shared_activations = launcher.run_arrays(arrays)
+            _check(out, activations, model, what)
+            _check(shared_rows, shared_activations, shared_model, f"{what} shared expert")
+            again = launcher.run_arrays(arrays)
+            for got, want in zip(again, (out, activations, shared_rows, shared_activations)):
+                assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"{what}: two runs differ"
+            if m == 17:
+                token = 11
+                alone = {**arrays, "expert_ids": ids[token:token + 1]}
+                alone.update({name: arrays[name][token:token + 1] for name in ("x", "x_scales") if name in arrays})
+                rows, _, shared_row, _ = launcher.run_arrays(alone)
+                k = config.top_k
+                assert np.array_equal(rows.view(np.uint16), out[token * k:(token + 1) * k].view(np.uint16)), (
+                    f"token {token}'s rows differ alone and among {m} tokens")
+                assert np.array_equal(shared_row.view(np.uint16), shared_rows[token:token + 1].view(np.uint16)), (
+                    f"token {token}'s shared row differs alone and among {m} tokens")
+            if m == 7:
+                op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, prepared, impl="kernel", config=config))
+                got_rows, got_shared = op(x, ids)
+                assert np.array_equal(np.asarray(got_rows).view(np.uint16), out.view(np.uint16)), "rows through JAX"
+                assert np.array_equal(np.asarray(got_shared).view(np.uint16), shared_rows.view(np.uint16)), (
+                    "shared rows through JAX")
     finally:
         launcher.close()
 

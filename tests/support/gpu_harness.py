@@ -568,7 +568,9 @@ class ExpertsLauncher:
 
     def run_arrays(self, arrays: dict, timeout_s: float = 30.0):
         """`run` on the call's args by name (`_abi.call_operands`), as NumPy arrays: e4m3 weights
-        and their scales for an ``fp8_weights`` config."""
+        and their scales for an ``fp8_weights`` config. With ``shared_expert`` (the weights' last
+        expert the shared one): (rows, activations, shared rows [m, hidden], its activations
+        [m, intermediate])."""
         m = arrays["x"].shape[0]
         if m > self.max_m:
             raise ValueError(f"m={m} exceeds the buffers' max_m={self.max_m}")
@@ -584,9 +586,15 @@ class ExpertsLauncher:
         for function, kernel, grid in zip(self.functions, self.kernels, self.grids):
             self.device.launch(function, kernel, grid, values, self.pdl)
         self.device.wait(time.monotonic() + timeout_s)
-        pairs = m * self.config.top_k
-        return (self.buffers["out"].download(numerics.BF16, (pairs, self.config.hidden)),
-                self.buffers["activations"].download(numerics.BF16, (pairs, self.config.intermediate)))
+        config = self.config
+        pairs = m * config.top_k
+        out = self.buffers["out"].download(numerics.BF16, (pairs, config.hidden))
+        activations = self.buffers["activations"].download(numerics.BF16, (m, config.pairs_per_token,
+                                                                          config.intermediate))
+        routed = activations[:, :config.top_k].reshape(pairs, config.intermediate)
+        if not config.shared_expert:
+            return out, routed
+        return out, routed, self.buffers["shared"].download(numerics.BF16, (m, config.hidden)), activations[:, -1]
 
     def close(self) -> None:
         for buffer in self.buffers.values():

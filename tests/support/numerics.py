@@ -307,6 +307,13 @@ def random_experts(rng, *, m, hidden, intermediate, experts, top_k, skipped_frac
                          weights((experts, intermediate, hidden), intermediate))
 
 
+def shared_expert_inputs(x, gate, up, down) -> ExpertsInputs:
+    """The model's inputs of a shared expert (``gate``, ``up`` [hidden, intermediate], ``down``
+    [intermediate, hidden]): one expert that every token of ``x`` names, so that `expected_rows`
+    gives its rows [m, hidden] and `expected_activations` its activations."""
+    return ExpertsInputs(x, np.zeros((x.shape[0], 1), np.int32), gate[None], up[None], down[None])
+
+
 def _valid_pairs(inputs: ExpertsInputs):
     """(pair, token, expert) of every pair with a valid id."""
     m, top_k = inputs.expert_ids.shape
