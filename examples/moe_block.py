@@ -17,7 +17,9 @@ Each MoE layer runs what a JAX model runs:
    experts' weights), ``ours`` (`jmp.moe_experts`: its kernels on GPUs, its reference
    elsewhere) and ``prepared`` (the same on `jmp.prepare_experts`'s weights, prepared once
    with the parameters: ``init_params(..., prepared=True)``);
-4. the shared expert (DeepSeek-V3), sliced the same way;
+4. the shared expert (DeepSeek-V3), sliced the same way: through ``jnp`` GEMMs, but on the
+   ``prepared`` path held with the routed experts where its intermediate is theirs (as
+   DeepSeek-V3's is), so that `jmp.moe_experts` computes it with them;
 5. the finalize, the sum over the group and the residual add + RMSNorm, whose outputs
    ``(out, residual_out)`` are the next layer's input and residual stream:
    ``finalize="ours"`` is one `jmp.moe_finalize_publish` call; ``finalize="xla"`` is the
@@ -197,7 +199,8 @@ def param_specs(config: MoEConfig, prepared: bool = False) -> dict:
         down           bf16 [tp, experts, i, hidden]        (rank r: rows r*i..(r+1)*i)
         shared_gate_up bf16 [tp, hidden, 2 * s], shared_down bf16 [tp, s, hidden]  (shared expert)
         norm           bf16 [hidden]                        (the RMSNorm after the layer)
-        prepared       jmp.PreparedExperts of [tp, ...]     (gate_up and down prepared; ``prepared``)
+        prepared       jmp.PreparedExperts of [tp, ...]     (gate_up and down prepared, with the shared
+                                                            expert where s = i; ``prepared``)
     """
     specs = {"router": P(), "gate_up": P(TP), "down": P(TP), "norm": P()}
     if prepared:
@@ -243,17 +246,28 @@ def init_layer(key, config: MoEConfig, tp: int) -> dict:
 def init_params(key, config: MoEConfig, mesh, layers: int, *, prepared: bool = False) -> list[dict]:
     """``layers`` layers of distinct parameters, each generated on the devices in its layout;
     with ``prepared``, each layer's expert weights also as each rank's `jmp.prepare_experts`
-    (held twice: the other paths read the arrays)."""
+    (held twice: the other paths read the arrays), the shared expert with them where it has
+    their intermediate (`holds_shared`)."""
     shardings = {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
     make = jax.jit(functools.partial(init_layer, config=config, tp=mesh.shape[TP]), out_shardings=shardings)
     params = [make(layer_key) for layer_key in jax.random.split(key, layers)]
     if prepared:
-        def prepare(gate_up, down):  # on each rank, its slices
-            return jax.tree.map(lambda a: a[None], jmp.prepare_experts(gate_up[0], down[0]))
+        shared_names = ("shared_gate_up", "shared_down") if holds_shared(config) else ()
 
-        prepare = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(P(TP), P(TP)), out_specs=P(TP)))
-        params = [{**layer, "prepared": prepare(layer["gate_up"], layer["down"])} for layer in params]
+        def prepare(gate_up, down, *shared):  # on each rank, its slices
+            shared = tuple(a[0] for a in shared) or None
+            return jax.tree.map(lambda a: a[None], jmp.prepare_experts(gate_up[0], down[0], shared=shared))
+
+        prepare = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=P(TP), out_specs=P(TP)))
+        params = [{**layer, "prepared": prepare(layer["gate_up"], layer["down"],
+                                                *(layer[name] for name in shared_names))} for layer in params]
     return params
+
+
+def holds_shared(config: MoEConfig) -> bool:
+    """Whether the prepared weights hold the shared expert: it has the routed experts'
+    intermediate, so the kernels run it as one more of them."""
+    return config.shared and config.shared_intermediate == config.intermediate
 
 
 def init_inputs(key, config: MoEConfig, mesh, m: int):
@@ -360,6 +374,7 @@ def finalize_inputs(config: MoEConfig, layer: dict, x, *, path: str):
     if path not in PATHS:
         raise ValueError(f"path={path!r}: expected one of {PATHS}")
     experts, weights = route(config, layer, x)
+    shared = None
     if path == "ragged":
         order, permuted_indices, sizes = sort_by_expert(experts, config.experts)
         rows = routed_rows_ragged(layer, x, order, sizes, config.top_k)
@@ -371,11 +386,14 @@ def finalize_inputs(config: MoEConfig, layer: dict, x, *, path: str):
                 raise ValueError("path='prepared': the layer holds no prepared weights; expected parameters of "
                                  "init_params(..., prepared=True)")
             rows = jmp.moe_experts(x, experts, layer["prepared"], impl=ours)
+            if layer["prepared"].shared:
+                rows, shared = rows  # the shared expert's rows, computed with the routed ones
         else:
             rows = jmp.moe_experts(x, experts, layer["gate_up"], layer["down"],
                                    impl="gather" if path == "decode" else ours)
         permuted_indices = jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
-    shared = shared_partial(layer, x) if config.shared else None
+    if shared is None and config.shared:
+        shared = shared_partial(layer, x)
     return rows, weights, permuted_indices, shared
 
 

@@ -8,9 +8,9 @@
 # 2: the op and mesh tests as rank processes; 3: the tp = 8 epilogue harness alone (beside
 # part 1's four it ran past 10 minutes; alone it takes about 6.5), derivatives, multi-process; 4: the kernel and
 # epilogue files' JAX-level tests as rank processes, then faults, the harness's and the public API's; 5: the
-# experts op, in three steps side by side (its 30 kernel configs take 4-8 s per harness test at the
-# DeepSeek-V3 shard, 20-32 s per test through JAX, mostly the host's float64 model: one after the other
-# they outgrow a call).
+# experts op, in five steps side by side (its 36 kernel configs take 4-8 s per harness test at the
+# DeepSeek-V3 shard, 20-32 s per test through JAX, and its e4m3 and shared-expert configs about 35 s
+# each, mostly the host's float64 model: one after the other they outgrow a call).
 # Rank-process tests never run beside other processes: their kernels starved the harness's
 # (docs/testing.md). Each step is stopped after STEP_TIMEOUT_S (570) seconds; the part fails if a step does.
 set -euo pipefail
@@ -32,7 +32,9 @@ STEPS=(
     "4|faults-api|-k|$API_FAULTS|tests/gpu/test_faults_gpu.py"
     "5|experts-model|-k|test_kernels_match_the_model|tests/gpu/test_experts_gpu.py"
     "5|experts-edges-bits|-k|test_routing_edges or test_the_same_bits|tests/gpu/test_experts_gpu.py"
-    "5|experts-jax-gather|-k|not (test_kernels_match_the_model or test_routing_edges or test_the_same_bits)|tests/gpu/test_experts_gpu.py"
+    "5|experts-jax-gather|-k|not (test_kernels_match_the_model or test_routing_edges or test_the_same_bits or e4m3 or shared_expert)|tests/gpu/test_experts_gpu.py"
+    "5|experts-e4m3|-k|e4m3|tests/gpu/test_experts_gpu.py"
+    "5|experts-shared|-k|shared_expert|tests/gpu/test_experts_gpu.py"
 )
 # Parts whose steps run side by side; the others run their steps one after the other.
 SIDE_BY_SIDE=" 1 5 "

@@ -122,10 +122,14 @@ def _check(result, what, max_relative=MAX_RELATIVE):
 
 
 # m = 1: the decode path gathers the active experts' weights; m = 5 (not a multiple of tp): it reads them in place.
-@pytest.mark.parametrize("name,tp,m", [("deepseek-v3", 2, 5), ("deepseek-v3", 4, 1), ("qwen3-moe", 4, 5),
-                                       ("qwen3-moe", 2, 1)])
-def test_block_matches_the_numpy_model(name, tp, m):
-    config = mb.scaled(mb.PROBLEMS[name], **SMALL)
+# A shared expert of the routed experts' intermediate (DeepSeek-V3's own ratio): the prepared
+# weights hold it, and the experts op computes its rows.
+@pytest.mark.parametrize("name,tp,m,changes", [("deepseek-v3", 2, 5, {}), ("deepseek-v3", 4, 1, {}),
+                                               ("deepseek-v3", 2, 3, dict(shared_intermediate=64)),
+                                               ("qwen3-moe", 4, 5, {}), ("qwen3-moe", 2, 1, {})])
+def test_block_matches_the_numpy_model(name, tp, m, changes):
+    config = mb.scaled(mb.PROBLEMS[name], **{**SMALL, **changes})
+    assert mb.holds_shared(config) == bool(changes)
     seed = int(np.random.default_rng().integers(2**31))
     mesh = jax.make_mesh((tp,), (mb.TP,), devices=jax.devices()[:tp])
     params_key, input_key = jax.random.split(jax.random.key(seed))
