@@ -35,6 +35,14 @@ program (`COLUMNS`):
   quantized in the step by `reference.quantize_fp8` (a scale per token and 128 channels, a
   separate XLA fusion: what the epilogue's FP8 out saves), checked against ``ours_fp8``
   within `MAX_FP8_DIFFERENCE`;
+* ``ours_shared_prepared``: ``ours_prepared`` on weights that hold the model's shared
+  expert after the routed ones (``jmp.prepare_experts(..., shared=...)``): the kernels
+  compute its rows with the routed experts' (DeepSeek-V3; a shape without a shared expert,
+  or one of another intermediate, records ``why_not``);
+* ``ours_prepared_xla_shared``: ``ours_prepared`` with the shared expert through XLA's GEMMs
+  (``jmp.moe_experts(..., shared=...)``), what the other columns' users run beside them.
+  Both shared columns' shared rows are checked against `reference.shared_expert`; their
+  ``floor_fraction`` is of ``floor_shared``: the active experts' and the shared expert's bytes;
 * ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
   the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
   written per second, which a read-only stream moves at about the same rate, the HBM's
@@ -59,7 +67,8 @@ reads ``--min-pass-mb`` (200 MB, 4x L2) of active weights, at least 2, and at mo
 routing is the model's router (`moe_block.route`: DeepSeek-V3's grouped sigmoid with bias,
 Qwen3's softmax top-k) over a random router matrix and random ``x``, the same for a layer
 and m at every tp. Each layer's ``x`` and ids are tied to the previous layer's output: plus
-``zero * y[0, 0]``, ``zero`` a runtime argument, ``y`` behind an ``optimization_barrier`` so
+``zero * (rows[0, 0] + shared[0, 0])``, ``zero`` a runtime argument, the output ``(rows,
+shared)`` (the shared expert's rows, or zeros carried on) behind an ``optimization_barrier`` so
 that XLA must compute all of it; so no layer leaves the loop (the sort, the GEMMs:
 ``tests/cpu/test_bench_moe_experts.py`` reads the optimized HLO on CPU) and the tie costs
 one small fusion per layer, the same in every column. XLA may still hoist what reads the
@@ -164,8 +173,9 @@ SHAPES = {
 }
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_MS = (1, 2, 4)
-# --cpu: every shape at dimensions that split over tp = 8, and hold whole FP8 blocks at tp = 1 and 2.
-CPU_DIMS = {"hidden": 128, "intermediate": 256, "experts": 16, "shared_intermediate": 64}
+# --cpu: every shape at dimensions that split over tp = 8, and hold whole FP8 blocks at tp = 1 and 2
+# (DeepSeek-V3's shared expert of the routed experts' intermediate, as the model's).
+CPU_DIMS = {"hidden": 128, "intermediate": 256, "experts": 16, "shared_intermediate": 256}
 MAX_DIFFERENCE = 1e-2
 MAX_FP8_DIFFERENCE = 0.1
 """e4m3 operands against the unquantized ones: a 3-bit mantissa, about 4 % per value (relative, RMS)."""
@@ -188,7 +198,8 @@ GUESS = {
     "weights_s_per_gb": 0.1,  # drawing random bf16 weights
     "compile_s": {"ours": 3.0, "ours_prepared": 3.0, "ragged_dot": 8.0, "ragged_dot_pallas_triton": 10.0,
                   "cudnn": 10.0, "xla_triton": 10.0, "tokamax": 20.0, "gather": 8.0, "ours_fp8": 3.0,
-                  "ours_fp8_prepared": 3.0, "gather_fp8": 8.0, "ours_fp8_tokens_prepared": 4.0},
+                  "ours_fp8_prepared": 3.0, "gather_fp8": 8.0, "ours_fp8_tokens_prepared": 4.0,
+                  "ours_shared_prepared": 3.0, "ours_prepared_xla_shared": 4.0},
     "compile_s_per_layer": 0.3,
     "unavailable_s": 1.0,  # a column whose module or JAX flag this Python lacks
     "hbm_bytes_per_s": 4.0e12,
@@ -208,6 +219,7 @@ class Column:
     prepared: bool = False  # on jmp.prepare_experts's weights (made once, before the timed loop)
     fp8: bool = False  # on the layers' e4m3 weights (BlockScaled of 128 x 128 blocks)
     fp8_tokens: bool = False  # x quantized to e4m3 per token and 128 channels in the step
+    shared: str = ""  # the shared expert too: "held" by the prepared weights, or through "xla"
     compiler_options: tuple = ()  # XLA options of this column's programs only
     jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
     needs_in_hlo: tuple = ()
@@ -250,6 +262,11 @@ COLUMNS = (
     Column("ours_fp8_tokens_prepared", "jmp.moe_experts(impl='kernel') on e4m3 tokens (quantized in the step by "
            "reference.quantize_fp8) and jmp.prepare_experts's order of the e4m3 weights", "ours", prepared=True,
            fp8=True, fp8_tokens=True),
+    Column("ours_shared_prepared", "jmp.moe_experts(impl='kernel') on jmp.prepare_experts's weights holding the "
+           "shared expert after the routed ones: the kernels compute its rows too", "ours", prepared=True,
+           shared="held"),
+    Column("ours_prepared_xla_shared", "ours_prepared, and the shared expert through XLA's GEMMs "
+           "(jmp.moe_experts(..., shared=...))", "ours", prepared=True, shared="xla"),
 )
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)
 COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
@@ -315,14 +332,31 @@ def layer_weight_bytes(config, tp):
 
 
 def weight_layouts(args) -> set:
-    """The layers' weight arrays that the selected columns read: ``(fp8, prepared)`` pairs, the
-    bf16 arrays always (the FP8 ones are quantized from them)."""
-    return {(False, False)} | {(column.fp8, column.prepared) for column in COLUMNS if column.name in args.columns}
+    """The layers' weight arrays that the selected columns read: ``(fp8, prepared, held)``, the
+    bf16 arrays always (the FP8 ones are quantized from them); ``held``: prepared with the shared
+    expert."""
+    return {(False, False, False)} | {(column.fp8, column.prepared, column.shared == "held") for column in COLUMNS
+                                      if column.name in args.columns}
 
 
 def weight_copies(args):
     """Bytes of each layer's weights held, in copies of its bf16 arrays (`weight_layouts`; e4m3: half)."""
-    return sum(0.5 if fp8 else 1 for fp8, _ in weight_layouts(args))
+    return sum(0.5 if fp8 else 1 for fp8, _, _ in weight_layouts(args))
+
+
+def shared_expert_bytes(config, tp):
+    """The shared expert's bf16 weights on a rank (0 without one)."""
+    return 3 * config.hidden * (config.shared_intermediate // tp) * 2
+
+
+def why_no_shared(column, config):
+    """Why ``column``'s shared expert cannot run at ``config``, or None."""
+    if not config.shared:
+        return f"{config.name} has no shared expert"
+    if column.shared == "held" and not mb.holds_shared(config):
+        return (f"the shared expert's intermediate ({config.shared_intermediate}) is not the routed experts' "
+                f"({config.intermediate}): prepare_experts cannot hold it")
+    return None
 
 
 def fp8_expert_bytes(config, tp):
@@ -394,34 +428,51 @@ def draw_layer_weights(key, config, tp):
     and down [experts, i, hidden], ``i = intermediate / tp``."""
     i = config.intermediate // tp
     keys = jax.random.split(key)
+    return {"gate_up": uniform_weights(keys[0], (config.experts, config.hidden, 2 * i), config.hidden),
+            "down": uniform_weights(keys[1], (config.experts, i, config.hidden), config.intermediate)}
 
-    def weight(k, shape, fan_in):
-        limit = (3 / fan_in) ** 0.5
-        return jax.random.uniform(k, shape, jnp.bfloat16, -limit, limit)
 
-    return {"gate_up": weight(keys[0], (config.experts, config.hidden, 2 * i), config.hidden),
-            "down": weight(keys[1], (config.experts, i, config.hidden), config.intermediate)}
+def uniform_weights(key, shape, fan_in):
+    """bf16 uniform of variance ``1 / fan_in``."""
+    limit = (3 / fan_in) ** 0.5
+    return jax.random.uniform(key, shape, jnp.bfloat16, -limit, limit)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def draw_shared_weights(key, config, tp):
+    """One layer's shared expert on one rank, as `draw_layer_weights` draws an expert:
+    ``(gate_up [hidden, 2 * s], down [s, hidden])``, ``s = shared_intermediate / tp``."""
+    s = config.shared_intermediate // tp
+    keys = jax.random.split(key)
+    return (uniform_weights(keys[0], (config.hidden, 2 * s), config.hidden),
+            uniform_weights(keys[1], (s, config.hidden), config.shared_intermediate))
 
 
 def draw_weights(args, config, tp, layers):
     """Each layer's weights (`draw_layer_weights`), with those the columns read besides
     (`weight_layouts`): ``"prepared"``, their `jmp.prepare_experts` order; ``"fp8"``, the pair
     ``(gate_up, down)`` quantized (`jmp.BlockScaled.quantize`, where the shard holds whole
-    blocks); ``"fp8_prepared"``, its prepared order."""
+    blocks); ``"fp8_prepared"``, its prepared order; with a shared expert, ``"shared"`` (its
+    ``(gate_up, down)``) and ``"prepared_shared"``, the prepared order holding it."""
     key = jax.random.fold_in(jax.random.fold_in(shape_key(args, config.name), 2), tp)
     weights = [draw_layer_weights(jax.random.fold_in(key, layer), config, tp) for layer in range(layers)]
     layouts = weight_layouts(args)
     prepare = jax.jit(jmp.prepare_experts)
     quantize = jax.jit(jmp.BlockScaled.quantize)
-    for w in weights:
-        if (False, True) in layouts:
+    shared_columns = [c for c in COLUMNS if c.name in args.columns and c.shared and not why_no_shared(c, config)]
+    for layer, w in enumerate(weights):
+        if (False, True, False) in layouts:
             w["prepared"] = prepare(w["gate_up"], w["down"])
-        if holds_fp8_blocks(config, tp) and {(True, False), (True, True)} & layouts:
+        if holds_fp8_blocks(config, tp) and {(True, False, False), (True, True, False)} & layouts:
             fp8 = (quantize(w["gate_up"]), quantize(w["down"]))
-            if (True, False) in layouts:
+            if (True, False, False) in layouts:
                 w["fp8"] = fp8
-            if (True, True) in layouts:
+            if (True, True, False) in layouts:
                 w["fp8_prepared"] = prepare(*fp8)
+        if shared_columns:
+            w["shared"] = draw_shared_weights(jax.random.fold_in(jax.random.fold_in(key, layer), 1), config, tp)
+            if (False, True, True) in layouts and mb.holds_shared(config):
+                w["prepared_shared"] = prepare(w["gate_up"], w["down"], shared=w["shared"])
     return weights
 
 
@@ -441,6 +492,10 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
         if column.fp8_tokens:
             return lambda w, x, ids: jmp.moe_experts(jmp.BlockScaled(*reference.quantize_fp8(x)), ids,
                                                      w["fp8_prepared"], impl=impl)
+        if column.shared == "held":
+            return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared_shared"], impl=impl)
+        if column.shared == "xla":
+            return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared"], shared=w["shared"], impl=impl)
         if column.prepared:
             name = "fp8_prepared" if column.fp8 else "prepared"
             return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
@@ -460,16 +515,18 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
 
 def chain(layer_fn, layers):
     """``(weights, xs, ids, zero, y, iterations) -> y``: ``iterations`` passes over ``layers``
-    calls, each layer's ``x`` and ids plus ``zero * y[0, 0]`` of the previous layer's output,
+    calls, each layer's ``x`` and ids plus ``zero * (rows[0, 0] + shared[0, 0])`` of the previous
+    layer's output ``y = (rows, shared)`` (``shared`` passed on where a column computes none),
     ``y`` behind an optimization barrier (module docstring)."""
 
     def program(weights, xs, ids, zero, y, iterations):
         def body(_, y):
             for layer in range(layers):
-                (y,) = lax.optimization_barrier((y,))
-                tie = zero * y[0, 0].astype(jnp.float32)
+                rows, shared = lax.optimization_barrier(y)
+                tie = zero * (rows[0, 0].astype(jnp.float32) + shared[0, 0].astype(jnp.float32))
                 x = (xs[layer].astype(jnp.float32) + tie).astype(jnp.bfloat16)
-                y = layer_fn(weights[layer], x, ids[layer] + tie.astype(jnp.int32))
+                out = layer_fn(weights[layer], x, ids[layer] + tie.astype(jnp.int32))
+                y = out if isinstance(out, tuple) else (out, shared)
             return y
 
         return lax.fori_loop(0, iterations, body, y)
@@ -560,9 +617,10 @@ def missing_evidence(column, hlo):
 
 
 def runner(compiled, iterations):
-    """``compiled`` as a function of the inputs alone, at ``iterations`` loop iterations."""
+    """``compiled`` as a function of the inputs alone, at ``iterations`` loop iterations: its rows
+    (the shared rows come from the same program, ready with them)."""
     count = jnp.int32(iterations)
-    return lambda *inputs: compiled(*inputs, count)
+    return lambda *inputs: compiled(*inputs, count)[0]
 
 
 def loop_counts(compiled, inputs, target_s):
@@ -621,24 +679,32 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
         raise NotTimed(why_not)
     entry["compile_s"] = time.perf_counter() - start
     entry["hlo"] = hlo_kernels(text)
-    out = np.asarray(runner(compiled, 1)(*inputs), np.float64)
+    out, shared = (np.asarray(y, np.float64) for y in compiled(*inputs, jnp.int32(1)))
     # tokamax leaves the rows in expert order; the last layer's routing orders them.
     outputs[column.name] = pair_order(out, inputs[2][-1]) if column.route == "tokamax" else out
+    if column.shared:
+        # The last layer's x is its xs entry (the tie adds zero).
+        weights, xs = inputs[0][-1], inputs[1][-1]
+        want = np.asarray(reference.shared_expert(xs, *weights["shared"]), np.float64)
+        difference = float(np.linalg.norm(shared - want) / np.linalg.norm(want))
+        entry["shared_relative_difference"] = difference
+        if not difference <= MAX_DIFFERENCE:
+            raise NotTimed(f"its shared rows differ from reference.shared_expert's by {difference:.2e} (relative, "
+                           f"more than {MAX_DIFFERENCE})")
     # The first column that ran on the same operands (`operand_kind`); the first of a kind
     # against the first of the kind one quantization before (e4m3 weights against bf16, e4m3
     # tokens against e4m3 weights alone), within that quantization's error.
     kind = operand_kind(column)
-    reference = next(name for name in outputs if operand_kind(COLUMNS_BY_NAME[name]) == kind)
+    against = next(name for name in outputs if operand_kind(COLUMNS_BY_NAME[name]) == kind)
     bound = MAX_DIFFERENCE
-    if column.name == reference and kind > 0:
-        reference = next((name for name in outputs if operand_kind(COLUMNS_BY_NAME[name]) == kind - 1), column.name)
+    if column.name == against and kind > 0:
+        against = next((name for name in outputs if operand_kind(COLUMNS_BY_NAME[name]) == kind - 1), column.name)
         bound = MAX_FP8_DIFFERENCE
-    if column.name != reference:
-        difference = float(np.linalg.norm(outputs[column.name] - outputs[reference])
-                           / np.linalg.norm(outputs[reference]))
-        entry.update(relative_difference=difference, checked_against=reference)
+    if column.name != against:
+        difference = float(np.linalg.norm(outputs[column.name] - outputs[against]) / np.linalg.norm(outputs[against]))
+        entry.update(relative_difference=difference, checked_against=against)
         if not difference <= bound:
-            raise NotTimed(f"its output differs from {reference}'s by {difference:.2e} (relative, more than "
+            raise NotTimed(f"its output differs from {against}'s by {difference:.2e} (relative, more than "
                            f"{bound}): it would time another computation")
     entry["iterations"] = list(loop_counts(compiled, inputs, args.target_ms / 1e3))
     return compiled
@@ -655,13 +721,15 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     xs, ids, active = routing
     layers = len(xs)
     hidden, top_k = config.hidden, config.top_k
-    inputs = (weights[:layers], xs, ids, jnp.zeros((), jnp.float32), jnp.zeros((m * top_k, hidden), jnp.bfloat16))
+    inputs = (weights[:layers], xs, ids, jnp.zeros((), jnp.float32),
+              (jnp.zeros((m * top_k, hidden), jnp.bfloat16), jnp.zeros((m, hidden), jnp.bfloat16)))
     distinct = [int(a.size) for a in active]
     mean_active = float(np.mean(distinct))
     expert_bytes = config.expert_bytes(tp)
     active_bytes = mean_active * expert_bytes
     floor_us = active_bytes / bandwidth * 1e6
     fp8_floor_us = mean_active * fp8_expert_bytes(config, tp) / bandwidth * 1e6
+    shared_floor_us = floor_us + shared_expert_bytes(config, tp) / bandwidth * 1e6
     result = {"shape": config.name, "tp": tp, "hidden": hidden, "intermediate": config.intermediate // tp,
               "model_intermediate": config.intermediate, "experts": config.experts, "top_k": top_k, "m": m,
               "router": config.router, "layers": layers, "budget_layers": budget_layers(args, config, tp),
@@ -682,6 +750,8 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
             if column.fp8 and not holds_fp8_blocks(config, tp):
                 entry["why_not"] = (f"the rank's shard (hidden {hidden}, intermediate {config.intermediate // tp}) "
                                     f"holds no whole {FP8_BLOCK} x {FP8_BLOCK} blocks")
+            if column.shared and why_no_shared(column, config):
+                entry["why_not"] = why_no_shared(column, config)
             if "why_not" in entry:
                 continue
             try:
@@ -702,7 +772,9 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     for name, column_rounds in timings.items():
         entry = figures[name]
         entry.update(timing.summarize(column_rounds))
-        entry["floor_fraction"] = (fp8_floor_us if COLUMNS_BY_NAME[name].fp8 else floor_us) / entry["us"]
+        column = COLUMNS_BY_NAME[name]
+        entry["floor_fraction"] = (fp8_floor_us if column.fp8 else shared_floor_us if column.shared
+                                   else floor_us) / entry["us"]
         if "ours" in timings and name != "ours":
             entry["over_ours"] = timing.paired_ratio(column_rounds, timings["ours"])
     figures["floor"] = {"us": floor_us, "what": "the active experts' weight bytes at the measured HBM bandwidth",
@@ -711,6 +783,11 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
         figures["floor_fp8"] = {"us": fp8_floor_us, "bytes": mean_active * fp8_expert_bytes(config, tp),
                                 "bytes_per_s": bandwidth,
                                 "what": "the active experts' e4m3 weights and scales at the measured HBM bandwidth"}
+    if any(column.shared for column in columns) and config.shared:
+        figures["floor_shared"] = {"us": shared_floor_us, "bytes": active_bytes + shared_expert_bytes(config, tp),
+                                   "bytes_per_s": bandwidth,
+                                   "what": "the active experts' and the shared expert's weight bytes at the measured "
+                                           "HBM bandwidth"}
     result["columns"] = figures
     result["checked_against"] = next(iter(outputs), None)
     result["elapsed_s"] = time.perf_counter() - start
@@ -808,10 +885,11 @@ def plot(paths, png):
                 elif any(name in r["columns"] for r in cases):
                     without.append(name)
             axis.plot([r["m"] for r in cases], [r["columns"]["floor"]["us"] for r in cases], "k--", label="floor")
-            fp8_cases = [r for r in cases if "floor_fp8" in r["columns"]]
-            if fp8_cases:
-                axis.plot([r["m"] for r in fp8_cases], [r["columns"]["floor_fp8"]["us"] for r in fp8_cases], "k:",
-                          label="floor_fp8")
+            for floor, style in (("floor_fp8", "k:"), ("floor_shared", "k-.")):
+                floor_cases = [r for r in cases if floor in r["columns"]]
+                if floor_cases:
+                    axis.plot([r["m"] for r in floor_cases], [r["columns"][floor]["us"] for r in floor_cases], style,
+                              label=floor)
             axis.set_xscale("log", base=2)
             axis.set_xticks([r["m"] for r in cases], [str(r["m"]) for r in cases])
             axis.set_yscale("log")
@@ -894,7 +972,7 @@ def cudnn_version():
 
 def print_case(r):
     cells = []
-    for name in (*COLUMN_NAMES, "floor", "floor_fp8"):
+    for name in (*COLUMN_NAMES, "floor", "floor_fp8", "floor_shared"):
         entry = r["columns"].get(name)
         if entry is not None:
             cells.append(f"{name} {entry['us']:.1f}" if "us" in entry else f"{name} -")

@@ -35,14 +35,15 @@ MIN_PASS_MB = 0.2  # two layers at both tps: small programs, quick to compile
 # On CPU the kernels, JAX's Pallas Triton lowering, cuDNN, XLA's Triton emitter and tokamax's GPU
 # kernels cannot run.
 TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather", "ours_fp8", "ours_fp8_prepared", "gather_fp8",
-                "ours_fp8_tokens_prepared")
+                "ours_fp8_tokens_prepared", "ours_shared_prepared", "ours_prepared_xla_shared")
 
 
 @pytest.mark.parametrize("name", TIMED_ON_CPU)
 def test_chain_keeps_every_layer_in_the_timed_loop(name):
     """Each layer's sort (the expert order; the gather route's distinct experts, where it gathers)
-    and its two GEMMs are in the loop body and nothing of them before it: the tie to the
-    previous layer's output keeps XLA from hoisting a layer."""
+    and its two GEMMs (four with the shared expert's) are in the loop body and nothing of them
+    before it: the tie to the previous layer's output keeps XLA from hoisting a layer, or
+    dropping a layer's shared rows."""
     args = types.SimpleNamespace(ours_impl="auto", seed=0, min_pass_mb=1e9, cpu=True, columns=[name])
     config = bench.shape_config(args, SHAPE)
     layers, m, tp = 3, 2, 1
@@ -51,11 +52,13 @@ def test_chain_keeps_every_layer_in_the_timed_loop(name):
     with jax.default_device(jax.devices("cpu")[0]):
         xs, ids, _ = bench.case_routing(args, config, tp, m, layers)
         inputs = (bench.draw_weights(args, config, tp, layers), xs, ids, jnp.zeros((), jnp.float32),
-                  jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16))
+                  (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16),
+                   jnp.zeros((m, config.hidden), jnp.bfloat16)))
         compiled, _ = bench.compile_column(column, args, config.top_k, layers, inputs)
     inside, outside = hlo_text.loop_body_opcodes(compiled.as_text())
     sorts = layers if column.route != "gather" or experts_gather.gather_slots(m, config.top_k, config.experts)[1] else 0
-    assert {op: inside.get(op, 0) for op in ("sort", "dot")} == {"sort": sorts, "dot": 2 * layers}, inside
+    dots = (4 if column.shared else 2) * layers
+    assert {op: inside.get(op, 0) for op in ("sort", "dot")} == {"sort": sorts, "dot": dots}, inside
     assert not {op: outside[op] for op in ("sort", "dot", "gather", "scatter") if op in outside}, outside
 
 
@@ -80,7 +83,7 @@ def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
     assert [(r["shape"], r["tp"], r["m"]) for r in data["results"]] == [(SHAPE, tp, M) for tp in TPS]
     for r in data["results"]:
         what = f"{r['shape']} tp={r['tp']}"
-        assert set(r["columns"]) == {*bench.COLUMN_NAMES, "floor", "floor_fp8"}, what
+        assert set(r["columns"]) == {*bench.COLUMN_NAMES, "floor", "floor_fp8", "floor_shared"}, what
         for name in bench.COLUMN_NAMES:
             entry = r["columns"][name]
             if name not in TIMED_ON_CPU:
@@ -90,7 +93,9 @@ def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
             assert all(math.isfinite(entry[field]) for field in ("us", "p10", "p90")), (what, name)
             assert entry["p10"] <= entry["us"] <= entry["p90"], (what, name)
             assert entry["iterations"][0] < entry["iterations"][1], (what, name)
-            floor = "floor_fp8" if bench.COLUMNS_BY_NAME[name].fp8 else "floor"
+            column = bench.COLUMNS_BY_NAME[name]
+            floor = "floor_fp8" if column.fp8 else "floor_shared" if column.shared else "floor"
+            assert not column.shared or entry["shared_relative_difference"] <= bench.MAX_DIFFERENCE, (what, name)
             assert entry["floor_fraction"] == pytest.approx(r["columns"][floor]["us"] / entry["us"]), (what, name)
             if name != "ours":
                 ratio = entry["over_ours"]
@@ -147,6 +152,11 @@ def test_cpu_run_floor_and_active_experts_follow_the_routing(cpu_run):
         fp8_floor = r["columns"]["floor_fp8"]
         assert fp8_floor["bytes"] == pytest.approx(active["mean"] * (r["expert_bytes"] / 2 + 4 * blocks)), what
         assert fp8_floor["us"] == pytest.approx(fp8_floor["bytes"] / bandwidth * 1e6), what
+        # The shared expert's bytes, once per call.
+        shared_floor = r["columns"]["floor_shared"]
+        shared_bytes = 3 * r["hidden"] * (config.shared_intermediate // r["tp"]) * 2
+        assert shared_floor["bytes"] == pytest.approx(r["active_bytes_per_call"] + shared_bytes), what
+        assert shared_floor["us"] == pytest.approx(shared_floor["bytes"] / bandwidth * 1e6), what
 
 
 def test_plot_writes_a_png(cpu_run, tmp_path):
