@@ -110,10 +110,11 @@ class MoEConfig:
 
     def weight_bytes(self, tp: int, prepared: bool = False) -> int:
         """Bytes of one layer's parameters on each rank (``prepared``: with the experts' weights
-        held twice, `init_params`'s prepared copy)."""
+        held twice, `init_params`'s prepared copy, the shared expert's too where it holds it)."""
         router = self.hidden * self.experts * 4 + (self.experts * 4 if self.router == "sigmoid-grouped" else 0)
         experts = self.experts * self.expert_bytes(tp) * (2 if prepared else 1)
-        return experts + self.shared_bytes(tp) + router + self.hidden * 2
+        shared = self.shared_bytes(tp) * (2 if prepared and holds_shared(self) else 1)
+        return experts + shared + router + self.hidden * 2
 
     def expert_bytes(self, tp: int) -> int:
         """Bytes of one routed expert's gate, up and down slices on each rank."""

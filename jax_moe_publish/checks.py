@@ -249,8 +249,6 @@ class ExpertsShape(NamedTuple):
     fp8_tokens: bool = False
     """With `fp8_weights`, x is a `BlockScaled` of 1 x `FP8_BLOCK` blocks (a scale per token
     and 128 channels): what the kernels with e4m3 tokens take."""
-    shared: bool = False
-    """The call computes a shared expert too (given, or held by the `PreparedExperts`)."""
     prepared_shared: bool = False
     """The `PreparedExperts` holds the shared expert after the routed ones (``experts`` does
     not count it)."""
@@ -312,8 +310,7 @@ def check_expert_arrays(x, expert_ids, gate_up, down, shared=None) -> ExpertsSha
     fp8_tokens = e4m3_weights and scaled and x.block == (1, FP8_BLOCK)
     fp8_weights = e4m3_weights and (not scaled or fp8_tokens)
     return ExpertsShape(m, top_k, experts - prepared_shared, hidden, intermediate, fused,
-                        scaled or weights_scaled, tiling, fp8_weights, fp8_tokens,
-                        shared is not None or prepared_shared, prepared_shared)
+                        scaled or weights_scaled, tiling, fp8_weights, fp8_tokens, prepared_shared)
 
 
 def check_expert_weights(gate_up, down, *, hidden: int | None = None, hidden_from: str = "",

@@ -64,13 +64,6 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         (`prepare_experts`), with ``down`` left out: the kernels read it in whole blocks.
     down : bf16 [experts, intermediate, hidden]
         Down projections (MaxText's ``wo``).
-    shared : a pair ``(gate_up, down)``, optional
-        The shared expert, which every token uses: ``gate_up`` bf16 [hidden, 2 * I_shared] or
-        ``(gate, up)`` of [hidden, I_shared], ``down`` [I_shared, hidden] (this rank's slices,
-        like the routed experts'). Its rows come out as a second result through XLA's GEMMs
-        (`reference.shared_expert`). The kernels compute it as one more expert, beside the
-        routed ones in one pass over the weights, where `prepare_experts` holds it
-        (``prepare_experts(gate_up, down, shared=...)``; then leave this None).
 
         Each of ``x`` and the weights may instead be a `BlockScaled` FP8 array of its shape
         (e4m3 values, a float32 scale per block: DeepSeek-V3's weights with their 128 x 128
@@ -81,9 +74,17 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         ``x`` bf16 or e4m3 of 1 x 128 blocks (a scale per token and 128 channels): each e4m3
         value widened to bf16 exactly, each 16-row K step's float32 sums times its weight
         block's scale (and its token's) added up (`ExpertsConfig.fp8_weights`, ``fp8_tokens``).
+    shared : a pair ``(gate_up, down)``, optional
+        The shared expert, which every token uses: ``gate_up`` bf16 [hidden, 2 * I_shared] or
+        ``(gate, up)`` of [hidden, I_shared], ``down`` [I_shared, hidden] (this rank's slices,
+        like the routed experts'; each may be a `BlockScaled`, as they may). Its rows come out as a second result through XLA's GEMMs
+        (`reference.shared_expert`). The kernels compute it as one more expert, beside the
+        routed ones in one pass over the weights, where `prepare_experts` holds it
+        (``prepare_experts(gate_up, down, shared=...)``; then leave this None).
     impl : {"auto", "kernel", "gather", "reference"}
         ``kernel``: the kernels, on CUDA devices, where they take the shape (hidden a multiple
-        of 32, intermediate of 16, ``m * top_k <= 8192``, at most 1024 experts and top-64);
+        of 32, intermediate of 16, ``m * top_k <= 8192`` (``m * (top_k + 1)`` with a held
+        shared expert), at most 1024 experts and top-64);
         it raises elsewhere. ``gather``: pure JAX on any platform, the active experts' weights
         gathered by XLA and two batched GEMMs over every token (`experts_gather`; the same
         roundings, intermediates of ``min(m * top_k, experts) * m`` rows: a decode route).

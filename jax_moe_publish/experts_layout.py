@@ -46,12 +46,12 @@ class PreparedExperts:
     """The experts' weights in the tiled order of `tiling` (`prepare_experts`): ``gate_up``
     ``[experts, hidden, 2 * intermediate]`` (gate and up, as the fused array), ``down``
     ``[experts, intermediate, hidden]``, both bf16 or both `BlockScaled` e4m3 (the values
-    tiled, the scales as they were). A pytree of the arrays (`tiling` is static): it passes
-    through ``jit`` and ``shard_map``. A rank prepares its own slices (`prepare_experts` inside
-    ``shard_map``): the arrays' specs over I (gate_up's last axis, down's middle one), as a
-    `PreparedExperts` of two specs with the rank's `tiling`, then keep each rank's tiled block
-    whole. With `shared` the arrays hold one more expert after the routed ones: the shared
-    expert, which every token uses."""
+    tiled, the scales as they were). With `shared` the arrays hold one more expert after the
+    routed ones: the shared expert, which every token uses. A pytree of the arrays (`tiling`
+    and `shared` are static): it passes through ``jit`` and ``shard_map``. A rank prepares its
+    own slices (`prepare_experts` inside ``shard_map``): the arrays' specs over I (gate_up's last
+    axis, down's middle one), as a `PreparedExperts` of two specs with the rank's `tiling` and
+    `shared`, then keep each rank's tiled block whole."""
 
     gate_up: jax.Array
     down: jax.Array

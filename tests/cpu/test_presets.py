@@ -52,5 +52,5 @@ def test_the_model_presets_hold_the_experts_op_s_configs():
                 tiling = Tiling.of(experts._default_config(shape))
                 for held in (False, True) if shared else (False,):
                     prepared = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, True, tiling=tiling,
-                                                   shared=held, prepared_shared=held)
+                                                   prepared_shared=held)
                     assert experts._default_config(prepared) in built, (hidden, intermediate, tp, "prepared", held)
