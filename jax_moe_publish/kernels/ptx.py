@@ -400,16 +400,23 @@ def f32x4_to_e4m3x4(v0, v1, v2, v3, *, loc=None, ip=None) -> Uint32:
     return Uint32(_asm(T.i32(), operands, text, "=r,f,f,f,f", side_effects=False, loc=loc, ip=ip))
 
 
+def _widen_e4m3x2(source: str, out: str, tag: str = "") -> tuple[str, str]:
+    """PTX that widens the two float8_e4m3fn in the b16 register ``source`` (byte 0 low) to a
+    bf16x2 word in ``out``: exact, since every e4m3 value is a bf16 value, through float16 and
+    float32 (both exact for e4m3; a NaN stays a NaN). ``(declarations, instructions)``, its
+    registers named with ``tag``."""
+    h0, h1, p, f0, f1 = (f"{name}{tag}" for name in ("h0", "h1", "p", "f0", "f1"))
+    return (f".reg .b16 {h0}, {h1};\n.reg .b32 {p};\n.reg .f32 {f0}, {f1};\n",
+            f"cvt.rn.f16x2.e4m3x2 {p}, {source};\nmov.b32 {{{h0}, {h1}}}, {p};\n"
+            f"cvt.f32.f16 {f0}, {h0};\ncvt.f32.f16 {f1}, {h1};\ncvt.rn.bf16x2.f32 {out}, {f1}, {f0};\n")
+
+
 @dsl_user_op
 def e4m3x4_to_bf16x4(word, *, loc=None, ip=None) -> list:
-    """The four float8_e4m3fn of a word widened to bf16 (exact: every e4m3 value is one) and
-    packed as two words: bytes 0 and 1 in the first (byte 0 in its low half), 2 and 3 in the
-    second. Through float16 and float32, both exact for e4m3; a NaN stays a NaN."""
-    text = ("{\n.reg .b16 lo, hi, h0, h1, h2, h3;\n.reg .b32 p, q;\n.reg .f32 f0, f1, f2, f3;\n"
-            "mov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 p, lo;\ncvt.rn.f16x2.e4m3x2 q, hi;\n"
-            "mov.b32 {h0, h1}, p;\nmov.b32 {h2, h3}, q;\n"
-            "cvt.f32.f16 f0, h0;\ncvt.f32.f16 f1, h1;\ncvt.f32.f16 f2, h2;\ncvt.f32.f16 f3, h3;\n"
-            "cvt.rn.bf16x2.f32 $0, f1, f0;\ncvt.rn.bf16x2.f32 $1, f3, f2;\n}")
+    """The four float8_e4m3fn of a word widened to bf16 (`_widen_e4m3x2`) and packed as two
+    words: bytes 0 and 1 in the first (byte 0 in its low half), 2 and 3 in the second."""
+    (low_declared, low), (high_declared, high) = _widen_e4m3x2("lo", "$0", "a"), _widen_e4m3x2("hi", "$1", "b")
+    text = "{\n.reg .b16 lo, hi;\n" + low_declared + high_declared + "mov.b32 {lo, hi}, $2;\n" + low + high + "}"
     struct = llvm.StructType.get_literal([T.i32()] * 2)
     result = _asm(struct, [Uint32(word).ir_value(loc=loc, ip=ip)], text, "=r,=r,r", side_effects=False, loc=loc,
                   ip=ip)
@@ -464,18 +471,13 @@ def load_u32(address: Int64, *, predicate=None, cached: bool = False, loc=None, 
     )
 
 
-_E4M3X2_TO_BF16X2 = ("cvt.rn.f16x2.e4m3x2 p, h;\nmov.b32 {h0, h1}, p;\n"
-                     "cvt.f32.f16 f0, h0;\ncvt.f32.f16 f1, h1;\ncvt.rn.bf16x2.f32 $0, f1, f0;\n")
-"""Two e4m3 in ``h`` (byte 0 low) widened to a bf16x2 word in ``$0`` (exact, as `e4m3x4_to_bf16x4`)."""
-_E4M3X2_REGISTERS = ".reg .b16 h, h0, h1;\n.reg .b32 p;\n.reg .f32 f0, f1;\n"
-
-
 @dsl_user_op
 def load_e4m3x2_as_bf16x2(address: Int64, *, predicate=None, loc=None, ip=None) -> Uint32:
     """Non-coherent load of two e4m3 (2 bytes) of read-only input, widened to a bf16x2 word
     (the first in its low half); 0 without access where ``predicate`` (an Int32) is 0."""
-    text = ("{\n.reg .pred q;\n" + _E4M3X2_REGISTERS + "setp.ne.s32 q, $2, 0;\nmov.b16 h, 0;\n"
-            "@q ld.global.nc.u16 h, [$1];\n" + _E4M3X2_TO_BF16X2 + "}")
+    declared, widen = _widen_e4m3x2("h", "$0")
+    text = ("{\n.reg .pred q;\n.reg .b16 h;\n" + declared + "setp.ne.s32 q, $2, 0;\nmov.b16 h, 0;\n"
+            "@q ld.global.nc.u16 h, [$1];\n" + widen + "}")
     one = Int32(1) if predicate is None else Int32(predicate)
     return Uint32(
         _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), one.ir_value(loc=loc, ip=ip)], text, "=r,l,r",
@@ -486,7 +488,8 @@ def load_e4m3x2_as_bf16x2(address: Int64, *, predicate=None, loc=None, ip=None) 
 @dsl_user_op
 def load_shared_e4m3x2_as_bf16x2(address, *, loc=None, ip=None) -> Uint32:
     """Load of two e4m3 (2 bytes) at the 32-bit shared ``address``, widened to a bf16x2 word."""
-    text = "{\n" + _E4M3X2_REGISTERS + "ld.shared.u16 h, [$1];\n" + _E4M3X2_TO_BF16X2 + "}"
+    declared, widen = _widen_e4m3x2("h", "$0")
+    text = "{\n.reg .b16 h;\n" + declared + "ld.shared.u16 h, [$1];\n" + widen + "}"
     return Uint32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip)], text, "=r,r", side_effects=True,
                        loc=loc, ip=ip))
 
