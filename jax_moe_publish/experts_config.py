@@ -48,7 +48,7 @@ _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gat
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
 _BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "tiled_weights", "fp8_weights",
-                "fp8_tokens", "shared_expert", "enable_pdl")
+                "fp8_tokens", "shared_expert", "early_down", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -259,6 +259,12 @@ class ExpertsConfig:
         every token uses: its rows are a second result, ``shared`` ``[m, hidden]``. The
         kernels treat it as one more group of ``m`` pairs (`pairs_per_token`), scheduled
         before the routed experts.
+    early_down : bool
+        The down kernel launches while gate/up runs its last work items (each gate/up CTA lets it
+        launch as it starts its last), builds its routing and prefetches its first item's
+        weights into L2 (one bulk prefetch: the item is one block in the tiled order), then
+        waits for the activations: its start and first reads overlap gate/up's tail. Needs
+        ``tiled_weights`` and ``enable_pdl``; an experiment, not chosen by `for_shape`.
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
@@ -287,6 +293,7 @@ class ExpertsConfig:
     fp8_weights: bool = False
     fp8_tokens: bool = False
     shared_expert: bool = False
+    early_down: bool = False
     enable_pdl: bool = True
     arch: str = "sm_90a"
 
@@ -310,6 +317,8 @@ class ExpertsConfig:
         _require(self.gate_up_split_k in SPLIT_K, "gate_up_split_k", self.gate_up_split_k, f"one of {SPLIT_K}")
         _require(self.fused_gate_up or not self.tiled_weights, "fused_gate_up", self.fused_gate_up,
                  "True with tiled_weights (the tiled gate and up are one array)")
+        _require(not self.early_down or (self.tiled_weights and self.enable_pdl), "early_down", self.early_down,
+                 "False without tiled_weights and enable_pdl (it prefetches whole tiled items while gate/up runs)")
         _require(self.fp8_weights or not self.fp8_tokens, "fp8_tokens", self.fp8_tokens,
                  "False without fp8_weights (e4m3 tokens go with e4m3 weights)")
         if self.fp8_weights:
@@ -417,7 +426,7 @@ class ExpertsConfig:
         fields = self.to_dict()
         for name, default in (("gate_up_split_k", 1), ("gate_up_async_loads", False), ("down_async_loads", False),
                               ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False),
-                              ("shared_expert", False)):
+                              ("shared_expert", False), ("early_down", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

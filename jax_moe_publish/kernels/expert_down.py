@@ -99,8 +99,10 @@ class ExpertDownKernel:
         sReduction = self.tiles.allocate_reduction()
         sRing = self.tiles.allocate_ring()
         rAcc = self.tiles.make_accumulators()
-        if cutlass.const_expr(cfg.enable_pdl):
+        if cutlass.const_expr(cfg.enable_pdl and not cfg.early_down):
             cute.arch.griddepcontrol_wait()
+        # early_down: the ids are the input of gate/up, whose predecessor had finished before
+        # gate/up let this kernel launch; only the activations need the wait.
         self.routing.build(tables, expert_ids, m, tidx)
         sCount, sStart, _, sActive, sTotals, sPairs = tables
         warp, lane = tidx // WARP, tidx % WARP
@@ -114,6 +116,12 @@ class ExpertDownKernel:
         activation_row_bytes = cfg.intermediate * BF16_BYTES
         out_row_bytes = cfg.hidden * BF16_BYTES
         items = sTotals[ACTIVE] * s.items_per_expert
+        if cutlass.const_expr(cfg.early_down):
+            # While gate/up runs its last items: this CTA's first item into L2, then the wait.
+            if (tidx == 0) & (block < items):
+                first = down + Int64(sActive[block // s.items_per_expert]) * expert_bytes
+                ptx.prefetch_l2(first + Int64(block % s.items_per_expert) * s.tile_item_bytes, s.tile_item_bytes)
+            cute.arch.griddepcontrol_wait()
         for item in cutlass.range(block, items, grid):
             expert = sActive[item // s.items_per_expert]
             column = (item % s.items_per_expert) * s.item_columns + lane_column

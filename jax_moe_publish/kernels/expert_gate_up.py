@@ -201,6 +201,10 @@ class ExpertGateUpKernel:
             token_scales = x_scales + (k_begin // FP8_BLOCK) * SCALE_BYTES
         items = sTotals[ACTIVE] * s.items_per_expert
         for item in cutlass.range(cluster, items, clusters):
+            if cutlass.const_expr(cfg.early_down):
+                if item + clusters >= items:
+                    # This CTA's last item: the down kernel may launch, and read ahead, meanwhile.
+                    cute.arch.griddepcontrol_launch_dependents()
             expert = sActive[item // s.items_per_expert]
             column = (item % s.items_per_expert) * s.item_columns + lane_column
             start, count = sStart[expert], sCount[expert]

@@ -424,6 +424,14 @@ def e4m3x4_to_bf16x4(word, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
+def prefetch_l2(address: Int64, nbytes, *, loc=None, ip=None) -> None:
+    """Have ``nbytes`` (a multiple of 16) from the 16-byte aligned global ``address`` brought
+    into L2 (``cp.async.bulk.prefetch``): one instruction, no register, nothing to wait for."""
+    _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+         "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def store_f32(address: Int64, value, *, loc=None, ip=None) -> None:
     """Store of one float32."""
     _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],

@@ -225,6 +225,11 @@ EXPERTS_VARIANTS = (
     ((7168, 256, 32, 8, True), dict(shared_expert=True, fp8_weights=True, tiled_weights=True)),
     ((7168, 256, 32, 8, True), dict(shared_expert=True, fp8_weights=True, fp8_tokens=True, tiled_weights=True,
                                     **RING, token_tiles=1)),
+    # Down launched early (`early_down`: its routing and an L2 prefetch while gate/up finishes):
+    # bf16, e4m3 weights, and with the shared expert.
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True, early_down=True)),
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, tiled_weights=True, early_down=True)),
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, early_down=True)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

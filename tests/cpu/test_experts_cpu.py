@@ -463,3 +463,15 @@ def test_the_table_script_writes_what_the_runs_give(tmp_path):
     assert written["comment"] == "kept" and written["runs"] == [str(run)]
     assert [experts_tuning.ExpertsChoice(**entry) for entry in written["entries"]] == \
         experts_tuning.measured_entries([run])
+
+
+@pytest.mark.parametrize("changes", [dict(early_down=True), dict(early_down=True, tiled_weights=True, enable_pdl=False)])
+def test_an_early_down_without_its_needs_is_named(changes):
+    """``early_down`` prefetches whole tiled items while gate/up runs, under PDL."""
+    base = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=32, top_k=8)
+    with pytest.raises(ValueError, match=r"ExpertsConfig.early_down=True: expected False without tiled_weights and "
+                                         r"enable_pdl"):
+        base.replace(**changes)
+    early = base.replace(tiled_weights=True, early_down=True)
+    assert early.key != base.replace(tiled_weights=True).key
+    assert early.shared_bytes("down") == base.shared_bytes("down")
