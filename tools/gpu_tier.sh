@@ -8,7 +8,7 @@
 # 2: the op and mesh tests as rank processes; 3: the tp = 8 epilogue harness alone (beside
 # part 1's four it ran past 10 minutes; alone it takes about 6.5), derivatives, multi-process; 4: the kernel and
 # epilogue files' JAX-level tests as rank processes, then faults, the harness's and the public API's; 5: the
-# experts op, in five steps side by side (its 36 kernel configs take 4-8 s per harness test at the
+# experts op, in five steps side by side (its 40 kernel configs take 4-8 s per harness test at the
 # DeepSeek-V3 shard, 20-32 s per test through JAX, and its e4m3 and shared-expert configs about 35 s
 # each, mostly the host's float64 model: one after the other they outgrow a call).
 # Rank-process tests never run beside other processes: their kernels starved the harness's
