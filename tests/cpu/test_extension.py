@@ -90,14 +90,17 @@ def _call(epilogue=False, weights="bf16", shared="m", out_rows="m", **changes) -
     return call
 
 
-def _experts_call(fused=True, **changes) -> dict:
-    """An experts set's call record, written out by hand."""
-    weights = ([_operand("gate_up", "arg", "bf16", None, EXPERTS, HIDDEN, 2 * INTERMEDIATE)] if fused else
-               [_operand(name, "arg", "bf16", None, EXPERTS, HIDDEN, INTERMEDIATE) for name in ("gate", "up")])
+def _experts_call(fused=True, shared=False, **changes) -> dict:
+    """An experts set's call record, written out by hand; ``shared``: its weights hold the shared
+    expert after the routed ones."""
+    count = EXPERTS + int(shared)
+    weights = ([_operand("gate_up", "arg", "bf16", None, count, HIDDEN, 2 * INTERMEDIATE)] if fused else
+               [_operand(name, "arg", "bf16", None, count, HIDDEN, INTERMEDIATE) for name in ("gate", "up")])
     operands = [_operand("x", "arg", "bf16", "m", HIDDEN), _operand("expert_ids", "arg", "s32", "m", TOP_K),
-                *weights, _operand("down", "arg", "bf16", None, EXPERTS, INTERMEDIATE, HIDDEN),
+                *weights, _operand("down", "arg", "bf16", None, count, INTERMEDIATE, HIDDEN),
                 _operand("out", "ret", "bf16", "pairs", HIDDEN),
-                _operand("activations", "ret", "bf16", "pairs", INTERMEDIATE)]
+                *([_operand("shared", "ret", "bf16", "m", HIDDEN)] if shared else []),
+                _operand("activations", "ret", "bf16", "m", TOP_K + int(shared), INTERMEDIATE)]
     call = {"target": "jax_moe_publish_experts", "tp": 1, "hidden": HIDDEN, "top_k": TOP_K, "max_m": 1024,
             "pdl": True, "operands": operands}
     call.update(changes)
@@ -235,6 +238,12 @@ def test_valid_experts_sets_validate(fused):
     _extension.validate_kernel_set(_experts_kernels(fused), _experts_call(fused=fused))
 
 
+def test_a_shared_expert_set_validates():
+    """Down's shared role takes the shared rows, a result of the call."""
+    _extension.validate_kernel_set([_kernel("expert_gate_up"), _kernel("expert_down_shared")],
+                                   _experts_call(shared=True))
+
+
 @pytest.mark.skipif(_libcuda_loadable(), reason="libcuda.so.1 is present on this machine")
 @pytest.mark.parametrize("tp, roles, call", VALID_SETS)
 def test_valid_kernel_sets_reach_the_driver(tp, roles, call):
@@ -262,10 +271,10 @@ def test_the_hand_written_call_records_are_the_compile_step_s():
     assert _call(epilogue=True, weights="f32", shared="zero", out_rows="owned")["operands"] == _abi.call_operands(config)
     assert _call()["operands"] == _abi.call_operands(config.replace(algorithm="oneshot", epilogue="none",
                                                                     include_shared_expert=True, fp32_weights=False))
-    for fused in (True, False):
+    for fused, shared in ((True, False), (False, False), (True, True)):
         experts = ExpertsConfig.for_shape(hidden=HIDDEN, intermediate=INTERMEDIATE, experts=EXPERTS, top_k=TOP_K,
-                                          fused_gate_up=fused)
-        assert _experts_call(fused=fused, max_m=experts.max_m) == call_record(experts)
+                                          fused_gate_up=fused, shared_expert=shared)
+        assert _experts_call(fused=fused, shared=shared, max_m=experts.max_m) == call_record(experts)
 
 
 def _validate(kernels, call):
