@@ -919,24 +919,23 @@ def default_out(args, gpu):
 
 
 def ours_configs(args):
-    """The `jmp.ExpertsConfig` of every selected shape, tp and weight layout that a column reads
-    (`weight_layouts`: the op's default for the shape, its tiled twin for `jmp.prepare_experts`'s
-    weights; e4m3 where the shard holds whole blocks, with e4m3 tokens where a column has them)."""
+    """The `jmp.ExpertsConfig` of every selected column of ours at every selected shape and tp
+    where the column runs: the op's default for the shape, its tiled twin for
+    `jmp.prepare_experts`'s weights, e4m3 weights or tokens, the shared expert held."""
     configs = []
     for name in args.shapes:
-        config = SHAPES[name]
+        config = shape_config(args, name)
         for tp in args.tp:
-            layouts = [(fp8, prepared, False) for fp8, prepared in sorted(weight_layouts(args))]
-            if any(column.fp8_tokens for column in COLUMNS if column.name in args.columns):
-                layouts.append((True, True, True))
-            for fp8, prepared, fp8_tokens in layouts:
-                if fp8 and not holds_fp8_blocks(config, tp):
+            for column in COLUMNS:
+                if column.route != "ours" or column.name not in args.columns:
+                    continue
+                if (column.fp8 and not holds_fp8_blocks(config, tp)) or (column.shared and why_no_shared(column, config)):
                     continue
                 ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
-                                                   experts=config.experts, top_k=config.top_k, fp8_weights=fp8,
-                                                   fp8_tokens=fp8_tokens)
-                configs.append(ours.replace(tiled_weights=prepared))
-    return configs
+                                                   experts=config.experts, top_k=config.top_k, fp8_weights=column.fp8,
+                                                   fp8_tokens=column.fp8_tokens, shared_expert=column.shared == "held")
+                configs.append(ours.replace(tiled_weights=column.prepared))
+    return list(dict.fromkeys(configs))
 
 
 def build_kernels_command(args):

@@ -24,6 +24,7 @@ import bench_moe_experts as bench
 import hlo_text
 
 import jax_moe_publish as jmp
+from experts_stand_in import stood_in  # noqa: F401 - the fixture
 from jax_moe_publish import experts_gather
 
 BENCHMARK = BENCHMARKS / "bench_moe_experts.py"
@@ -34,6 +35,7 @@ SEED = 5
 MIN_PASS_MB = 0.2  # two layers at both tps: small programs, quick to compile
 # On CPU the kernels, JAX's Pallas Triton lowering, cuDNN, XLA's Triton emitter and tokamax's GPU
 # kernels cannot run.
+OURS = tuple(column.name for column in bench.COLUMNS if column.route == "ours")
 TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather", "ours_fp8", "ours_fp8_prepared", "gather_fp8",
                 "ours_fp8_tokens_prepared", "ours_shared_prepared", "ours_prepared_xla_shared")
 
@@ -72,6 +74,30 @@ def cpu_run(tmp_path_factory):
                          check=False, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
     return out, json.loads(out.read_text())
+
+
+def test_the_kernels_built_are_those_ours_columns_load(stood_in):
+    """``--build-kernels`` (`bench.ours_configs`) builds every config that ours' columns load
+    when their chains are traced, and no other."""
+    args = types.SimpleNamespace(ours_impl=bench.OURS_IMPLS["gpu"], seed=0, min_pass_mb=1e9, cpu=True,
+                                 columns=list(OURS), shapes=[SHAPE], tp=list(TPS))
+    layers, m = 2, 2
+    config = bench.shape_config(args, SHAPE)
+    with jax.default_device(jax.devices("cpu")[0]):
+        for tp in TPS:
+            xs, ids, _ = bench.case_routing(args, config, tp, m, layers)
+            weights = bench.draw_weights(args, config, tp, layers)
+            for column in bench.COLUMNS:
+                if column.name in OURS:
+                    inputs = (weights, xs, ids, jnp.zeros((), jnp.float32),
+                              (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16),
+                               jnp.zeros((m, config.hidden), jnp.bfloat16)))
+                    bench.compile_column(column, args, config.top_k, layers, inputs)
+    loaded = {config for config, _ in stood_in}
+    assert {(c.fp8_weights, c.fp8_tokens, c.shared_expert, c.tiled_weights) for c in loaded} == {
+        (False, False, False, False), (False, False, False, True), (True, False, False, False),
+        (True, False, False, True), (True, True, False, True), (False, False, True, True)}
+    assert loaded == set(bench.ours_configs(args))
 
 
 def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
