@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole tests/gpu tier on one GPU, in five parts of at most 10 minutes each, at one commit
+# The whole tests/gpu tier on one GPU, in five parts (1 to 4 of at most 10 minutes each), at one commit
 # (docs/testing.md, "On the GPU machine"):
 #   bash tools/gpu_tier.sh 1|2|3|4|5 [LOG_DIR]  run one part, each step's output in LOG_DIR/STEP.log
 #   bash tools/gpu_tier.sh STEP[,STEP...] [LOG_DIR]  run the named steps one after the other
@@ -8,9 +8,9 @@
 # 2: the op and mesh tests as rank processes; 3: the tp = 8 epilogue harness alone (beside
 # part 1's four it ran past 10 minutes; alone it takes about 6.5), derivatives, multi-process; 4: the kernel and
 # epilogue files' JAX-level tests as rank processes, then faults, the harness's and the public API's; 5: the
-# experts op, in five steps side by side (its 40 kernel configs take 4-8 s per harness test at the
-# DeepSeek-V3 shard, 20-32 s per test through JAX, and its e4m3 and shared-expert configs about 35 s
-# each, mostly the host's float64 model: one after the other they outgrow a call).
+# experts op, its five steps one after the other; whole it outgrows a call, so run its steps by name, a few per
+# call. Side by side (as until 2026-12-05) none of the five finished in 520 s on one H200, while alone one of
+# its DeepSeek-V3-shard configs took 25-63 s per test.
 # Rank-process tests never run beside other processes: their kernels starved the harness's
 # (docs/testing.md). Each step is stopped after STEP_TIMEOUT_S (570) seconds; the part fails if a step does.
 set -euo pipefail
@@ -37,7 +37,7 @@ STEPS=(
     "5|experts-shared|-k|shared_expert|tests/gpu/test_experts_gpu.py"
 )
 # Parts whose steps run side by side; the others run their steps one after the other.
-SIDE_BY_SIDE=" 1 5 "
+SIDE_BY_SIDE=" 1 "
 
 arguments() {  # the gpu_check.sh arguments of a step: fields 3.. split on |, paths split on spaces
     local IFS='|'

@@ -379,10 +379,11 @@ def expected_rows_from(activations, inputs: ExpertsInputs):
     return exact, bound
 
 
-def expected_rows(inputs: ExpertsInputs):
+def expected_rows(inputs: ExpertsInputs, activations=None):
     """(float64 rows of the experts op, element-wise bound): `expected_activations` carried
-    through down with its bound, then `expected_rows_from`'s float32 sums and rounding."""
-    h, h_bound = expected_activations(inputs)
+    through down with its bound, then `expected_rows_from`'s float32 sums and rounding.
+    ``activations``: `expected_activations`' result where the caller has it."""
+    h, h_bound = expected_activations(inputs) if activations is None else activations
     exact, bound = expected_rows_from(h, inputs)
     pairs, _, ids = _valid_pairs(inputs)
     _, carried = _per_expert(h_bound[pairs], ids, inputs.down)
