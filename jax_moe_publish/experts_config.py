@@ -48,7 +48,7 @@ _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gat
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
 _BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "tiled_weights", "fp8_weights",
-                "fp8_tokens", "shared_expert", "early_down", "enable_pdl")
+                "fp8_tokens", "fp8_shift_widening", "shared_expert", "early_down", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -69,7 +69,8 @@ class GemmShape:
     are in the tiled order (`tiled_offset`), else in their ``[k, columns]`` rows; ``fp8``: the
     weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block, else bf16;
     ``fp8_tokens``: the tokens (B) are e4m3 with a float32 scale per token and `FP8_BLOCK` rows
-    of K, else bf16 (gate/up only: down's tokens are the activations)."""
+    of K, else bf16 (gate/up only: down's tokens are the activations); ``shift_widening``: e4m3
+    weights widened by `ptx.e4m3x4_to_bf16x4`'s exponent shift (`ExpertsConfig.fp8_shift_widening`)."""
 
     k: int
     columns: int
@@ -84,6 +85,7 @@ class GemmShape:
     tiled: bool = False
     fp8: bool = False
     fp8_tokens: bool = False
+    shift_widening: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -254,6 +256,12 @@ class ExpertsConfig:
         `FP8_BLOCK` channels (`BlockScaled` of ``(1, FP8_BLOCK)`` blocks: the epilogue's FP8
         out), widened to bf16 exactly; each K step's sums of a token are added times its
         weight block's scale and its own.
+    fp8_shift_widening : bool
+        With ``fp8_weights``: each e4m3 pair is widened with one conversion (to float16) and an
+        exponent shift to bf16 (integer operations and an exact bf16 multiply by 2**112),
+        instead of three conversions through float32: the same bf16 values, fewer instructions
+        on Hopper's conversion pipe, which bounds the e4m3 kernels. An e4m3 NaN weight then
+        reads as a finite value (checkpoints hold none). An experiment, not chosen by `for_shape`.
     shared_expert : bool
         The weight arrays hold one more expert after the routed ones, the shared expert, which
         every token uses: its rows are a second result, ``shared`` ``[m, hidden]``. The
@@ -292,6 +300,7 @@ class ExpertsConfig:
     tiled_weights: bool = False
     fp8_weights: bool = False
     fp8_tokens: bool = False
+    fp8_shift_widening: bool = False
     shared_expert: bool = False
     early_down: bool = False
     enable_pdl: bool = True
@@ -321,6 +330,8 @@ class ExpertsConfig:
                  "False without tiled_weights and enable_pdl (it prefetches whole tiled items while gate/up runs)")
         _require(self.fp8_weights or not self.fp8_tokens, "fp8_tokens", self.fp8_tokens,
                  "False without fp8_weights (e4m3 tokens go with e4m3 weights)")
+        _require(self.fp8_weights or not self.fp8_shift_widening, "fp8_shift_widening", self.fp8_shift_widening,
+                 "False without fp8_weights (it widens e4m3 weights)")
         if self.fp8_weights:
             for name in ("hidden", "intermediate"):
                 _require(getattr(self, name) % FP8_BLOCK == 0, name, getattr(self, name),
@@ -355,10 +366,11 @@ class ExpertsConfig:
         if role == "gate_up":
             return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
                              self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles, self.gate_up_split_k,
-                             self.gate_up_async_loads, self.tiled_weights, self.fp8_weights, self.fp8_tokens)
+                             self.gate_up_async_loads, self.tiled_weights, self.fp8_weights, self.fp8_tokens,
+                             self.fp8_shift_widening)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
                          self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.down_async_loads,
-                         self.tiled_weights, self.fp8_weights)
+                         self.tiled_weights, self.fp8_weights, shift_widening=self.fp8_shift_widening)
 
     def shared_bytes(self, role: str) -> int:
         """Dynamic shared memory of the ``gate_up`` or ``down`` kernel."""
@@ -426,7 +438,7 @@ class ExpertsConfig:
         fields = self.to_dict()
         for name, default in (("gate_up_split_k", 1), ("gate_up_async_loads", False), ("down_async_loads", False),
                               ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False),
-                              ("shared_expert", False), ("early_down", False)):
+                              ("shared_expert", False), ("early_down", False), ("fp8_shift_widening", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

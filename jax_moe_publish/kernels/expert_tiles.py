@@ -356,7 +356,7 @@ class ExpertTiles:
         e4m3 widened (`ptx.e4m3x4_to_bf16x4`)."""
         if not self.shape.fp8:
             return words
-        return [word for packed in words for word in ptx.e4m3x4_to_bf16x4(packed)]
+        return [word for packed in words for word in ptx.e4m3x4_to_bf16x4(packed, shift=self.shape.shift_widening)]
 
     @cute.jit
     def reduce(self, rAcc, sReduction, w_k, w_n, lane) -> None:

@@ -411,11 +411,25 @@ def _widen_e4m3x2(source: str, out: str, tag: str = "") -> tuple[str, str]:
             f"cvt.f32.f16 {f0}, {h0};\ncvt.f32.f16 {f1}, {h1};\ncvt.rn.bf16x2.f32 {out}, {f1}, {f0};\n")
 
 
+def _shift_widen_e4m3x2(source: str, out: str, tag: str = "") -> tuple[str, str]:
+    """`_widen_e4m3x2` with one conversion: e4m3 to float16 (every e4m3 value a normal float16
+    or zero), then each half's sign kept and its exponent and mantissa shifted right by 3 into
+    bf16's fields, which reads as the value times 2**-112 (a normal bf16, or zero), and an exact
+    bf16 multiply by 2**112. A NaN comes out finite."""
+    p, t, mask, scale = (f"{name}{tag}" for name in ("p", "t", "mask", "scale"))
+    return (f".reg .b32 {p}, {t}, {mask}, {scale};\n",
+            f"cvt.rn.f16x2.e4m3x2 {p}, {source};\nshr.u32 {t}, {p}, 3;\nand.b32 {t}, {t}, 0x0FFF0FFF;\n"
+            f"mov.b32 {mask}, 0x80008000;\nlop3.b32 {p}, {p}, {t}, {mask}, 0xEC;\n"  # (p & mask) | t
+            f"mov.b32 {scale}, 0x77807780;\nmul.rn.bf16x2 {out}, {p}, {scale};\n")  # 2**112 in each half
+
+
 @dsl_user_op
-def e4m3x4_to_bf16x4(word, *, loc=None, ip=None) -> list:
-    """The four float8_e4m3fn of a word widened to bf16 (`_widen_e4m3x2`) and packed as two
-    words: bytes 0 and 1 in the first (byte 0 in its low half), 2 and 3 in the second."""
-    (low_declared, low), (high_declared, high) = _widen_e4m3x2("lo", "$0", "a"), _widen_e4m3x2("hi", "$1", "b")
+def e4m3x4_to_bf16x4(word, *, shift: bool = False, loc=None, ip=None) -> list:
+    """The four float8_e4m3fn of a word widened to bf16 (`_widen_e4m3x2`, or with ``shift``
+    `_shift_widen_e4m3x2`) and packed as two words: bytes 0 and 1 in the first (byte 0 in its
+    low half), 2 and 3 in the second."""
+    widen = _shift_widen_e4m3x2 if shift else _widen_e4m3x2
+    (low_declared, low), (high_declared, high) = widen("lo", "$0", "a"), widen("hi", "$1", "b")
     text = "{\n.reg .b16 lo, hi;\n" + low_declared + high_declared + "mov.b32 {lo, hi}, $2;\n" + low + high + "}"
     struct = llvm.StructType.get_literal([T.i32()] * 2)
     result = _asm(struct, [Uint32(word).ir_value(loc=loc, ip=ip)], text, "=r,=r,r", side_effects=False, loc=loc,

@@ -230,6 +230,11 @@ EXPERTS_VARIANTS = (
     ((7168, 256, 32, 8, True), dict(tiled_weights=True, early_down=True)),
     ((7168, 256, 32, 8, True), dict(fp8_weights=True, tiled_weights=True, early_down=True)),
     ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, early_down=True)),
+    # e4m3 weights widened by the exponent shift (`fp8_shift_widening`): split rows in registers;
+    # the tiled order through the ring with e4m3 tokens.
+    ((7168, 256, 32, 8, False), dict(fp8_weights=True, fp8_shift_widening=True)),
+    ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True, fp8_shift_widening=True, tiled_weights=True,
+                                    **RING, token_tiles=1)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""
