@@ -48,7 +48,9 @@ MS = (1, 2, 7, 16, 17, 64, 130)
 
 
 def _id(config) -> str:
-    return config.key.removeprefix("experts-").replace("-sm_90a", "")
+    """The config's key, shortened, and whether its weights are in the tiled order (a word that
+    `tools/gpu_tier.sh` splits its steps by)."""
+    return config.key.removeprefix("experts-").replace("-sm_90a", "") + ("-tiled" if config.tiled_weights else "")
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=_id)
