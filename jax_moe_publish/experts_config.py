@@ -70,7 +70,7 @@ class GemmShape:
     weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block, else bf16;
     ``fp8_tokens``: the tokens (B) are e4m3 with a float32 scale per token and `FP8_BLOCK` rows
     of K, else bf16 (gate/up only: down's tokens are the activations); ``shift_widening``: e4m3
-    weights widened by `ptx.e4m3x4_to_bf16x4`'s exponent shift (`ExpertsConfig.fp8_shift_widening`)."""
+    weights (and tokens) widened by `ptx`'s exponent shift (`ExpertsConfig.fp8_shift_widening`)."""
 
     k: int
     columns: int
@@ -257,11 +257,13 @@ class ExpertsConfig:
         out), widened to bf16 exactly; each K step's sums of a token are added times its
         weight block's scale and its own.
     fp8_shift_widening : bool
-        With ``fp8_weights``: each e4m3 pair is widened with one conversion (to float16) and an
-        exponent shift to bf16 (integer operations and an exact bf16 multiply by 2**112),
-        instead of three conversions through float32: the same bf16 values, fewer instructions
-        on Hopper's conversion pipe, which bounds the e4m3 kernels. An e4m3 NaN weight then
-        reads as a finite value (checkpoints hold none). An experiment, not chosen by `for_shape`.
+        With ``fp8_weights``: each e4m3 pair (weights, and tokens with ``fp8_tokens``) is widened
+        with one conversion (to float16) and an exponent shift to bf16 (integer operations and
+        an exact bf16 multiply by 2**112), instead of three conversions through float32: the
+        same bf16 values, fewer instructions on Hopper's conversion pipe, which bounds the e4m3
+        kernels. An e4m3 NaN then reads as a finite value: a NaN weight (checkpoints hold none)
+        is lost; a token group holding a NaN or an infinity still gives non-finite rows,
+        through its scale (`reference.quantize_fp8`). An experiment, not chosen by `for_shape`.
     shared_expert : bool
         The weight arrays hold one more expert after the routed ones, the shared expert, which
         every token uses: its rows are a second result, ``shared`` ``[m, hidden]``. The

@@ -249,7 +249,8 @@ class ExpertTiles:
                 token_scales = []
                 for j in cutlass.range_constexpr(s.token_tiles):
                     b = stage + at.fp8_tokens + j * (MMA_TOKENS * MMA_K)
-                    b_words.append([ptx.load_shared_e4m3x2_as_bf16x2(b), ptx.load_shared_e4m3x2_as_bf16x2(b + 8)])
+                    b_words.append([ptx.load_shared_e4m3x2_as_bf16x2(b + offset, shift=s.shift_widening)
+                                    for offset in (0, 8)])
                     scales = stage + at.token_scales + j * 256
                     token_scales.append([ptx.load_shared_f32(scales), ptx.load_shared_f32(scales + 4)])
             else:
@@ -325,8 +326,8 @@ class ExpertTiles:
                     token_scales = []
                     for j in cutlass.range_constexpr(s.token_tiles):
                         at = tokens.rows[j] + k0 + token_offset
-                        b_words.append([ptx.load_e4m3x2_as_bf16x2(at, predicate=tokens.live[j]),
-                                        ptx.load_e4m3x2_as_bf16x2(at + 8, predicate=tokens.live[j])])
+                        b_words.append([ptx.load_e4m3x2_as_bf16x2(at + offset, predicate=tokens.live[j],
+                                                                  shift=s.shift_widening) for offset in (0, 8)])
                         token_scales.append([ptx.load_f32(tokens.scale_rows[j][v] + (k0 // FP8_BLOCK) * SCALE_BYTES)
                                              for v in range(2)])
                 else:

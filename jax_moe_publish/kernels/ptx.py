@@ -494,10 +494,11 @@ def load_u32(address: Int64, *, predicate=None, cached: bool = False, loc=None, 
 
 
 @dsl_user_op
-def load_e4m3x2_as_bf16x2(address: Int64, *, predicate=None, loc=None, ip=None) -> Uint32:
+def load_e4m3x2_as_bf16x2(address: Int64, *, predicate=None, shift: bool = False, loc=None, ip=None) -> Uint32:
     """Non-coherent load of two e4m3 (2 bytes) of read-only input, widened to a bf16x2 word
-    (the first in its low half); 0 without access where ``predicate`` (an Int32) is 0."""
-    declared, widen = _widen_e4m3x2("h", "$0")
+    (the first in its low half; with ``shift`` by `_shift_widen_e4m3x2`); 0 without access where
+    ``predicate`` (an Int32) is 0."""
+    declared, widen = (_shift_widen_e4m3x2 if shift else _widen_e4m3x2)("h", "$0")
     text = ("{\n.reg .pred q;\n.reg .b16 h;\n" + declared + "setp.ne.s32 q, $2, 0;\nmov.b16 h, 0;\n"
             "@q ld.global.nc.u16 h, [$1];\n" + widen + "}")
     one = Int32(1) if predicate is None else Int32(predicate)
@@ -508,9 +509,10 @@ def load_e4m3x2_as_bf16x2(address: Int64, *, predicate=None, loc=None, ip=None) 
 
 
 @dsl_user_op
-def load_shared_e4m3x2_as_bf16x2(address, *, loc=None, ip=None) -> Uint32:
-    """Load of two e4m3 (2 bytes) at the 32-bit shared ``address``, widened to a bf16x2 word."""
-    declared, widen = _widen_e4m3x2("h", "$0")
+def load_shared_e4m3x2_as_bf16x2(address, *, shift: bool = False, loc=None, ip=None) -> Uint32:
+    """Load of two e4m3 (2 bytes) at the 32-bit shared ``address``, widened to a bf16x2 word
+    (with ``shift`` by `_shift_widen_e4m3x2`)."""
+    declared, widen = (_shift_widen_e4m3x2 if shift else _widen_e4m3x2)("h", "$0")
     text = "{\n.reg .b16 h;\n" + declared + "ld.shared.u16 h, [$1];\n" + widen + "}"
     return Uint32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip)], text, "=r,r", side_effects=True,
                        loc=loc, ip=ip))
