@@ -47,7 +47,8 @@ ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
-_BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "tiled_weights", "fp8_weights",
+_BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "gate_up_bulk_loads", "down_bulk_loads",
+                "tiled_weights", "fp8_weights",
                 "fp8_tokens", "fp8_shift_widening", "shared_expert", "early_down", "enable_pdl")
 
 
@@ -65,7 +66,10 @@ class GemmShape:
     16-31 the same columns of up, so a warp yields ``warp_cols / 2`` SwiGLU columns;
     ``split_k``: CTAs of a cluster that each take ``k / split_k`` consecutive rows of an item
     (their sums added in cluster order); ``async_loads``: each warp's ``unroll`` steps in
-    flight are ``cp.async`` copies into its own ring of shared memory; ``tiled``: the weights
+    flight are ``cp.async`` copies into its own ring of shared memory; ``bulk_loads``: one more
+    warp copies each round of the item (``warps_k`` consecutive K steps: one block of the tiled
+    weights, and each token's slice of K) into a ring of ``unroll`` stages of the CTA's shared
+    memory with bulk copies, which the other warps read; ``tiled``: the weights
     are in the tiled order (`tiled_offset`), else in their ``[k, columns]`` rows; ``fp8``: the
     weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block, else bf16;
     ``fp8_tokens``: the tokens (B) are e4m3 with a float32 scale per token and `FP8_BLOCK` rows
@@ -82,6 +86,7 @@ class GemmShape:
     token_tiles: int
     split_k: int = 1
     async_loads: bool = False
+    bulk_loads: bool = False
     tiled: bool = False
     fp8: bool = False
     fp8_tokens: bool = False
@@ -104,8 +109,13 @@ class GemmShape:
         return self.lane_words * self.weight_bytes // 2
 
     @property
-    def threads(self) -> int:
+    def compute_threads(self) -> int:
+        """The threads of the warps that run the mmas (all of them but `bulk_loads`'s copying warp)."""
         return 32 * self.warps_k * self.warps_n
+
+    @property
+    def threads(self) -> int:
+        return self.compute_threads + (32 if self.bulk_loads else 0)
 
     @property
     def mma_tiles(self) -> int:
@@ -186,6 +196,33 @@ class GemmShape:
         """Shared memory for the warps' rings of ``unroll`` steps (0 without `async_loads`)."""
         return self.threads // 32 * self.unroll * self.stage_words * 4 if self.async_loads else 0
 
+    @property
+    def round_bytes(self) -> int:
+        """`bulk_loads`: the weights of one round, the ``warps_k`` consecutive K steps that the
+        warps splitting K take one each: one block of the tiled order."""
+        return self.warps_k * self.tile_step_bytes
+
+    @property
+    def round_token_bytes(self) -> int:
+        """`bulk_loads`: one token's slice of K in a round."""
+        return self.warps_k * MMA_K * self.token_bytes
+
+    @property
+    def token_slot_bytes(self) -> int:
+        """`bulk_loads`: a token's place in a stage, 16 bytes past its slice, so that the eight
+        tokens that a warp's lane groups read fall in distinct banks."""
+        return self.round_token_bytes + 16
+
+    @property
+    def bulk_stage_bytes(self) -> int:
+        """`bulk_loads`: one stage of the CTA's ring: a round's weights, then its tokens' slices."""
+        return self.round_bytes + self.tokens_per_pass * self.token_slot_bytes
+
+    def bulk_ring_bytes(self) -> int:
+        """Shared memory of `bulk_loads`'s ring: ``unroll`` stages, then a full and an empty
+        mbarrier (8 bytes) per stage (0 without)."""
+        return self.unroll * (self.bulk_stage_bytes + 2 * 8) if self.bulk_loads else 0
+
     def partial_bytes(self) -> int:
         """Shared memory for the CTA's sums that the cluster's CTAs read (0 without a split):
         one warp's accumulators per column block, lane innermost."""
@@ -242,6 +279,15 @@ class ExpertsConfig:
         K steps per warp in shared memory, refilled one step at a time, instead of register
         loads that the compiler may schedule after the first ``mma``. Each kernel's own:
         which is faster differs between them (benchmarks/EXPERIMENTS.md).
+    gate_up_bulk_loads, down_bulk_loads : bool
+        One more warp per CTA streams the kernel's items into a ring of ``unroll`` stages in
+        shared memory with bulk copies (``cp.async.bulk``, each stage an mbarrier's), one
+        round per stage: the ``warps_k`` consecutive K steps of the item that the compute warps
+        take one each (one contiguous block of the tiled weights) and each token's slice of K.
+        The copying warp runs ahead across passes and items; the compute warps only read shared
+        memory. Needs ``tiled_weights``, bf16 tokens, no ``async_loads`` and no K split over a
+        cluster; ``unroll`` is then the ring's stages (at least 2), and K's steps need only be
+        a multiple of ``warps_k``. An experiment, not chosen by `for_shape`.
     tiled_weights : bool
         The weights come in `prepare_experts`'s tiled order for this config's work items
         (`GemmShape.tiled_offset`): each item's bytes contiguous, every warp load 32 lanes of
@@ -299,6 +345,8 @@ class ExpertsConfig:
     down_unroll: int = 4
     gate_up_async_loads: bool = False
     down_async_loads: bool = False
+    gate_up_bulk_loads: bool = False
+    down_bulk_loads: bool = False
     tiled_weights: bool = False
     fp8_weights: bool = False
     fp8_tokens: bool = False
@@ -355,29 +403,43 @@ class ExpertsConfig:
                      f"({prefix}warps_n={shape.warps_n} x {prefix}warp_cols={shape.warp_cols}"
                      f"{' / 2, half of them up' if shape.gated else ''})")
             steps = shape.k // MMA_K
+            if shape.bulk_loads:
+                self._check_bulk_loads(role, shape, steps)
             split = f" * {prefix}split_k" if role == "gate_up" else ""
-            _require(steps % (shape.warps_k * shape.unroll * shape.split_k) == 0,
+            # The bulk ring runs on across passes and items: it needs whole rounds only.
+            unroll = 1 if shape.bulk_loads else shape.unroll
+            _require(steps % (shape.warps_k * unroll * shape.split_k) == 0,
                      "intermediate" if role == "down" else "hidden", shape.k,
                      f"{MMA_K}-row steps ({steps}) divisible by {prefix}warps_k * {prefix}unroll{split} = "
-                     f"{shape.warps_k} x {shape.unroll}{f' x {shape.split_k}' if split else ''}")
+                     f"{shape.warps_k} x {unroll}{f' x {shape.split_k}' if split else ''}")
             _require(self.shared_bytes(role) <= SHARED_MEMORY_BYTES, prefix + "warps_k", shape.warps_k,
                      f"shared memory within {SHARED_MEMORY_BYTES} bytes, got {self.shared_bytes(role)}")
+
+    def _check_bulk_loads(self, role: str, shape: GemmShape, steps: int) -> None:
+        field = f"{role}_bulk_loads"
+        _require(self.tiled_weights, field, True, "False without tiled_weights (a round is one block of that order)")
+        _require(not shape.async_loads, field, True, f"False with {role}_async_loads (one ring or the other)")
+        _require(not shape.fp8_tokens, field, True, "False with fp8_tokens (bf16 tokens only)")
+        _require(shape.split_k == 1, field, True, "False with gate_up_split_k > 1")
+        _require(shape.unroll >= 2, f"{role}_unroll", shape.unroll, f"at least 2 stages with {field}")
 
     def gemm(self, role: str) -> GemmShape:
         """The work item of the ``gate_up`` or ``down`` kernel."""
         if role == "gate_up":
             return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
                              self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles, self.gate_up_split_k,
-                             self.gate_up_async_loads, self.tiled_weights, self.fp8_weights, self.fp8_tokens,
-                             self.fp8_shift_widening)
+                             self.gate_up_async_loads, self.gate_up_bulk_loads, self.tiled_weights, self.fp8_weights,
+                             self.fp8_tokens, self.fp8_shift_widening)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
                          self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.down_async_loads,
-                         self.tiled_weights, self.fp8_weights, shift_widening=self.fp8_shift_widening)
+                         self.down_bulk_loads, self.tiled_weights, self.fp8_weights,
+                         shift_widening=self.fp8_shift_widening)
 
     def shared_bytes(self, role: str) -> int:
         """Dynamic shared memory of the ``gate_up`` or ``down`` kernel."""
         shape = self.gemm(role)
-        return routing_bytes(self.groups) + shape.reduction_bytes() + shape.partial_bytes() + shape.ring_bytes()
+        return (routing_bytes(self.groups) + shape.reduction_bytes() + shape.partial_bytes() + shape.ring_bytes()
+                + shape.bulk_ring_bytes())
 
     def operand_rows(self) -> dict:
         """No rows rule of `_abi.EXPERTS_OPERANDS` depends on the config."""
@@ -440,7 +502,8 @@ class ExpertsConfig:
         fields = self.to_dict()
         for name, default in (("gate_up_split_k", 1), ("gate_up_async_loads", False), ("down_async_loads", False),
                               ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False),
-                              ("shared_expert", False), ("early_down", False), ("fp8_shift_widening", False)):
+                              ("shared_expert", False), ("early_down", False), ("fp8_shift_widening", False),
+                              ("gate_up_bulk_loads", False), ("down_bulk_loads", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

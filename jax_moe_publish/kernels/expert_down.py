@@ -10,7 +10,8 @@ row goes to ``shared[t]``. The grid is persistent;
 every CTA builds the routing tables (`ExpertRouting`) once the gate/up kernel has finished
 (the activations are its), then takes the work items ``b, b + grid, ...`` (item
 ``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert), and the grid's
-warps together zero the rows of the skipped pairs.
+warps together zero the rows of the skipped pairs. With ``down_bulk_loads`` the CTA's last warp
+copies each pass's rounds into a ring in shared memory, which the others read (`ExpertTiles`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ class ExpertDownKernel:
         tables = self.routing.allocate()
         sReduction = self.tiles.allocate_reduction()
         sRing = self.tiles.allocate_ring()
+        ring = self.tiles.allocate_bulk_ring()
         rAcc = self.tiles.make_accumulators()
+        if cutlass.const_expr(s.bulk_loads):
+            self.tiles.init_bulk_ring(ring, tidx)
         if cutlass.const_expr(cfg.enable_pdl and not cfg.early_down):
             cute.arch.griddepcontrol_wait()
         # early_down: the ids are the input of gate/up, whose predecessor had finished before
@@ -122,6 +126,7 @@ class ExpertDownKernel:
                 first = down + Int64(sActive[block // s.items_per_expert]) * expert_bytes
                 ptx.prefetch_l2(first + Int64(block % s.items_per_expert) * s.tile_item_bytes, s.tile_item_bytes)
             cute.arch.griddepcontrol_wait()
+        rounds_done = Int32(0)
         for item in cutlass.range(block, items, grid):
             expert = sActive[item // s.items_per_expert]
             column = (item % s.items_per_expert) * s.item_columns + lane_column
@@ -132,22 +137,43 @@ class ExpertDownKernel:
             walk = self.tiles.weight_walk(down + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
                                           lane_column, Int64(0), w_n, lane, q, expert_scales, scale_row_bytes)
             for first in cutlass.range(0, count, s.tokens_per_pass):
-                tokens = self.tiles.tokens(sPairs, start, count, first, lane, activations, activation_row_bytes, 1)
-                self.tiles.accumulate(rAcc, walk, tokens, w_k, lane, True, sRing, warp)
-                self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
-                if w_k == 0:
-                    for i in cutlass.range_constexpr(s.mma_tiles):
-                        for j in cutlass.range_constexpr(s.token_tiles):
-                            # c0, c2: token 2q, columns 2i and 2i + 1; c1, c3: token 2q + 1.
-                            for token in cutlass.range_constexpr(2):
-                                slot = first + j * MMA_TOKENS + 2 * q + token
-                                if slot < count:
-                                    word = ptx.f32x2_to_bf16x2(rAcc[i, j, token], rAcc[i, j, token + 2])
-                                    row = self._row(sPairs[start + slot], out, shared, out_row_bytes)
-                                    ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)
+                if cutlass.const_expr(s.bulk_loads):
+                    if warp == s.compute_threads // WARP:
+                        self.tiles.copy_rounds(ring, self.tiles.item_weights(down + Int64(expert) * expert_bytes,
+                                                                             item % s.items_per_expert),
+                                               sPairs, start, count, first, lane, activations, activation_row_bytes,
+                                               1, rounds_done)
+                    else:
+                        self.tiles.accumulate_staged(rAcc, walk, ring, rounds_done, w_k, w_n, lane)
+                        self._finish_pass(rAcc, sReduction, w_k, w_n, lane, sPairs, start, count, first, q, column,
+                                          out, shared, out_row_bytes)
+                    rounds_done = rounds_done + s.k_steps_per_warp
+                else:
+                    tokens = self.tiles.tokens(sPairs, start, count, first, lane, activations, activation_row_bytes,
+                                               1)
+                    self.tiles.accumulate(rAcc, walk, tokens, w_k, lane, True, sRing, warp)
+                    self._finish_pass(rAcc, sReduction, w_k, w_n, lane, sPairs, start, count, first, q, column,
+                                      out, shared, out_row_bytes)
         self._zero_skipped(out, expert_ids, m, warp, lane, block, grid)
         if cutlass.const_expr(cfg.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _finish_pass(self, rAcc, sReduction, w_k, w_n, lane, sPairs, start, count, first, q, column, out, shared,
+                     out_row_bytes: int) -> None:
+        """The K split's sums added, and the pass's rows stored from warp ``w_k = 0``'s."""
+        s = self.shape
+        self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
+        if w_k == 0:
+            for i in cutlass.range_constexpr(s.mma_tiles):
+                for j in cutlass.range_constexpr(s.token_tiles):
+                    # c0, c2: token 2q, columns 2i and 2i + 1; c1, c3: token 2q + 1.
+                    for token in cutlass.range_constexpr(2):
+                        slot = first + j * MMA_TOKENS + 2 * q + token
+                        if slot < count:
+                            word = ptx.f32x2_to_bf16x2(rAcc[i, j, token], rAcc[i, j, token + 2])
+                            row = self._row(sPairs[start + slot], out, shared, out_row_bytes)
+                            ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)
 
     def _row(self, pair, out, shared, row_bytes: int):
         """The address of ``pair``'s row: ``out``'s row ``pair``; with the shared expert, the

@@ -18,7 +18,9 @@ weight rows are read in whole spans of its columns by one CTA. With ``tiled_weig
 and up weights are one array in the tiled order (`GemmShape.tiled_offset`); with ``fp8_weights``
 they are e4m3 with a float32 scale per 128 x 128 block (roles ``expert_gate_up_fp8`` and
 ``expert_gate_up_split_fp8``), and with ``fp8_tokens`` so are the tokens, with a float32 scale
-per token and 128 channels (the roles ``..._fp8_tokens``). With ``shared_expert`` the weights'
+per token and 128 channels (the roles ``..._fp8_tokens``). With ``gate_up_bulk_loads`` the CTA's
+last warp copies each pass's rounds into a ring in shared memory (`ExpertTiles.copy_rounds`),
+which the others read (`ExpertTiles.accumulate_staged`). With ``shared_expert`` the weights'
 last expert is the shared one and each token's last pair its (`ExpertRouting`): pair ``p`` is
 token ``p // (top_k + 1)``'s, and ``activations`` holds ``top_k + 1`` rows per token.
 """
@@ -171,7 +173,10 @@ class ExpertGateUpKernel:
         sReduction = self.tiles.allocate_reduction()
         sPartials = self.tiles.allocate_partials()
         sRing = self.tiles.allocate_ring()
+        ring = self.tiles.allocate_bulk_ring()
         rAcc = self.tiles.make_accumulators()
+        if cutlass.const_expr(s.bulk_loads):
+            self.tiles.init_bulk_ring(ring, tidx)
         # Cluster `block // split_k` of the grid's; this CTA's rows of each item start at k_begin.
         cluster_rank = block % s.split_k
         cluster, clusters = block // s.split_k, grid // s.split_k
@@ -200,6 +205,7 @@ class ExpertGateUpKernel:
         if cutlass.const_expr(s.fp8_tokens):
             token_scales = x_scales + (k_begin // FP8_BLOCK) * SCALE_BYTES
         items = sTotals[ACTIVE] * s.items_per_expert
+        rounds_done = Int32(0)
         for item in cutlass.range(cluster, items, clusters):
             if cutlass.const_expr(cfg.early_down):
                 if item + clusters >= items:
@@ -214,16 +220,29 @@ class ExpertGateUpKernel:
             walk = self.tiles.weight_walk(matrix + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
                                           lane_column, k_begin, w_n, lane, q, expert_scales, scale_row_bytes)
             for first in cutlass.range(0, count, s.tokens_per_pass):
-                tokens = self.tiles.tokens(sPairs, start, count, first, lane, x + k_begin * token_bytes,
-                                           cfg.hidden * token_bytes, cfg.pairs_per_token, token_scales,
-                                           cfg.hidden // FP8_BLOCK * SCALE_BYTES)
-                self.tiles.accumulate(rAcc, walk, tokens, w_k, lane, False, sRing, warp)
-                self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
-                if cutlass.const_expr(s.split_k > 1):
-                    if self.tiles.add_cluster_partials(rAcc, sPartials, w_k, w_n, lane, cluster_rank):
+                if cutlass.const_expr(s.bulk_loads):
+                    if warp == s.compute_threads // WARP:
+                        self.tiles.copy_rounds(ring, self.tiles.item_weights(matrix + Int64(expert) * expert_bytes,
+                                                                             item % s.items_per_expert),
+                                               sPairs, start, count, first, lane, x, cfg.hidden * token_bytes,
+                                               cfg.pairs_per_token, rounds_done)
+                    else:
+                        self.tiles.accumulate_staged(rAcc, walk, ring, rounds_done, w_k, w_n, lane)
+                        self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
+                        if w_k == 0:
+                            self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
+                    rounds_done = rounds_done + s.k_steps_per_warp
+                else:
+                    tokens = self.tiles.tokens(sPairs, start, count, first, lane, x + k_begin * token_bytes,
+                                               cfg.hidden * token_bytes, cfg.pairs_per_token, token_scales,
+                                               cfg.hidden // FP8_BLOCK * SCALE_BYTES)
+                    self.tiles.accumulate(rAcc, walk, tokens, w_k, lane, False, sRing, warp)
+                    self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
+                    if cutlass.const_expr(s.split_k > 1):
+                        if self.tiles.add_cluster_partials(rAcc, sPartials, w_k, w_n, lane, cluster_rank):
+                            self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
+                    elif w_k == 0:
                         self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
-                elif w_k == 0:
-                    self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
         if cutlass.const_expr(s.split_k > 1):
             # CTA 0's pair order stays readable until every CTA of the cluster has copied it.
             cute.arch.cluster_arrive()

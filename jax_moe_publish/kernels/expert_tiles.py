@@ -91,6 +91,15 @@ class StageOffsets(NamedTuple):
     scale: object
 
 
+class BulkRing(NamedTuple):
+    """`bulk_loads`'s ring (`ExpertTiles.allocate_bulk_ring`): the 32-bit shared address of its
+    stages, and pointers to its full and empty mbarriers, one of each per stage."""
+
+    stages: object
+    full: object
+    empty: object
+
+
 class ExpertTiles:
     """A warp's accumulation over its share of K, and the CTA's sum over the warps splitting K."""
 
@@ -121,6 +130,100 @@ class ExpertTiles:
             return None
         layout = cute.make_layout(s.threads // 32 * s.unroll * s.stage_words)
         return cutlass.memory.SmemAllocator().allocate_tensor(Uint32, layout, byte_alignment=SMEM_ALIGNMENT)
+
+    def allocate_bulk_ring(self) -> BulkRing | None:
+        """Shared memory for `bulk_loads`'s ring of ``unroll`` stages (`GemmShape.bulk_stage_bytes`)
+        and its mbarriers, None without."""
+        s = self.shape
+        if not s.bulk_loads:
+            return None
+        smem = cutlass.memory.SmemAllocator()
+        stages = smem.allocate_tensor(Uint32, cute.make_layout(s.unroll * s.bulk_stage_bytes // 4),
+                                      byte_alignment=SMEM_ALIGNMENT)
+        barriers = smem.allocate_tensor(Int64, cute.make_layout(2 * s.unroll), byte_alignment=SMEM_ALIGNMENT)
+        return BulkRing(stages.iterator.toint(), barriers.iterator, barriers.iterator + s.unroll)
+
+    @cute.jit
+    def init_bulk_ring(self, ring: BulkRing, tidx) -> None:
+        """Thread 0 sets the ring's mbarriers up: a stage is full once the copying warp has arrived
+        and its bytes have landed, empty once every compute thread has read it. The CTA's next
+        barrier makes them visible."""
+        s = self.shape
+        if tidx == 0:
+            for stage in cutlass.range_constexpr(s.unroll):
+                cute.arch.mbarrier_init(ring.full + stage, 1)
+                cute.arch.mbarrier_init(ring.empty + stage, s.compute_threads)
+            cute.arch.mbarrier_init_fence()
+
+    def item_weights(self, expert_weights: Int64, item_in_expert) -> Int64:
+        """`bulk_loads`: the address of an item's block in an expert's tiled weights."""
+        return expert_weights + Int64(item_in_expert) * self.shape.tile_item_bytes
+
+    @cute.jit
+    def copy_rounds(self, ring: BulkRing, item_weights: Int64, sPairs, start, count, first, lane, rows: Int64,
+                    row_bytes: int, pairs_per_row: int, rounds_done) -> None:
+        """The copying warp's share of a pass (`bulk_loads`): round ``r`` goes to stage
+        ``(rounds_done + r) % unroll`` once the compute warps have emptied it: the round's block
+        of ``item_weights``, and token ``j``'s slice of K (the pass's ``j``-th pair's row
+        ``pair // pairs_per_row`` of ``rows``, stride ``row_bytes``) by lane ``j``. A slot past
+        the pass's tokens is left as it is: its column's sums are never stored."""
+        s = self.shape
+        live = cutlass.min(count - first, Int32(s.tokens_per_pass))
+        slot = first + cutlass.select_(lane < live, lane, Int32(0))
+        token_row = rows + Int64(sPairs[start + slot] // pairs_per_row) * row_bytes
+        transaction = s.round_bytes + live * s.round_token_bytes
+        for r in cutlass.range(0, s.k_steps_per_warp, 1, unroll=1):
+            n = rounds_done + r
+            stage = n % s.unroll
+            if n >= s.unroll:
+                # The stage's previous round has been read (its phase's parity).
+                cute.arch.mbarrier_wait(ring.empty + stage, ((n // s.unroll) % 2) ^ 1)
+            full = ring.full + stage
+            destination = ring.stages + stage * s.bulk_stage_bytes
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(full, transaction)
+            cute.arch.sync_warp()
+            if lane == 0:
+                ptx.copy_bulk(destination, item_weights + Int64(r) * s.round_bytes, s.round_bytes, full.toint())
+            if lane < live:
+                ptx.copy_bulk(destination + s.round_bytes + lane * s.token_slot_bytes,
+                              token_row + Int64(r) * s.round_token_bytes, s.round_token_bytes, full.toint())
+
+    @cute.jit
+    def accumulate_staged(self, rAcc, walk: WeightWalk, ring: BulkRing, rounds_done, w_k, w_n, lane) -> None:
+        """`accumulate` from `bulk_loads`'s ring, the pass's rounds from ``rounds_done`` on: this
+        warp's step of each round is its K step, read where `GemmShape.tiled_offset` puts it
+        within the round's block; its B words from the tokens' slices (a lane group's token
+        ``j * 8 + g``). ``walk``: its e4m3 scales only."""
+        s = self.shape
+        self._zero(rAcc)
+        group, q = lane // 4, lane % 4
+        weights_at = w_k * s.tile_step_bytes + w_n * 4 * s.tile_row_bytes + lane * s.tile_lane_bytes
+        tokens_at = s.round_bytes + group * s.token_slot_bytes + w_k * MMA_K * BF16_BYTES + 4 * q
+        for r in cutlass.range(0, s.k_steps_per_warp, 1, unroll=1):
+            n = rounds_done + r
+            stage = n % s.unroll
+            scale = None
+            if cutlass.const_expr(s.fp8):
+                # Issued before the wait: a global load, L1's after the first.
+                k0 = Int64((r * s.warps_k + w_k) * MMA_K)
+                scale = ptx.load_f32(walk.scales + (k0 // FP8_BLOCK) * walk.scale_row_bytes)
+            cute.arch.mbarrier_wait(ring.full + stage, (n // s.unroll) % 2)
+            at = ring.stages + stage * s.bulk_stage_bytes
+            a_loaded = [self._load_weight_row(at + weights_at + row * s.tile_row_bytes, shared=True)
+                        for row in range(4)]
+            b_words = [[ptx.load_shared_u32(at + tokens_at + j * MMA_TOKENS * s.token_slot_bytes + offset)
+                        for offset in (0, 8 * BF16_BYTES)] for j in range(s.token_tiles)]
+            cute.arch.mbarrier_arrive(ring.empty + stage)
+            self._mma_step(rAcc, [self._widened(words) for words in a_loaded], b_words, scale)
+
+    @cute.jit
+    def _zero(self, rAcc) -> None:
+        s = self.shape
+        for i in cutlass.range_constexpr(s.mma_tiles):
+            for j in cutlass.range_constexpr(s.token_tiles):
+                for c in cutlass.range_constexpr(4):
+                    rAcc[i, j, c] = Float32(0.0)
 
     def make_accumulators(self):
         s = self.shape
@@ -183,10 +286,7 @@ class ExpertTiles:
         ``cached_tokens``: the token rows were written earlier in the call (load them through L2).
         ``sRing`` (`allocate_ring`) and ``warp``: the loads of `async_loads`."""
         s = self.shape
-        for i in cutlass.range_constexpr(s.mma_tiles):
-            for j in cutlass.range_constexpr(s.token_tiles):
-                for c in cutlass.range_constexpr(4):
-                    rAcc[i, j, c] = Float32(0.0)
+        self._zero(rAcc)
         # This lane's B bytes of a token's K step start at column 2q.
         token_offset = Int64(2 * (lane % 4)) * s.token_bytes
         if cutlass.const_expr(s.async_loads):
@@ -362,7 +462,7 @@ class ExpertTiles:
     @cute.jit
     def reduce(self, rAcc, sReduction, w_k, w_n, lane) -> None:
         """Add the sums of the warps that split K into warp ``w_k = 0``'s ``rAcc``, in warp order.
-        Every thread of the CTA must call it (it has barriers)."""
+        Every compute thread of the CTA must call it (it has barriers)."""
         s = self.shape
         if cutlass.const_expr(s.warps_k > 1):
             if w_k > 0:
@@ -370,7 +470,7 @@ class ExpertTiles:
                     for j in cutlass.range_constexpr(s.token_tiles):
                         for c in cutlass.range_constexpr(4):
                             sReduction[w_k, w_n, i, j, c, lane] = rAcc[i, j, c]
-            cute.arch.barrier()
+            self._sync_compute_warps()
             if w_k == 0:
                 for other in cutlass.range_constexpr(1, s.warps_k):
                     for i in cutlass.range_constexpr(s.mma_tiles):
@@ -378,6 +478,13 @@ class ExpertTiles:
                             for c in cutlass.range_constexpr(4):
                                 rAcc[i, j, c] = rAcc[i, j, c] + sReduction[other, w_n, i, j, c, lane]
             # The next pass writes the buffer again.
+            self._sync_compute_warps()
+
+    def _sync_compute_warps(self) -> None:
+        """A barrier of the warps that run the mmas: all the CTA's, but `bulk_loads`'s copying warp."""
+        if cutlass.const_expr(self.shape.bulk_loads):
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.shape.compute_threads)
+        else:
             cute.arch.barrier()
 
     @cute.jit

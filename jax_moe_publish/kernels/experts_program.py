@@ -30,10 +30,15 @@ TRACED_GRID = 1
 """The grid CuTe DSL's own launch is traced with; the launchers size the real one at load."""
 
 
+def _gemm(role: str) -> str:
+    """The `ExpertsConfig.gemm` of a role."""
+    return "down" if role.startswith("expert_down") else "gate_up"
+
+
 def launch_plan(config: ExpertsConfig) -> list[KernelLaunch]:
     """The launches of one call of ``config``, in order (`_abi.EXPERTS.call_roles`)."""
     def launch(role):
-        gemm = "down" if role.startswith("expert_down") else "gate_up"
+        gemm = _gemm(role)
         shape = config.gemm(gemm)
         # A gate/up item's split_k CTAs form one thread block cluster.
         return KernelLaunch(role, shape.threads, config.shared_bytes(gemm), shape.split_k, "resident",
@@ -49,6 +54,7 @@ class ExpertsProgram:
         self.config = config
         self.plan = launch_plan(config)
         self.kernels = [getattr(KERNELS[launch.role](config), launch.role) for launch in self.plan]
+        self.gemms = [_gemm(launch.role) for launch in self.plan]
 
     @cute.jit
     def __call__(
@@ -83,4 +89,7 @@ class ExpertsProgram:
                 smem=launch.smem,
                 stream=stream,
                 use_pdl=self.config.enable_pdl,
+                # A bulk ring's CTA takes most of an SM's shared memory: ptxas's register budget
+                # for more CTAs per SM only spilled.
+                min_blocks_per_mp=1 if self.config.gemm(self.gemms[index]).bulk_loads else 0,
             )

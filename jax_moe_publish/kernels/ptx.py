@@ -446,6 +446,17 @@ def prefetch_l2(address: Int64, nbytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def copy_bulk(shared, address: Int64, nbytes, barrier, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk`` of ``nbytes`` (a multiple of 16) from the 16-byte aligned global
+    ``address`` to the 16-byte aligned 32-bit shared address ``shared``: its bytes count
+    towards the transaction of the mbarrier at the shared address ``barrier``."""
+    _asm(None, [Int32(shared).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip),
+                Int32(nbytes).ir_value(loc=loc, ip=ip), Int32(barrier).ir_value(loc=loc, ip=ip)],
+         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];", "r,l,r,r",
+         side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def store_f32(address: Int64, value, *, loc=None, ip=None) -> None:
     """Store of one float32."""
     _asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],

@@ -142,6 +142,8 @@ EXPERTS_SHAPES = (
 )
 RING = dict(gate_up_async_loads=True, down_async_loads=True)
 """Both kernels' loads through their warps' cp.async rings."""
+BULK = dict(tiled_weights=True, gate_up_bulk_loads=True, down_bulk_loads=True)
+"""Both kernels' loads as bulk copies into the CTA's ring, by its copying warp."""
 
 EXPERTS_VARIANTS = (
     # Launch shapes the heuristic does not choose, over an `EXPERTS_SHAPES` entry's: one 8-token
@@ -235,6 +237,15 @@ EXPERTS_VARIANTS = (
     ((7168, 256, 32, 8, False), dict(fp8_weights=True, fp8_shift_widening=True)),
     ((7168, 256, 32, 8, True), dict(fp8_weights=True, fp8_tokens=True, fp8_shift_widening=True, tiled_weights=True,
                                     **RING, token_tiles=1)),
+    # Bulk copies into a ring of the CTA's (`*_bulk_loads`: one copying warp): the heuristic's
+    # warps; four token tiles, warps side by side, an odd number of stages; e4m3 weights with
+    # the shared expert; Qwen3-30B's tp = 8 shard (3 rounds of down into 2 stages).
+    ((7168, 256, 32, 8, True), dict(**BULK, gate_up_unroll=8)),
+    ((1024, 128, 8, 2, True), dict(**BULK, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2, gate_up_warp_cols=64,
+                                   gate_up_unroll=3, down_warp_cols=32, down_warps_k=1, down_warps_n=8,
+                                   down_unroll=2)),
+    ((7168, 256, 32, 8, True), dict(**BULK, fp8_weights=True, shared_expert=True)),
+    ((2048, 96, 24, 8, True), dict(**BULK, down_unroll=2)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

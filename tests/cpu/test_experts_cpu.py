@@ -475,3 +475,37 @@ def test_an_early_down_without_its_needs_is_named(changes):
     early = base.replace(tiled_weights=True, early_down=True)
     assert early.key != base.replace(tiled_weights=True).key
     assert early.shared_bytes("down") == base.shared_bytes("down")
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(down_bulk_loads=True), r"ExpertsConfig.down_bulk_loads=True: expected False without tiled_weights"),
+    (dict(tiled_weights=True, gate_up_bulk_loads=True, gate_up_async_loads=True),
+     r"ExpertsConfig.gate_up_bulk_loads=True: expected False with gate_up_async_loads"),
+    (dict(tiled_weights=True, fp8_weights=True, fp8_tokens=True, gate_up_bulk_loads=True),
+     r"ExpertsConfig.gate_up_bulk_loads=True: expected False with fp8_tokens"),
+    (dict(tiled_weights=True, gate_up_bulk_loads=True, gate_up_split_k=2),
+     r"ExpertsConfig.gate_up_bulk_loads=True: expected False with gate_up_split_k > 1"),
+    (dict(tiled_weights=True, down_bulk_loads=True, down_unroll=1),
+     r"ExpertsConfig.down_unroll=1: expected at least 2 stages with down_bulk_loads"),
+    (dict(tiled_weights=True, gate_up_bulk_loads=True, gate_up_unroll=24),
+     r"ExpertsConfig.gate_up_warps_k=8: expected shared memory within 232448 bytes"),
+])
+def test_bulk_loads_without_their_needs_are_named(changes, message):
+    base = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=32, top_k=8)
+    with pytest.raises(ValueError, match=message):
+        base.replace(**changes)
+
+
+def test_bulk_loads_add_a_copying_warp_and_their_ring():
+    """A round is warps_k K steps of the item's tiled block and each token's slice of K; the ring
+    holds unroll of them, each with two mbarriers; K's steps need only be whole rounds."""
+    base = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=32, top_k=8).replace(tiled_weights=True)
+    bulk = base.replace(down_bulk_loads=True, down_warps_k=2, down_warps_n=4, down_warp_cols=64, down_unroll=3)
+    down = bulk.gemm("down")
+    assert (down.compute_threads, down.threads) == (256, 288)
+    assert down.round_bytes == 2 * 16 * 256 * 2 and down.round_token_bytes == 2 * 16 * 2
+    assert down.bulk_stage_bytes == down.round_bytes + 16 * (64 + 16)
+    assert bulk.shared_bytes("down") - base.shared_bytes("down") == 3 * (down.bulk_stage_bytes + 16)
+    assert bulk.gemm("gate_up") == base.gemm("gate_up") and bulk.key != base.key
+    # 16 K steps in rounds of 2, into 3 stages: 16 % (2 * 3) != 0 is allowed.
+    assert down.k // 16 % (down.warps_k * down.unroll) != 0
