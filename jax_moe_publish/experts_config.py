@@ -209,14 +209,27 @@ class GemmShape:
 
     @property
     def token_slot_bytes(self) -> int:
-        """`bulk_loads`: a token's place in a stage, 16 bytes past its slice, so that the eight
-        tokens that a warp's lane groups read fall in distinct banks."""
-        return self.round_token_bytes + 16
+        """`bulk_loads`: a token's place in a stage: its slice, and 16 bytes more where the slice
+        is an even number of 16-byte pieces, so that the eight tokens that a warp's lane groups
+        read lie 4 banks apart (their lanes ``q`` read the banks between)."""
+        return self.round_token_bytes + (16 if self.round_token_bytes // 16 % 2 == 0 else 0)
 
     @property
     def bulk_stage_bytes(self) -> int:
         """`bulk_loads`: one stage of the CTA's ring: a round's weights, then its tokens' slices."""
         return self.round_bytes + self.tokens_per_pass * self.token_slot_bytes
+
+    def stage_weight_offset(self, w_k: int, w_n: int, row: int, lane: int) -> int:
+        """`bulk_loads`: the byte offset in a stage of what lane ``lane`` of warp ``(w_k, w_n)``
+        reads as its row ``row`` (`LANE_ROWS`) of the round's K step ``w_k``: where
+        `tiled_offset` puts it within the round's block."""
+        return self.tiled_offset(0, w_k, w_n, row, lane)
+
+    def stage_token_offset(self, token: int, w_k: int, q: int) -> int:
+        """`bulk_loads`: the byte offset in a stage of the first B word that a lane ``4g + q``
+        of a warp ``w_k`` reads of the pass's token ``token`` (K rows ``w_k * 16 + 2q`` and
+        ``+1`` of the round; the second, rows ``+8`` and ``+9``, is 8 elements on)."""
+        return self.round_bytes + token * self.token_slot_bytes + (w_k * MMA_K + 2 * q) * self.token_bytes
 
     def bulk_ring_bytes(self) -> int:
         """Shared memory of `bulk_loads`'s ring: ``unroll`` stages, then a full and an empty
@@ -285,8 +298,7 @@ class ExpertsConfig:
         round per stage: the ``warps_k`` consecutive K steps of the item that the compute warps
         take one each (one contiguous block of the tiled weights) and each token's slice of K.
         The copying warp runs ahead across passes and items; the compute warps only read shared
-        memory. Needs ``tiled_weights``, bf16 tokens, no ``async_loads`` and no K split over a
-        cluster; ``unroll`` is then the ring's stages (at least 2), and K's steps need only be
+        memory. Needs ``tiled_weights``, no ``async_loads`` and no K split over a cluster; ``unroll`` is then the ring's stages (at least 2), and K's steps need only be
         a multiple of ``warps_k``. An experiment, not chosen by `for_shape`.
     tiled_weights : bool
         The weights come in `prepare_experts`'s tiled order for this config's work items
@@ -419,7 +431,6 @@ class ExpertsConfig:
         field = f"{role}_bulk_loads"
         _require(self.tiled_weights, field, True, "False without tiled_weights (a round is one block of that order)")
         _require(not shape.async_loads, field, True, f"False with {role}_async_loads (one ring or the other)")
-        _require(not shape.fp8_tokens, field, True, "False with fp8_tokens (bf16 tokens only)")
         _require(shape.split_k == 1, field, True, "False with gate_up_split_k > 1")
         _require(shape.unroll >= 2, f"{role}_unroll", shape.unroll, f"at least 2 stages with {field}")
 

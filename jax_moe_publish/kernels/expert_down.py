@@ -144,7 +144,7 @@ class ExpertDownKernel:
                                                sPairs, start, count, first, lane, activations, activation_row_bytes,
                                                1, rounds_done)
                     else:
-                        self.tiles.accumulate_staged(rAcc, walk, ring, rounds_done, w_k, w_n, lane)
+                        self.tiles.accumulate_staged(rAcc, walk, None, ring, rounds_done, w_k, w_n, lane)
                         self._finish_pass(rAcc, sReduction, w_k, w_n, lane, sPairs, start, count, first, q, column,
                                           out, shared, out_row_bytes)
                     rounds_done = rounds_done + s.k_steps_per_warp

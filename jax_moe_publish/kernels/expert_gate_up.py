@@ -227,7 +227,12 @@ class ExpertGateUpKernel:
                                                sPairs, start, count, first, lane, x, cfg.hidden * token_bytes,
                                                cfg.pairs_per_token, rounds_done)
                     else:
-                        self.tiles.accumulate_staged(rAcc, walk, ring, rounds_done, w_k, w_n, lane)
+                        tokens = None
+                        if cutlass.const_expr(s.fp8_tokens):
+                            tokens = self.tiles.tokens(sPairs, start, count, first, lane, x, cfg.hidden * token_bytes,
+                                                       cfg.pairs_per_token, token_scales,
+                                                       cfg.hidden // FP8_BLOCK * SCALE_BYTES)
+                        self.tiles.accumulate_staged(rAcc, walk, tokens, ring, rounds_done, w_k, w_n, lane)
                         self.tiles.reduce(rAcc, sReduction, w_k, w_n, lane)
                         if w_k == 0:
                             self._store(rAcc, activations, sPairs, start, count, first, column, group, q)

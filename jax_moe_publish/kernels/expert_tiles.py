@@ -186,36 +186,47 @@ class ExpertTiles:
             if lane == 0:
                 ptx.copy_bulk(destination, item_weights + Int64(r) * s.round_bytes, s.round_bytes, full.toint())
             if lane < live:
-                ptx.copy_bulk(destination + s.round_bytes + lane * s.token_slot_bytes,
+                ptx.copy_bulk(destination + s.stage_token_offset(lane, 0, 0),
                               token_row + Int64(r) * s.round_token_bytes, s.round_token_bytes, full.toint())
 
     @cute.jit
-    def accumulate_staged(self, rAcc, walk: WeightWalk, ring: BulkRing, rounds_done, w_k, w_n, lane) -> None:
+    def accumulate_staged(self, rAcc, walk: WeightWalk, tokens: Tokens | None, ring: BulkRing, rounds_done, w_k,
+                          w_n, lane) -> None:
         """`accumulate` from `bulk_loads`'s ring, the pass's rounds from ``rounds_done`` on: this
         warp's step of each round is its K step, read where `GemmShape.tiled_offset` puts it
         within the round's block; its B words from the tokens' slices (a lane group's token
-        ``j * 8 + g``). ``walk``: its e4m3 scales only."""
+        ``j * 8 + g``). ``walk``: its e4m3 scales only; ``tokens`` (e4m3 tokens, else None):
+        their scales only."""
         s = self.shape
         self._zero(rAcc)
         group, q = lane // 4, lane % 4
-        weights_at = w_k * s.tile_step_bytes + w_n * 4 * s.tile_row_bytes + lane * s.tile_lane_bytes
-        tokens_at = s.round_bytes + group * s.token_slot_bytes + w_k * MMA_K * BF16_BYTES + 4 * q
+        weights_at = s.stage_weight_offset(w_k, w_n, 0, lane)
+        tokens_at = s.stage_token_offset(group, w_k, q)
         for r in cutlass.range(0, s.k_steps_per_warp, 1, unroll=1):
             n = rounds_done + r
             stage = n % s.unroll
-            scale = None
+            # The scales are global loads (L1's after the first), issued before the wait.
+            k_block = Int64((r * s.warps_k + w_k) * MMA_K // FP8_BLOCK)
+            scale, token_scales = None, None
             if cutlass.const_expr(s.fp8):
-                # Issued before the wait: a global load, L1's after the first.
-                k0 = Int64((r * s.warps_k + w_k) * MMA_K)
-                scale = ptx.load_f32(walk.scales + (k0 // FP8_BLOCK) * walk.scale_row_bytes)
+                scale = ptx.load_f32(walk.scales + k_block * walk.scale_row_bytes)
+            if cutlass.const_expr(s.fp8_tokens):
+                token_scales = [[ptx.load_f32(tokens.scale_rows[j][u] + k_block * SCALE_BYTES) for u in range(2)]
+                                for j in range(s.token_tiles)]
             cute.arch.mbarrier_wait(ring.full + stage, (n // s.unroll) % 2)
             at = ring.stages + stage * s.bulk_stage_bytes
-            a_loaded = [self._load_weight_row(at + weights_at + row * s.tile_row_bytes, shared=True)
+            a_loaded = [self._load_weight_row(at + weights_at + s.stage_weight_offset(0, 0, row, 0), shared=True)
                         for row in range(4)]
-            b_words = [[ptx.load_shared_u32(at + tokens_at + j * MMA_TOKENS * s.token_slot_bytes + offset)
-                        for offset in (0, 8 * BF16_BYTES)] for j in range(s.token_tiles)]
+            b_words = []
+            for j in cutlass.range_constexpr(s.token_tiles):
+                b = at + tokens_at + j * MMA_TOKENS * s.token_slot_bytes
+                if cutlass.const_expr(s.fp8_tokens):
+                    b_words.append([ptx.load_shared_e4m3x2_as_bf16x2(b + 8 * offset, shift=s.shift_widening)
+                                    for offset in (0, 1)])
+                else:
+                    b_words.append([ptx.load_shared_u32(b + 8 * offset * BF16_BYTES) for offset in (0, 1)])
             cute.arch.mbarrier_arrive(ring.empty + stage)
-            self._mma_step(rAcc, [self._widened(words) for words in a_loaded], b_words, scale)
+            self._mma_step(rAcc, [self._widened(words) for words in a_loaded], b_words, scale, token_scales)
 
     @cute.jit
     def _zero(self, rAcc) -> None:

@@ -239,13 +239,16 @@ EXPERTS_VARIANTS = (
                                     **RING, token_tiles=1)),
     # Bulk copies into a ring of the CTA's (`*_bulk_loads`: one copying warp): the heuristic's
     # warps; four token tiles, warps side by side, an odd number of stages; e4m3 weights with
-    # the shared expert; Qwen3-30B's tp = 8 shard (3 rounds of down into 2 stages).
+    # the shared expert; Qwen3-30B's tp = 8 shard (3 rounds of down into 2 stages); e4m3
+    # weights and tokens (an odd number of 16-byte pieces per token slice).
     ((7168, 256, 32, 8, True), dict(**BULK, gate_up_unroll=8)),
     ((1024, 128, 8, 2, True), dict(**BULK, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2, gate_up_warp_cols=64,
                                    gate_up_unroll=3, down_warp_cols=32, down_warps_k=1, down_warps_n=8,
                                    down_unroll=2)),
     ((7168, 256, 32, 8, True), dict(**BULK, fp8_weights=True, shared_expert=True)),
     ((2048, 96, 24, 8, True), dict(**BULK, down_unroll=2)),
+    ((1024, 128, 8, 2, True), dict(**BULK, fp8_weights=True, fp8_tokens=True, gate_up_warps_k=1, gate_up_warps_n=4,
+                                   gate_up_unroll=4, down_unroll=2)),
 )
 """The experts op's GPU test configs: `EXPERTS_SHAPES` with `ExpertsConfig.for_shape`'s launch
 shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""

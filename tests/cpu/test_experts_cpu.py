@@ -25,6 +25,7 @@ import numerics
 from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
 from jax_moe_publish import _launch, experts, experts_gather, experts_tuning, reference
 from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
+from jax_moe_publish.testing import gpu_matrix
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -481,8 +482,6 @@ def test_an_early_down_without_its_needs_is_named(changes):
     (dict(down_bulk_loads=True), r"ExpertsConfig.down_bulk_loads=True: expected False without tiled_weights"),
     (dict(tiled_weights=True, gate_up_bulk_loads=True, gate_up_async_loads=True),
      r"ExpertsConfig.gate_up_bulk_loads=True: expected False with gate_up_async_loads"),
-    (dict(tiled_weights=True, fp8_weights=True, fp8_tokens=True, gate_up_bulk_loads=True),
-     r"ExpertsConfig.gate_up_bulk_loads=True: expected False with fp8_tokens"),
     (dict(tiled_weights=True, gate_up_bulk_loads=True, gate_up_split_k=2),
      r"ExpertsConfig.gate_up_bulk_loads=True: expected False with gate_up_split_k > 1"),
     (dict(tiled_weights=True, down_bulk_loads=True, down_unroll=1),
@@ -509,3 +508,34 @@ def test_bulk_loads_add_a_copying_warp_and_their_ring():
     assert bulk.gemm("gate_up") == base.gemm("gate_up") and bulk.key != base.key
     # 16 K steps in rounds of 2, into 3 stages: 16 % (2 * 3) != 0 is allowed.
     assert down.k // 16 % (down.warps_k * down.unroll) != 0
+
+
+@pytest.mark.parametrize("config", [c for c in gpu_matrix.experts_configs() if c.gate_up_bulk_loads],
+                         ids=lambda c: c.key)
+@pytest.mark.parametrize("role", ["gate_up", "down"])
+def test_a_bulk_stage_is_the_round_of_the_tiled_order(config, role):
+    """What the compute warps read of a stage is what the copying warp copied there: the round's
+    block of the tiled weights, each byte once, and each token's K rows of the round; no two
+    lanes of a B load read different words of one bank."""
+    s = config.gemm(role)
+    rounds = s.k // 16 // s.warps_k
+    lane_rows = [(w_k, w_n, row, lane) for w_k in range(s.warps_k) for w_n in range(s.warps_n) for row in range(4)
+                 for lane in range(32)]
+    for r in (0, rounds - 1):
+        read = [r * s.round_bytes + s.stage_weight_offset(*at) for at in lane_rows]
+        assert read == [s.tiled_offset(0, r * s.warps_k + w_k, w_n, row, lane) for w_k, w_n, row, lane in lane_rows]
+    spans = sorted(s.stage_weight_offset(*at) for at in lane_rows)
+    assert spans == list(range(0, s.round_bytes, s.tile_lane_bytes))
+    for w_k in range(s.warps_k):
+        for q in range(4):
+            # Token t's slice holds its K rows r * warps_k * 16 on; the lane reads rows w_k * 16 + 2q on.
+            start = s.stage_token_offset(0, w_k, q) - s.round_bytes
+            assert start == (w_k * 16 + 2 * q) * s.token_bytes and start + 10 * s.token_bytes <= s.round_token_bytes
+        for j in range(s.token_tiles):
+            for second in (0, 8 * s.token_bytes):
+                words = {}
+                for lane in range(32):
+                    word = (s.stage_token_offset(j * 8 + lane // 4, w_k, lane % 4) + second) // 4
+                    words.setdefault(word % 32, set()).add(word)
+                assert all(len(same_bank) == 1 for same_bank in words.values()), words
+    assert s.bulk_stage_bytes == s.stage_token_offset(s.tokens_per_pass, 0, 0)
