@@ -43,6 +43,10 @@ program (`COLUMNS`):
   (``jmp.moe_experts(..., shared=...)``), what the other columns' users run beside them.
   Both shared columns' shared rows are checked against `reference.shared_expert`; their
   ``floor_fraction`` is of ``floor_shared``: the active experts' and the shared expert's bytes;
+* ``ours_bulk_prepared``, ``ours_fp8_bulk_prepared``: ``ours_prepared`` and
+  ``ours_fp8_prepared`` with both kernels' loads as bulk copies into a ring of the CTA's
+  (``jmp.ExpertsConfig.with_bulk_loads`` of the default config: the same warps and tiled
+  order), an experiment beside the default;
 * ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
   the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
   written per second, which a read-only stream moves at about the same rate, the HBM's
@@ -199,7 +203,8 @@ GUESS = {
     "compile_s": {"ours": 3.0, "ours_prepared": 3.0, "ragged_dot": 8.0, "ragged_dot_pallas_triton": 10.0,
                   "cudnn": 10.0, "xla_triton": 10.0, "tokamax": 20.0, "gather": 8.0, "ours_fp8": 3.0,
                   "ours_fp8_prepared": 3.0, "gather_fp8": 8.0, "ours_fp8_tokens_prepared": 4.0,
-                  "ours_shared_prepared": 3.0, "ours_prepared_xla_shared": 4.0},
+                  "ours_shared_prepared": 3.0, "ours_prepared_xla_shared": 4.0, "ours_bulk_prepared": 3.0,
+                  "ours_fp8_bulk_prepared": 3.0},
     "compile_s_per_layer": 0.3,
     "unavailable_s": 1.0,  # a column whose module or JAX flag this Python lacks
     "hbm_bytes_per_s": 4.0e12,
@@ -220,6 +225,7 @@ class Column:
     fp8: bool = False  # on the layers' e4m3 weights (BlockScaled of 128 x 128 blocks)
     fp8_tokens: bool = False  # x quantized to e4m3 per token and 128 channels in the step
     shared: str = ""  # the shared expert too: "held" by the prepared weights, or through "xla"
+    bulk: bool = False  # ours with ExpertsConfig.with_bulk_loads (prepared weights only)
     compiler_options: tuple = ()  # XLA options of this column's programs only
     jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
     needs_in_hlo: tuple = ()
@@ -267,6 +273,10 @@ COLUMNS = (
            shared="held"),
     Column("ours_prepared_xla_shared", "ours_prepared, and the shared expert through XLA's GEMMs "
            "(jmp.moe_experts(..., shared=...))", "ours", prepared=True, shared="xla"),
+    Column("ours_bulk_prepared", "ours_prepared with both kernels' loads as bulk copies into a ring of the CTA's "
+           "(jmp.ExpertsConfig.with_bulk_loads)", "ours", prepared=True, bulk=True),
+    Column("ours_fp8_bulk_prepared", "ours_fp8_prepared with both kernels' loads as bulk copies into a ring of the "
+           "CTA's (jmp.ExpertsConfig.with_bulk_loads)", "ours", prepared=True, fp8=True, bulk=True),
 )
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)
 COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
@@ -498,6 +508,9 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
             return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared"], shared=w["shared"], impl=impl)
         if column.prepared:
             name = "fp8_prepared" if column.fp8 else "prepared"
+            if column.bulk:
+                return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
+                                                         config=bulk_config(w[name], ids.shape[1], column.fp8))
             return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
         if column.fp8:
             return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
@@ -511,6 +524,14 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
         return tokamax_ragged_dot(h, w["down"], sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
     return grouped
+
+
+def bulk_config(prepared, top_k: int, fp8: bool):
+    """The bulk-copy columns' config for ``prepared`` weights: the default's, with both kernels'
+    bulk loads (`jmp.ExpertsConfig.with_bulk_loads`, the same tiled order)."""
+    experts, hidden, gate_up_columns = prepared.gate_up.shape
+    return jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=gate_up_columns // 2, experts=experts,
+                                       top_k=top_k, fp8_weights=fp8).with_bulk_loads()
 
 
 def chain(layer_fn, layers):
@@ -934,7 +955,7 @@ def ours_configs(args):
                 ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
                                                    experts=config.experts, top_k=config.top_k, fp8_weights=column.fp8,
                                                    fp8_tokens=column.fp8_tokens, shared_expert=column.shared == "held")
-                configs.append(ours.replace(tiled_weights=column.prepared))
+                configs.append(ours.with_bulk_loads() if column.bulk else ours.replace(tiled_weights=column.prepared))
     return list(dict.fromkeys(configs))
 
 

@@ -245,6 +245,9 @@ class GemmShape:
 
 
 SMEM_ALIGNMENT = 16
+BULK_IN_FLIGHT_BYTES = 64 * 1024
+"""Weight bytes `ExpertsConfig.with_bulk_loads` keeps in flight per CTA (one per SM): twice what
+an H200's 4.3 TB/s needs over 132 SMs at about a microsecond of DRAM latency."""
 
 
 def _aligned(nbytes: int) -> int:
@@ -522,6 +525,20 @@ class ExpertsConfig:
         layout = "fused" if self.fused_gate_up else "split"
         return (f"experts-h{self.hidden}-i{self.intermediate}-e{self.experts}-k{self.top_k}-{layout}-"
                 f"{self.arch}-{digest}")
+
+    def with_bulk_loads(self, in_flight_bytes: int = BULK_IN_FLIGHT_BYTES) -> "ExpertsConfig":
+        """This config with both kernels' `bulk_loads` (and the tiled order they need), the same
+        warps (so the same `prepare_experts` order), each ring as many stages as hold
+        ``in_flight_bytes`` of weights, at least 2 and as many as shared memory allows."""
+        config = self.replace(tiled_weights=True, gate_up_bulk_loads=True, down_bulk_loads=True, gate_up_unroll=2,
+                              down_unroll=2)
+        for role in ("gate_up", "down"):
+            shape = config.gemm(role)
+            stages = max(2, -(-in_flight_bytes // shape.round_bytes))
+            budget = SHARED_MEMORY_BYTES - config.shared_bytes(role) + shape.bulk_ring_bytes()
+            stages = max(2, min(stages, budget // (shape.bulk_stage_bytes + 16)))
+            config = config.replace(**{f"{role}_unroll": stages})
+        return config
 
     @classmethod
     def for_shape(cls, *, hidden: int, intermediate: int, experts: int, top_k: int, fused_gate_up: bool = True,

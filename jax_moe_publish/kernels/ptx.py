@@ -423,12 +423,17 @@ def _shift_widen_e4m3x2(source: str, out: str, tag: str = "") -> tuple[str, str]
             f"mov.b32 {scale}, 0x77807780;\nmul.rn.bf16x2 {out}, {p}, {scale};\n")  # 2**112 in each half
 
 
+def _e4m3x2_widening(shift: bool):
+    """`_shift_widen_e4m3x2` with ``shift``, else `_widen_e4m3x2`."""
+    return _shift_widen_e4m3x2 if shift else _widen_e4m3x2
+
+
 @dsl_user_op
 def e4m3x4_to_bf16x4(word, *, shift: bool = False, loc=None, ip=None) -> list:
     """The four float8_e4m3fn of a word widened to bf16 (`_widen_e4m3x2`, or with ``shift``
     `_shift_widen_e4m3x2`) and packed as two words: bytes 0 and 1 in the first (byte 0 in its
     low half), 2 and 3 in the second."""
-    widen = _shift_widen_e4m3x2 if shift else _widen_e4m3x2
+    widen = _e4m3x2_widening(shift)
     (low_declared, low), (high_declared, high) = widen("lo", "$0", "a"), widen("hi", "$1", "b")
     text = "{\n.reg .b16 lo, hi;\n" + low_declared + high_declared + "mov.b32 {lo, hi}, $2;\n" + low + high + "}"
     struct = llvm.StructType.get_literal([T.i32()] * 2)
@@ -509,7 +514,7 @@ def load_e4m3x2_as_bf16x2(address: Int64, *, predicate=None, shift: bool = False
     """Non-coherent load of two e4m3 (2 bytes) of read-only input, widened to a bf16x2 word
     (the first in its low half; with ``shift`` by `_shift_widen_e4m3x2`); 0 without access where
     ``predicate`` (an Int32) is 0."""
-    declared, widen = (_shift_widen_e4m3x2 if shift else _widen_e4m3x2)("h", "$0")
+    declared, widen = _e4m3x2_widening(shift)("h", "$0")
     text = ("{\n.reg .pred q;\n.reg .b16 h;\n" + declared + "setp.ne.s32 q, $2, 0;\nmov.b16 h, 0;\n"
             "@q ld.global.nc.u16 h, [$1];\n" + widen + "}")
     one = Int32(1) if predicate is None else Int32(predicate)
@@ -523,7 +528,7 @@ def load_e4m3x2_as_bf16x2(address: Int64, *, predicate=None, shift: bool = False
 def load_shared_e4m3x2_as_bf16x2(address, *, shift: bool = False, loc=None, ip=None) -> Uint32:
     """Load of two e4m3 (2 bytes) at the 32-bit shared ``address``, widened to a bf16x2 word
     (with ``shift`` by `_shift_widen_e4m3x2`)."""
-    declared, widen = (_shift_widen_e4m3x2 if shift else _widen_e4m3x2)("h", "$0")
+    declared, widen = _e4m3x2_widening(shift)("h", "$0")
     text = "{\n.reg .b16 h;\n" + declared + "ld.shared.u16 h, [$1];\n" + widen + "}"
     return Uint32(_asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip)], text, "=r,r", side_effects=True,
                        loc=loc, ip=ip))

@@ -97,6 +97,7 @@ def test_the_kernels_built_are_those_ours_columns_load(stood_in):
     assert {(c.fp8_weights, c.fp8_tokens, c.shared_expert, c.tiled_weights) for c in loaded} == {
         (False, False, False, False), (False, False, False, True), (True, False, False, False),
         (True, False, False, True), (True, True, False, True), (False, False, True, True)}
+    assert {c.fp8_weights for c in loaded if c.gate_up_bulk_loads and c.down_bulk_loads} == {False, True}
     assert loaded == set(bench.ours_configs(args))
 
 

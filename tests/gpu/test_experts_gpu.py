@@ -48,9 +48,11 @@ MS = (1, 2, 7, 16, 17, 64, 130)
 
 
 def _id(config) -> str:
-    """The config's key, shortened, and whether its weights are in the tiled order (a word that
-    `tools/gpu_tier.sh` splits its steps by)."""
-    return config.key.removeprefix("experts-").replace("-sm_90a", "") + ("-tiled" if config.tiled_weights else "")
+    """The config's key, shortened, whether its weights are in the tiled order and whether its loads
+    are bulk copies (words that `tools/gpu_tier.sh` splits its steps by)."""
+    bulk = config.gate_up_bulk_loads or config.down_bulk_loads
+    return (config.key.removeprefix("experts-").replace("-sm_90a", "") + ("-tiled" if config.tiled_weights else "")
+            + ("-bulk" if bulk else ""))
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=_id)
