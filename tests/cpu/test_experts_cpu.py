@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 import fp8_experts
 import numerics
 from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
-from jax_moe_publish import _launch, experts, experts_gather, experts_tuning, reference
-from jax_moe_publish.experts_config import MAX_PAIRS, ExpertsConfig
+from jax_moe_publish import _launch, experts, experts_gather, experts_layout, experts_tuning, reference
+from jax_moe_publish.experts_config import BULK_IN_FLIGHT_BYTES, MAX_PAIRS, SHARED_MEMORY_BYTES, ExpertsConfig
 from jax_moe_publish.testing import gpu_matrix
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -539,3 +539,22 @@ def test_a_bulk_stage_is_the_round_of_the_tiled_order(config, role):
                     words.setdefault(word % 32, set()).add(word)
                 assert all(len(same_bank) == 1 for same_bank in words.values()), words
     assert s.bulk_stage_bytes == s.stage_token_offset(s.tokens_per_pass, 0, 0)
+
+
+@pytest.mark.parametrize("hidden, intermediate, experts, fp8", [(7168, 256, 256, False), (7168, 256, 256, True),
+                                                                (7168, 2048, 256, False), (2048, 96, 128, False),
+                                                                (4096, 1536, 128, True)])
+def test_with_bulk_loads_keeps_the_tiled_order_and_fills_its_rings(hidden, intermediate, experts, fp8):
+    """The same warps as the default (so the same `prepare_experts` order), each ring at least
+    64 KiB of weights where shared memory allows, never past it."""
+    base = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=8,
+                                   fp8_weights=fp8)
+    bulk = base.with_bulk_loads()
+    assert experts_layout.Tiling.of(bulk) == experts_layout.Tiling.of(base)
+    for role in ("gate_up", "down"):
+        shape = bulk.gemm(role)
+        assert shape.bulk_loads and shape.unroll >= 2
+        assert bulk.shared_bytes(role) <= SHARED_MEMORY_BYTES
+        one_more = bulk.shared_bytes(role) + shape.bulk_stage_bytes + 16
+        assert shape.unroll * shape.round_bytes >= BULK_IN_FLIGHT_BYTES or one_more > SHARED_MEMORY_BYTES
+        assert (shape.unroll - 1) * shape.round_bytes < BULK_IN_FLIGHT_BYTES
