@@ -510,8 +510,14 @@ def test_bulk_loads_add_a_copying_warp_and_their_ring():
     assert down.k // 16 % (down.warps_k * down.unroll) != 0
 
 
-@pytest.mark.parametrize("config", [c for c in gpu_matrix.experts_configs() if c.gate_up_bulk_loads],
-                         ids=lambda c: c.key)
+BULK_CONFIGS = [c for c in gpu_matrix.experts_configs() if c.gate_up_bulk_loads] + [
+    ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=256, top_k=8, fp8_weights=fp8,
+                            fp8_tokens=fp8).with_bulk_loads()
+    for hidden, intermediate, fp8 in ((7168, 2048, False), (7168, 2048, True), (2048, 96, False))]
+"""The GPU test configs with bulk loads, and `with_bulk_loads` at shards of 64-column gate/up warps."""
+
+
+@pytest.mark.parametrize("config", BULK_CONFIGS, ids=lambda c: c.key)
 @pytest.mark.parametrize("role", ["gate_up", "down"])
 def test_a_bulk_stage_is_the_round_of_the_tiled_order(config, role):
     """What the compute warps read of a stage is what the copying warp copied there: the round's
