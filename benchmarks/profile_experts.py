@@ -17,7 +17,9 @@ which ncu's ``dram__bytes_read`` is read.
 ``--time`` times the launch shapes (`ExpertsConfig.for_shape`'s, then each ``--variant``'s
 changes to it) over a chain of layers with their own weights (a pass reads >= 200 MB, beyond
 L2): a quick comparison while exploring, timed with the host's clock around many calls; the
-benchmark of record is ``bench_moe_experts.py``.
+benchmark of record is ``bench_moe_experts.py``. Each variant's rows of the first layer are
+checked against the default's (relative difference at most `bench_moe_experts.MAX_DIFFERENCE`:
+another K split sums in another order); the script fails if one is not.
 """
 
 from __future__ import annotations
@@ -118,19 +120,32 @@ def main(argv=None) -> int:
     layers = [bench.draw_layer_weights(jax.random.fold_in(key, 1000 + layer), config, args.tp)
               for layer in range(count)]
     xs, ids = zip(*(routing(layer) for layer in range(count)))
-    for index, chosen_config in enumerate(chosen if args.impl == "kernel" else [None]):
+    default_rows, disagree = None, []
+    for index, chosen_config in enumerate(chosen):
+        # The reference path takes each config too (it checks it against the weights, then
+        # ignores it): the plumbing of every variant on a machine without a GPU.
         op = jax.jit(lambda x, ids, gate_up, down, c=chosen_config: jmp.moe_experts(x, ids, gate_up, down,
                                                                                     impl=args.impl, config=c))
         label = "default" if index == 0 else args.variant[index - 1]
         weights = weights_for(chosen_config, layers)
+        rows = np.asarray(op(xs[0], ids[0], *weights[0]), np.float64)
+        if default_rows is None:
+            default_rows = rows
+        difference = float(np.linalg.norm(rows - default_rows) / np.linalg.norm(default_rows))
+        if not difference <= bench.MAX_DIFFERENCE:
+            disagree.append(label)
+        against = f"rows vs default {difference:.1e}"
         if args.time:
             us = time_call(op, weights, xs, ids, args.calls)
-            print(f"  {label}: {us:.1f} us per call over {count} layers ({chosen[index].key if chosen_config else ''})")
+            print(f"  {label}: {us:.1f} us per call over {count} layers, {against} ({chosen_config.key})")
         else:
             for _ in range(args.calls):
-                rows = op(xs[0], ids[0], *weights[0])
-            rows.block_until_ready()
-            print(f"  {label}: {args.calls} calls")
+                last = op(xs[0], ids[0], *weights[0])
+            last.block_until_ready()
+            print(f"  {label}: {args.calls} calls, {against}")
+    if disagree:
+        print(f"rows differ from the default's by more than {bench.MAX_DIFFERENCE} (relative): {disagree}")
+        return 1
     return 0
 
 

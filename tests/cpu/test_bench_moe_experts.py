@@ -199,13 +199,16 @@ def test_plot_writes_a_png(cpu_run, tmp_path):
 
 @pytest.mark.parametrize("timed", [False, True])
 def test_the_profiling_program_runs_its_calls(timed):
-    """`profile_experts.py`'s plumbing, on the reference path (the kernels need a GPU)."""
+    """`profile_experts.py`'s plumbing, on the reference path (the kernels need a GPU): every
+    variant runs (here one of another tiled order) and its rows are checked against the default's."""
     run = subprocess.run([sys.executable, str(BENCHMARK.with_name("profile_experts.py")), "--shape", "qwen3-30b-a3b",
-                          "--tp", "8", "--m", "3", "--calls", "2", "--impl", "reference"] + (["--time"] * timed),
+                          "--tp", "8", "--m", "3", "--calls", "2", "--impl", "reference",
+                          "--variant", "tiled_weights=true,down_warps_n=1"] + (["--time"] * timed),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert "qwen3-30b-a3b tp=8 (intermediate 96) m=3:" in run.stdout and "active experts" in run.stdout
     assert ("us per call over" in run.stdout) == timed
+    assert run.stdout.count("rows vs default 0.0e+00") == 2, run.stdout
 
 
 def test_the_profiling_variants_change_the_default_launch_shapes():
