@@ -9,7 +9,8 @@ and ``out[p] = 0`` for a pair whose id lies outside ``[0, experts)``. With ``sha
 row goes to ``shared[t]``. The grid is persistent;
 every CTA builds the routing tables (`ExpertRouting`) once the gate/up kernel has finished
 (the activations are its), then takes the work items ``b, b + grid, ...`` (item
-``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert), and the grid's
+``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert; the shared
+expert's, one per block and pass: `ExpertRouting.work_item`), and the grid's
 warps together zero the rows of the skipped pairs. With ``down_bulk_loads`` the CTA's last warp
 copies each pass's rounds into a ring in shared memory, which the others read (`ExpertTiles`).
 """
@@ -22,7 +23,7 @@ from cutlass import Int32, Int64, Uint32
 
 from jax_moe_publish.experts_config import FP8_BLOCK, MMA_TOKENS, ExpertsConfig
 from jax_moe_publish.kernels import ptx
-from jax_moe_publish.kernels.expert_routing import ACTIVE, ExpertRouting
+from jax_moe_publish.kernels.expert_routing import ExpertRouting
 from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, SCALE_BYTES, ExpertTiles
 
 WARP = 32
@@ -108,7 +109,7 @@ class ExpertDownKernel:
         # early_down: the ids are the input of gate/up, whose predecessor had finished before
         # gate/up let this kernel launch; only the activations need the wait.
         self.routing.build(tables, expert_ids, m, tidx)
-        sCount, sStart, _, sActive, sTotals, sPairs = tables
+        sCount, sStart, _, _, _, sPairs = tables
         warp, lane = tidx // WARP, tidx % WARP
         w_k, w_n = warp % s.warps_k, warp // s.warps_k
         group, q = lane // 4, lane % 4
@@ -119,28 +120,30 @@ class ExpertDownKernel:
         expert_scale_bytes = cfg.intermediate // FP8_BLOCK * scale_row_bytes
         activation_row_bytes = cfg.intermediate * BF16_BYTES
         out_row_bytes = cfg.hidden * BF16_BYTES
-        items = sTotals[ACTIVE] * s.items_per_expert
+        items = self.routing.items(tables, s.items_per_expert, s.tokens_per_pass)
         if cutlass.const_expr(cfg.early_down):
             # While gate/up runs its last items: this CTA's first item into L2, then the wait.
             if (tidx == 0) & (block < items):
-                first = down + Int64(sActive[block // s.items_per_expert]) * expert_bytes
-                ptx.prefetch_l2(first + Int64(block % s.items_per_expert) * s.tile_item_bytes, s.tile_item_bytes)
+                expert, item_in_expert = self.routing.work_item(tables, block, s.items_per_expert, s.tokens_per_pass)
+                first = down + Int64(expert) * expert_bytes
+                ptx.prefetch_l2(first + Int64(item_in_expert) * s.tile_item_bytes, s.tile_item_bytes)
             cute.arch.griddepcontrol_wait()
         rounds_done = Int32(0)
         for item in cutlass.range(block, items, grid):
-            expert = sActive[item // s.items_per_expert]
-            column = (item % s.items_per_expert) * s.item_columns + lane_column
+            expert, item_in_expert = self.routing.work_item(tables, item, s.items_per_expert, s.tokens_per_pass)
+            column = item_in_expert * s.item_columns + lane_column
             start, count = sStart[expert], sCount[expert]
+            first_pass, passes_end = self.routing.passes(tables, item, count, s.items_per_expert, s.tokens_per_pass)
             expert_scales = None
             if cutlass.const_expr(s.fp8):
                 expert_scales = down_scales + Int64(expert) * expert_scale_bytes
-            walk = self.tiles.weight_walk(down + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
+            walk = self.tiles.weight_walk(down + Int64(expert) * expert_bytes, row_bytes, item_in_expert,
                                           lane_column, Int64(0), w_n, lane, q, expert_scales, scale_row_bytes)
-            for first in cutlass.range(0, count, s.tokens_per_pass):
+            for first in cutlass.range(first_pass, passes_end, s.tokens_per_pass):
                 if cutlass.const_expr(s.bulk_loads):
                     if warp == s.compute_threads // WARP:
                         self.tiles.copy_rounds(ring, self.tiles.item_weights(down + Int64(expert) * expert_bytes,
-                                                                             item % s.items_per_expert),
+                                                                             item_in_expert),
                                                sPairs, start, count, first, lane, activations, activation_row_bytes,
                                                1, rounds_done)
                     else:

@@ -8,7 +8,8 @@ For every token-expert pair ``p = t * top_k + k`` whose id ``e`` is a valid expe
 with ``silu(g) = g / (1 + 2 ** (-g * log2(e)))``. The grid is persistent (the CTAs the GPU holds
 at once); every CTA builds the routing tables (`ExpertRouting`), then takes the work items
 ``b, b + grid, ...``: item ``a * items_per_expert + j`` is column block ``j`` of the ``a``-th
-active expert, computed for the expert's pairs in passes of ``8 * token_tiles`` (`ExpertTiles`).
+active expert, computed for the expert's pairs in passes of ``8 * token_tiles`` (`ExpertTiles`;
+the shared expert's items are one per block and pass, `ExpertRouting.work_item`).
 Each warp reads ``warp_cols / 2`` columns of gate and the same of up, so lanes ``l`` and
 ``l + 16`` hold a column's gate and up sums. With ``gate_up_split_k`` > 1 the grid is of
 clusters of that many CTAs: cluster ``c`` takes the items ``c, c + clusters, ...``, its CTA
@@ -35,7 +36,7 @@ from cutlass import Float32, Int32, Int64
 
 from jax_moe_publish.experts_config import FP8_BLOCK, MMA_TOKENS, ExpertsConfig
 from jax_moe_publish.kernels import ptx
-from jax_moe_publish.kernels.expert_routing import ACTIVE, ExpertRouting
+from jax_moe_publish.kernels.expert_routing import ExpertRouting
 from jax_moe_publish.kernels.expert_tiles import BF16_BYTES, SCALE_BYTES, ExpertTiles
 
 WARP = 32
@@ -187,7 +188,7 @@ class ExpertGateUpKernel:
         self.routing.build(tables, expert_ids, m, tidx)
         if cutlass.const_expr(s.split_k > 1):
             self.routing.share_order(tables, tidx, cluster_rank)
-        sCount, sStart, _, sActive, sTotals, sPairs = tables
+        sCount, sStart, _, _, _, sPairs = tables
         warp, lane = tidx // WARP, tidx % WARP
         w_k, w_n = warp % s.warps_k, warp // s.warps_k
         group, q = lane // 4, lane % 4
@@ -204,26 +205,27 @@ class ExpertGateUpKernel:
         token_scales = None
         if cutlass.const_expr(s.fp8_tokens):
             token_scales = x_scales + (k_begin // FP8_BLOCK) * SCALE_BYTES
-        items = sTotals[ACTIVE] * s.items_per_expert
+        items = self.routing.items(tables, s.items_per_expert, s.tokens_per_pass)
         rounds_done = Int32(0)
         for item in cutlass.range(cluster, items, clusters):
             if cutlass.const_expr(cfg.early_down):
                 if item + clusters >= items:
                     # This CTA's last item: the down kernel may launch, and read ahead, meanwhile.
                     cute.arch.griddepcontrol_launch_dependents()
-            expert = sActive[item // s.items_per_expert]
-            column = (item % s.items_per_expert) * s.item_columns + lane_column
+            expert, item_in_expert = self.routing.work_item(tables, item, s.items_per_expert, s.tokens_per_pass)
+            column = item_in_expert * s.item_columns + lane_column
             start, count = sStart[expert], sCount[expert]
+            first_pass, passes_end = self.routing.passes(tables, item, count, s.items_per_expert, s.tokens_per_pass)
             expert_scales = None
             if cutlass.const_expr(s.fp8):
                 expert_scales = scales + Int64(expert) * expert_scale_bytes
-            walk = self.tiles.weight_walk(matrix + Int64(expert) * expert_bytes, row_bytes, item % s.items_per_expert,
+            walk = self.tiles.weight_walk(matrix + Int64(expert) * expert_bytes, row_bytes, item_in_expert,
                                           lane_column, k_begin, w_n, lane, q, expert_scales, scale_row_bytes)
-            for first in cutlass.range(0, count, s.tokens_per_pass):
+            for first in cutlass.range(first_pass, passes_end, s.tokens_per_pass):
                 if cutlass.const_expr(s.bulk_loads):
                     if warp == s.compute_threads // WARP:
                         self.tiles.copy_rounds(ring, self.tiles.item_weights(matrix + Int64(expert) * expert_bytes,
-                                                                             item % s.items_per_expert),
+                                                                             item_in_expert),
                                                sPairs, start, count, first, lane, x, cfg.hidden * token_bytes,
                                                cfg.pairs_per_token, rounds_done)
                     else:
