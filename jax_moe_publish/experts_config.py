@@ -48,8 +48,8 @@ _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gat
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
 _BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "gate_up_bulk_loads", "down_bulk_loads",
-                "tiled_weights", "fp8_weights",
-                "fp8_tokens", "fp8_shift_widening", "shared_expert", "early_down", "enable_pdl")
+                "tiled_weights", "fp8_weights", "fp8_tokens", "fp8_shift_widening", "shared_expert", "early_down",
+                "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -301,8 +301,9 @@ class ExpertsConfig:
         round per stage: the ``warps_k`` consecutive K steps of the item that the compute warps
         take one each (one contiguous block of the tiled weights) and each token's slice of K.
         The copying warp runs ahead across passes and items; the compute warps only read shared
-        memory. Needs ``tiled_weights``, no ``async_loads`` and no K split over a cluster; ``unroll`` is then the ring's stages (at least 2), and K's steps need only be
-        a multiple of ``warps_k``. An experiment, not chosen by `for_shape`.
+        memory. Needs ``tiled_weights``, no ``async_loads`` and no K split over a cluster;
+        ``unroll`` is then the ring's stages (at least 2), and K's steps need only be a multiple
+        of ``warps_k``. An experiment, not chosen by `for_shape` (`with_bulk_loads`).
     tiled_weights : bool
         The weights come in `prepare_experts`'s tiled order for this config's work items
         (`GemmShape.tiled_offset`): each item's bytes contiguous, every warp load 32 lanes of
@@ -419,7 +420,7 @@ class ExpertsConfig:
                      f"{' / 2, half of them up' if shape.gated else ''})")
             steps = shape.k // MMA_K
             if shape.bulk_loads:
-                self._check_bulk_loads(role, shape, steps)
+                self._check_bulk_loads(role, shape)
             split = f" * {prefix}split_k" if role == "gate_up" else ""
             # The bulk ring runs on across passes and items: it needs whole rounds only.
             unroll = 1 if shape.bulk_loads else shape.unroll
@@ -430,7 +431,7 @@ class ExpertsConfig:
             _require(self.shared_bytes(role) <= SHARED_MEMORY_BYTES, prefix + "warps_k", shape.warps_k,
                      f"shared memory within {SHARED_MEMORY_BYTES} bytes, got {self.shared_bytes(role)}")
 
-    def _check_bulk_loads(self, role: str, shape: GemmShape, steps: int) -> None:
+    def _check_bulk_loads(self, role: str, shape: GemmShape) -> None:
         field = f"{role}_bulk_loads"
         _require(self.tiled_weights, field, True, "False without tiled_weights (a round is one block of that order)")
         _require(not shape.async_loads, field, True, f"False with {role}_async_loads (one ring or the other)")
