@@ -552,7 +552,8 @@ class ExpertsConfig:
         CTAs per SM must keep HBM busy: 8 steps are 32 KB in flight per CTA of 32-column warps)
         and 4 for down (its items are many and short). e4m3 weights: the same, but at most 4
         steps of split gate and up in 64-column warps (at 8, their widened rows spilled at
-        DeepSeek-V3's tp = 1 shard)."""
+        DeepSeek-V3's tp = 1 shard), and at a hidden of 16 or fewer K steps per gate/up warp
+        (Qwen3-30B's) at most 4 of gate/up and 1 of down (ptxas spilled at 8 and at 3)."""
         sms = 132
         # gate/up: all warps split hidden (K is long, the columns few); 64 columns per warp
         # (32 of gate, 32 of up) once 8 experts still give two items per SM.
@@ -575,10 +576,13 @@ class ExpertsConfig:
         gate_up_warps_k = 8
         while gate_up_warps_k > 1 and (hidden // MMA_K) % gate_up_warps_k:
             gate_up_warps_k //= 2
-        gate_up_steps = 4 if fp8_weights and not fused_gate_up and gate_up_cols == 64 else 8
+        # e4m3 at 16 or fewer K steps per gate/up warp (Qwen3-30B's hidden): with 8 steps in flight
+        # ptxas budgeted 64 registers and spilled, and down at 3 took 128 (spilling) or 255.
+        short_fp8 = fp8_weights and hidden // MMA_K // gate_up_warps_k <= 16
+        gate_up_steps = 4 if fp8_weights and ((not fused_gate_up and gate_up_cols == 64) or short_fp8) else 8
         return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                    fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
                    gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, gate_up_steps),
                    down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
-                   down_unroll=unroll(intermediate, down_warps_k, 4), fp8_weights=fp8_weights,
+                   down_unroll=unroll(intermediate, down_warps_k, 1 if short_fp8 else 4), fp8_weights=fp8_weights,
                    fp8_tokens=fp8_tokens, shared_expert=shared_expert, arch=arch)

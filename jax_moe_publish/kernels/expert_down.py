@@ -109,7 +109,7 @@ class ExpertDownKernel:
         # early_down: the ids are the input of gate/up, whose predecessor had finished before
         # gate/up let this kernel launch; only the activations need the wait.
         self.routing.build(tables, expert_ids, m, tidx)
-        sCount, sStart, _, _, _, sPairs = tables
+        sPairs = tables[-1]
         warp, lane = tidx // WARP, tidx % WARP
         w_k, w_n = warp % s.warps_k, warp // s.warps_k
         group, q = lane // 4, lane % 4
@@ -132,14 +132,13 @@ class ExpertDownKernel:
         for item in cutlass.range(block, items, grid):
             expert, item_in_expert = self.routing.work_item(tables, item, s.items_per_expert, s.tokens_per_pass)
             column = item_in_expert * s.item_columns + lane_column
-            start, count = sStart[expert], sCount[expert]
-            first_pass, passes_end = self.routing.passes(tables, item, count, s.items_per_expert, s.tokens_per_pass)
+            start, count = self.routing.item_pairs(tables, item, expert, s.items_per_expert, s.tokens_per_pass)
             expert_scales = None
             if cutlass.const_expr(s.fp8):
                 expert_scales = down_scales + Int64(expert) * expert_scale_bytes
             walk = self.tiles.weight_walk(down + Int64(expert) * expert_bytes, row_bytes, item_in_expert,
                                           lane_column, Int64(0), w_n, lane, q, expert_scales, scale_row_bytes)
-            for first in cutlass.range(first_pass, passes_end, s.tokens_per_pass):
+            for first in cutlass.range(0, count, s.tokens_per_pass):
                 if cutlass.const_expr(s.bulk_loads):
                     if warp == s.compute_threads // WARP:
                         self.tiles.copy_rounds(ring, self.tiles.item_weights(down + Int64(expert) * expert_bytes,

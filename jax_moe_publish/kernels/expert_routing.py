@@ -140,34 +140,35 @@ class ExpertRouting:
         return (sTotals[ACTIVE] - 1 + self._shared_passes(sCount, tokens_per_pass)) * items_per_expert
 
     def work_item(self, tables, item, items_per_expert: int, tokens_per_pass: int) -> tuple:
-        """``(group, column block)`` of work item ``item``. The active groups take
-        ``items_per_expert`` items each, in order, every item all of its group's passes
-        (`passes`). The shared group (first; with ``m`` pairs, more than any expert) takes one
-        item per block and pass instead, pass by pass: its passes run side by side on as many
-        CTAs rather than one after the other on one, and the CTAs of one block read it at about
-        the same time."""
+        """``(group, column block)`` of work item ``item`` (its pairs: `item_pairs`). The active
+        groups take ``items_per_expert`` items each, in order, each of all its group's pairs.
+        The shared group (first; with ``m`` pairs, more than any expert) takes one item per
+        block and pass instead, pass by pass, each of that pass's pairs: its passes run side by
+        side on as many CTAs rather than one after the other on one, and the CTAs of one block
+        read it at about the same time."""
         _, _, _, sActive, _, _ = tables
         if not self.shared:
             return sActive[item // items_per_expert], item % items_per_expert
-        shared_items, is_shared, routed = self._split(tables, item, items_per_expert, tokens_per_pass)
+        is_shared, routed = self._split(tables, item, items_per_expert, tokens_per_pass)
         # sActive[0] is the shared group.
         group = sActive[cutlass.select_(is_shared, Int32(0), 1 + routed // items_per_expert)]
         return group, cutlass.select_(is_shared, item, routed) % items_per_expert
 
-    def passes(self, tables, item, count, items_per_expert: int, tokens_per_pass: int) -> tuple:
-        """``(first, end)``: work item ``item`` (`work_item`) passes over its block's weights for
-        the group's pairs ``first, first + tokens_per_pass, ...`` below ``end`` (``count``: the
-        group's pairs)."""
+    def item_pairs(self, tables, item, group, items_per_expert: int, tokens_per_pass: int) -> tuple:
+        """``(start, count)``: work item ``item`` of ``group`` (`work_item`) computes the pairs
+        ``sPairs[start:start + count]``, in passes of ``tokens_per_pass``."""
+        sCount, sStart, _, _, _, _ = tables
         if not self.shared:
-            return 0, count
-        _, is_shared, _ = self._split(tables, item, items_per_expert, tokens_per_pass)
+            return sStart[group], sCount[group]
+        is_shared, _ = self._split(tables, item, items_per_expert, tokens_per_pass)
         first = cutlass.select_(is_shared, item // items_per_expert * tokens_per_pass, Int32(0))
-        return first, cutlass.select_(is_shared, first + 1, count)
+        count = cutlass.select_(is_shared, cutlass.min(sCount[group] - first, Int32(tokens_per_pass)), sCount[group])
+        return sStart[group] + first, count
 
     def _split(self, tables, item, items_per_expert: int, tokens_per_pass: int) -> tuple:
-        """The shared group's items, whether ``item`` is one, and its index among the routed ones."""
+        """Whether ``item`` is one of the shared group's items, and its index among the routed ones'."""
         shared_items = self._shared_passes(tables[0], tokens_per_pass) * items_per_expert
-        return shared_items, item < shared_items, item - shared_items
+        return item < shared_items, item - shared_items
 
     def _shared_passes(self, sCount, tokens_per_pass: int):
         return (sCount[self.experts] + tokens_per_pass - 1) // tokens_per_pass

@@ -10,8 +10,9 @@ A module's skip becomes a collection error where
 Elsewhere (the GPU machine has no CuTe DSL) the tier skips, with the reason.
 
 The tier's modules share one build of each config per session (`builds`): the sidecar checks
-of ``test_metadata.py``, the PTX checks of ``test_ptx_contents.py`` and the manifest check of
-``test_ptx_manifest.py`` read the same sets.
+of ``test_metadata.py``, the PTX checks of ``test_ptx_contents.py``, the manifest check of
+``test_ptx_manifest.py`` and the resource check of ``test_preset_resources.py`` read the same
+sets (`preset_folder`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import pathlib
 import threading
 
 import pytest
@@ -74,3 +76,13 @@ class Builds:
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory) -> Builds:
     return Builds(tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.fixture(scope="module")
+def preset_folder(builds) -> pathlib.Path:
+    """The session's folder of built sets, holding every preset's."""
+    from jax_moe_publish.aot.__main__ import PRESETS
+
+    for config in dict.fromkeys(config for make in PRESETS.values() for config in make()):
+        builds(config)
+    return builds.root

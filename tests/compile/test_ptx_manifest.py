@@ -35,14 +35,6 @@ def run_tool(tmp_path, *args) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def preset_folder(builds) -> pathlib.Path:
-    """The session's folder of built sets, holding every preset's."""
-    for config in PRESET_CONFIGS:
-        builds(config)
-    return builds.root
-
-
 def test_the_presets_compile_to_the_committed_manifest(preset_folder, tmp_path):
     run = run_tool(tmp_path, "manifest", "--kernels", str(preset_folder))
     assert run.returncode == 0, run.stdout + run.stderr

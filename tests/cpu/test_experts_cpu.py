@@ -564,3 +564,16 @@ def test_with_bulk_loads_keeps_the_tiled_order_and_fills_its_rings(hidden, inter
         one_more = bulk.shared_bytes(role) + shape.bulk_stage_bytes + 16
         assert shape.unroll * shape.round_bytes >= BULK_IN_FLIGHT_BYTES or one_more > SHARED_MEMORY_BYTES
         assert (shape.unroll - 1) * shape.round_bytes < BULK_IN_FLIGHT_BYTES
+
+
+def test_e4m3_at_a_short_hidden_keeps_fewer_steps_in_flight():
+    """for_shape's e4m3 configs at 16 or fewer K steps per gate/up warp (Qwen3-30B) hold at most
+    4 gate/up steps and 1 down step in flight (ptxas spilled at 8 and 3); DeepSeek-V3's and
+    Qwen3-235B's are those of bf16 weights."""
+    short = ExpertsConfig.for_shape(hidden=2048, intermediate=768, experts=128, top_k=8, fp8_weights=True)
+    assert (short.gate_up_unroll, short.down_unroll) == (4, 1)
+    for hidden, intermediate in ((7168, 256), (4096, 384)):
+        e4m3 = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=128, top_k=8,
+                                       fp8_weights=True)
+        bf16 = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=128, top_k=8)
+        assert (e4m3.gate_up_unroll, e4m3.down_unroll) == (bf16.gate_up_unroll, bf16.down_unroll)
