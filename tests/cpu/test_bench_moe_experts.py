@@ -37,7 +37,8 @@ MIN_PASS_MB = 0.2  # two layers at both tps: small programs, quick to compile
 # kernels cannot run.
 OURS = tuple(column.name for column in bench.COLUMNS if column.route == "ours")
 TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather", "ours_fp8", "ours_fp8_prepared", "gather_fp8",
-                "ours_fp8_tokens_prepared", "ours_shared_prepared", "ours_prepared_xla_shared")
+                "ours_fp8_tokens_prepared", "ours_shared_prepared", "ours_prepared_xla_shared", "ours_bulk_prepared",
+                "ours_fp8_bulk_prepared")
 
 
 @pytest.mark.parametrize("name", TIMED_ON_CPU)
