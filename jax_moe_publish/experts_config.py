@@ -43,6 +43,7 @@ SPLIT_K = (1, 2, 4, 8, 16)
 size, which the launchers opt into)."""
 SHARED_MEMORY_BYTES = 227 * 1024
 """Shared memory a CTA of an H100 or H200 may use."""
+MBARRIER_BYTES = 8
 ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
@@ -231,10 +232,14 @@ class GemmShape:
         ``+1`` of the round; the second, rows ``+8`` and ``+9``, is 8 elements on)."""
         return self.round_bytes + token * self.token_slot_bytes + (w_k * MMA_K + 2 * q) * self.token_bytes
 
+    @property
+    def bulk_stage_cost(self) -> int:
+        """`bulk_loads`: the shared memory one stage takes: its bytes, and its full and empty mbarriers."""
+        return self.bulk_stage_bytes + 2 * MBARRIER_BYTES
+
     def bulk_ring_bytes(self) -> int:
-        """Shared memory of `bulk_loads`'s ring: ``unroll`` stages, then a full and an empty
-        mbarrier (8 bytes) per stage (0 without)."""
-        return self.unroll * (self.bulk_stage_bytes + 2 * 8) if self.bulk_loads else 0
+        """Shared memory of `bulk_loads`'s ring: ``unroll`` stages, then their mbarriers (0 without)."""
+        return self.unroll * self.bulk_stage_cost if self.bulk_loads else 0
 
     def partial_bytes(self) -> int:
         """Shared memory for the CTA's sums that the cluster's CTAs read (0 without a split):
@@ -537,7 +542,7 @@ class ExpertsConfig:
             shape = config.gemm(role)
             stages = max(2, -(-in_flight_bytes // shape.round_bytes))
             budget = SHARED_MEMORY_BYTES - config.shared_bytes(role) + shape.bulk_ring_bytes()
-            stages = max(2, min(stages, budget // (shape.bulk_stage_bytes + 16)))
+            stages = max(2, min(stages, budget // shape.bulk_stage_cost))
             config = config.replace(**{f"{role}_unroll": stages})
         return config
 
