@@ -11,12 +11,13 @@ With the shared expert (`ExpertsConfig.shared_expert`) a token has ``top_k + 1``
 (top_k + 1) + k``, its last one the shared expert's: group ``experts``, every token's. Its group
 comes first among the active ones, so that its items (the most pairs) start first.
 
-The order of the pairs inside a segment is the atomics': it differs between runs and between
-the CTAs of one run, so a slot names the same pair only within one CTA, and work is split
-between CTAs by expert, never by slot; the CTAs of a cluster, which add their sums by slot,
-take the order of its CTA 0 (`share_order`). It never reaches a result, since each pair's sums
-are computed apart from every other pair's (a pair is one column of an mma's B, whatever
-column that is).
+The order of the pairs inside an expert's segment is the atomics': it differs between runs and
+between the CTAs of one run, so a slot names the same pair only within one CTA, and an
+expert's work is split between CTAs by expert, never by slot; the CTAs of a cluster, which add
+their sums by slot, take the order of its CTA 0 (`share_order`). The shared expert's segment
+alone is in token order in every CTA: its items split it by slot, one pass each (`work_item`).
+The order never reaches a result, since each pair's sums are computed apart from every other
+pair's (a pair is one column of an mma's B, whatever column that is).
 """
 
 from __future__ import annotations
@@ -80,8 +81,25 @@ class ExpertRouting:
         for p in cutlass.range(tidx, pairs, self.threads):
             group, valid = self._group(expert_ids, p)
             if valid:
-                sPairs[sStart[group] + ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1)] = p
+                sPairs[sStart[group] + self._slot(sFill, group, p)] = p
         cute.arch.barrier()
+
+    @cute.jit
+    def _slot(self, sFill, group, p):
+        """Pair ``p``'s slot in its group's segment: the shared expert's pair of token ``t`` at
+        ``t`` (the same in every CTA, whose items split its passes by slot), any other's the
+        next free one (the atomics' order)."""
+        if cutlass.const_expr(not self.shared):
+            return self._next_free(sFill, group)
+        slot = Int32(0)
+        if group == self.experts:
+            slot = p // self.pairs_per_token
+        else:
+            slot = self._next_free(sFill, group)
+        return slot
+
+    def _next_free(self, sFill, group):
+        return ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1)
 
     def _group(self, expert_ids: Int64, p):
         """``(group, valid)`` of pair ``p``: its id and whether it lies in ``[0, experts)``; with
