@@ -44,6 +44,7 @@ size, which the launchers opt into)."""
 SHARED_MEMORY_BYTES = 227 * 1024
 """Shared memory a CTA of an H100 or H200 may use."""
 MBARRIER_BYTES = 8
+"""Shared memory of one mbarrier (a 64-bit word): each bulk-loads stage has a full and an empty one."""
 ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
