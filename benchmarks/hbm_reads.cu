@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -161,9 +162,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "cannot write %s\n", out_path);
     return 1;
   }
-  std::fprintf(out, "{\n \"gpu\": \"%s\",\n \"multiprocessors\": %d,\n \"l2_bytes\": %d,\n \"layers_per_graph\": %d,\n"
+  const char* commit = std::getenv("JMP_COMMIT");  // the benchmarks' convention: the tree's commit
+  std::fprintf(out, "{\n \"commit\": \"%s\",\n \"gpu\": \"%s\",\n \"multiprocessors\": %d,\n \"l2_bytes\": %d,\n \"layers_per_graph\": %d,\n"
                " \"reps\": %d,\n \"threads\": %d,\n \"loads_in_flight_per_thread\": %d,\n \"cases\": [\n",
-               prop.name, prop.multiProcessorCount, prop.l2CacheSize, kLayers, kReps, kThreads, kUnroll);
+               commit != nullptr ? commit : "unknown", prop.name, prop.multiProcessorCount, prop.l2CacheSize, kLayers, kReps, kThreads, kUnroll);
   for (size_t c = 0; c < cases.size(); ++c) {
     const Case& item = cases[c];
     double bytes = 0;
