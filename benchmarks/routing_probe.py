@@ -33,9 +33,8 @@ SHARDS = {
 
 
 def compile_probe(config):
-    """``(cubin bytes, kernel symbol, threads, shared memory bytes)`` of the probe of ``config``."""
+    """``(cubin bytes, kernel symbol, threads, shared memory bytes, PTX)`` of the probe of ``config``."""
     import cuda.bindings.driver as cuda
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, Int64
 
@@ -67,12 +66,11 @@ def compile_probe(config):
 
     with tempfile.TemporaryDirectory() as dump_dir:
         compiled = cute.compile(RoutingProbe(), Int64(0), Int64(0), Int32(0), cuda.CUstream(0),
-                                options=f"--gpu-arch {config.arch} --keep-cubin --dump-dir {dump_dir}")
+                                options=f"--gpu-arch {config.arch} --keep-cubin --keep-ptx --dump-dir {dump_dir}")
     symbols = [s for s in compiled.kernel_info if "routing_probe" in s]
     if len(symbols) != 1:
         raise RuntimeError(f"expected one routing_probe kernel, found {list(compiled.kernel_info)}")
-    del cutlass
-    return compiled.__cubin__, symbols[0], threads, smem
+    return compiled.__cubin__, symbols[0], threads, smem, compiled.__ptx__
 
 
 def main(argv=None) -> int:
@@ -84,7 +82,7 @@ def main(argv=None) -> int:
     lines = []
     for name, fields in SHARDS.items():
         config = jmp.ExpertsConfig.for_shape(**fields)
-        cubin, symbol, threads, smem = compile_probe(config)
+        cubin, symbol, threads, smem, _ = compile_probe(config)
         path = out / f"routing-{name}.cubin"
         path.write_bytes(cubin)
         lines.append(f"{path.name} {symbol} {threads} {smem} {config.experts} {config.top_k} "

@@ -1,7 +1,7 @@
 // The time the experts kernels spend on their routing tables, per launch, against m.
 //
 //   python benchmarks/routing_probe.py --out DIR                  # where CuTe DSL is
-//   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/routing_time.cu -lcuda -o routing_time
+//   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/routing_time.cu -o routing_time
 //   JMP_COMMIT=$(git rev-parse HEAD) ./routing_time DIR results.json
 //
 // Every CTA of both experts kernels builds the call's routing tables from the ids before it
@@ -29,18 +29,31 @@
 
 #include "cuda_bench.h"
 
+namespace {
+
+// The driver's functions, through the runtime (no link against libcuda, which a machine without
+// a GPU lacks).
+template <typename Function>
+Function* Driver(const char* name) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult status;
+  CHECK(cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &status));
+  if (status != cudaDriverEntryPointSuccess || function == nullptr) {
+    std::fprintf(stderr, "the driver has no %s\n", name);
+    std::exit(1);
+  }
+  return reinterpret_cast<Function*>(function);
+}
+
 #define CHECK_CU(call)                                                                   \
   do {                                                                                   \
     CUresult result_ = (call);                                                           \
     if (result_ != CUDA_SUCCESS) {                                                       \
-      const char* text_ = nullptr;                                                       \
-      cuGetErrorString(result_, &text_);                                                 \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, text_);         \
+      std::fprintf(stderr, "%s:%d: %s: CUresult %d\n", __FILE__, __LINE__, #call, int(result_)); \
       std::exit(1);                                                                      \
     }                                                                                    \
   } while (0)
 
-namespace {
 
 constexpr int kLaunches = 100;
 constexpr int kReps = 21;
@@ -54,12 +67,14 @@ struct Probe {
 __global__ void Empty() {}
 
 // Median µs per launch of `kLaunches` launches of `function` (or the empty kernel where null).
+decltype(&cuLaunchKernel) LaunchKernel;
+
 double TimeLaunch(CUfunction function, void** params, int grid, const Probe& probe, cudaStream_t stream) {
   cudaGraph_t graph;
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   for (int i = 0; i < kLaunches; ++i) {
     if (function != nullptr) {
-      CHECK_CU(cuLaunchKernel(function, grid, 1, 1, probe.threads, 1, 1, probe.smem, stream, params, nullptr));
+      CHECK_CU(LaunchKernel(function, grid, 1, 1, probe.threads, 1, 1, probe.smem, stream, params, nullptr));
     } else {
       Empty<<<grid, probe.threads, probe.smem, stream>>>();
     }
@@ -116,6 +131,11 @@ int main(int argc, char** argv) {
   const std::string dir = argv[1];
   CHECK(cudaSetDevice(0));
   CHECK(cudaFree(nullptr));  // the primary context, which the driver calls below use
+  LaunchKernel = Driver<decltype(cuLaunchKernel)>("cuLaunchKernel");
+  auto ModuleLoad = Driver<decltype(cuModuleLoad)>("cuModuleLoad");
+  auto ModuleGetFunction = Driver<decltype(cuModuleGetFunction)>("cuModuleGetFunction");
+  auto FuncSetAttribute = Driver<decltype(cuFuncSetAttribute)>("cuFuncSetAttribute");
+  auto ModuleUnload = Driver<decltype(cuModuleUnload)>("cuModuleUnload");
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
@@ -135,9 +155,9 @@ int main(int argc, char** argv) {
   for (const Probe& probe : ReadProbes(dir)) {
     CUmodule module;
     CUfunction function;
-    CHECK_CU(cuModuleLoad(&module, (dir + "/" + probe.file).c_str()));
-    CHECK_CU(cuModuleGetFunction(&function, module, probe.symbol.c_str()));
-    CHECK_CU(cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, probe.smem));
+    CHECK_CU(ModuleLoad(&module, (dir + "/" + probe.file).c_str()));
+    CHECK_CU(ModuleGetFunction(&function, module, probe.symbol.c_str()));
+    CHECK_CU(FuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, probe.smem));
     const int max_grid = prop.multiProcessorCount * 2;
     int32_t* ids;
     uint32_t* totals;
@@ -163,7 +183,7 @@ int main(int argc, char** argv) {
       for (int per_sm = 1; per_sm <= 2; ++per_sm) {
         const int grid = prop.multiProcessorCount * per_sm;
         CHECK(cudaMemset(totals, 0xFF, sizeof(uint32_t) * 2 * max_grid));
-        CHECK_CU(cuLaunchKernel(function, grid, 1, 1, probe.threads, 1, 1, probe.smem, stream, params, nullptr));
+        CHECK_CU(LaunchKernel(function, grid, 1, 1, probe.threads, 1, 1, probe.smem, stream, params, nullptr));
         CHECK(cudaStreamSynchronize(stream));
         std::vector<uint32_t> got(2 * grid);
         CHECK(cudaMemcpy(got.data(), totals, sizeof(uint32_t) * got.size(), cudaMemcpyDeviceToHost));
@@ -189,7 +209,7 @@ int main(int argc, char** argv) {
     }
     CHECK(cudaFree(ids));
     CHECK(cudaFree(totals));
-    CHECK_CU(cuModuleUnload(module));
+    CHECK_CU(ModuleUnload(module));
   }
   std::fprintf(out, "\n ]\n}\n");
   std::fclose(out);

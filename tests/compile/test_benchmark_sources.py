@@ -1,4 +1,5 @@
-"""Compile tier (no GPU): every `benchmarks/*.cu` program compiles with nvcc for sm_90a.
+"""Compile tier (no GPU): every `benchmarks/*.cu` program compiles with nvcc for sm_90a, and the
+CuTe DSL probe that `routing_time.cu` loads builds with the parameters it passes.
 
 nvcc is taken from ``PATH``, else from ``$CUDA_HOME/bin`` or ``/usr/local/cuda/bin``, where the
 CUDA toolkit installs it without always putting it on ``PATH``. Without it these tests skip and
@@ -9,6 +10,7 @@ they fail.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -52,3 +54,18 @@ def test_pingpong_ptx_has_system_scope_acquire_and_release(nvcc, tmp_path):
     text = ptx.read_text()
     for instruction in ("ld.acquire.sys", "st.release.sys"):
         assert instruction in text, f"{instruction} missing from the ping-pong's PTX"
+
+
+def test_routing_probe_compiles_with_the_parameters_routing_time_passes():
+    """`routing_probe.py` builds the kernel that ``routing_time.cu`` launches with (ids, totals, m)."""
+    pytest.importorskip("cutlass")
+    import jax_moe_publish as jmp
+    from jax_moe_publish.aot.compile import ptx_entry_params
+
+    spec = importlib.util.spec_from_file_location("routing_probe", BENCHMARKS / "routing_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    config = jmp.ExpertsConfig.for_shape(**probe.SHARDS["qwen3-30b-a3b"])
+    cubin, symbol, threads, smem, ptx = probe.compile_probe(config)
+    assert cubin and threads == config.gemm("gate_up").threads and smem > 0
+    assert ptx_entry_params(ptx)[symbol] == ["u64", "u64", "u32"]
