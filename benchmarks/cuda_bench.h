@@ -1,11 +1,14 @@
-// What the benchmark programs share: the CUDA error check and peer access between GPU 0 and 1.
+// What the benchmark programs share: the CUDA error check, the median time of a captured graph,
+// and peer access between GPU 0 and 1.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #define CHECK(call)                                                                      \
   do {                                                                                   \
@@ -39,4 +42,36 @@ inline std::string EnablePeerPair(int count) {
     (void)cudaGetLastError();
   }
   return "";
+}
+
+// Median µs per unit of what `enqueue(stream)` launches: its launches captured once into a CUDA
+// graph, replayed `reps` times after a warm-up replay, each replay's time divided by `units`.
+template <typename Enqueue>
+double MedianGraphMicroseconds(cudaStream_t stream, int reps, int units, Enqueue enqueue) {
+  cudaGraph_t graph;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  enqueue(stream);
+  CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+  std::vector<double> times;
+  for (int r = 0; r < reps; ++r) {
+    CHECK(cudaEventRecord(start, stream));
+    CHECK(cudaGraphLaunch(exec, stream));
+    CHECK(cudaEventRecord(stop, stream));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms * 1e3 / units);
+  }
+  CHECK(cudaEventDestroy(start));
+  CHECK(cudaEventDestroy(stop));
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
 }

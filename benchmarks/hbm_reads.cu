@@ -75,40 +75,17 @@ size_t VectorsOf(double mb) { return static_cast<size_t>(mb * 1e6) / 16; }
 // Time per layer (µs, the median of kReps graph replays) of `layer` at `ctas` CTAs per launch.
 double TimeLayer(const std::vector<double>& layer, int ctas, const uint4* pool, unsigned long long* sums,
                  cudaStream_t stream) {
-  size_t pool_vectors = kPoolBytes / 16, offset = 0;
-  cudaGraph_t graph;
-  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int l = 0; l < kLayers; ++l) {
-    for (double mb : layer) {
-      size_t vectors = VectorsOf(mb);
-      if (offset + vectors > pool_vectors) offset = 0;
-      Read<<<ctas, kThreads, 0, stream>>>(pool + offset, vectors, sums);
-      offset += (vectors + 255) / 256 * 256;  // 4 KiB aligned
+  return MedianGraphMicroseconds(stream, kReps, kLayers, [&](cudaStream_t s) {
+    size_t pool_vectors = kPoolBytes / 16, offset = 0;
+    for (int l = 0; l < kLayers; ++l) {
+      for (double mb : layer) {
+        size_t vectors = VectorsOf(mb);
+        if (offset + vectors > pool_vectors) offset = 0;
+        Read<<<ctas, kThreads, 0, s>>>(pool + offset, vectors, sums);
+        offset += (vectors + 255) / 256 * 256;  // 4 KiB aligned
+      }
     }
-  }
-  CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  CHECK(cudaGraphLaunch(exec, stream));  // warm-up
-  std::vector<double> times;
-  for (int r = 0; r < kReps; ++r) {
-    CHECK(cudaEventRecord(start, stream));
-    CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms * 1e3 / kLayers);
-  }
-  CHECK(cudaEventDestroy(start));
-  CHECK(cudaEventDestroy(stop));
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  });
 }
 
 // Whether one launch of `mb` at `ctas` CTAs sums the pool's first words as the host does.

@@ -66,42 +66,21 @@ struct Probe {
 
 __global__ void Empty() {}
 
-// Median µs per launch of `kLaunches` launches of `function` (or the empty kernel where null).
 decltype(&cuLaunchKernel) LaunchKernel;
 
-double TimeLaunch(CUfunction function, void** params, int grid, const Probe& probe, cudaStream_t stream) {
-  cudaGraph_t graph;
-  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < kLaunches; ++i) {
-    if (function != nullptr) {
-      CHECK_CU(LaunchKernel(function, grid, 1, 1, probe.threads, 1, 1, probe.smem, stream, params, nullptr));
-    } else {
-      Empty<<<grid, probe.threads, probe.smem, stream>>>();
+// Median µs per launch of the probe's `function` at `grid` CTAs, and of the empty kernel there.
+double TimeProbe(CUfunction function, void** params, int grid, const Probe& probe, cudaStream_t stream) {
+  return MedianGraphMicroseconds(stream, kReps, kLaunches, [&](cudaStream_t s) {
+    for (int i = 0; i < kLaunches; ++i) {
+      CHECK_CU(LaunchKernel(function, grid, 1, 1, probe.threads, 1, 1, probe.smem, s, params, nullptr));
     }
-  }
-  CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  CHECK(cudaGraphLaunch(exec, stream));  // warm-up
-  std::vector<double> times;
-  for (int r = 0; r < kReps; ++r) {
-    CHECK(cudaEventRecord(start, stream));
-    CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms * 1e3 / kLaunches);
-  }
-  CHECK(cudaEventDestroy(start));
-  CHECK(cudaEventDestroy(stop));
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  });
+}
+
+double TimeEmpty(int grid, const Probe& probe, cudaStream_t stream) {
+  return MedianGraphMicroseconds(stream, kReps, kLaunches, [&](cudaStream_t s) {
+    for (int i = 0; i < kLaunches; ++i) Empty<<<grid, probe.threads, probe.smem, s>>>();
+  });
 }
 
 std::vector<Probe> ReadProbes(const std::string& dir) {
@@ -194,8 +173,8 @@ int main(int argc, char** argv) {
             return 1;
           }
         }
-        const double routing_us = TimeLaunch(function, params, grid, probe, stream);
-        const double empty_us = TimeLaunch(nullptr, nullptr, grid, probe, stream);
+        const double routing_us = TimeProbe(function, params, grid, probe, stream);
+        const double empty_us = TimeEmpty(grid, probe, stream);
         std::printf("%-36s m=%4d  %d CTA/SM: %6.2f us per launch, empty %5.2f, routing adds %5.2f\n",
                     probe.file.c_str(), m, per_sm, routing_us, empty_us, routing_us - empty_us);
         std::fprintf(out, "%s  {\"probe\": \"%s\", \"experts\": %d, \"top_k\": %d, \"shared_expert\": %s, \"m\": %d, "
