@@ -35,6 +35,9 @@ ACTIVE = 0
 """Totals: groups with at least one pair."""
 VALID = 1
 """Totals: pairs with a valid expert id (the segments' total)."""
+PAIRS_PER_THREAD = 8
+"""Ids a thread loads at once per span of the routing's passes: one round trip to memory per
+span instead of one per id."""
 
 class ExpertRouting:
     """The routing tables of one call, in shared memory: per group (expert, then the shared
@@ -66,23 +69,49 @@ class ExpertRouting:
         the tables are complete for all of them on return."""
         sCount, sStart, sFill, sActive, sTotals, sPairs = tables
         pairs = m * self.pairs_per_token
+        span = self.threads * PAIRS_PER_THREAD
         for e in cutlass.range(tidx, self.groups, self.threads):
             sCount[e] = Int32(0)
             sFill[e] = Int32(0)
+        # The first span's ids stay in registers for the second pass (every pair of a call up to
+        # m = 256 at top-8 and 256 threads).
+        first = self._span(expert_ids, Int32(0), pairs, tidx)
         cute.arch.barrier()
-        for p in cutlass.range(tidx, pairs, self.threads):
-            group, valid = self._group(expert_ids, p)
-            if valid:
-                ptx.shared_fetch_add_s32((sCount.iterator + group).toint(), 1)
+        self._count(sCount, first)
+        for begin in cutlass.range(span, pairs, span):
+            self._count(sCount, self._span(expert_ids, begin, pairs, tidx))
         cute.arch.barrier()
         if tidx < WARP:
             self._scan(sCount, sStart, sActive, sTotals, tidx)
         cute.arch.barrier()
-        for p in cutlass.range(tidx, pairs, self.threads):
-            group, valid = self._group(expert_ids, p)
+        self._place(sStart, sFill, sPairs, first)
+        for begin in cutlass.range(span, pairs, span):
+            self._place(sStart, sFill, sPairs, self._span(expert_ids, begin, pairs, tidx))
+        cute.arch.barrier()
+
+    def _span(self, expert_ids: Int64, begin, pairs, tidx) -> list:
+        """``(pair, group, valid)`` of this thread's `PAIRS_PER_THREAD` pairs of the span at
+        ``begin``, every id loaded before any is used (the loads in flight together); a pair
+        past the call's is not valid and loads the last pair's id (an address in bounds)."""
+        span = []
+        for i in range(PAIRS_PER_THREAD):
+            p = begin + i * self.threads + tidx
+            span.append((p, *self._group(expert_ids, p, p < pairs)))
+        return span
+
+    @cute.jit
+    def _count(self, sCount, span: list) -> None:
+        for i in cutlass.range_constexpr(len(span)):
+            _, group, valid = span[i]
+            if valid:
+                ptx.shared_fetch_add_s32((sCount.iterator + group).toint(), 1)
+
+    @cute.jit
+    def _place(self, sStart, sFill, sPairs, span: list) -> None:
+        for i in cutlass.range_constexpr(len(span)):
+            p, group, valid = span[i]
             if valid:
                 sPairs[sStart[group] + self._slot(sFill, group, p)] = p
-        cute.arch.barrier()
 
     @cute.jit
     def _slot(self, sFill, group, p):
@@ -101,19 +130,21 @@ class ExpertRouting:
     def _next_free(self, sFill, group):
         return ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1)
 
-    def _group(self, expert_ids: Int64, p):
+    def _group(self, expert_ids: Int64, p, in_call):
         """``(group, valid)`` of pair ``p``: its id and whether it lies in ``[0, experts)``; with
         the shared expert, a token's last pair is group ``experts``, always valid (the load of
-        its token's last id keeps the address in bounds)."""
+        its token's last id keeps the address in bounds). A pair not ``in_call`` loads nothing
+        and is not valid."""
         if not self.shared:
-            expert = ptx.load_s32(expert_ids + Int64(p) * 4)
-            return expert, (expert >= 0) & (expert < self.experts)
+            expert = ptx.load_s32(expert_ids + Int64(p) * 4, predicate=Int32(in_call))
+            return expert, in_call & (expert >= 0) & (expert < self.experts)
         token = p // self.pairs_per_token
         k = p - token * self.pairs_per_token
         is_shared = k == self.top_k
-        expert = ptx.load_s32(expert_ids + Int64(token * self.top_k + cutlass.select_(is_shared, k - 1, k)) * 4)
+        expert = ptx.load_s32(expert_ids + Int64(token * self.top_k + cutlass.select_(is_shared, k - 1, k)) * 4,
+                              predicate=Int32(in_call))
         valid = (expert >= 0) & (expert < self.experts)
-        return cutlass.select_(is_shared, Int32(self.experts), expert), is_shared | valid
+        return cutlass.select_(is_shared, Int32(self.experts), expert), in_call & (is_shared | valid)
 
     @cute.jit
     def _scan(self, sCount, sStart, sActive, sTotals, lane) -> None:

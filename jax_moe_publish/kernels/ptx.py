@@ -209,9 +209,16 @@ def load_cluster_s32(address, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def load_s32(address: Int64, *, loc=None, ip=None) -> Int32:
-    """Non-coherent load of one int32 of read-only input."""
-    return Int32(_scalar_at(address, "ld.global.nc.s32", T.i32(), "r", False, loc, ip))
+def load_s32(address: Int64, *, predicate=None, loc=None, ip=None) -> Int32:
+    """Non-coherent load of one int32 of read-only input; 0 without access where ``predicate``
+    (an Int32) is 0."""
+    if predicate is None:
+        return Int32(_scalar_at(address, "ld.global.nc.s32", T.i32(), "r", False, loc, ip))
+    text = "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.s32 $0, [$1];\n}"
+    return Int32(
+        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), Int32(predicate).ir_value(loc=loc, ip=ip)], text,
+             "=&r,l,r", side_effects=False, loc=loc, ip=ip)
+    )
 
 
 @dsl_user_op

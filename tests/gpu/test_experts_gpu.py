@@ -34,6 +34,7 @@ import numerics
 from jax_moe_publish import experts_gather, experts_layout
 from jax_moe_publish.aot.store import default_store
 from jax_moe_publish.experts_config import MAX_PAIRS
+from jax_moe_publish.kernels.expert_routing import PAIRS_PER_THREAD
 from jax_moe_publish.testing import gpu_matrix
 
 pytestmark = pytest.mark.gpus(1)
@@ -45,6 +46,17 @@ SHARED_CONFIGS = [config for config in gpu_matrix.experts_configs() if config.sh
 """Configs whose weights hold the shared expert after the routed ones (`test_the_shared_expert_is_one_more_group`)."""
 MS = (1, 2, 7, 16, 17, 64, 130)
 """Tokens: one pass and several (16 tokens per pass with two token tiles), one past a pass."""
+ROUTING_SPANS = 3
+"""Spans of the routing tables' id loads (`PAIRS_PER_THREAD` ids per thread) that
+`test_routing_over_several_spans` and the shared expert's test cover: the first span's ids are
+kept in registers between the routing's two passes, the later ones loaded again."""
+
+
+def _several_spans_m(config) -> int:
+    """Tokens whose pairs fill `ROUTING_SPANS` spans of both kernels' routing (at most the
+    config's ``max_m``)."""
+    threads = max(config.gemm(role).threads for role in ("gate_up", "down"))
+    return min(config.max_m, -(-ROUTING_SPANS * threads * PAIRS_PER_THREAD // config.pairs_per_token))
 
 
 def _id(config) -> str:
@@ -113,6 +125,20 @@ def test_routing_edges(launcher, rng, case):
     _check(out, activations, inputs, case)
 
 
+def test_routing_over_several_spans(launcher, devices, rng):
+    """A call of more pairs than one span of the routing's id loads, with skipped ids: every
+    span's pairs reach their experts (the tables are rebuilt from ids loaded again)."""
+    config = launcher.config
+    m = _several_spans_m(config)
+    spans = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=m)
+    try:
+        inputs = _inputs(rng, config, m)
+        out, activations = spans.run(inputs)
+        _check(out, activations, inputs, f"m={m}")
+    finally:
+        spans.close()
+
+
 def test_the_same_bits_every_run_and_for_every_batch(launcher, rng):
     """Batch invariance: a token's rows are the same bits alone, twice, and among other tokens
     (in another pass and another slot of its experts' segments)."""
@@ -163,9 +189,12 @@ def test_e4m3_weights_match_the_model_of_their_blocks(devices, rng, config):
     skipped, against the float64 model of the dequantized blocks; twice the same bits; through
     JAX the same bits (tiled configs: their values in the tiled order, and
     `jmp.prepare_experts` through JAX)."""
-    launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=max(MS))
+    spans_m = _several_spans_m(config)
+    launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0],
+                                           max_m=max(*MS, spans_m))
     try:
-        for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0))]:
+        for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0)),
+                           (spans_m, {})]:
             (x, ids, gate_up, down), model = fp8_experts.random_case(
                 rng, m=m, hidden=config.hidden, intermediate=config.intermediate, experts_count=config.experts,
                 top_k=config.top_k, fused=config.fused_gate_up, fp8_x=config.fp8_tokens, **options)
@@ -222,13 +251,17 @@ def _shared_case(rng, config, m, **routing):
 def test_the_shared_expert_is_one_more_group(devices, rng, config):
     """The shared expert held after the routed experts (`jmp.prepare_experts`'s order), through
     the harness (outputs poisoned) at m across the passes, with hot experts and with every
-    routed id skipped: the routed rows and activations against their float64 model, the
+    routed id skipped, and over several spans of the routing's id loads: the routed rows and
+    activations against their float64 model, the
     shared rows and activations against the model of one expert that every token names. The
     same bits twice and for a token alone; through JAX (``prepare_experts(..., shared=...)``,
     ``impl="kernel"``) the same bits."""
-    launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=max(MS))
+    spans_m = _several_spans_m(config)
+    launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0],
+                                           max_m=max(*MS, spans_m))
     try:
-        for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0))]:
+        for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0)),
+                           (spans_m, {})]:
             (x, ids, gate_up, down, shared), model, shared_model = _shared_case(rng, config, m, **options)
             prepared = jmp.prepare_experts(gate_up, down, shared=shared, config=config)
             weights = {"gate_up": prepared.gate_up, "down": prepared.down}
