@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from jax_moe_publish.experts_config import MAX_PAIRS, SMEM_ALIGNMENT, ExpertsConfig
+from jax_moe_publish.experts_config import MAX_PAIRS, ROUTING_PAIRS_PER_THREAD, SMEM_ALIGNMENT, ExpertsConfig
 from jax_moe_publish.kernels import ptx
 
 WARP = 32
@@ -35,9 +35,6 @@ ACTIVE = 0
 """Totals: groups with at least one pair."""
 VALID = 1
 """Totals: pairs with a valid expert id (the segments' total)."""
-PAIRS_PER_THREAD = 8
-"""Ids a thread loads at once per span of the routing's passes: one round trip to memory per
-span instead of one per id."""
 
 class ExpertRouting:
     """The routing tables of one call, in shared memory: per group (expert, then the shared
@@ -69,7 +66,7 @@ class ExpertRouting:
         the tables are complete for all of them on return."""
         sCount, sStart, sFill, sActive, sTotals, sPairs = tables
         pairs = m * self.pairs_per_token
-        span = self.threads * PAIRS_PER_THREAD
+        span = self.threads * ROUTING_PAIRS_PER_THREAD
         for e in cutlass.range(tidx, self.groups, self.threads):
             sCount[e] = Int32(0)
             sFill[e] = Int32(0)
@@ -90,45 +87,37 @@ class ExpertRouting:
         cute.arch.barrier()
 
     def _span(self, expert_ids: Int64, begin, pairs, tidx) -> list:
-        """``(pair, group, valid)`` of this thread's `PAIRS_PER_THREAD` pairs of the span at
-        ``begin``, every id loaded before any is used (the loads in flight together); a pair
-        past the call's is not valid and loads the last pair's id (an address in bounds)."""
+        """``(pair, group, valid)`` of this thread's `ROUTING_PAIRS_PER_THREAD` pairs of the span
+        at ``begin``, every id loaded before any is used (the loads in flight together); a pair
+        past the call's loads nothing and is not valid."""
         span = []
-        for i in range(PAIRS_PER_THREAD):
+        for i in range(ROUTING_PAIRS_PER_THREAD):
             p = begin + i * self.threads + tidx
             span.append((p, *self._group(expert_ids, p, p < pairs)))
         return span
 
-    @cute.jit
     def _count(self, sCount, span: list) -> None:
-        for i in cutlass.range_constexpr(len(span)):
-            _, group, valid = span[i]
-            if valid:
-                ptx.shared_fetch_add_s32((sCount.iterator + group).toint(), 1)
+        # Predicated atomics, no branches: the span's eight stay one straight run of instructions.
+        for _, group, valid in span:
+            ptx.shared_fetch_add_s32((sCount.iterator + group).toint(), 1, predicate=Int32(valid))
 
-    @cute.jit
     def _place(self, sStart, sFill, sPairs, span: list) -> None:
-        for i in cutlass.range_constexpr(len(span)):
-            p, group, valid = span[i]
-            if valid:
-                sPairs[sStart[group] + self._slot(sFill, group, p)] = p
+        for p, group, valid in span:
+            start = sStart[cutlass.select_(valid, group, Int32(0))]
+            ptx.store_shared_s32((sPairs.iterator + start + self._slot(sFill, group, p, valid)).toint(), p,
+                                 predicate=Int32(valid))
 
-    @cute.jit
-    def _slot(self, sFill, group, p):
-        """Pair ``p``'s slot in its group's segment: the shared expert's pair of token ``t`` at
-        ``t`` (the same in every CTA, whose items split its passes by slot), any other's the
-        next free one (the atomics' order)."""
-        if cutlass.const_expr(not self.shared):
-            return self._next_free(sFill, group)
-        slot = Int32(0)
-        if group == self.experts:
-            slot = p // self.pairs_per_token
-        else:
-            slot = self._next_free(sFill, group)
-        return slot
+    def _slot(self, sFill, group, p, valid):
+        """Pair ``p``'s slot in its group's segment (0 where not ``valid``): the shared expert's
+        pair of token ``t`` at ``t`` (the same in every CTA, whose items split its passes by
+        slot), any other's the next free one (the atomics' order)."""
+        if not self.shared:
+            return self._next_free(sFill, group, valid)
+        routed = valid & (group != self.experts)
+        return cutlass.select_(routed, self._next_free(sFill, group, routed), p // self.pairs_per_token)
 
-    def _next_free(self, sFill, group):
-        return ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1)
+    def _next_free(self, sFill, group, valid):
+        return ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1, predicate=Int32(valid))
 
     def _group(self, expert_ids: Int64, p, in_call):
         """``(group, valid)`` of pair ``p``: its id and whether it lies in ``[0, experts)``; with

@@ -584,12 +584,26 @@ def exp2_f32(value, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def shared_fetch_add_s32(address, value, *, loc=None, ip=None) -> Int32:
-    """Atomically add ``value`` to the int32 at the 32-bit shared-memory ``address``; the old value."""
-    return Int32(
-        _asm(T.i32(), [Int32(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-             "atom.shared.add.u32 $0, [$1], $2;", "=r,r,r", side_effects=True, loc=loc, ip=ip)
-    )
+def shared_fetch_add_s32(address, value, *, predicate=None, loc=None, ip=None) -> Int32:
+    """Atomically add ``value`` to the int32 at the 32-bit shared-memory ``address``; the old
+    value. Where ``predicate`` (an Int32) is 0: no access, and 0 (no branch)."""
+    operands = [Int32(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
+    if predicate is None:
+        return Int32(_asm(T.i32(), operands, "atom.shared.add.u32 $0, [$1], $2;", "=r,r,r", side_effects=True,
+                          loc=loc, ip=ip))
+    text = "{\n.reg .pred p;\nsetp.ne.s32 p, $3, 0;\nmov.b32 $0, 0;\n@p atom.shared.add.u32 $0, [$1], $2;\n}"
+    return Int32(_asm(T.i32(), operands + [Int32(predicate).ir_value(loc=loc, ip=ip)], text, "=&r,r,r,r",
+                      side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def store_shared_s32(address, value, *, predicate, loc=None, ip=None) -> None:
+    """Store of one int32 at the 32-bit shared-memory ``address`` where ``predicate`` (an Int32)
+    is nonzero; no access (and no branch) elsewhere."""
+    _asm(None, [Int32(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip),
+                Int32(predicate).ir_value(loc=loc, ip=ip)],
+         "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\n@p st.shared.b32 [$0], $1;\n}", "r,r,r", side_effects=True,
+         loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -33,8 +33,7 @@ import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import experts_gather, experts_layout
 from jax_moe_publish.aot.store import default_store
-from jax_moe_publish.experts_config import MAX_PAIRS
-from jax_moe_publish.kernels.expert_routing import PAIRS_PER_THREAD
+from jax_moe_publish.experts_config import MAX_PAIRS, ROUTING_PAIRS_PER_THREAD
 from jax_moe_publish.testing import gpu_matrix
 
 pytestmark = pytest.mark.gpus(1)
@@ -47,7 +46,7 @@ SHARED_CONFIGS = [config for config in gpu_matrix.experts_configs() if config.sh
 MS = (1, 2, 7, 16, 17, 64, 130)
 """Tokens: one pass and several (16 tokens per pass with two token tiles), one past a pass."""
 ROUTING_SPANS = 3
-"""Spans of the routing tables' id loads (`PAIRS_PER_THREAD` ids per thread) that
+"""Spans of the routing tables' id loads (`ROUTING_PAIRS_PER_THREAD` ids per thread) that
 `test_routing_over_several_spans` and the shared expert's test cover: the first span's ids are
 kept in registers between the routing's two passes, the later ones loaded again."""
 
@@ -56,7 +55,7 @@ def _several_spans_m(config) -> int:
     """Tokens whose pairs fill `ROUTING_SPANS` spans of both kernels' routing (at most the
     config's ``max_m``)."""
     threads = max(config.gemm(role).threads for role in ("gate_up", "down"))
-    return min(config.max_m, -(-ROUTING_SPANS * threads * PAIRS_PER_THREAD // config.pairs_per_token))
+    return min(config.max_m, -(-ROUTING_SPANS * threads * ROUTING_PAIRS_PER_THREAD // config.pairs_per_token))
 
 
 def _id(config) -> str:
