@@ -66,32 +66,37 @@ class ExpertRouting:
         the tables are complete for all of them on return."""
         sCount, sStart, sFill, sActive, sTotals, sPairs = tables
         pairs = m * self.pairs_per_token
-        span = self.threads * ROUTING_PAIRS_PER_THREAD
         for e in cutlass.range(tidx, self.groups, self.threads):
             sCount[e] = Int32(0)
             sFill[e] = Int32(0)
-        # The first span's ids stay in registers for the second pass (every pair of a call up to
-        # m = 256 at top-8 and 256 threads).
-        first = self._span(expert_ids, Int32(0), pairs, tidx)
         cute.arch.barrier()
-        self._count(sCount, first)
-        for begin in cutlass.range(span, pairs, span):
-            self._count(sCount, self._span(expert_ids, begin, pairs, tidx))
+        self._each_span(lambda span: self._count(sCount, span), expert_ids, pairs, tidx)
         cute.arch.barrier()
         if tidx < WARP:
             self._scan(sCount, sStart, sActive, sTotals, tidx)
         cute.arch.barrier()
-        self._place(sStart, sFill, sPairs, first)
-        for begin in cutlass.range(span, pairs, span):
-            self._place(sStart, sFill, sPairs, self._span(expert_ids, begin, pairs, tidx))
+        # The ids again (an L1 hit), not kept in registers across the scan: the kernels' register
+        # budgets leave no room for them.
+        self._each_span(lambda span: self._place(sStart, sFill, sPairs, span), expert_ids, pairs, tidx)
         cute.arch.barrier()
 
-    def _span(self, expert_ids: Int64, begin, pairs, tidx) -> list:
-        """``(pair, group, valid)`` of this thread's `ROUTING_PAIRS_PER_THREAD` pairs of the span
-        at ``begin``, every id loaded before any is used (the loads in flight together); a pair
-        past the call's loads nothing and is not valid."""
+    @cute.jit
+    def _each_span(self, action, expert_ids: Int64, pairs, tidx) -> None:
+        """``action`` of each span of this thread's pairs: one id per thread where the call has
+        no more pairs than threads (decode), else `ROUTING_PAIRS_PER_THREAD` per span."""
+        if pairs <= self.threads:
+            action(self._span(expert_ids, Int32(0), pairs, tidx, 1))
+        else:
+            span = self.threads * ROUTING_PAIRS_PER_THREAD
+            for begin in cutlass.range(0, pairs, span):
+                action(self._span(expert_ids, begin, pairs, tidx, ROUTING_PAIRS_PER_THREAD))
+
+    def _span(self, expert_ids: Int64, begin, pairs, tidx, width: int) -> list:
+        """``(pair, group, valid)`` of this thread's ``width`` pairs of the span at ``begin``,
+        every id loaded before any is used (the loads in flight together); a pair past the
+        call's loads nothing and is not valid."""
         span = []
-        for i in range(ROUTING_PAIRS_PER_THREAD):
+        for i in range(width):
             p = begin + i * self.threads + tidx
             span.append((p, *self._group(expert_ids, p, p < pairs)))
         return span
