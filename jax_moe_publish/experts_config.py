@@ -37,7 +37,7 @@ MAX_TOP_K = 64
 MAX_PAIRS = 8192
 """Token-expert pairs (``m * top_k``, and ``m`` more with the shared expert) of one call: each
 CTA keeps their expert order in shared memory (4 bytes each)."""
-ROUTING_PAIRS_PER_THREAD = 8
+ROUTING_PAIRS_PER_THREAD = 4
 """Ids a thread of the routing (`kernels.expert_routing`) loads at once, per span of its passes
 over the pairs: one round trip to memory per span instead of one per id."""
 MAX_THREADS = 1024
