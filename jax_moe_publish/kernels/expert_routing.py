@@ -102,7 +102,7 @@ class ExpertRouting:
         return span
 
     def _count(self, sCount, span: list) -> None:
-        # Predicated atomics, no branches: the span's eight stay one straight run of instructions.
+        # Predicated atomics, no branches: the span's ids stay one straight run of instructions.
         for _, group, valid in span:
             ptx.shared_fetch_add_s32((sCount.iterator + group).toint(), 1, predicate=Int32(valid))
 

@@ -47,8 +47,8 @@ MS = (1, 2, 7, 16, 17, 64, 130)
 """Tokens: one pass and several (16 tokens per pass with two token tiles), one past a pass."""
 ROUTING_SPANS = 3
 """Spans of the routing tables' id loads (`ROUTING_PAIRS_PER_THREAD` ids per thread) that
-`test_routing_over_several_spans` and the shared expert's test cover: the first span's ids are
-kept in registers between the routing's two passes, the later ones loaded again."""
+`test_routing_over_several_spans`, the e4m3 test and the shared expert's test cover (a call of
+no more pairs than threads takes one id per thread instead)."""
 
 
 def _several_spans_m(config) -> int:
@@ -184,8 +184,8 @@ def test_the_op_through_jax_is_the_kernels(launcher, rng):
 def test_e4m3_weights_match_the_model_of_their_blocks(devices, rng, config):
     """e4m3 weights with 128 x 128 scale blocks (`BlockScaled`) and bf16 tokens (``fp8_tokens``
     configs: e4m3 tokens with a scale per token and 128 channels, `reference.quantize_fp8`),
-    through the harness (outputs poisoned) at m across the passes, hot experts and every id
-    skipped, against the float64 model of the dequantized blocks; twice the same bits; through
+    through the harness (outputs poisoned) at m across the passes and the routing's spans, hot
+    experts and every id skipped, against the float64 model of the dequantized blocks; twice the same bits; through
     JAX the same bits (tiled configs: their values in the tiled order, and
     `jmp.prepare_experts` through JAX)."""
     spans_m = _several_spans_m(config)
