@@ -47,6 +47,9 @@ program (`COLUMNS`):
   ``ours_fp8_prepared`` with both kernels' loads as bulk copies into a ring of the CTA's
   (``jmp.ExpertsConfig.with_bulk_loads`` of the default config: the same warps and tiled
   order), an experiment beside the default;
+* ``ours_prepared:FIELD=VALUE,...`` (``--variants``): ``ours_prepared`` with those changes to
+  the op's config (`jmp.ExpertsConfig` launch-shape fields that keep the tiled order, such as
+  ``token_tiles=1``): a launch shape measured against the default in the same run;
 * ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
   the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
   written per second, which a read-only stream moves at about the same rate, the HBM's
@@ -165,6 +168,7 @@ import timing
 import jax_moe_publish as jmp
 from jax_moe_publish import reference
 from jax_moe_publish.experts_config import FP8_BLOCK
+from jax_moe_publish.experts_layout import Tiling
 from jax_moe_publish.testing import rank_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -226,6 +230,7 @@ class Column:
     fp8_tokens: bool = False  # x quantized to e4m3 per token and 128 channels in the step
     shared: str = ""  # the shared expert too: "held" by the prepared weights, or through "xla"
     bulk: bool = False  # ours with ExpertsConfig.with_bulk_loads (prepared weights only)
+    changes: tuple = ()  # ours with these (field, value) changes to the default config (prepared weights only)
     compiler_options: tuple = ()  # XLA options of this column's programs only
     jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
     needs_in_hlo: tuple = ()
@@ -280,7 +285,49 @@ COLUMNS = (
 )
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)
 COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
+FLOOR_COLUMNS = ("floor", "floor_fp8", "floor_shared")
+"""A case's entries beside its columns: the floors (module docstring)."""
+VARIANT_PREFIX = "ours_prepared:"
+KEPT_BY_VARIANTS = ("hidden", "intermediate", "experts", "top_k", "fused_gate_up", "tiled_weights", "fp8_weights",
+                    "fp8_tokens", "shared_expert", "arch", *(f.name for f in dataclasses.fields(Tiling)))
+"""`jmp.ExpertsConfig` fields that a ``--variants`` column may not change: the call's operands and
+the weights' tiled order (its columns read the same prepared weights as ``ours_prepared``)."""
 TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton")  # tokamax's "xla" is jax.lax.ragged_dot: the ragged_dot column
+
+
+def parse_changes(text: str) -> dict:
+    """``"field=value,field=value"`` -> changes to a `jmp.ExpertsConfig` (ints, or true/false)."""
+    changes = {}
+    for item in text.split(","):
+        field, _, value = (part.strip() for part in item.partition("="))
+        changes[field] = value == "true" if value in ("true", "false") else int(value)
+    return changes
+
+
+def variant_column(text: str) -> Column:
+    """The ``--variants`` column of ``text`` (`parse_changes`), named `VARIANT_PREFIX` + ``text``;
+    ValueError where a change is not a launch-shape field that keeps the tiled order."""
+    try:
+        changes = parse_changes(text)
+    except ValueError:
+        raise ValueError(f"--variants {text}: expected FIELD=VALUE[,FIELD=VALUE...] with integer or "
+                         "true/false values") from None
+    fields = {f.name for f in dataclasses.fields(jmp.ExpertsConfig)}
+    for field in changes:
+        if field not in fields or field in KEPT_BY_VARIANTS:
+            raise ValueError(f"--variants {text}: {field!r} is not a launch-shape field that keeps the weights' "
+                             f"tiled order; expected one of {sorted(fields - set(KEPT_BY_VARIANTS))}")
+    return Column(VARIANT_PREFIX + text, f"ours_prepared with the op's config changed by {text} (the same tiled "
+                  "order)", "ours", prepared=True, changes=tuple(sorted(changes.items())))
+
+
+def selected_columns(args) -> list:
+    """The columns of ``--columns`` in `COLUMNS`' order, then those of ``--variants``."""
+    return [column for column in COLUMNS if column.name in args.columns] + list(getattr(args, "variant_columns", []))
+
+
+def column_named(args, name: str) -> Column:
+    return next(column for column in selected_columns(args) if column.name == name)
 
 
 def parse(argv=None):
@@ -289,6 +336,9 @@ def parse(argv=None):
     parser.add_argument("--tp", nargs="+", type=int, default=[8], help="the rank's intermediate is I / tp")
     parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_MS), help=f"tokens (the sweep: {MS})")
     parser.add_argument("--columns", nargs="+", default=list(COLUMN_NAMES), choices=COLUMN_NAMES)
+    parser.add_argument("--variants", nargs="+", default=[], metavar="FIELD=VALUE[,...]",
+                        help="more columns: ours_prepared with these changes to the op's config (launch-shape "
+                             "fields that keep the tiled order), e.g. token_tiles=1")
     parser.add_argument("--reps", type=int, default=10, help="paired repetitions per round")
     parser.add_argument("--rounds", type=int, default=1, help="rounds, each with freshly compiled programs")
     parser.add_argument("--target-ms", type=float, help="each column's long run less its short run, in ms "
@@ -324,6 +374,18 @@ def parse(argv=None):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive number")
     args.ours_impl = OURS_IMPLS[platform]
+    try:
+        args.variant_columns = [variant_column(text) for text in dict.fromkeys(args.variants)]
+    except ValueError as error:
+        parser.error(str(error))
+    for name in args.shapes:
+        config = shape_config(args, name)
+        for tp in args.tp:
+            for column in args.variant_columns:
+                try:
+                    ours_config(config, tp, column)  # ExpertsConfig checks each value
+                except ValueError as error:
+                    parser.error(f"--variants {column.name.removeprefix(VARIANT_PREFIX)} at {name} tp={tp}: {error}")
     return args
 
 
@@ -345,8 +407,8 @@ def weight_layouts(args) -> set:
     """The layers' weight arrays that the selected columns read: ``(fp8, prepared, held)``, the
     bf16 arrays always (the FP8 ones are quantized from them); ``held``: prepared with the shared
     expert."""
-    return {(False, False, False)} | {(column.fp8, column.prepared, column.shared == "held") for column in COLUMNS
-                                      if column.name in args.columns}
+    return {(False, False, False)} | {(column.fp8, column.prepared, column.shared == "held")
+                                      for column in selected_columns(args)}
 
 
 def weight_copies(args):
@@ -469,7 +531,7 @@ def draw_weights(args, config, tp, layers):
     layouts = weight_layouts(args)
     prepare = jax.jit(jmp.prepare_experts)
     quantize = jax.jit(jmp.BlockScaled.quantize)
-    shared_columns = [c for c in COLUMNS if c.name in args.columns and c.shared and not why_no_shared(c, config)]
+    shared_columns = [c for c in selected_columns(args) if c.shared and not why_no_shared(c, config)]
     for layer, w in enumerate(weights):
         if (False, True, False) in layouts:
             w["prepared"] = prepare(w["gate_up"], w["down"])
@@ -511,6 +573,9 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
             if column.bulk:
                 return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
                                                          config=bulk_config(w[name], ids.shape[1], column.fp8))
+            if column.changes:
+                return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
+                                                         config=variant_config(w[name], ids.shape[1], column))
             return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
         if column.fp8:
             return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
@@ -532,6 +597,15 @@ def bulk_config(prepared, top_k: int, fp8: bool):
     experts, hidden, gate_up_columns = prepared.gate_up.shape
     return jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=gate_up_columns // 2, experts=experts,
                                        top_k=top_k, fp8_weights=fp8).with_bulk_loads()
+
+
+def variant_config(prepared, top_k: int, column):
+    """A ``--variants`` column's config for ``prepared`` weights: the default's in their tiled
+    order, with the column's changes."""
+    experts, hidden, gate_up_columns = prepared.gate_up.shape
+    default = jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=gate_up_columns // 2, experts=experts,
+                                          top_k=top_k)
+    return prepared.tiling.config_for(default).replace(**dict(column.changes))
 
 
 def chain(layer_fn, layers):
@@ -716,10 +790,11 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
     # against the first of the kind one quantization before (e4m3 weights against bf16, e4m3
     # tokens against e4m3 weights alone), within that quantization's error.
     kind = operand_kind(column)
-    against = next(name for name in outputs if operand_kind(COLUMNS_BY_NAME[name]) == kind)
+    against = next(name for name in outputs if operand_kind(column_named(args, name)) == kind)
     bound = MAX_DIFFERENCE
     if column.name == against and kind > 0:
-        against = next((name for name in outputs if operand_kind(COLUMNS_BY_NAME[name]) == kind - 1), column.name)
+        against = next((name for name in outputs if operand_kind(column_named(args, name)) == kind - 1),
+                       column.name)
         bound = MAX_FP8_DIFFERENCE
     if column.name != against:
         difference = float(np.linalg.norm(outputs[column.name] - outputs[against]) / np.linalg.norm(outputs[against]))
@@ -793,7 +868,7 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     for name, column_rounds in timings.items():
         entry = figures[name]
         entry.update(timing.summarize(column_rounds))
-        column = COLUMNS_BY_NAME[name]
+        column = column_named(args, name)
         entry["floor_fraction"] = (fp8_floor_us if column.fp8 else shared_floor_us if column.shared
                                    else floor_us) / entry["us"]
         if "ours" in timings and name != "ours":
@@ -834,7 +909,9 @@ def case_estimate_s(args, config, tp, m, layers, columns):
         if known_unavailable(column):
             seconds += GUESS["unavailable_s"]
             continue
-        compile_s = GUESS["compile_s"][column.name] + GUESS["compile_s_per_layer"] * layers
+        # A --variants column compiles as ours_prepared does.
+        guess = GUESS["compile_s"][column.name if not column.changes else "ours_prepared"]
+        compile_s = guess + GUESS["compile_s_per_layer"] * layers
         seconds += args.rounds * (compile_s + (args.reps + 3) * pair_s)
     return seconds
 
@@ -898,7 +975,8 @@ def plot(paths, png):
                 axis.set_visible(False)
                 continue
             without = []
-            for name in COLUMN_NAMES:
+            # Every column of these runs, --variants ones included, in the runs' order.
+            for name in dict.fromkeys(name for r in cases for name in r["columns"] if name not in FLOOR_COLUMNS):
                 timed = [r for r in cases if "us" in r["columns"].get(name, {})]
                 if timed:
                     axis.plot([r["m"] for r in timed], [r["columns"][name]["us"] for r in timed], "o-",
@@ -947,16 +1025,23 @@ def ours_configs(args):
     for name in args.shapes:
         config = shape_config(args, name)
         for tp in args.tp:
-            for column in COLUMNS:
-                if column.route != "ours" or column.name not in args.columns:
+            for column in selected_columns(args):
+                if column.route != "ours":
                     continue
                 if (column.fp8 and not holds_fp8_blocks(config, tp)) or (column.shared and why_no_shared(column, config)):
                     continue
-                ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
-                                                   experts=config.experts, top_k=config.top_k, fp8_weights=column.fp8,
-                                                   fp8_tokens=column.fp8_tokens, shared_expert=column.shared == "held")
-                configs.append(ours.with_bulk_loads() if column.bulk else ours.replace(tiled_weights=column.prepared))
+                configs.append(ours_config(config, tp, column))
     return list(dict.fromkeys(configs))
+
+
+def ours_config(config, tp, column):
+    """The `jmp.ExpertsConfig` that ours' ``column`` loads at ``config``'s shard of ``tp``."""
+    ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
+                                       experts=config.experts, top_k=config.top_k, fp8_weights=column.fp8,
+                                       fp8_tokens=column.fp8_tokens, shared_expert=column.shared == "held")
+    if column.bulk:
+        return ours.with_bulk_loads()
+    return ours.replace(tiled_weights=column.prepared, **dict(column.changes))
 
 
 def build_kernels_command(args):
@@ -992,7 +1077,9 @@ def cudnn_version():
 
 def print_case(r):
     cells = []
-    for name in (*COLUMN_NAMES, "floor", "floor_fp8", "floor_shared"):
+    # The columns in the run's order (--variants ones after the others), then the floors.
+    names = [name for name in r["columns"] if name not in FLOOR_COLUMNS] + list(FLOOR_COLUMNS)
+    for name in names:
         entry = r["columns"].get(name)
         if entry is not None:
             cells.append(f"{name} {entry['us']:.1f}" if "us" in entry else f"{name} -")
@@ -1018,7 +1105,7 @@ def main(argv=None):
     if args.build_kernels:
         kernel_builds.build_kernels(ours_configs(args), args.build_kernels)
         return 0
-    columns = [column for column in COLUMNS if column.name in args.columns]
+    columns = selected_columns(args)
     estimate = None if args.cpu else {"seconds": run_estimate_s(args, columns), "basis": ESTIMATE_BASIS}
     if estimate:
         print(f"estimated run time: {estimate['seconds'] / 60:.1f} min ({ESTIMATE_BASIS})", flush=True)

@@ -38,20 +38,11 @@ import jax_moe_publish as jmp
 MIN_PASS_BYTES = 200e6
 
 
-def parse_variant(text: str) -> dict:
-    """``"field=value,field=value"`` -> the changes to an `ExpertsConfig` (ints or booleans)."""
-    changes = {}
-    for item in text.split(","):
-        field, _, value = item.partition("=")
-        changes[field.strip()] = value.strip() == "true" if value.strip() in ("true", "false") else int(value)
-    return changes
-
-
 def configs(args, config):
     """The default launch shapes of the shard, then each variant's."""
     base = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // args.tp,
                                        experts=config.experts, top_k=config.top_k, fp8_weights=args.fp8)
-    return [base] + [base.replace(**parse_variant(variant)) for variant in args.variant]
+    return [base] + [base.replace(**bench.parse_changes(variant)) for variant in args.variant]
 
 
 def weights_for(config, layers):

@@ -224,3 +224,37 @@ def test_the_profiling_variants_change_the_default_launch_shapes():
         assert wide == default.replace(gate_up_warp_cols=64)
         assert no_split == default.replace(down_warps_k=1, enable_pdl=False)
         assert len({default.key, wide.key, no_split.key}) == 3
+
+
+def test_a_variant_column_runs_beside_ours_prepared(tmp_path):
+    """``--variants``: a column of ours_prepared with launch-shape changes, timed in the same run,
+    checked against ours_prepared's rows, and its kernels among those ``--build-kernels`` builds."""
+    out = tmp_path / "variants.json"
+    argv = ["--cpu", "--shapes", SHAPE, "--tp", "2", "--m", str(M), "--reps", "1", "--seed", str(SEED),
+            "--min-pass-mb", str(MIN_PASS_MB), "--columns", "ours_prepared", "--variants", "token_tiles=1"]
+    run = subprocess.run([sys.executable, str(BENCHMARK), *argv, "--out", str(out)], check=False,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
+    name = "ours_prepared:token_tiles=1"
+    assert f"{name} " in run.stdout
+    entry = json.loads(out.read_text())["results"][0]["columns"][name]
+    assert entry["us"] > 0 and entry["checked_against"] == "ours_prepared", entry
+    args = bench.parse(argv)
+    config = jmp.ExpertsConfig.for_shape(hidden=bench.shape_config(args, SHAPE).hidden,
+                                         intermediate=bench.shape_config(args, SHAPE).intermediate // 2,
+                                         experts=bench.shape_config(args, SHAPE).experts, top_k=8)
+    assert bench.ours_configs(args) == [config.replace(tiled_weights=True),
+                                        config.replace(tiled_weights=True, token_tiles=1)]
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("gate_up_warp_cols=64", "'gate_up_warp_cols' is not a launch-shape field that keeps the weights' tiled order"),
+    ("fp8_weights=true", "'fp8_weights' is not a launch-shape field"),
+    ("no_such_field=1", "'no_such_field' is not a launch-shape field"),
+    ("token_tiles", "expected FIELD=VALUE"),
+    ("token_tiles=7", "--variants token_tiles=7 at deepseek-v3 tp=8: ExpertsConfig.token_tiles=7"),
+])
+def test_a_variant_outside_the_tiled_order_or_the_config_is_refused(variant, expected, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse(["--variants", variant])
+    assert expected in capsys.readouterr().err
