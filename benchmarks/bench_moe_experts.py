@@ -321,6 +321,14 @@ def variant_column(text: str) -> Column:
                   "order)", "ours", prepared=True, changes=tuple(sorted(changes.items())))
 
 
+def divides(config, tp: int) -> bool:
+    try:
+        config.check_tp(tp)
+    except ValueError:
+        return False
+    return True
+
+
 def selected_columns(args) -> list:
     """The columns of ``--columns`` in `COLUMNS`' order, then those of ``--variants``."""
     return [column for column in COLUMNS if column.name in args.columns] + list(getattr(args, "variant_columns", []))
@@ -381,6 +389,8 @@ def parse(argv=None):
     for name in args.shapes:
         config = shape_config(args, name)
         for tp in args.tp:
+            if not args.variant_columns or not divides(config, tp):
+                continue  # main refuses a tp that does not divide the shape
             for column in args.variant_columns:
                 try:
                     ours_config(config, tp, column)  # ExpertsConfig checks each value
