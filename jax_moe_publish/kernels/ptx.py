@@ -40,6 +40,14 @@ def _scalar_at(address, instruction, result_type, register, side_effects, loc, i
     )
 
 
+def _load_32_where(address, instruction, predicate, loc, ip):
+    """``instruction`` (a 32-bit global load) at ``address`` where ``predicate`` (an Int32) is
+    nonzero; 0 without access (and without a branch) elsewhere."""
+    text = f"{{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p {instruction} $0, [$1];\n}}"
+    return _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), Int32(predicate).ir_value(loc=loc, ip=ip)], text,
+                "=&r,l,r", side_effects=False, loc=loc, ip=ip)
+
+
 def _words_out(result, words, loc, ip):
     return [
         Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(words)
@@ -214,11 +222,7 @@ def load_s32(address: Int64, *, predicate=None, loc=None, ip=None) -> Int32:
     (an Int32) is 0."""
     if predicate is None:
         return Int32(_scalar_at(address, "ld.global.nc.s32", T.i32(), "r", False, loc, ip))
-    text = "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.s32 $0, [$1];\n}"
-    return Int32(
-        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), Int32(predicate).ir_value(loc=loc, ip=ip)], text,
-             "=&r,l,r", side_effects=False, loc=loc, ip=ip)
-    )
+    return Int32(_load_32_where(address, "ld.global.nc.s32", predicate, loc, ip))
 
 
 @dsl_user_op
@@ -508,12 +512,7 @@ def load_u32(address: Int64, *, predicate=None, cached: bool = False, loc=None, 
     ``cached``: through L2 only (``.cg``), for data a kernel earlier in the call wrote;
     otherwise non-coherent, for read-only input."""
     kind = "ld.global.cg.u32" if cached else "ld.global.nc.u32"
-    text = f"{{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p {kind} $0, [$1];\n}}"
-    one = Int32(1) if predicate is None else Int32(predicate)
-    return Uint32(
-        _asm(T.i32(), [Int64(address).ir_value(loc=loc, ip=ip), one.ir_value(loc=loc, ip=ip)], text, "=&r,l,r",
-             side_effects=False, loc=loc, ip=ip)
-    )
+    return Uint32(_load_32_where(address, kind, Int32(1) if predicate is None else predicate, loc, ip))
 
 
 @dsl_user_op

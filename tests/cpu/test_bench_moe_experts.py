@@ -240,9 +240,9 @@ def test_a_variant_column_runs_beside_ours_prepared(tmp_path):
     entry = json.loads(out.read_text())["results"][0]["columns"][name]
     assert entry["us"] > 0 and entry["checked_against"] == "ours_prepared", entry
     args = bench.parse(argv)
-    config = jmp.ExpertsConfig.for_shape(hidden=bench.shape_config(args, SHAPE).hidden,
-                                         intermediate=bench.shape_config(args, SHAPE).intermediate // 2,
-                                         experts=bench.shape_config(args, SHAPE).experts, top_k=8)
+    shape = bench.shape_config(args, SHAPE)
+    config = jmp.ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate // 2,
+                                         experts=shape.experts, top_k=shape.top_k)
     assert bench.ours_configs(args) == [config.replace(tiled_weights=True),
                                         config.replace(tiled_weights=True, token_tiles=1)]
 
