@@ -1,7 +1,7 @@
 // The time the experts kernels spend on their routing tables, per launch, against m.
 //
 //   python benchmarks/routing_probe.py --out DIR                  # where CuTe DSL is
-//   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/routing_time.cu -o routing_time
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Iffi benchmarks/routing_time.cu ffi/cuda_driver.cc -ldl -o routing_time
 //   JMP_COMMIT=$(git rev-parse HEAD) ./routing_time DIR results.json
 //
 // Every CTA of both experts kernels builds the call's routing tables from the ids before it
@@ -28,32 +28,32 @@
 #include <vector>
 
 #include "cuda_bench.h"
+#include "cuda_driver.h"
 
 namespace {
 
-// The driver's functions, through the runtime (no link against libcuda, which a machine without
-// a GPU lacks).
-template <typename Function>
-Function* Driver(const char* name) {
-  void* function = nullptr;
-  cudaDriverEntryPointQueryResult status;
-  CHECK(cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &status));
-  if (status != cudaDriverEntryPointSuccess || function == nullptr) {
-    std::fprintf(stderr, "the driver has no %s\n", name);
+using jax_moe_publish::CudaDriver;
+
+// The driver's functions come from the extension's loader (no link against libcuda, which a
+// machine without a GPU lacks).
+const CudaDriver& Driver() {
+  const CudaDriver& cuda = jax_moe_publish::GetCudaDriver();
+  if (!cuda.error.empty()) {
+    std::fprintf(stderr, "%s\n", cuda.error.c_str());
     std::exit(1);
   }
-  return reinterpret_cast<Function*>(function);
+  return cuda;
 }
 
-#define CHECK_CU(call)                                                                   \
-  do {                                                                                   \
-    CUresult result_ = (call);                                                           \
-    if (result_ != CUDA_SUCCESS) {                                                       \
-      std::fprintf(stderr, "%s:%d: %s: CUresult %d\n", __FILE__, __LINE__, #call, int(result_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+#define CHECK_CU(call)                                                                        \
+  do {                                                                                        \
+    CUresult result_ = (call);                                                                \
+    if (result_ != CUDA_SUCCESS) {                                                            \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__,                                 \
+                   jax_moe_publish::CudaErrorMessage(Driver(), #call, result_).c_str());      \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
-
 
 constexpr int kLaunches = 100;
 constexpr int kReps = 21;
@@ -66,14 +66,21 @@ struct Probe {
 
 __global__ void Empty() {}
 
-decltype(&cuLaunchKernel) LaunchKernel;
+void Launch(CUfunction function, void** params, int grid, const Probe& probe, cudaStream_t stream) {
+  CUlaunchConfig config = {};
+  config.gridDimX = grid;
+  config.gridDimY = config.gridDimZ = 1;
+  config.blockDimX = probe.threads;
+  config.blockDimY = config.blockDimZ = 1;
+  config.sharedMemBytes = probe.smem;
+  config.hStream = stream;
+  CHECK_CU(Driver().LaunchKernelEx(&config, function, params, nullptr));
+}
 
 // Median µs per launch of the probe's `function` at `grid` CTAs, and of the empty kernel there.
 double TimeProbe(CUfunction function, void** params, int grid, const Probe& probe, cudaStream_t stream) {
   return MedianGraphMicroseconds(stream, kReps, kLaunches, [&](cudaStream_t s) {
-    for (int i = 0; i < kLaunches; ++i) {
-      CHECK_CU(LaunchKernel(function, grid, 1, 1, probe.threads, 1, 1, probe.smem, s, params, nullptr));
-    }
+    for (int i = 0; i < kLaunches; ++i) Launch(function, params, grid, probe, s);
   });
 }
 
@@ -100,6 +107,15 @@ std::vector<Probe> ReadProbes(const std::string& dir) {
   return probes;
 }
 
+std::string ReadFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) {
+    std::fprintf(stderr, "cannot read %s\n", path.c_str());
+    std::exit(2);
+  }
+  return std::string(std::istreambuf_iterator<char>(file), {});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -110,11 +126,7 @@ int main(int argc, char** argv) {
   const std::string dir = argv[1];
   CHECK(cudaSetDevice(0));
   CHECK(cudaFree(nullptr));  // the primary context, which the driver calls below use
-  LaunchKernel = Driver<decltype(cuLaunchKernel)>("cuLaunchKernel");
-  auto ModuleLoad = Driver<decltype(cuModuleLoad)>("cuModuleLoad");
-  auto ModuleGetFunction = Driver<decltype(cuModuleGetFunction)>("cuModuleGetFunction");
-  auto FuncSetAttribute = Driver<decltype(cuFuncSetAttribute)>("cuFuncSetAttribute");
-  auto ModuleUnload = Driver<decltype(cuModuleUnload)>("cuModuleUnload");
+  const CudaDriver& cuda = Driver();
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
@@ -134,9 +146,9 @@ int main(int argc, char** argv) {
   for (const Probe& probe : ReadProbes(dir)) {
     CUmodule module;
     CUfunction function;
-    CHECK_CU(ModuleLoad(&module, (dir + "/" + probe.file).c_str()));
-    CHECK_CU(ModuleGetFunction(&function, module, probe.symbol.c_str()));
-    CHECK_CU(FuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, probe.smem));
+    CHECK_CU(cuda.ModuleLoadData(&module, ReadFile(dir + "/" + probe.file).data()));
+    CHECK_CU(cuda.ModuleGetFunction(&function, module, probe.symbol.c_str()));
+    CHECK_CU(cuda.FuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, probe.smem));
     const int max_grid = prop.multiProcessorCount * 2;
     int32_t* ids;
     uint32_t* totals;
@@ -162,7 +174,7 @@ int main(int argc, char** argv) {
       for (int per_sm = 1; per_sm <= 2; ++per_sm) {
         const int grid = prop.multiProcessorCount * per_sm;
         CHECK(cudaMemset(totals, 0xFF, sizeof(uint32_t) * 2 * max_grid));
-        CHECK_CU(LaunchKernel(function, grid, 1, 1, probe.threads, 1, 1, probe.smem, stream, params, nullptr));
+        Launch(function, params, grid, probe, stream);
         CHECK(cudaStreamSynchronize(stream));
         std::vector<uint32_t> got(2 * grid);
         CHECK(cudaMemcpy(got.data(), totals, sizeof(uint32_t) * got.size(), cudaMemcpyDeviceToHost));
@@ -188,7 +200,7 @@ int main(int argc, char** argv) {
     }
     CHECK(cudaFree(ids));
     CHECK(cudaFree(totals));
-    CHECK_CU(ModuleUnload(module));
+    CHECK_CU(cuda.ModuleUnload(module));
   }
   std::fprintf(out, "\n ]\n}\n");
   std::fclose(out);
