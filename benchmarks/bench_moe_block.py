@@ -293,11 +293,11 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
 def kernel_configs(configs, tp):
     """The kernel configs of every case: the finalize op's (the tuning table's choice for the
     kernels) and, for the ``ours`` and ``prepared`` paths, the experts op's own for the rank's
-    expert shard (with ``tiled_weights`` for prepared weights)."""
+    expert shard at each m (with ``tiled_weights`` for prepared weights)."""
     finalize = [chains.spec_config(op_spec(config), tp, None, m) for config in configs for m in ARGS.m]
     experts = [jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
-                                           experts=config.experts, top_k=config.top_k)
-               for config in configs]
+                                           experts=config.experts, top_k=config.top_k, m=m)
+               for config in configs for m in ARGS.m]
     chosen = [c for c in experts if "ours" in ARGS.paths]
     chosen += [c.replace(tiled_weights=True) for c in experts if "prepared" in ARGS.paths]
     return list(dict.fromkeys(finalize + chosen))

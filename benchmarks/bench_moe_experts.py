@@ -145,6 +145,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import pathlib
@@ -391,9 +392,9 @@ def parse(argv=None):
         for tp in args.tp:
             if not args.variant_columns or not divides(config, tp):
                 continue  # main refuses a tp that does not divide the shape
-            for column in args.variant_columns:
+            for column, m in itertools.product(args.variant_columns, args.m):
                 try:
-                    ours_config(config, tp, column)  # ExpertsConfig checks each value
+                    ours_config(config, tp, column, m)  # ExpertsConfig checks each value
                 except ValueError as error:
                     parser.error(f"--variants {column.name.removeprefix(VARIANT_PREFIX)} at {name} tp={tp}: {error}")
     return args
@@ -582,10 +583,10 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
             name = "fp8_prepared" if column.fp8 else "prepared"
             if column.bulk:
                 return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
-                                                         config=bulk_config(w[name], ids.shape[1], column.fp8))
+                                                         config=bulk_config(w[name], ids.shape, column.fp8))
             if column.changes:
                 return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
-                                                         config=variant_config(w[name], ids.shape[1], column))
+                                                         config=variant_config(w[name], ids.shape, column))
             return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
         if column.fp8:
             return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
@@ -601,21 +602,25 @@ def layer_function(column, args, top_k, tokamax_ragged_dot=None):
     return grouped
 
 
-def bulk_config(prepared, top_k: int, fp8: bool):
+def default_config(prepared, ids_shape, fp8: bool = False):
+    """The op's default config for ``prepared`` weights and ids of ``ids_shape`` (m, top_k),
+    before their tiled order."""
+    experts, hidden, gate_up_columns = prepared.gate_up.shape
+    m, top_k = ids_shape
+    return jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=gate_up_columns // 2, experts=experts,
+                                       top_k=top_k, fp8_weights=fp8, m=m)
+
+
+def bulk_config(prepared, ids_shape, fp8: bool):
     """The bulk-copy columns' config for ``prepared`` weights: the default's, with both kernels'
     bulk loads (`jmp.ExpertsConfig.with_bulk_loads`, the same tiled order)."""
-    experts, hidden, gate_up_columns = prepared.gate_up.shape
-    return jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=gate_up_columns // 2, experts=experts,
-                                       top_k=top_k, fp8_weights=fp8).with_bulk_loads()
+    return default_config(prepared, ids_shape, fp8).with_bulk_loads()
 
 
-def variant_config(prepared, top_k: int, column):
+def variant_config(prepared, ids_shape, column):
     """A ``--variants`` column's config for ``prepared`` weights: the default's in their tiled
     order, with the column's changes."""
-    experts, hidden, gate_up_columns = prepared.gate_up.shape
-    default = jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=gate_up_columns // 2, experts=experts,
-                                          top_k=top_k)
-    return prepared.tiling.config_for(default).replace(**dict(column.changes))
+    return prepared.tiling.config_for(default_config(prepared, ids_shape)).replace(**dict(column.changes))
 
 
 def chain(layer_fn, layers):
@@ -1040,15 +1045,16 @@ def ours_configs(args):
                     continue
                 if (column.fp8 and not holds_fp8_blocks(config, tp)) or (column.shared and why_no_shared(column, config)):
                     continue
-                configs.append(ours_config(config, tp, column))
+                configs += [ours_config(config, tp, column, m) for m in args.m]
     return list(dict.fromkeys(configs))
 
 
-def ours_config(config, tp, column):
-    """The `jmp.ExpertsConfig` that ours' ``column`` loads at ``config``'s shard of ``tp``."""
+def ours_config(config, tp, column, m):
+    """The `jmp.ExpertsConfig` that ours' ``column`` loads at ``config``'s shard of ``tp`` for
+    ``m`` tokens."""
     ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
                                        experts=config.experts, top_k=config.top_k, fp8_weights=column.fp8,
-                                       fp8_tokens=column.fp8_tokens, shared_expert=column.shared == "held")
+                                       fp8_tokens=column.fp8_tokens, shared_expert=column.shared == "held", m=m)
     if column.bulk:
         return ours.with_bulk_loads()
     return ours.replace(tiled_weights=column.prepared, **dict(column.changes))
@@ -1056,7 +1062,7 @@ def ours_config(config, tp, column):
 
 def build_kernels_command(args):
     return (f"python benchmarks/bench_moe_experts.py --build-kernels DIR --shapes {' '.join(args.shapes)} "
-            f"--tp {' '.join(map(str, args.tp))}")
+            f"--tp {' '.join(map(str, args.tp))} --m {' '.join(map(str, args.m))}")
 
 
 def read_bandwidth(args, device):

@@ -39,9 +39,9 @@ MIN_PASS_BYTES = 200e6
 
 
 def configs(args, config):
-    """The default launch shapes of the shard, then each variant's."""
+    """The default launch shapes of the shard at ``args.m``, then each variant's."""
     base = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // args.tp,
-                                       experts=config.experts, top_k=config.top_k, fp8_weights=args.fp8)
+                                       experts=config.experts, top_k=config.top_k, fp8_weights=args.fp8, m=args.m)
     return [base] + [base.replace(**bench.parse_changes(variant)) for variant in args.variant]
 
 

@@ -96,7 +96,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         shape; the other routes, and ``auto`` elsewhere, undo the tiling in every call first.
         e4m3 weights follow the table of bf16 weights (the kernels read half their bytes).
     config : ExpertsConfig, optional
-        The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape. With
+        The kernels' launch shapes; by default `ExpertsConfig.for_shape`'s for this shape and m. With
         a `PreparedExperts`, the config it was prepared for, with ``tiled_weights``.
 
     Returns
@@ -278,11 +278,11 @@ def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = N
 
 
 def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
-    """`ExpertsConfig.for_shape`'s config of ``shape``, reading the tiled order of its prepared
-    weights where they are."""
+    """`ExpertsConfig.for_shape`'s config of ``shape`` and its m, reading the tiled order of its
+    prepared weights where they are."""
     config = ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
                                      top_k=shape.top_k, fused_gate_up=shape.fused, fp8_weights=shape.fp8_weights,
-                                     fp8_tokens=shape.fp8_tokens, shared_expert=shape.prepared_shared)
+                                     fp8_tokens=shape.fp8_tokens, shared_expert=shape.prepared_shared, m=shape.m)
     return config if shape.tiling is None else shape.tiling.config_for(config)
 
 

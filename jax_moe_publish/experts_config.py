@@ -41,6 +41,9 @@ ROUTING_PAIRS_PER_THREAD = 4
 """Ids a thread of the routing (`kernels.expert_routing`) loads at once, per span of its passes
 over the pairs: one round trip to memory per span instead of one per id."""
 MAX_THREADS = 1024
+ONE_TILE_MAX_EXPERT_BYTES = 5 * 2**19
+ONE_TILE_MAX_PAIRS_PER_EXPERT = 4
+"""`one_token_tile`'s bounds: an expert's bf16 weight bytes, and a call's pairs per expert on average."""
 SPLIT_K = (1, 2, 4, 8, 16)
 """CTAs of one cluster that split a gate/up work item's K (16: beyond the portable cluster
 size, which the launchers opt into)."""
@@ -553,8 +556,8 @@ class ExpertsConfig:
     @classmethod
     def for_shape(cls, *, hidden: int, intermediate: int, experts: int, top_k: int, fused_gate_up: bool = True,
                   fp8_weights: bool = False, fp8_tokens: bool = False, shared_expert: bool = False,
-                  arch: str = "sm_90a") -> "ExpertsConfig":
-        """The launch shapes for one shard shape, before any measurement: both kernels with 8 warps
+                  arch: str = "sm_90a", m: int | None = None) -> "ExpertsConfig":
+        """The launch shapes for one shard shape, and the call's ``m`` tokens where given: both kernels with 8 warps
         (2 CTAs of 256 threads fit an SM), work items sized so that 8 active experts (one token at
         top-8) give about as many items as an H200's 132 SMs hold CTAs, and the most K steps in
         flight that divide a warp's share, up to 8 for gate/up (at one token per expert a few
@@ -562,7 +565,10 @@ class ExpertsConfig:
         and 4 for down (its items are many and short). e4m3 weights: the same, but at most 4
         steps of split gate and up in 64-column warps (at 8, their widened rows spilled at
         DeepSeek-V3's tp = 1 shard), and at a hidden of 16 or fewer K steps per gate/up warp
-        (Qwen3-30B's) at most 4 of gate/up and 1 of down (ptxas spilled at 8 and at 3)."""
+        (Qwen3-30B's) at most 4 of gate/up and 1 of down (ptxas spilled at 8 and at 3).
+
+        Token tiles: 2 (16 tokens per pass over an expert's weights), but 1 for a call of ``m``
+        tokens where the experts are small and their pairs few (`one_token_tile`)."""
         sms = 132
         # gate/up: all warps split hidden (K is long, the columns few); 64 columns per warp
         # (32 of gate, 32 of up) once 8 experts still give two items per SM.
@@ -589,9 +595,25 @@ class ExpertsConfig:
         # ptxas budgeted 64 registers and spilled, and down at 3 took 128 (spilling) or 255.
         short_fp8 = fp8_weights and hidden // MMA_K // gate_up_warps_k <= 16
         gate_up_steps = 4 if fp8_weights and ((not fused_gate_up and gate_up_cols == 64) or short_fp8) else 8
-        return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+        one_tile = m is not None and one_token_tile(hidden, intermediate, m * top_k, experts, fp8_weights)
+        token_tiles = 1 if one_tile else 2
+        return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, token_tiles=token_tiles,
                    fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
                    gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, gate_up_steps),
                    down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
                    down_unroll=unroll(intermediate, down_warps_k, 1 if short_fp8 else 4), fp8_weights=fp8_weights,
                    fp8_tokens=fp8_tokens, shared_expert=shared_expert, arch=arch)
+
+
+def one_token_tile(hidden: int, intermediate: int, pairs: int, experts: int, fp8_weights: bool) -> bool:
+    """Whether `ExpertsConfig.for_shape` gives a call one token tile: bf16 weights of at most
+    ``ONE_TILE_MAX_EXPERT_BYTES`` per expert (gate, up and down), and the call's ``pairs`` at most
+    ``ONE_TILE_MAX_PAIRS_PER_EXPERT`` per expert. Measured on one H100 (2026-12-05, the tiled
+    order, `benchmarks/EXPERIMENTS.md`): at Qwen3-30B's tp 4 and 8 shards (2.4 and 1.2 MB per
+    expert) one tile took 0.78-0.96 of two at m = 1 to 64 and 1.03-1.23 at m = 128 and 256; at
+    Qwen3-235B's tp 8 and 4 shards (4.7 and 9.4 MB) and DeepSeek-V3's (11 and 22 MB) it was
+    slower at most m. Qwen3-30B's tp 1 and 2 shards were not measured (and at tp 1 one tile's
+    down kernel spilled a register)."""
+    expert_bytes = 3 * hidden * intermediate * 2
+    return (not fp8_weights and expert_bytes <= ONE_TILE_MAX_EXPERT_BYTES
+            and pairs <= ONE_TILE_MAX_PAIRS_PER_EXPERT * experts)

@@ -27,8 +27,9 @@ routed experts: DeepSeek-V3; Qwen3-235B-A22B and Qwen3-30B-A3B."""
 
 
 def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
-    """The experts op's config for each of ``shapes`` sharded at every TP size (intermediate / tp
-    columns per rank): gate and up fused, split, and in the tiled order of prepared weights; the
+    """The experts op's configs for each of ``shapes`` sharded at every TP size (intermediate / tp
+    columns per rank), at every m (the token tiles `ExpertsConfig.for_shape` gives by m): gate and
+    up fused, split, and in the tiled order of prepared weights; the
     same with e4m3 weights, and with e4m3 weights and tokens, where the shard holds whole
     128 x 128 blocks; with a shared expert, the tiled order with it too."""
     configs = []
@@ -37,14 +38,16 @@ def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
             whole_blocks = hidden % FP8_BLOCK == 0 and intermediate // tp % FP8_BLOCK == 0
             # (fp8_weights, fp8_tokens): bf16; e4m3 weights with bf16 or e4m3 tokens.
             for fp8 in ((False, False), (True, False), (True, True)) if whole_blocks else ((False, False),):
-                fused, split = (ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count,
-                                                        top_k=top_k, fused_gate_up=fused, fp8_weights=fp8[0],
-                                                        fp8_tokens=fp8[1], arch=arch)
-                                for fused in (True, False))
-                configs += [fused, split, fused.replace(tiled_weights=True)]
-                if shared:
-                    configs.append(fused.replace(tiled_weights=True, shared_expert=True))
-    return configs
+                # m = 1 and unknown: the token tiles of the fewest tokens and of any (`one_token_tile`).
+                for m in (1, None):
+                    fused, split = (ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp,
+                                                            experts=count, top_k=top_k, fused_gate_up=fused,
+                                                            fp8_weights=fp8[0], fp8_tokens=fp8[1], arch=arch, m=m)
+                                    for fused in (True, False))
+                    configs += [fused, split, fused.replace(tiled_weights=True)]
+                    if shared:
+                        configs.append(fused.replace(tiled_weights=True, shared_expert=True))
+    return list(dict.fromkeys(configs))
 
 
 def model(problem: tuning.Problem, arch: str = "sm_90a", epilogue_tp: tuple[int, ...] = ()) -> list[KernelConfig]:

@@ -255,12 +255,13 @@ shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""
 
 
 def experts_configs(arch: str = "sm_90a") -> list[ExpertsConfig]:
-    """The experts op's GPU test configs (`EXPERTS_SHAPES`, `EXPERTS_VARIANTS`)."""
-    def heuristic(hidden, intermediate, experts, top_k, fused):
+    """The experts op's GPU test configs (`EXPERTS_SHAPES` at any m and at m = 1, where the op
+    may take one token tile; `EXPERTS_VARIANTS`)."""
+    def heuristic(hidden, intermediate, experts, top_k, fused, m=None):
         return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                                       fused_gate_up=fused, arch=arch)
+                                       fused_gate_up=fused, arch=arch, m=m)
 
-    configs = [heuristic(*shape) for shape in EXPERTS_SHAPES]
+    configs = [heuristic(*shape, m=m) for shape in EXPERTS_SHAPES for m in (None, 1)]
     configs += [heuristic(*shape).replace(**changes) for shape, changes in EXPERTS_VARIANTS]
     return list(dict.fromkeys(configs))
 

@@ -80,9 +80,9 @@ def cpu_run(tmp_path_factory):
 def test_the_kernels_built_are_those_ours_columns_load(stood_in):
     """``--build-kernels`` (`bench.ours_configs`) builds every config that ours' columns load
     when their chains are traced, and no other."""
-    args = types.SimpleNamespace(ours_impl=bench.OURS_IMPLS["gpu"], seed=0, min_pass_mb=1e9, cpu=True,
-                                 columns=list(OURS), shapes=[SHAPE], tp=list(TPS))
     layers, m = 2, 2
+    args = types.SimpleNamespace(ours_impl=bench.OURS_IMPLS["gpu"], seed=0, min_pass_mb=1e9, cpu=True,
+                                 columns=list(OURS), shapes=[SHAPE], tp=list(TPS), m=[m])
     config = bench.shape_config(args, SHAPE)
     with jax.default_device(jax.devices("cpu")[0]):
         for tp in TPS:
@@ -216,8 +216,8 @@ def test_the_profiling_variants_change_the_default_launch_shapes():
     import profile_experts
 
     for fp8 in (False, True):
-        args = profile_experts.argparse.Namespace(tp=8, fp8=fp8, variant=["gate_up_warp_cols=64",
-                                                                          "down_warps_k=1,enable_pdl=false"])
+        args = profile_experts.argparse.Namespace(tp=8, m=1, fp8=fp8, variant=["gate_up_warp_cols=64",
+                                                                               "down_warps_k=1,enable_pdl=false"])
         default, wide, no_split = profile_experts.configs(args, bench.SHAPES["deepseek-v3"])
         assert default == jmp.ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8,
                                                       fp8_weights=fp8)
@@ -231,20 +231,21 @@ def test_a_variant_column_runs_beside_ours_prepared(tmp_path):
     checked against ours_prepared's rows, and its kernels among those ``--build-kernels`` builds."""
     out = tmp_path / "variants.json"
     argv = ["--cpu", "--shapes", SHAPE, "--tp", "2", "--m", str(M), "--reps", "1", "--seed", str(SEED),
-            "--min-pass-mb", str(MIN_PASS_MB), "--columns", "ours_prepared", "--variants", "token_tiles=1"]
+            "--min-pass-mb", str(MIN_PASS_MB), "--columns", "ours_prepared", "--variants", "token_tiles=3"]
     run = subprocess.run([sys.executable, str(BENCHMARK), *argv, "--out", str(out)], check=False,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
-    name = "ours_prepared:token_tiles=1"
+    name = "ours_prepared:token_tiles=3"
     assert f"{name} " in run.stdout
     entry = json.loads(out.read_text())["results"][0]["columns"][name]
     assert entry["us"] > 0 and entry["checked_against"] == "ours_prepared", entry
     args = bench.parse(argv)
     shape = bench.shape_config(args, SHAPE)
     config = jmp.ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate // 2,
-                                         experts=shape.experts, top_k=shape.top_k)
+                                         experts=shape.experts, top_k=shape.top_k, m=M)
+    assert config.token_tiles != 3
     assert bench.ours_configs(args) == [config.replace(tiled_weights=True),
-                                        config.replace(tiled_weights=True, token_tiles=1)]
+                                        config.replace(tiled_weights=True, token_tiles=3)]
 
 
 @pytest.mark.parametrize("variant, expected", [

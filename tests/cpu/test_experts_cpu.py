@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import fp8_experts
 import numerics
 from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
-from jax_moe_publish import _launch, experts, experts_gather, experts_layout, experts_tuning, reference
+from jax_moe_publish import _launch, checks, experts, experts_gather, experts_layout, experts_tuning, reference
 from jax_moe_publish.experts_config import BULK_IN_FLIGHT_BYTES, MAX_PAIRS, SHARED_MEMORY_BYTES, ExpertsConfig
 from jax_moe_publish.testing import gpu_matrix
 
@@ -284,7 +284,7 @@ def test_the_kernel_path_traces_the_ffi_call_and_runs_the_reference_on_cpu(rng, 
     assert STAND_IN in jaxpr and "platform_index" in jaxpr
     config, ordinals = stood_in[-1]
     assert ordinals == [3] and config == ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2,
-                                                                 fused_gate_up=False)
+                                                                 fused_gate_up=False, m=5)
     # The call's operands are the config's call record: x, ids, gate, up, down; two results.
     call = re.search(rf"ffi_call\[.*?target_name={STAND_IN}", jaxpr, re.S)
     assert call is not None
@@ -577,3 +577,22 @@ def test_e4m3_at_a_short_hidden_keeps_fewer_steps_in_flight():
                                        fp8_weights=True)
         bf16 = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=128, top_k=8)
         assert (e4m3.gate_up_unroll, e4m3.down_unroll) == (bf16.gate_up_unroll, bf16.down_unroll)
+
+
+def test_one_token_tile_for_small_experts_and_few_pairs_per_expert():
+    """for_shape gives one token tile where it measured faster (`one_token_tile`): Qwen3-30B's
+    tp 4 and 8 shards (at most 2.5 MiB per expert) at m * top_k <= 4 * experts (m <= 64 at
+    top-8 of 128), bf16 weights; two elsewhere, and where m is not given. The tiled order is
+    the same at every m, so that prepared weights serve each m's config."""
+    def tiles(hidden, intermediate, m, **options):
+        return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=128, top_k=8, m=m,
+                                       **options).token_tiles
+
+    for intermediate in (192, 96):
+        assert [tiles(2048, intermediate, m) for m in (1, 16, 64, 65, 256, None)] == [1, 1, 1, 2, 2, 2]
+    assert tiles(2048, 96, 1, fp8_weights=True) == 2
+    for hidden, intermediate in ((2048, 768), (2048, 384), (4096, 192), (7168, 256)):
+        assert [tiles(hidden, intermediate, m) for m in (1, 64, None)] == [2, 2, 2]
+    shapes = [checks.ExpertsShape(m, 8, 128, 2048, 96, True) for m in (1, 64, 65)]
+    assert [experts._default_config(shape).token_tiles for shape in shapes] == [1, 1, 2]
+    assert len({experts_layout.Tiling.of(experts._default_config(shape)) for shape in shapes}) == 1

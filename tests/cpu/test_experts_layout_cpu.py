@@ -108,7 +108,7 @@ def test_the_kernel_path_on_prepared_weights_loads_the_tiled_config(rng, stood_i
                                                                                             prepared)
         assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
         config, _ = stood_in[-1]
-        assert config == ExpertsConfig.for_shape(hidden=128, intermediate=32, experts=6, top_k=2).replace(
+        assert config == ExpertsConfig.for_shape(hidden=128, intermediate=32, experts=6, top_k=2, m=4).replace(
             tiled_weights=True)
     second = numerics.random_experts(rng, m=4, hidden=128, intermediate=32, experts=6, top_k=2)
     both = jax.vmap(lambda x, ids: experts.moe_experts(x, ids, prepared, impl="kernel"))(

@@ -99,7 +99,7 @@ def test_the_kernel_path_runs_the_held_shared_expert_in_the_kernels(rng, stood_i
         assert shape in call.group(0), shape
     config, _ = stood_in[-1]
     assert config == ExpertsConfig.for_shape(hidden=128, intermediate=128, experts=5, top_k=top_k, fp8_weights=fp8,
-                                             shared_expert=True).replace(tiled_weights=True)
+                                             shared_expert=True, m=m).replace(tiled_weights=True)
     want = experts.moe_experts(x, ids, gate_up, down, shared=shared, impl="reference")
     got = jax.jit(lambda x, ids, p: experts.moe_experts(x, ids, p, impl="kernel"))(x, ids, prepared)
     for g, w in zip(got, want):

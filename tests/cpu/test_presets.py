@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from jax_moe_publish import tuning
 from jax_moe_publish.aot import presets
 from jax_moe_publish.config import EPILOGUE_ALGORITHMS, GROUP_ALGORITHMS, result_of
@@ -34,8 +36,8 @@ def test_presets_hold_the_table_choice_of_every_m():
 
 def test_the_model_presets_hold_the_experts_op_s_configs():
     """The experts op's own config (`experts._default_config`) for each model's expert shard at
-    every tp and layout, prepared weights' tiled order included, is in its preset: a prebuilt
-    folder serves the op's calls."""
+    every tp, layout and m (the token tiles differ by m), prepared weights' tiled order included,
+    is in its preset: a prebuilt folder serves the op's calls."""
     from jax_moe_publish import checks, experts
     from jax_moe_publish.experts_layout import Tiling
 
@@ -43,14 +45,14 @@ def test_the_model_presets_hold_the_experts_op_s_configs():
                          (presets.qwen3_moe, presets.QWEN3_MOE_EXPERTS)):
         built = set(make())
         for hidden, intermediate, count, top_k, shared in shapes:
-            for tp in presets.TP_SIZES:
+            for tp, m in itertools.product(presets.TP_SIZES, (1, 16, 64, 65, 256)):
                 for fused in (True, False):
-                    shape = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, fused)
-                    assert experts._default_config(shape) in built, (hidden, intermediate, tp, fused)
+                    shape = checks.ExpertsShape(m, top_k, count, hidden, intermediate // tp, fused)
+                    assert experts._default_config(shape) in built, (hidden, intermediate, tp, m, fused)
                 # prepare_experts's default tiling, as moe_experts then loads it; with the model's
                 # shared expert held too.
                 tiling = Tiling.of(experts._default_config(shape))
                 for held in (False, True) if shared else (False,):
-                    prepared = checks.ExpertsShape(1, top_k, count, hidden, intermediate // tp, True, tiling=tiling,
+                    prepared = checks.ExpertsShape(m, top_k, count, hidden, intermediate // tp, True, tiling=tiling,
                                                    prepared_shared=held)
-                    assert experts._default_config(prepared) in built, (hidden, intermediate, tp, "prepared", held)
+                    assert experts._default_config(prepared) in built, (hidden, intermediate, tp, m, "prepared", held)
