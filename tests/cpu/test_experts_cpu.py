@@ -590,7 +590,7 @@ def test_one_token_tile_for_small_experts_and_few_pairs_per_expert():
 
     for intermediate in (192, 96):
         assert [tiles(2048, intermediate, m) for m in (1, 16, 64, 65, 256, None)] == [1, 1, 1, 2, 2, 2]
-    assert tiles(2048, 96, 1, fp8_weights=True) == 2
+    assert tiles(2048, 128, 1, fp8_weights=True) == 2 and tiles(2048, 128, 1) == 1
     for hidden, intermediate in ((2048, 768), (2048, 384), (4096, 192), (7168, 256)):
         assert [tiles(hidden, intermediate, m) for m in (1, 64, None)] == [2, 2, 2]
     shapes = [checks.ExpertsShape(m, 8, 128, 2048, 96, True) for m in (1, 64, 65)]
