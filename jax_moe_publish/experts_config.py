@@ -557,7 +557,7 @@ class ExpertsConfig:
     def for_shape(cls, *, hidden: int, intermediate: int, experts: int, top_k: int, fused_gate_up: bool = True,
                   fp8_weights: bool = False, fp8_tokens: bool = False, shared_expert: bool = False,
                   arch: str = "sm_90a", m: int | None = None) -> "ExpertsConfig":
-        """The launch shapes for one shard shape, and the call's ``m`` tokens where given: both kernels with 8 warps
+        """The launch shapes for one shard shape (and a call's ``m``, below): both kernels with 8 warps
         (2 CTAs of 256 threads fit an SM), work items sized so that 8 active experts (one token at
         top-8) give about as many items as an H200's 132 SMs hold CTAs, and the most K steps in
         flight that divide a warp's share, up to 8 for gate/up (at one token per expert a few

@@ -220,7 +220,7 @@ def test_the_profiling_variants_change_the_default_launch_shapes():
                                                                                "down_warps_k=1,enable_pdl=false"])
         default, wide, no_split = profile_experts.configs(args, bench.SHAPES["deepseek-v3"])
         assert default == jmp.ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8,
-                                                      fp8_weights=fp8)
+                                                      fp8_weights=fp8, m=1)
         assert wide == default.replace(gate_up_warp_cols=64)
         assert no_split == default.replace(down_warps_k=1, enable_pdl=False)
         assert len({default.key, wide.key, no_split.key}) == 3
