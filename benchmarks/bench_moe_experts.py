@@ -97,7 +97,8 @@ Per case the JSON has the shape, tp, hidden, the rank's intermediate, experts, t
 layers, the distinct active experts of each layer (count and a hex bitmask) and their mean,
 the active bytes per call, the floor, and per column ``us``/``p10``/``p90``, ``over_ours``,
 ``floor_fraction`` (floor over the column's time), its loop counts, compile seconds and
-kernels (``hlo``), or ``why_not``. It is written after every case. ``--plot JSON...`` turns runs into a PNG: microseconds against m per shape and tp, one
+kernels (``hlo``; ours' on a GPU also ``kernel_set``, the key of the set it loads), or
+``why_not``. It is written after every case. ``--plot JSON...`` turns runs into a PNG: microseconds against m per shape and tp, one
 line per column, the floor dashed, log axes.
 
 **Run time.** Before measuring, the script prints an estimate of the run (``--estimate``
@@ -865,6 +866,9 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
                 entry["why_not"] = why_no_shared(column, config)
             if "why_not" in entry:
                 continue
+            if column.route == "ours" and not args.cpu:
+                # The kernel set the op loads here (its launch shapes depend on m).
+                entry["kernel_set"] = ours_config(config, tp, column, m).key
             try:
                 if round_index == 0:
                     programs[column.name] = prepare_column(column, args, top_k, layers, inputs, entry, outputs,
