@@ -866,11 +866,11 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
                 entry["why_not"] = why_no_shared(column, config)
             if "why_not" in entry:
                 continue
-            if column.route == "ours" and not args.cpu:
-                # The kernel set the op loads here (its launch shapes depend on m).
-                entry["kernel_set"] = ours_config(config, tp, column, m).key
             try:
                 if round_index == 0:
+                    if column.route == "ours" and not args.cpu:
+                        # The kernel set the op loads here (its launch shapes depend on m).
+                        entry["kernel_set"] = ours_config(config, tp, column, m).key
                     programs[column.name] = prepare_column(column, args, top_k, layers, inputs, entry, outputs,
                                                            hlo_prefix)
                 else:
