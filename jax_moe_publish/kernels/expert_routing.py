@@ -9,7 +9,10 @@ of the ids (8 KiB at m = 256, top-8) and two atomics per pair.
 
 With the shared expert (`ExpertsConfig.shared_expert`) a token has ``top_k + 1`` pairs, ``p = t *
 (top_k + 1) + k``, its last one the shared expert's: group ``experts``, every token's. Its group
-comes first among the active ones, so that its items (the most pairs) start first.
+comes first among the active ones, so that its items (the most pairs) start first. Its count is
+``m`` and its segment token order, known without reading an id: only the routed ids go through
+the atomics, so holding it adds no pass over the ids (at m = 256, top-8 and 1024 ids per pass,
+``m * (top_k + 1)`` pairs would take 3 passes where the routed ids take 2).
 
 The order of the pairs inside an expert's segment is the atomics': it differs between runs and
 between the CTAs of one run, so a slot names the same pair only within one CTA, and an
@@ -65,41 +68,56 @@ class ExpertRouting:
         """Fill ``tables`` for the call's ``m`` tokens; every thread of the CTA takes part, and
         the tables are complete for all of them on return."""
         sCount, sStart, sFill, sActive, sTotals, sPairs = tables
-        pairs = m * self.pairs_per_token
+        routed = m * self.top_k
         for e in cutlass.range(tidx, self.groups, self.threads):
-            sCount[e] = Int32(0)
+            # The shared expert's group (``experts``, where held) has a pair per token.
+            sCount[e] = cutlass.select_(e == self.experts, m, Int32(0))
             sFill[e] = Int32(0)
         cute.arch.barrier()
-        self._each_span(lambda span: self._count(sCount, span), expert_ids, pairs, tidx)
+        self._each_span(lambda span: self._count(sCount, span), expert_ids, routed, tidx)
         cute.arch.barrier()
         if tidx < WARP:
             self._scan(sCount, sStart, sActive, sTotals, tidx)
         cute.arch.barrier()
         # The ids again (an L1 hit), not kept in registers across the scan: the kernels' register
         # budgets leave no room for them.
-        self._each_span(lambda span: self._place(sStart, sFill, sPairs, span), expert_ids, pairs, tidx)
+        self._each_span(lambda span: self._place(sStart, sFill, sPairs, span), expert_ids, routed, tidx)
+        if cutlass.const_expr(self.shared):
+            # Token t's shared pair at slot t of its segment, the same in every CTA (`work_item`).
+            shared_start = sStart[self.experts]
+            for t in cutlass.range(tidx, m, self.threads):
+                sPairs[shared_start + t] = t * self.pairs_per_token + self.top_k
         cute.arch.barrier()
 
     @cute.jit
-    def _each_span(self, action, expert_ids: Int64, pairs, tidx) -> None:
-        """``action`` of each span of this thread's pairs: one id per thread where the call has
-        no more pairs than threads (decode), else `ROUTING_PAIRS_PER_THREAD` per span."""
-        if pairs <= self.threads:
-            action(self._span(expert_ids, Int32(0), pairs, tidx, 1))
+    def _each_span(self, action, expert_ids: Int64, ids, tidx) -> None:
+        """``action`` of each span of this thread's routed ids: one id per thread where the call
+        has no more ids than threads (decode), else `ROUTING_PAIRS_PER_THREAD` per span."""
+        if ids <= self.threads:
+            action(self._span(expert_ids, Int32(0), ids, tidx, 1))
         else:
             span = self.threads * ROUTING_PAIRS_PER_THREAD
-            for begin in cutlass.range(0, pairs, span):
-                action(self._span(expert_ids, begin, pairs, tidx, ROUTING_PAIRS_PER_THREAD))
+            for begin in cutlass.range(0, ids, span):
+                action(self._span(expert_ids, begin, ids, tidx, ROUTING_PAIRS_PER_THREAD))
 
-    def _span(self, expert_ids: Int64, begin, pairs, tidx, width: int) -> list:
-        """``(pair, group, valid)`` of this thread's ``width`` pairs of the span at ``begin``,
-        every id loaded before any is used (the loads in flight together); a pair past the
-        call's loads nothing and is not valid."""
+    def _span(self, expert_ids: Int64, begin, ids, tidx, width: int) -> list:
+        """``(pair, group, valid)`` of this thread's ``width`` ids of the span at ``begin``, every
+        id loaded before any is used (the loads in flight together); an index past the call's
+        loads nothing and is not valid."""
         span = []
         for i in range(width):
-            p = begin + i * self.threads + tidx
-            span.append((p, *self._group(expert_ids, p, p < pairs)))
+            index = begin + i * self.threads + tidx
+            in_call = index < ids
+            expert = ptx.load_s32(expert_ids + Int64(index) * 4, predicate=Int32(in_call))
+            valid = in_call & (expert >= 0) & (expert < self.experts)
+            span.append((self._pair(index), expert, valid))
         return span
+
+    def _pair(self, index):
+        """The pair of routed id ``index = t * top_k + k``: ``t * pairs_per_token + k``."""
+        if not self.shared:
+            return index
+        return index + index // self.top_k
 
     def _count(self, sCount, span: list) -> None:
         # Predicated atomics, no branches: the span's ids stay one straight run of instructions.
@@ -107,38 +125,11 @@ class ExpertRouting:
             ptx.shared_fetch_add_s32((sCount.iterator + group).toint(), 1, predicate=Int32(valid))
 
     def _place(self, sStart, sFill, sPairs, span: list) -> None:
+        """Each valid pair at the next free slot of its group's segment (the atomics' order)."""
         for p, group, valid in span:
-            start = sStart[cutlass.select_(valid, group, Int32(0))]
-            ptx.store_shared_s32((sPairs.iterator + start + self._slot(sFill, group, p, valid)).toint(), p,
-                                 predicate=Int32(valid))
-
-    def _slot(self, sFill, group, p, valid):
-        """Pair ``p``'s slot in its group's segment (0 where not ``valid``): the shared expert's
-        pair of token ``t`` at ``t`` (the same in every CTA, whose items split its passes by
-        slot), any other's the next free one (the atomics' order)."""
-        if not self.shared:
-            return self._next_free(sFill, group, valid)
-        routed = valid & (group != self.experts)
-        return cutlass.select_(routed, self._next_free(sFill, group, routed), p // self.pairs_per_token)
-
-    def _next_free(self, sFill, group, valid):
-        return ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1, predicate=Int32(valid))
-
-    def _group(self, expert_ids: Int64, p, in_call):
-        """``(group, valid)`` of pair ``p``: its id and whether it lies in ``[0, experts)``; with
-        the shared expert, a token's last pair is group ``experts``, always valid (the load of
-        its token's last id keeps the address in bounds). A pair not ``in_call`` loads nothing
-        and is not valid."""
-        if not self.shared:
-            expert = ptx.load_s32(expert_ids + Int64(p) * 4, predicate=Int32(in_call))
-            return expert, in_call & (expert >= 0) & (expert < self.experts)
-        token = p // self.pairs_per_token
-        k = p - token * self.pairs_per_token
-        is_shared = k == self.top_k
-        expert = ptx.load_s32(expert_ids + Int64(token * self.top_k + cutlass.select_(is_shared, k - 1, k)) * 4,
-                              predicate=Int32(in_call))
-        valid = (expert >= 0) & (expert < self.experts)
-        return cutlass.select_(is_shared, Int32(self.experts), expert), in_call & (is_shared | valid)
+            group = cutlass.select_(valid, group, Int32(0))
+            slot = ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1, predicate=Int32(valid))
+            ptx.store_shared_s32((sPairs.iterator + sStart[group] + slot).toint(), p, predicate=Int32(valid))
 
     @cute.jit
     def _scan(self, sCount, sStart, sActive, sTotals, lane) -> None:

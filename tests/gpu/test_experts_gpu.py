@@ -48,14 +48,14 @@ MS = (1, 2, 7, 16, 17, 64, 130)
 ROUTING_SPANS = 3
 """Spans of the routing tables' id loads (`ROUTING_PAIRS_PER_THREAD` ids per thread) that
 `test_routing_over_several_spans`, the e4m3 test and the shared expert's test cover (a call of
-no more pairs than threads takes one id per thread instead)."""
+no more routed ids than threads takes one id per thread instead)."""
 
 
 def _several_spans_m(config) -> int:
-    """Tokens whose pairs fill `ROUTING_SPANS` spans of both kernels' routing (at most the
-    config's ``max_m``)."""
+    """Tokens whose routed ids fill `ROUTING_SPANS` spans of both kernels' routing (at most the
+    config's ``max_m``; the shared expert's pairs take no span)."""
     threads = max(config.gemm(role).threads for role in ("gate_up", "down"))
-    return min(config.max_m, -(-ROUTING_SPANS * threads * ROUTING_PAIRS_PER_THREAD // config.pairs_per_token))
+    return min(config.max_m, -(-ROUTING_SPANS * threads * ROUTING_PAIRS_PER_THREAD // config.top_k))
 
 
 def _id(config) -> str:
