@@ -41,9 +41,11 @@ ROUTING_PAIRS_PER_THREAD = 4
 """Ids a thread of the routing (`kernels.expert_routing`) loads at once, per span of its passes
 over the pairs: one round trip to memory per span instead of one per id."""
 MAX_THREADS = 1024
-ONE_TILE_MAX_EXPERT_BYTES = 5 * 2**19
+ONE_TILE_MAX_HIDDEN = 2048
+ONE_TILE_MAX_INTERMEDIATE = 384
 ONE_TILE_MAX_PAIRS_PER_EXPERT = 4
-"""`one_token_tile`'s bounds: an expert's bf16 weight bytes, and a call's pairs per expert on average."""
+"""`one_token_tile`'s bounds: the shard's hidden and intermediate (each kernel's K), and a call's
+pairs per expert on average."""
 SPLIT_K = (1, 2, 4, 8, 16)
 """CTAs of one cluster that split a gate/up work item's K (16: beyond the portable cluster
 size, which the launchers opt into)."""
@@ -606,14 +608,14 @@ class ExpertsConfig:
 
 
 def one_token_tile(hidden: int, intermediate: int, pairs: int, experts: int, fp8_weights: bool) -> bool:
-    """Whether `ExpertsConfig.for_shape` gives a call one token tile: bf16 weights of at most
-    ``ONE_TILE_MAX_EXPERT_BYTES`` per expert (gate, up and down), and the call's ``pairs`` at most
-    ``ONE_TILE_MAX_PAIRS_PER_EXPERT`` per expert. Measured on one H100 (2026-12-05, the tiled
-    order, `benchmarks/EXPERIMENTS.md`): at Qwen3-30B's tp 4 and 8 shards (2.4 and 1.2 MB per
-    expert) one tile took 0.78-0.96 of two at m = 1 to 64 and 1.03-1.23 at m = 128 and 256; at
-    Qwen3-235B's tp 8 and 4 shards (4.7 and 9.4 MB) and DeepSeek-V3's (11 and 22 MB) it was
-    slower at most m. Qwen3-30B's tp 1 and 2 shards were not measured (and at tp 1 one tile's
-    down kernel spilled a register)."""
-    expert_bytes = 3 * hidden * intermediate * 2
-    return (not fp8_weights and expert_bytes <= ONE_TILE_MAX_EXPERT_BYTES
+    """Whether `ExpertsConfig.for_shape` gives a call one token tile: bf16 weights, hidden and
+    intermediate at most ``ONE_TILE_MAX_HIDDEN`` and ``ONE_TILE_MAX_INTERMEDIATE``, and the
+    call's ``pairs`` at most ``ONE_TILE_MAX_PAIRS_PER_EXPERT`` per expert. Measured on one H100
+    (2026-12-05, the tiled order, `benchmarks/EXPERIMENTS.md`): at Qwen3-30B's tp 2, 4 and 8
+    shards (hidden 2048, intermediate 384, 192 and 96) one tile took 0.78-0.93 of two at m = 1
+    to 64, and 1.03-1.23 at tp 4 and 8 at m = 128 and 256; at Qwen3-235B's tp 8 and 4 shards
+    (hidden 4096; at tp 8 as many bytes per expert as Qwen3-30B's tp 2) and DeepSeek-V3's it
+    was slower at most m. Qwen3-30B's tp 1 shard (intermediate 768) was not measured: there one
+    tile's down kernel spilled a register."""
+    return (not fp8_weights and hidden <= ONE_TILE_MAX_HIDDEN and intermediate <= ONE_TILE_MAX_INTERMEDIATE
             and pairs <= ONE_TILE_MAX_PAIRS_PER_EXPERT * experts)

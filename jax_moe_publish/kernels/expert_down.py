@@ -10,8 +10,9 @@ row goes to ``shared[t]``. The grid is persistent;
 every CTA builds the routing tables (`ExpertRouting`) once the gate/up kernel has finished
 (the activations are its), then takes the work items ``b, b + grid, ...`` (item
 ``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert; the shared
-expert's, one per block and pass: `ExpertRouting.work_item`); before its first item, the
-grid's warps together zero the rows of the skipped pairs. With ``down_bulk_loads`` the CTA's last warp
+expert's, one per block and pass: `ExpertRouting.work_item`), and the grid's warps
+together zero the rows of the skipped pairs (after the items, or before them with the
+shared expert). With ``down_bulk_loads`` the CTA's last warp
 copies each pass's rounds into a ring in shared memory, which the others read (`ExpertTiles`).
 """
 
@@ -128,9 +129,10 @@ class ExpertDownKernel:
                 first = down + Int64(expert) * expert_bytes
                 ptx.prefetch_l2(first + Int64(item_in_expert) * s.tile_item_bytes, s.tile_item_bytes)
             cute.arch.griddepcontrol_wait()
-        # Before the items, not after: the ids are still in L1 from the routing, and the ids'
-        # address and m need not stay in registers across the items.
-        self._zero_skipped(out, expert_ids, m, warp, lane, block, grid)
+        if cutlass.const_expr(cfg.shared_expert):
+            # Before the items: the ids' address and m need not stay in registers across them
+            # (at 64 registers, the shared expert's down kernel of one test shape spilled).
+            self._zero_skipped(out, expert_ids, m, warp, lane, block, grid)
         rounds_done = Int32(0)
         for item in cutlass.range(block, items, grid):
             expert, item_in_expert = self.routing.work_item(tables, item, s.items_per_expert, s.tokens_per_pass)
@@ -159,6 +161,9 @@ class ExpertDownKernel:
                     self.tiles.accumulate(rAcc, walk, tokens, w_k, lane, True, sRing, warp)
                     self._finish_pass(rAcc, sReduction, w_k, w_n, lane, sPairs, start, count, first, q, column,
                                       out, shared, out_row_bytes)
+        if cutlass.const_expr(not cfg.shared_expert):
+            # After the items: a CTA whose items end early does it while others still compute.
+            self._zero_skipped(out, expert_ids, m, warp, lane, block, grid)
         if cutlass.const_expr(cfg.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 

@@ -127,9 +127,9 @@ class ExpertRouting:
     def _place(self, sStart, sFill, sPairs, span: list) -> None:
         """Each valid pair at the next free slot of its group's segment (the atomics' order)."""
         for p, group, valid in span:
-            group = cutlass.select_(valid, group, Int32(0))
+            start = sStart[cutlass.select_(valid, group, Int32(0))]
             slot = ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1, predicate=Int32(valid))
-            ptx.store_shared_s32((sPairs.iterator + sStart[group] + slot).toint(), p, predicate=Int32(valid))
+            ptx.store_shared_s32((sPairs.iterator + start + slot).toint(), p, predicate=Int32(valid))
 
     @cute.jit
     def _scan(self, sCount, sStart, sActive, sTotals, lane) -> None:

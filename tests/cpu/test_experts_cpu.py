@@ -581,17 +581,18 @@ def test_e4m3_at_a_short_hidden_keeps_fewer_steps_in_flight():
 
 def test_one_token_tile_for_small_experts_and_few_pairs_per_expert():
     """for_shape gives one token tile where it measured faster (`one_token_tile`): Qwen3-30B's
-    tp 4 and 8 shards (at most 2.5 MiB per expert) at m * top_k <= 4 * experts (m <= 64 at
-    top-8 of 128), bf16 weights; two elsewhere, and where m is not given. The tiled order is
-    the same at every m, so that prepared weights serve each m's config."""
+    tp 2, 4 and 8 shards (hidden 2048, intermediate at most 384) at m * top_k <= 4 * experts
+    (m <= 64 at top-8 of 128), bf16 weights; two elsewhere (Qwen3-235B's tp 8 shard, as many
+    bytes per expert as Qwen3-30B's tp 2, among them), and where m is not given. The tiled
+    order is the same at every m, so that prepared weights serve each m's config."""
     def tiles(hidden, intermediate, m, **options):
         return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=128, top_k=8, m=m,
                                        **options).token_tiles
 
-    for intermediate in (192, 96):
+    for intermediate in (384, 192, 96):
         assert [tiles(2048, intermediate, m) for m in (1, 16, 64, 65, 256, None)] == [1, 1, 1, 2, 2, 2]
     assert tiles(2048, 128, 1, fp8_weights=True) == 2 and tiles(2048, 128, 1) == 1
-    for hidden, intermediate in ((2048, 768), (2048, 384), (4096, 192), (7168, 256)):
+    for hidden, intermediate in ((2048, 768), (4096, 192), (4096, 384), (7168, 256)):
         assert [tiles(hidden, intermediate, m) for m in (1, 64, None)] == [2, 2, 2]
     shapes = [checks.ExpertsShape(m, 8, 128, 2048, 96, True) for m in (1, 64, 65)]
     assert [experts._default_config(shape).token_tiles for shape in shapes] == [1, 1, 2]
