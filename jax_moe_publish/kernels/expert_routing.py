@@ -11,8 +11,9 @@ With the shared expert (`ExpertsConfig.shared_expert`) a token has ``top_k + 1``
 (top_k + 1) + k``, its last one the shared expert's: group ``experts``, every token's. Its group
 comes first among the active ones, so that its items (the most pairs) start first. Its count is
 ``m`` and its segment token order, known without reading an id: only the routed ids go through
-the atomics, so holding it adds no pass over the ids (at m = 256, top-8 and 1024 ids per pass,
-``m * (top_k + 1)`` pairs would take 3 passes where the routed ids take 2).
+the atomics, so holding it adds no span of id loads (`ROUTING_PAIRS_PER_THREAD`; at m = 256,
+top-8 and 1024 ids per span, ``m * (top_k + 1)`` pairs would take 3 spans where the routed ids
+take 2).
 
 The order of the pairs inside an expert's segment is the atomics': it differs between runs and
 between the CTAs of one run, so a slot names the same pair only within one CTA, and an
