@@ -612,7 +612,7 @@ def one_token_tile(hidden: int, intermediate: int, pairs: int, experts: int, fp8
     intermediate at most ``ONE_TILE_MAX_HIDDEN`` and ``ONE_TILE_MAX_INTERMEDIATE``, and the
     call's ``pairs`` at most ``ONE_TILE_MAX_PAIRS_PER_EXPERT`` per expert. Measured on one H100
     (2026-12-05, the tiled order, `benchmarks/EXPERIMENTS.md`): at Qwen3-30B's tp 2, 4 and 8
-    shards (hidden 2048, intermediate 384, 192 and 96) one tile took 0.78-0.93 of two at m = 1
+    shards (hidden 2048, intermediate 384, 192 and 96) one tile took 0.78-0.96 of two at m = 1
     to 64, and 1.03-1.23 at tp 4 and 8 at m = 128 and 256; at Qwen3-235B's tp 8 and 4 shards
     (hidden 4096; at tp 8 as many bytes per expert as Qwen3-30B's tp 2) and DeepSeek-V3's it
     was slower at most m. Qwen3-30B's tp 1 shard (intermediate 768) was not measured: there one
