@@ -1,0 +1,101 @@
+"""A CPU model of how the experts kernels spread their work items over a persistent grid.
+
+Each kernel (gate/up, down) gives an active expert ``items_per_expert`` items, each of all its
+pairs in passes of ``tokens_per_pass`` (`ExpertsConfig.gemm`), and CTA ``c`` of ``G`` takes the
+items ``c, c + G, ...`` (`kernels.expert_routing`). An item's weights are read once per pass, so
+with one unit of cost per pass this counts, from the routing the benchmark draws
+(`bench_moe_experts.case_routing`, the models' routers):
+
+- ``reads``: weight bytes read over the floor's (each active expert once): the passes per item;
+- ``cta``: the busiest CTA's units over the ideal (every unit spread evenly over the grid);
+- ``sm``: the same per SM, its CTAs' units together (CTA ``c`` and ``c + sms`` on one SM).
+
+Their product bounds how far above the floor the kernels can be where HBM bandwidth rules. A
+model, not a measurement: a pass that finds its weights in L2 costs less than a unit, and one
+CTA alone on an SM may read faster than its share.
+
+    python benchmarks/item_schedule.py --shapes deepseek-v3 --tp 8 --m 1 16 64 256
+"""
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import bench_moe_experts as bench  # noqa: E402
+from jax_moe_publish.experts_config import ExpertsConfig  # noqa: E402
+
+
+def item_costs(counts, config: ExpertsConfig, role: str, m: int) -> tuple[list[int], int]:
+    """Each work item's passes, in the kernels' item order (the held shared expert's first: one
+    item per column block and pass, `ExpertRouting.work_item`), and the units of the floor (each
+    active group's items once)."""
+    shape = config.gemm(role)
+    per_pass, per_expert = shape.tokens_per_pass, shape.items_per_expert
+    costs = [1] * (math.ceil(m / per_pass) * per_expert) if config.shared_expert else []
+    for count in counts:
+        costs += [math.ceil(count / per_pass)] * per_expert
+    return costs, (len(counts) + int(config.shared_expert)) * per_expert
+
+
+def spread(costs: list[int], floor_units: int, sms: int, ctas_per_sm: int) -> dict:
+    """``reads``, ``cta`` and ``sm`` (module docstring) of ``costs`` dealt round robin."""
+    grid = sms * ctas_per_sm
+    per_cta = np.zeros(grid)
+    np.add.at(per_cta, np.arange(len(costs)) % grid, costs)
+    per_sm = per_cta.reshape(ctas_per_sm, sms).sum(axis=0)
+    ideal = sum(costs) / grid
+    return {"items": len(costs), "reads": sum(costs) / floor_units, "cta": per_cta.max() / ideal,
+            "sm": per_sm.max() / (ideal * ctas_per_sm)}
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=list(bench.SHAPES))
+    parser.add_argument("--tp", nargs="+", type=int, default=[8])
+    parser.add_argument("--m", nargs="+", type=int, default=[1, 16, 64, 128, 256])
+    parser.add_argument("--layers", type=int, default=3, help="routing draws per case (the benchmark's first)")
+    parser.add_argument("--shared", action="store_true", help="also model the shared expert held")
+    parser.add_argument("--sms", type=int, default=132)
+    parser.add_argument("--ctas-per-sm", type=int, default=2, help="`ExpertsConfig.for_shape`'s 8-warp CTAs: 2")
+    parser.add_argument("--token-tiles", type=int, help="in place of `ExpertsConfig.for_shape`'s choice for m")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    # The benchmark's routing draws: its seed, and as many layers as asked for.
+    draws = bench.parse(["--seed", str(args.seed), "--min-pass-mb", "1e12"])
+    print("| shape | tp | m | shared | kernel | token tiles | items | reads | cta | sm | reads x sm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.shapes:
+        model = bench.SHAPES[name]
+        for tp in args.tp:
+            for m in args.m:
+                _, ids, _ = bench.case_routing(draws, model, tp, m, args.layers)
+                for shared in (False, True) if args.shared else (False,):
+                    config = ExpertsConfig.for_shape(hidden=model.hidden, intermediate=model.intermediate // tp,
+                                                     experts=model.experts, top_k=model.top_k,
+                                                     shared_expert=shared, m=m)
+                    if args.token_tiles:
+                        config = dataclasses.replace(config, token_tiles=args.token_tiles)
+                    for role in ("gate_up", "down"):
+                        layers = []
+                        for layer_ids in ids:
+                            counts = np.bincount(np.asarray(layer_ids).ravel(), minlength=model.experts)
+                            costs, floor_units = item_costs(counts[counts > 0], config, role, m)
+                            layers.append(spread(costs, floor_units, args.sms, args.ctas_per_sm))
+                        mean = {key: np.mean([layer[key] for layer in layers]) for key in layers[0]}
+                        print(f"| {name} | {tp} | {m} | {'held' if shared else '-'} | {role} | {config.token_tiles} "
+                              f"| {mean['items']:.0f} | {mean['reads']:.2f} | {mean['cta']:.2f} | {mean['sm']:.2f} "
+                              f"| {mean['reads'] * mean['sm']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""`benchmarks/item_schedule.py`: the model's counts on routings whose answer follows by hand."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import item_schedule
+
+from jax_moe_publish.experts_config import ExpertsConfig
+
+SHARD = dict(hidden=7168, intermediate=256, experts=256, top_k=8)
+
+
+def test_an_expert_of_more_pairs_than_a_pass_is_read_once_per_pass():
+    config = ExpertsConfig.for_shape(**SHARD, m=64)
+    shape = config.gemm("gate_up")
+    per_pass, per_expert = shape.tokens_per_pass, shape.items_per_expert
+    counts = np.array([1, 2 * per_pass + 1, per_pass])
+    costs, floor_units = item_schedule.item_costs(counts, config, "gate_up", m=64)
+    assert costs == [1] * per_expert + [3] * per_expert + [1] * per_expert
+    assert floor_units == 3 * per_expert
+
+
+def test_the_held_shared_expert_is_an_item_per_block_and_pass_before_the_routed_ones():
+    m = 40
+    config = ExpertsConfig.for_shape(**SHARD, shared_expert=True, m=m)
+    shape = config.gemm("down")
+    passes = -(-m // shape.tokens_per_pass)
+    costs, floor_units = item_schedule.item_costs(np.array([3]), config, "down", m=m)
+    assert costs == [1] * (passes + 1) * shape.items_per_expert
+    assert floor_units == 2 * shape.items_per_expert
+
+
+@pytest.mark.parametrize("sms,ctas_per_sm", [(4, 1), (4, 2), (132, 2)])
+def test_one_item_more_than_the_grid_holds_doubles_the_busiest_cta(sms, ctas_per_sm):
+    grid = sms * ctas_per_sm
+    whole = item_schedule.spread([1] * grid, grid, sms, ctas_per_sm)
+    assert whole["cta"] == pytest.approx(1.0) and whole["sm"] == pytest.approx(1.0)
+    assert whole["reads"] == pytest.approx(1.0)
+    one_more = item_schedule.spread([1] * (grid + 1), grid + 1, sms, ctas_per_sm)
+    ideal = (grid + 1) / grid
+    assert one_more["cta"] == pytest.approx(2 / ideal)
+    # CTA 0 holds the extra item; its SM holds CTA sms too: ctas_per_sm + 1 units against the ideal.
+    assert one_more["sm"] == pytest.approx((ctas_per_sm + 1) / (ctas_per_sm * ideal))
+
+
+def test_reads_count_passes_against_each_active_group_once():
+    result = item_schedule.spread([2, 2, 1, 1], 4, sms=2, ctas_per_sm=1)
+    assert result["reads"] == pytest.approx(6 / 4)
+    # CTA 0 takes items 0 and 2 (3 units), CTA 1 items 1 and 3 (3 units).
+    assert result["cta"] == pytest.approx(1.0)
+
+
+def test_the_command_prints_a_row_per_kernel():
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "item_schedule.py"), "--shapes", "qwen3-30b-a3b",
+                          "--tp", "8", "--m", "4", "--layers", "1"], capture_output=True, text=True, check=True)
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| qwen3-30b-a3b")]
+    assert [row.split("|")[5].strip() for row in rows] == ["gate_up", "down"]
