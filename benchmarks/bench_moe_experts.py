@@ -1045,12 +1045,15 @@ def ours_configs(args):
         config = shape_config(args, name)
         for tp in args.tp:
             for column in selected_columns(args):
-                if column.route != "ours":
-                    continue
-                if (column.fp8 and not holds_fp8_blocks(config, tp)) or (column.shared and why_no_shared(column, config)):
-                    continue
-                configs += [ours_config(config, tp, column, m) for m in args.m]
+                if ours_runs_at(column, config, tp):
+                    configs += [ours_config(config, tp, column, m) for m in args.m]
     return list(dict.fromkeys(configs))
+
+
+def ours_runs_at(column, config, tp) -> bool:
+    """Whether ``column`` is one of ours that runs at ``config``'s shard of ``tp``."""
+    return (column.route == "ours" and (not column.fp8 or holds_fp8_blocks(config, tp))
+            and not (column.shared and why_no_shared(column, config)))
 
 
 def ours_config(config, tp, column, m):

@@ -14,11 +14,10 @@ Their product bounds how far above the floor the kernels can be where HBM bandwi
 model, not a measurement: a pass that finds its weights in L2 costs less than a unit, and one
 CTA alone on an SM may read faster than its share.
 
-    python benchmarks/item_schedule.py --shapes deepseek-v3 --tp 8 --m 1 16 64 256
+    python benchmarks/item_schedule.py --shapes deepseek-v3 --tp 8 --m 1 16 64 256 --variants token_tiles=4
 """
 
 import argparse
-import dataclasses
 import math
 import pathlib
 import sys
@@ -55,44 +54,50 @@ def spread(costs: list[int], floor_units: int, sms: int, ctas_per_sm: int) -> di
 
 
 def parse(argv=None):
+    """This model's arguments, and the benchmark's for the same shapes, tps, m, columns and
+    variants (it checks the variants and names each column's config, `bench.ours_config`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=list(bench.SHAPES))
     parser.add_argument("--tp", nargs="+", type=int, default=[8])
     parser.add_argument("--m", nargs="+", type=int, default=[1, 16, 64, 128, 256])
+    parser.add_argument("--columns", nargs="+", default=["ours_prepared"],
+                        choices=[column.name for column in bench.COLUMNS if column.route == "ours"],
+                        help="the benchmark's columns of ours (ours_shared_prepared: the shared expert held)")
+    parser.add_argument("--variants", nargs="+", default=[], metavar="FIELD=VALUE[,...]",
+                        help="the benchmark's --variants, e.g. token_tiles=4")
     parser.add_argument("--layers", type=int, default=3, help="routing draws per case (the benchmark's first)")
-    parser.add_argument("--shared", action="store_true", help="also model the shared expert held")
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--ctas-per-sm", type=int, default=2, help="`ExpertsConfig.for_shape`'s 8-warp CTAs: 2")
-    parser.add_argument("--token-tiles", type=int, help="in place of `ExpertsConfig.for_shape`'s choice for m")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    same = ["--seed", str(args.seed), "--min-pass-mb", "1e12"]
+    for name in ("shapes", "tp", "m", "columns", "variants"):
+        if getattr(args, name):
+            same += [f"--{name}", *map(str, getattr(args, name))]
+    bench_args = bench.parse(same)
+    return args, bench_args
 
 
 def main(argv=None):
-    args = parse(argv)
-    # The benchmark's routing draws: its seed, and as many layers as asked for.
-    draws = bench.parse(["--seed", str(args.seed), "--min-pass-mb", "1e12"])
-    print("| shape | tp | m | shared | kernel | token tiles | items | reads | cta | sm | reads x sm |")
+    args, bench_args = parse(argv)
+    print("| shape | tp | m | column | kernel | token tiles | items | reads | cta | sm | reads x sm |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes:
         model = bench.SHAPES[name]
         for tp in args.tp:
+            columns = [c for c in bench.selected_columns(bench_args) if bench.ours_runs_at(c, model, tp)]
             for m in args.m:
-                _, ids, _ = bench.case_routing(draws, model, tp, m, args.layers)
-                for shared in (False, True) if args.shared else (False,):
-                    config = ExpertsConfig.for_shape(hidden=model.hidden, intermediate=model.intermediate // tp,
-                                                     experts=model.experts, top_k=model.top_k,
-                                                     shared_expert=shared, m=m)
-                    if args.token_tiles:
-                        config = dataclasses.replace(config, token_tiles=args.token_tiles)
+                _, ids, _ = bench.case_routing(bench_args, model, tp, m, args.layers)
+                layer_counts = [np.bincount(np.asarray(layer_ids).ravel(), minlength=model.experts) for layer_ids in ids]
+                for column in columns:
+                    config = bench.ours_config(model, tp, column, m)
                     for role in ("gate_up", "down"):
                         layers = []
-                        for layer_ids in ids:
-                            counts = np.bincount(np.asarray(layer_ids).ravel(), minlength=model.experts)
+                        for counts in layer_counts:
                             costs, floor_units = item_costs(counts[counts > 0], config, role, m)
                             layers.append(spread(costs, floor_units, args.sms, args.ctas_per_sm))
                         mean = {key: np.mean([layer[key] for layer in layers]) for key in layers[0]}
-                        print(f"| {name} | {tp} | {m} | {'held' if shared else '-'} | {role} | {config.token_tiles} "
+                        print(f"| {name} | {tp} | {m} | {column.name} | {role} | {config.token_tiles} "
                               f"| {mean['items']:.0f} | {mean['reads']:.2f} | {mean['cta']:.2f} | {mean['sm']:.2f} "
                               f"| {mean['reads'] * mean['sm']:.2f} |")
 

@@ -58,8 +58,18 @@ def test_reads_count_passes_against_each_active_group_once():
     assert result["cta"] == pytest.approx(1.0)
 
 
-def test_the_command_prints_a_row_per_kernel():
+def test_the_command_prints_a_row_per_column_and_kernel_with_the_benchmarks_configs():
     run = subprocess.run([sys.executable, str(BENCHMARKS / "item_schedule.py"), "--shapes", "qwen3-30b-a3b",
-                          "--tp", "8", "--m", "4", "--layers", "1"], capture_output=True, text=True, check=True)
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| qwen3-30b-a3b")]
-    assert [row.split("|")[5].strip() for row in rows] == ["gate_up", "down"]
+                          "--tp", "8", "--m", "4", "--layers", "1", "--variants", "token_tiles=4"],
+                         capture_output=True, text=True, check=True)
+    rows = [[cell.strip() for cell in line.split("|")[4:7]] for line in run.stdout.splitlines()
+            if line.startswith("| qwen3-30b-a3b")]
+    # Qwen3-30B-A3B's tp 8 shard: the op's token tiles at m = 4.
+    default = str(ExpertsConfig.for_shape(hidden=2048, intermediate=96, experts=128, top_k=8, m=4).token_tiles)
+    assert rows == [["ours_prepared", "gate_up", default], ["ours_prepared", "down", default],
+                    ["ours_prepared:token_tiles=4", "gate_up", "4"], ["ours_prepared:token_tiles=4", "down", "4"]]
+
+
+def test_a_variant_the_benchmark_refuses_is_refused():
+    with pytest.raises(SystemExit):
+        item_schedule.parse(["--variants", "hidden=1024"])
