@@ -41,12 +41,13 @@ def compile_probe(config):
     from jax_moe_publish.kernels import ptx
     from jax_moe_publish.kernels.expert_routing import ACTIVE, VALID, ExpertRouting
 
-    threads = config.gemm("gate_up").threads
-    smem = routing_bytes(config.groups)
+    shape = config.gemm("gate_up")
+    threads = shape.threads
+    smem = routing_bytes(config.groups, config.experts, threads // 32)
 
     class RoutingProbe:
         def __init__(self):
-            self.routing = ExpertRouting(config, threads)
+            self.routing = ExpertRouting(config, shape)
 
         @cute.kernel
         def routing_probe(self, expert_ids: Int64, totals: Int64, m: Int32) -> None:

@@ -59,7 +59,7 @@ _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gat
                "down_warp_cols", "down_unroll")
 _BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "gate_up_bulk_loads", "down_bulk_loads",
                 "tiled_weights", "fp8_weights", "fp8_tokens", "fp8_shift_widening", "shared_expert", "early_down",
-                "enable_pdl")
+                "pass_items", "enable_pdl")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -268,11 +268,11 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def routing_bytes(groups: int) -> int:
-    """Shared memory of a CTA's routing tables (`kernels.expert_routing`): four int32 per group
-    (expert, and the shared expert), four totals, and the pairs in group order, each array
-    16-byte aligned."""
-    return 4 * _aligned(4 * groups) + _aligned(4 * 4) + _aligned(4 * MAX_PAIRS)
+def routing_bytes(groups: int, experts: int, warps: int) -> int:
+    """Shared memory of a CTA's routing tables (`kernels.expert_routing`) in a kernel of ``warps``
+    warps: four int32 per group (expert, and the shared expert), four totals, one per expert and
+    warp, and the pairs in group order, each array 16-byte aligned."""
+    return 4 * _aligned(4 * groups) + _aligned(4 * 4) + _aligned(4 * experts * warps) + _aligned(4 * MAX_PAIRS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +351,12 @@ class ExpertsConfig:
         weights into L2 (one bulk prefetch: the item is one block in the tiled order), then
         waits for the activations: its start and first reads overlap gate/up's tail. Needs
         ``tiled_weights`` and ``enable_pdl``; an experiment, not chosen by `for_shape`.
+    pass_items : bool
+        A work item is one column block of one pass (``8 * token_tiles`` pairs) of a group, and
+        the passes of a block run side by side on as many CTAs, one reading its weights from
+        memory and the others mostly from L2 (`kernels.expert_routing`). False: an item is a
+        block of all of a group's pairs, its passes one after another on one CTA, each reading
+        the weights again; kept to compare the two.
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
@@ -383,6 +389,7 @@ class ExpertsConfig:
     fp8_shift_widening: bool = False
     shared_expert: bool = False
     early_down: bool = False
+    pass_items: bool = True
     enable_pdl: bool = True
     arch: str = "sm_90a"
 
@@ -467,8 +474,8 @@ class ExpertsConfig:
     def shared_bytes(self, role: str) -> int:
         """Dynamic shared memory of the ``gate_up`` or ``down`` kernel."""
         shape = self.gemm(role)
-        return (routing_bytes(self.groups) + shape.reduction_bytes() + shape.partial_bytes() + shape.ring_bytes()
-                + shape.bulk_ring_bytes())
+        return (routing_bytes(self.groups, self.experts, shape.threads // 32) + shape.reduction_bytes()
+                + shape.partial_bytes() + shape.ring_bytes() + shape.bulk_ring_bytes())
 
     def operand_rows(self) -> dict:
         """No rows rule of `_abi.EXPERTS_OPERANDS` depends on the config."""
@@ -532,7 +539,7 @@ class ExpertsConfig:
         for name, default in (("gate_up_split_k", 1), ("gate_up_async_loads", False), ("down_async_loads", False),
                               ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False),
                               ("shared_expert", False), ("early_down", False), ("fp8_shift_widening", False),
-                              ("gate_up_bulk_loads", False), ("down_bulk_loads", False)):
+                              ("gate_up_bulk_loads", False), ("down_bulk_loads", False), ("pass_items", True)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

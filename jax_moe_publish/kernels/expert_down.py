@@ -9,8 +9,8 @@ and ``out[p] = 0`` for a pair whose id lies outside ``[0, experts)``. With ``sha
 row goes to ``shared[t]``. The grid is persistent;
 every CTA builds the routing tables (`ExpertRouting`) once the gate/up kernel has finished
 (the activations are its), then takes the work items ``b, b + grid, ...`` (item
-``a * items_per_expert + j``: column block ``j`` of the ``a``-th active expert; the shared
-expert's, one per block and pass: `ExpertRouting.work_item`), and the grid's warps
+``n * items_per_expert + j``: column block ``j`` of the ``n``-th pass of the active groups'
+pairs, `ExpertRouting.work_item`), and the grid's warps
 together zero the rows of the skipped pairs (after the items, or before them with the
 shared expert). With ``down_bulk_loads`` the CTA's last warp
 copies each pass's rounds into a ring in shared memory, which the others read (`ExpertTiles`).
@@ -37,7 +37,7 @@ class ExpertDownKernel:
     def __init__(self, config: ExpertsConfig) -> None:
         self.config = config
         self.shape = config.gemm("down")
-        self.routing = ExpertRouting(config, self.shape.threads)
+        self.routing = ExpertRouting(config, self.shape)
         self.tiles = ExpertTiles(self.shape)
 
     # The method name is the role (the compile step finds the kernel by it). The parameters are
@@ -121,11 +121,11 @@ class ExpertDownKernel:
         expert_scale_bytes = cfg.intermediate // FP8_BLOCK * scale_row_bytes
         activation_row_bytes = cfg.intermediate * BF16_BYTES
         out_row_bytes = cfg.hidden * BF16_BYTES
-        items = self.routing.items(tables, s.items_per_expert, s.tokens_per_pass)
+        items = self.routing.items(tables)
         if cutlass.const_expr(cfg.early_down):
             # While gate/up runs its last items: this CTA's first item into L2, then the wait.
             if (tidx == 0) & (block < items):
-                expert, item_in_expert = self.routing.work_item(tables, block, s.items_per_expert, s.tokens_per_pass)
+                expert, item_in_expert, _, _ = self.routing.work_item(tables, block)
                 first = down + Int64(expert) * expert_bytes
                 ptx.prefetch_l2(first + Int64(item_in_expert) * s.tile_item_bytes, s.tile_item_bytes)
             cute.arch.griddepcontrol_wait()
@@ -135,9 +135,8 @@ class ExpertDownKernel:
             self._zero_skipped(out, expert_ids, m, warp, lane, block, grid)
         rounds_done = Int32(0)
         for item in cutlass.range(block, items, grid):
-            expert, item_in_expert = self.routing.work_item(tables, item, s.items_per_expert, s.tokens_per_pass)
+            expert, item_in_expert, start, count = self.routing.work_item(tables, item)
             column = item_in_expert * s.item_columns + lane_column
-            start, count = self.routing.item_pairs(tables, item, expert, s.items_per_expert, s.tokens_per_pass)
             expert_scales = None
             if cutlass.const_expr(s.fp8):
                 expert_scales = down_scales + Int64(expert) * expert_scale_bytes
@@ -199,8 +198,7 @@ class ExpertDownKernel:
     def _zero_skipped(self, out, expert_ids, m, warp, lane, block, grid) -> None:
         """Zero the rows of the pairs with no valid expert: warp ``w`` of the grid takes pairs
         ``w, w + warps, ...``, and for a skipped one writes its whole row, 16 bytes per lane and
-        step. Keyed by the pair, not by a slot of ``sPairs``: the order of a segment's pairs is
-        each CTA's own (its atomics'), so slots would name different pairs in different CTAs."""
+        step. Keyed by the pair: a skipped pair has no slot of ``sPairs``."""
         cfg = self.config
         row_bytes = cfg.hidden * BF16_BYTES
         warps = self.shape.threads // WARP

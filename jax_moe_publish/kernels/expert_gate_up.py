@@ -7,9 +7,9 @@ For every token-expert pair ``p = t * top_k + k`` whose id ``e`` is a valid expe
 
 with ``silu(g) = g / (1 + 2 ** (-g * log2(e)))``. The grid is persistent (the CTAs the GPU holds
 at once); every CTA builds the routing tables (`ExpertRouting`), then takes the work items
-``b, b + grid, ...``: item ``a * items_per_expert + j`` is column block ``j`` of the ``a``-th
-active expert, computed for the expert's pairs in passes of ``8 * token_tiles`` (`ExpertTiles`;
-the shared expert's items are one per block and pass, `ExpertRouting.work_item`).
+``b, b + grid, ...``: item ``n * items_per_expert + j`` is column block ``j`` of the ``n``-th
+pass, a pass being up to ``8 * token_tiles`` of one active group's pairs (`ExpertTiles`,
+`ExpertRouting.work_item`).
 Each warp reads ``warp_cols / 2`` columns of gate and the same of up, so lanes ``l`` and
 ``l + 16`` hold a column's gate and up sums. With ``gate_up_split_k`` > 1 the grid is of
 clusters of that many CTAs: cluster ``c`` takes the items ``c, c + clusters, ...``, its CTA
@@ -61,7 +61,7 @@ class ExpertGateUpKernel:
     def __init__(self, config: ExpertsConfig) -> None:
         self.config = config
         self.shape = config.gemm("gate_up")
-        self.routing = ExpertRouting(config, self.shape.threads)
+        self.routing = ExpertRouting(config, self.shape)
         self.tiles = ExpertTiles(self.shape)
 
     # The method names are the roles: CuTe DSL names the entries kernel_cutlass_expert_gate_up_...,
@@ -186,8 +186,6 @@ class ExpertGateUpKernel:
             # x and the ids may come from the kernel just before.
             cute.arch.griddepcontrol_wait()
         self.routing.build(tables, expert_ids, m, tidx)
-        if cutlass.const_expr(s.split_k > 1):
-            self.routing.share_order(tables, tidx, cluster_rank)
         sPairs = tables[-1]
         warp, lane = tidx // WARP, tidx % WARP
         w_k, w_n = warp % s.warps_k, warp // s.warps_k
@@ -205,16 +203,15 @@ class ExpertGateUpKernel:
         token_scales = None
         if cutlass.const_expr(s.fp8_tokens):
             token_scales = x_scales + (k_begin // FP8_BLOCK) * SCALE_BYTES
-        items = self.routing.items(tables, s.items_per_expert, s.tokens_per_pass)
+        items = self.routing.items(tables)
         rounds_done = Int32(0)
         for item in cutlass.range(cluster, items, clusters):
             if cutlass.const_expr(cfg.early_down):
                 if item + clusters >= items:
                     # This CTA's last item: the down kernel may launch, and read ahead, meanwhile.
                     cute.arch.griddepcontrol_launch_dependents()
-            expert, item_in_expert = self.routing.work_item(tables, item, s.items_per_expert, s.tokens_per_pass)
+            expert, item_in_expert, start, count = self.routing.work_item(tables, item)
             column = item_in_expert * s.item_columns + lane_column
-            start, count = self.routing.item_pairs(tables, item, expert, s.items_per_expert, s.tokens_per_pass)
             expert_scales = None
             if cutlass.const_expr(s.fp8):
                 expert_scales = scales + Int64(expert) * expert_scale_bytes
@@ -249,10 +246,6 @@ class ExpertGateUpKernel:
                             self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
                     elif w_k == 0:
                         self._store(rAcc, activations, sPairs, start, count, first, column, group, q)
-        if cutlass.const_expr(s.split_k > 1):
-            # CTA 0's pair order stays readable until every CTA of the cluster has copied it.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
         if cutlass.const_expr(cfg.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 

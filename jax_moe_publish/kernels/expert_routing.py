@@ -1,27 +1,28 @@
 """Which token-expert pairs each expert serves, found by every CTA in its own shared memory: a
 device piece of the experts' kernels (`ExpertGateUpKernel`, `ExpertDownKernel`).
 
-From ``expert_ids`` (int32 ``[m, top_k]``, pair ``p = t * top_k + k``), a CTA counts the pairs of
-each expert with shared-memory atomics, scans the counts (one warp), and places every pair in
-its expert's segment of ``pairs``; the pairs whose id lies outside ``[0, experts)`` have no
-place. No CTA waits for another and nothing goes through global memory: the tables cost a read
-of the ids (8 KiB at m = 256, top-8) and two atomics per pair.
+From ``expert_ids`` (int32 ``[m, top_k]``, pair ``p = t * top_k + k``), a CTA places every pair in
+its expert's segment of ``pairs``, in pair order; the pairs whose id lies outside ``[0,
+experts)`` have no place. Warp ``w`` reads the ``w``-th run of consecutive ids. It counts each
+expert's ids of its run (`_count`); then each expert's total and its offset of each warp follow
+from those counts (`_offsets`), one warp scans the totals into segment starts (`_scan`), and
+each warp places its run's pairs row by row, ranking equal ids within a row by lane
+(`_place`). No CTA waits for another and nothing goes through global memory: the tables cost
+two reads of the ids (8 KiB at m = 256, top-8; the second an L1 hit) and an atomic per pair.
 
 With the shared expert (`ExpertsConfig.shared_expert`) a token has ``top_k + 1`` pairs, ``p = t *
 (top_k + 1) + k``, its last one the shared expert's: group ``experts``, every token's. Its group
 comes first among the active ones, so that its items (the most pairs) start first. Its count is
 ``m`` and its segment token order, known without reading an id: only the routed ids go through
-the atomics, so holding it adds no span of id loads (`ROUTING_PAIRS_PER_THREAD`; at m = 256,
-top-8 and 1024 ids per span, ``m * (top_k + 1)`` pairs would take 3 spans where the routed ids
-take 2).
+the counts (`ROUTING_PAIRS_PER_THREAD`; at m = 256, top-8 and 1024 ids per span, ``m * (top_k +
+1)`` pairs would take 3 spans where the routed ids take 2).
 
-The order of the pairs inside an expert's segment is the atomics': it differs between runs and
-between the CTAs of one run, so a slot names the same pair only within one CTA, and an
-expert's work is split between CTAs by expert, never by slot; the CTAs of a cluster, which add
-their sums by slot, take the order of its CTA 0 (`share_order`). The shared expert's segment
-alone is in token order in every CTA: its items split it by slot, one pass each (`work_item`).
-The order never reaches a result, since each pair's sums are computed apart from every other
-pair's (a pair is one column of an mma's B, whatever column that is).
+So every CTA of a call holds the same tables, and a slot of a segment names the same pair in
+all of them. A group's work is one item per column block and pass of its pairs (`work_item`):
+the passes of one block run side by side on as many CTAs, which read its weights at about the
+same time (one read from memory, the others from L2), rather than one after the other on one
+CTA. The order never reaches a result, since each pair's sums are computed apart from every
+other pair's (a pair is one column of an mma's B, whatever column that is).
 """
 
 from __future__ import annotations
@@ -30,87 +31,106 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from jax_moe_publish.experts_config import MAX_PAIRS, ROUTING_PAIRS_PER_THREAD, SMEM_ALIGNMENT, ExpertsConfig
+from jax_moe_publish.experts_config import MAX_PAIRS, ROUTING_PAIRS_PER_THREAD, SMEM_ALIGNMENT, ExpertsConfig, GemmShape
 from jax_moe_publish.kernels import ptx
 
 WARP = 32
+FULL_WARP = 0xFFFFFFFF
 
 ACTIVE = 0
 """Totals: groups with at least one pair."""
 VALID = 1
 """Totals: pairs with a valid expert id (the segments' total)."""
+PASSES = 2
+"""Totals: the groups' passes (`work_item`)."""
+
 
 class ExpertRouting:
     """The routing tables of one call, in shared memory: per group (expert, then the shared
-    expert) its pair count (``count``), its segment's first slot (``start``) and a fill
-    counter; the active groups (the shared expert, then the experts in increasing order); the
-    totals; and the pairs in group order (``pairs``)."""
+    expert) its pair count (``count``) and its segment's first slot (``start``); per warp and
+    expert, the warp's offset within the segment (``offsets``); the active groups (the shared
+    expert, then the experts in increasing order) and the passes before each (``pass_starts``,
+    by active index); the totals; and the pairs in group order (``pairs``). ``shape`` is the
+    kernel's work item: its threads, items per group and pass, and tokens per pass."""
 
-    def __init__(self, config: ExpertsConfig, threads: int) -> None:
+    def __init__(self, config: ExpertsConfig, shape: GemmShape) -> None:
         self.experts = config.experts
         self.top_k = config.top_k
         self.shared = config.shared_expert
         self.groups = config.groups
         self.pairs_per_token = config.pairs_per_token
-        self.threads = threads
+        self.threads = shape.threads
+        self.warps = shape.threads // WARP
+        self.items_per_pass = shape.items_per_expert
+        self.tokens_per_pass = shape.tokens_per_pass
+        self.pass_items = config.pass_items
         self.experts_per_lane = -(-config.experts // WARP)
+        # Steps of the search for an item's group over the active ones (`work_item`).
+        self.search_steps = max(self.groups - 1, 1).bit_length()
 
     def allocate(self):
-        """(count, start, fill, active, totals, pairs), int32 tensors in shared memory."""
+        """(count, start, pass_starts, active, totals, offsets, pairs), int32 tensors in shared memory."""
         smem = cutlass.memory.SmemAllocator()
-        per_expert = [smem.allocate_tensor(Int32, cute.make_layout(self.groups), byte_alignment=SMEM_ALIGNMENT)
-                      for _ in range(4)]
+        per_group = [smem.allocate_tensor(Int32, cute.make_layout(self.groups), byte_alignment=SMEM_ALIGNMENT)
+                     for _ in range(4)]
         totals = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=SMEM_ALIGNMENT)
+        offsets = smem.allocate_tensor(Int32, cute.make_layout((self.experts, self.warps)),
+                                       byte_alignment=SMEM_ALIGNMENT)
         pairs = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS), byte_alignment=SMEM_ALIGNMENT)
-        return (*per_expert, totals, pairs)
+        return (*per_group, totals, offsets, pairs)
 
     @cute.jit
     def build(self, tables, expert_ids: Int64, m: Int32, tidx) -> None:
         """Fill ``tables`` for the call's ``m`` tokens; every thread of the CTA takes part, and
         the tables are complete for all of them on return."""
-        sCount, sStart, sFill, sActive, sTotals, sPairs = tables
+        sCount, sStart, sPassStart, sActive, sTotals, sOffsets, sPairs = tables
         routed = m * self.top_k
-        for e in cutlass.range(tidx, self.groups, self.threads):
-            # The shared expert's group (``experts``, where held) has a pair per token.
-            sCount[e] = cutlass.select_(e == self.experts, m, Int32(0))
-            sFill[e] = Int32(0)
+        warp, lane = tidx // WARP, tidx % WARP
+        for i in cutlass.range(tidx, self.experts * self.warps, self.threads):
+            sOffsets[i % self.experts, i // self.experts] = Int32(0)
         cute.arch.barrier()
-        self._each_span(lambda span: self._count(sCount, span), expert_ids, routed, tidx)
+        self._each_span(lambda span: self._count(sOffsets, span, warp), expert_ids, routed, warp, lane)
+        cute.arch.barrier()
+        self._offsets(sCount, sOffsets, m, tidx)
         cute.arch.barrier()
         if tidx < WARP:
-            self._scan(sCount, sStart, sActive, sTotals, tidx)
+            self._scan(sCount, sStart, sPassStart, sActive, sTotals, tidx)
         cute.arch.barrier()
-        # The ids again (an L1 hit), not kept in registers across the scan: the kernels' register
-        # budgets leave no room for them.
-        self._each_span(lambda span: self._place(sStart, sFill, sPairs, span), expert_ids, routed, tidx)
+        self._each_span(lambda span: self._place(sStart, sOffsets, sPairs, span, warp, lane), expert_ids, routed,
+                        warp, lane)
         if cutlass.const_expr(self.shared):
-            # Token t's shared pair at slot t of its segment, the same in every CTA (`work_item`).
+            # Token t's shared pair at slot t of its segment.
             shared_start = sStart[self.experts]
             for t in cutlass.range(tidx, m, self.threads):
                 sPairs[shared_start + t] = t * self.pairs_per_token + self.top_k
         cute.arch.barrier()
 
     @cute.jit
-    def _each_span(self, action, expert_ids: Int64, ids, tidx) -> None:
-        """``action`` of each span of this thread's routed ids: one id per thread where the call
-        has no more ids than threads (decode), else `ROUTING_PAIRS_PER_THREAD` per span."""
+    def _each_span(self, action, expert_ids: Int64, ids, warp, lane) -> None:
+        """``action`` of each span of this lane's ids in its warp's run, in order. The runs are of
+        whole rows of 32 ids (row ``r``: ids ``32 r`` to ``32 r + 31``, one per lane), warp ``w``'s
+        the ``w``-th ``rows_per_warp``; a span is one row where the call has no more ids than
+        threads (decode: warp ``w`` takes row ``w``), else `ROUTING_PAIRS_PER_THREAD` rows."""
+        rows = (ids + WARP - 1) // WARP
         if ids <= self.threads:
-            action(self._span(expert_ids, Int32(0), ids, tidx, 1))
+            action(self._span(expert_ids, warp, warp + 1, ids, lane, 1))
         else:
-            span = self.threads * ROUTING_PAIRS_PER_THREAD
-            for begin in cutlass.range(0, ids, span):
-                action(self._span(expert_ids, begin, ids, tidx, ROUTING_PAIRS_PER_THREAD))
+            rows_per_warp = (rows + self.warps - 1) // self.warps
+            first = warp * rows_per_warp
+            end = cutlass.min(first + rows_per_warp, rows)
+            for row in cutlass.range(first, end, ROUTING_PAIRS_PER_THREAD):
+                action(self._span(expert_ids, row, end, ids, lane, ROUTING_PAIRS_PER_THREAD))
 
-    def _span(self, expert_ids: Int64, begin, ids, tidx, width: int) -> list:
-        """``(pair, group, valid)`` of this thread's ``width`` ids of the span at ``begin``, every
-        id loaded before any is used (the loads in flight together); an index past the call's
-        loads nothing and is not valid."""
+    def _span(self, expert_ids: Int64, row, end, ids, lane, width: int) -> list:
+        """``(pair, group, valid)`` of this lane's id in each of the ``width`` rows from ``row``,
+        every id loaded before any is used (the loads in flight together); an index past the
+        call's, or a row from ``end`` on, loads nothing and is not valid."""
         span = []
         for i in range(width):
-            index = begin + i * self.threads + tidx
-            in_call = index < ids
-            expert = ptx.load_s32(expert_ids + Int64(index) * 4, predicate=Int32(in_call))
-            valid = in_call & (expert >= 0) & (expert < self.experts)
+            index = (row + i) * WARP + lane
+            in_run = (index < ids) & (row + i < end)
+            expert = ptx.load_s32(expert_ids + Int64(index) * 4, predicate=Int32(in_run))
+            valid = in_run & (expert >= 0) & (expert < self.experts)
             span.append((self._pair(index), expert, valid))
         return span
 
@@ -120,40 +140,73 @@ class ExpertRouting:
             return index
         return index + index // self.top_k
 
-    def _count(self, sCount, span: list) -> None:
+    def _count(self, sOffsets, span: list, warp) -> None:
         # Predicated atomics, no branches: the span's ids stay one straight run of instructions.
         for _, group, valid in span:
-            ptx.shared_fetch_add_s32((sCount.iterator + group).toint(), 1, predicate=Int32(valid))
-
-    def _place(self, sStart, sFill, sPairs, span: list) -> None:
-        """Each valid pair at the next free slot of its group's segment (the atomics' order)."""
-        for p, group, valid in span:
-            start = sStart[cutlass.select_(valid, group, Int32(0))]
-            slot = ptx.shared_fetch_add_s32((sFill.iterator + group).toint(), 1, predicate=Int32(valid))
-            ptx.store_shared_s32((sPairs.iterator + start + slot).toint(), p, predicate=Int32(valid))
+            address = (sOffsets.iterator + cute.crd2idx((group, warp), sOffsets.layout)).toint()
+            ptx.shared_fetch_add_s32(address, 1, predicate=Int32(valid))
 
     @cute.jit
-    def _scan(self, sCount, sStart, sActive, sTotals, lane) -> None:
-        """One warp: each segment's start and the active groups (the shared expert's first, it
-        has a pair per token), from the counts. Lane ``l`` takes experts ``[l * n, (l + 1) * n)``."""
+    def _offsets(self, sCount, sOffsets, m, tidx) -> None:
+        """Each expert's count, and its warps' counts turned into their offsets in its segment:
+        warp ``w``'s pairs follow those of warps ``0`` to ``w - 1`` (the earlier ids)."""
+        for e in cutlass.range(tidx, self.experts, self.threads):
+            total = Int32(0)
+            for w in cutlass.range_constexpr(self.warps):
+                count = sOffsets[e, w]
+                sOffsets[e, w] = total
+                total = total + count
+            sCount[e] = total
+        if cutlass.const_expr(self.shared):
+            if tidx == 0:
+                # The shared expert's group (``experts``) has a pair per token.
+                sCount[self.experts] = m
+
+    def _place(self, sStart, sOffsets, sPairs, span: list, warp, lane) -> None:
+        """Each valid pair of the span at its slot, row by row: after the warp's earlier pairs of
+        its group, and in a row after the lanes below it with the same group."""
+        for p, group, valid in span:
+            same = cute.arch.match_sync(FULL_WARP, cutlass.select_(valid, group, Int32(-1)))
+            below = cute.arch.popc(same & cute.arch.lanemask_lt())
+            offset = sOffsets[cutlass.select_(valid, group, Int32(0)), warp]
+            start = sStart[cutlass.select_(valid, group, Int32(0))]
+            ptx.store_shared_s32((sPairs.iterator + start + offset + Int32(below)).toint(), p, predicate=Int32(valid))
+            # Every lane has read the offset before the group's lowest lane moves it on.
+            cute.arch.sync_warp()
+            moved = (sOffsets.iterator + cute.crd2idx((group, warp), sOffsets.layout)).toint()
+            ptx.store_shared_s32(moved, offset + Int32(cute.arch.popc(same)), predicate=Int32(valid & (below == 0)))
+            cute.arch.sync_warp()
+
+    @cute.jit
+    def _scan(self, sCount, sStart, sPassStart, sActive, sTotals, lane) -> None:
+        """One warp: each segment's start, the active groups (the shared expert's first, it has a
+        pair per token) and the passes before each, from the counts. Lane ``l`` takes experts
+        ``[l * n, (l + 1) * n)``."""
         first = lane * self.experts_per_lane
         pairs_here = Int32(0)
         active_here = Int32(0)
+        passes_here = Int32(0)
         for i in cutlass.range_constexpr(self.experts_per_lane):
             e = first + i
             if e < self.experts:
                 pairs_here = pairs_here + sCount[e]
                 active_here = active_here + Int32(sCount[e] > 0)
+                passes_here = passes_here + self._passes(sCount[e])
         pairs_before, pairs_total = ptx.warp_exclusive_sum(pairs_here, lane)
         active_before, active_total = ptx.warp_exclusive_sum(active_here, lane)
+        passes_before, passes_total = ptx.warp_exclusive_sum(passes_here, lane)
         if cutlass.const_expr(self.shared):
-            # Its segment after the experts', its item first.
+            # Its segment after the experts', its items first.
+            shared_passes = self._passes(sCount[self.experts])
             active_before = active_before + 1
+            passes_before = passes_before + shared_passes
             if lane == 0:
                 sStart[self.experts] = pairs_total
                 sActive[0] = Int32(self.experts)
+                sPassStart[0] = Int32(0)
             pairs_total = pairs_total + sCount[self.experts]
             active_total = active_total + 1
+            passes_total = passes_total + shared_passes
         for i in cutlass.range_constexpr(self.experts_per_lane):
             e = first + i
             if e < self.experts:
@@ -162,63 +215,44 @@ class ExpertRouting:
                 pairs_before = pairs_before + count
                 if count > 0:
                     sActive[active_before] = e
+                    sPassStart[active_before] = passes_before
                     active_before = active_before + 1
+                    passes_before = passes_before + self._passes(count)
         if lane == 0:
             sTotals[ACTIVE] = active_total
             sTotals[VALID] = pairs_total
+            sTotals[PASSES] = passes_total
 
-    def items(self, tables, items_per_expert: int, tokens_per_pass: int):
+    def _passes(self, count):
+        """A group's passes as `work_item` numbers them: without ``pass_items`` one for all its pairs."""
+        if not self.pass_items:
+            return Int32(count > 0)
+        return (count + self.tokens_per_pass - 1) // self.tokens_per_pass
+
+    def items(self, tables):
         """How many work items the call has (`work_item`)."""
-        sCount, _, _, _, sTotals, _ = tables
-        if not self.shared:
-            return sTotals[ACTIVE] * items_per_expert
-        return (sTotals[ACTIVE] - 1 + self._shared_passes(sCount, tokens_per_pass)) * items_per_expert
+        _, _, _, _, sTotals, _, _ = tables
+        return sTotals[PASSES] * self.items_per_pass
 
-    def work_item(self, tables, item, items_per_expert: int, tokens_per_pass: int) -> tuple:
-        """``(group, column block)`` of work item ``item`` (its pairs: `item_pairs`). The active
-        groups take ``items_per_expert`` items each, in order, each of all its group's pairs.
-        The shared group (first; with ``m`` pairs, more than any expert) takes one item per
-        block and pass instead, pass by pass, each of that pass's pairs: its passes run side by
-        side on as many CTAs rather than one after the other on one, and the CTAs of one block
-        read it at about the same time."""
-        _, _, _, sActive, _, _ = tables
-        if not self.shared:
-            return sActive[item // items_per_expert], item % items_per_expert
-        is_shared, routed = self._split(tables, item, items_per_expert, tokens_per_pass)
-        # sActive[0] is the shared group.
-        group = sActive[cutlass.select_(is_shared, Int32(0), 1 + routed // items_per_expert)]
-        return group, cutlass.select_(is_shared, item, routed) % items_per_expert
-
-    def item_pairs(self, tables, item, group, items_per_expert: int, tokens_per_pass: int) -> tuple:
-        """``(start, count)``: work item ``item`` of ``group`` (`work_item`) computes the pairs
-        ``sPairs[start:start + count]``, in passes of ``tokens_per_pass``."""
-        sCount, sStart, _, _, _, _ = tables
-        if not self.shared:
-            return sStart[group], sCount[group]
-        is_shared, _ = self._split(tables, item, items_per_expert, tokens_per_pass)
-        first = cutlass.select_(is_shared, item // items_per_expert * tokens_per_pass, Int32(0))
-        count = cutlass.select_(is_shared, cutlass.min(sCount[group] - first, Int32(tokens_per_pass)), sCount[group])
-        return sStart[group] + first, count
-
-    def _split(self, tables, item, items_per_expert: int, tokens_per_pass: int) -> tuple:
-        """Whether ``item`` is one of the shared group's items, and its index among the routed ones'."""
-        shared_items = self._shared_passes(tables[0], tokens_per_pass) * items_per_expert
-        return item < shared_items, item - shared_items
-
-    def _shared_passes(self, sCount, tokens_per_pass: int):
-        return (sCount[self.experts] + tokens_per_pass - 1) // tokens_per_pass
-
-    @cute.jit
-    def share_order(self, tables, tidx, cluster_rank) -> None:
-        """Give every CTA of the cluster the pair order of its CTA 0, after `build` (the counts,
-        starts and active experts are the same in all: they do not depend on the atomics). Every
-        thread of every CTA of the cluster must call it; CTA 0 must not exit before the others
-        have read it (a cluster barrier before the kernel ends)."""
-        _, _, _, _, sTotals, sPairs = tables
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if cluster_rank != 0:
-            first = ptx.cluster_address(sPairs.iterator.toint(), 0)
-            for slot in cutlass.range(tidx, sTotals[VALID], self.threads):
-                sPairs[slot] = ptx.load_cluster_s32(first + slot * 4)
-        cute.arch.barrier()
+    def work_item(self, tables, item) -> tuple:
+        """``(group, column block, start, count)`` of work item ``item``: it computes that block
+        for the pairs ``sPairs[start:start + count]``, one pass of them (without
+        ``pass_items``: all, in passes). The active groups' passes are numbered in order (`_scan`), and item ``n * items_per_pass + j`` is
+        block ``j`` of pass ``n``: the passes of a block are ``items_per_pass`` items apart, so
+        that they run at about the same time."""
+        sCount, sStart, sPassStart, sActive, sTotals, _, _ = tables
+        pass_index = item // self.items_per_pass
+        # The last active group whose passes start at or before this one (sPassStart[0] = 0).
+        active = sTotals[ACTIVE]
+        found = Int32(0)
+        for step in reversed(range(self.search_steps)):
+            probe = found + (1 << step)
+            inside = probe < active
+            later = sPassStart[cutlass.select_(inside, probe, Int32(0))] <= pass_index
+            found = cutlass.select_(inside & later, probe, found)
+        group = sActive[found]
+        if not self.pass_items:
+            return group, item % self.items_per_pass, sStart[group], sCount[group]
+        first = (pass_index - sPassStart[found]) * self.tokens_per_pass
+        count = cutlass.min(sCount[group] - first, Int32(self.tokens_per_pass))
+        return group, item % self.items_per_pass, sStart[group] + first, count

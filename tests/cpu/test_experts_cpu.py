@@ -497,14 +497,16 @@ def test_bulk_loads_without_their_needs_are_named(changes, message):
 
 def test_bulk_loads_add_a_copying_warp_and_their_ring():
     """A round is warps_k K steps of the item's tiled block and each token's slice of K; the ring
-    holds unroll of them, each with two mbarriers; K's steps need only be whole rounds."""
+    holds unroll of them, each with two mbarriers; K's steps need only be whole rounds. The
+    copying warp is one more warp of the routing (`kernels.expert_routing`)."""
     base = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=32, top_k=8).replace(tiled_weights=True)
     bulk = base.replace(down_bulk_loads=True, down_warps_k=2, down_warps_n=4, down_warp_cols=64, down_unroll=3)
     down = bulk.gemm("down")
     assert (down.compute_threads, down.threads) == (256, 288)
     assert down.round_bytes == 2 * 16 * 256 * 2 and down.round_token_bytes == 2 * 16 * 2
     assert down.bulk_stage_bytes == down.round_bytes + 16 * (64 + 16)
-    assert bulk.shared_bytes("down") - base.shared_bytes("down") == 3 * (down.bulk_stage_bytes + 16)
+    # The ring, and the routing's offsets of the copying warp (one int32 per expert).
+    assert bulk.shared_bytes("down") - base.shared_bytes("down") == 3 * (down.bulk_stage_bytes + 16) + 32 * 4
     assert bulk.gemm("gate_up") == base.gemm("gate_up") and bulk.key != base.key
     # 16 K steps in rounds of 2, into 3 stages: 16 % (2 * 3) != 0 is allowed.
     assert down.k // 16 % (down.warps_k * down.unroll) != 0
