@@ -1,20 +1,25 @@
 """A CPU model of how the experts kernels spread their work items over a persistent grid.
 
-Each kernel (gate/up, down) gives an active expert ``items_per_expert`` items, each of all its
-pairs in passes of ``tokens_per_pass`` (`ExpertsConfig.gemm`), and CTA ``c`` of ``G`` takes the
-items ``c, c + G, ...`` (`kernels.expert_routing`). An item's weights are read once per pass, so
-with one unit of cost per pass this counts, from the routing the benchmark draws
-(`bench_moe_experts.case_routing`, the models' routers):
+Each kernel (gate/up, down) gives every active group (the held shared expert, then each routed
+expert) ``items_per_expert`` column blocks, and its pairs passes of ``tokens_per_pass``
+(`ExpertsConfig.gemm`). With ``pass_items`` (the default) an item is one block of one pass, the
+passes of a block side by side in the item order; without, one block of all the group's
+passes, one after another. CTA ``c`` of ``G`` takes the items ``c, c + G, ...``
+(`kernels.expert_routing`). With one unit of cost per pass over a block's weights, this
+counts, from the routing the benchmark draws (`bench_moe_experts.case_routing`, the models'
+routers):
 
-- ``reads``: weight bytes read over the floor's (each active expert once): the passes per item;
+- ``reads``: the units over the floor's (each active group's blocks once): the weight bytes
+  read if no pass found its block in L2;
 - ``cta``: the busiest CTA's units over the ideal (every unit spread evenly over the grid);
 - ``sm``: the same per SM, its CTAs' units together (CTA ``c`` and ``c + sms`` on one SM).
 
-Their product bounds how far above the floor the kernels can be where HBM bandwidth rules. A
-model, not a measurement: a pass that finds its weights in L2 costs less than a unit, and one
-CTA alone on an SM may read faster than its share.
+Where HBM bandwidth rules, the kernels' time over the floor is about ``sm`` times the share of
+``reads`` that comes from memory: all of it without ``pass_items`` (a block's passes are far
+apart in time), less with it, where a block's passes run at about the same time. A model, not
+a measurement: one CTA alone on an SM may read faster than its share.
 
-    python benchmarks/item_schedule.py --shapes deepseek-v3 --tp 8 --m 1 16 64 256 --variants token_tiles=4
+    python benchmarks/item_schedule.py --shapes deepseek-v3 --tp 8 --m 1 16 64 256 --variants pass_items=false
 """
 
 import argparse
@@ -31,15 +36,17 @@ from jax_moe_publish.experts_config import ExpertsConfig  # noqa: E402
 
 
 def item_costs(counts, config: ExpertsConfig, role: str, m: int) -> tuple[list[int], int]:
-    """Each work item's passes, in the kernels' item order (the held shared expert's first: one
-    item per column block and pass, `ExpertRouting.work_item`), and the units of the floor (each
-    active group's items once)."""
+    """Each work item's passes over its block, in the kernels' item order (module docstring;
+    `ExpertRouting.work_item`) for the routed experts' pair ``counts`` (active ones, in expert
+    order), and the units of the floor (each active group's blocks once)."""
     shape = config.gemm(role)
-    per_pass, per_expert = shape.tokens_per_pass, shape.items_per_expert
-    costs = [1] * (math.ceil(m / per_pass) * per_expert) if config.shared_expert else []
-    for count in counts:
-        costs += [math.ceil(count / per_pass)] * per_expert
-    return costs, (len(counts) + int(config.shared_expert)) * per_expert
+    per_pass, blocks = shape.tokens_per_pass, shape.items_per_expert
+    groups = ([m] if config.shared_expert else []) + [int(count) for count in counts]
+    costs = []
+    for count in groups:
+        passes = math.ceil(count / per_pass)
+        costs += [1] * (passes * blocks) if config.pass_items else [passes] * blocks
+    return costs, len(groups) * blocks
 
 
 def spread(costs: list[int], floor_units: int, sms: int, ctas_per_sm: int) -> dict:

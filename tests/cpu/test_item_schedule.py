@@ -18,23 +18,33 @@ from jax_moe_publish.experts_config import ExpertsConfig
 SHARD = dict(hidden=7168, intermediate=256, experts=256, top_k=8)
 
 
-def test_an_expert_of_more_pairs_than_a_pass_is_read_once_per_pass():
-    config = ExpertsConfig.for_shape(**SHARD, m=64)
+@pytest.mark.parametrize("pass_items", [True, False])
+def test_an_expert_of_more_pairs_than_a_pass_is_read_once_per_pass(pass_items):
+    config = ExpertsConfig.for_shape(**SHARD, m=64).replace(pass_items=pass_items)
     shape = config.gemm("gate_up")
-    per_pass, per_expert = shape.tokens_per_pass, shape.items_per_expert
+    per_pass, blocks = shape.tokens_per_pass, shape.items_per_expert
     counts = np.array([1, 2 * per_pass + 1, per_pass])
     costs, floor_units = item_schedule.item_costs(counts, config, "gate_up", m=64)
-    assert costs == [1] * per_expert + [3] * per_expert + [1] * per_expert
-    assert floor_units == 3 * per_expert
+    if pass_items:
+        # An item per block and pass: 1 + 3 + 1 passes.
+        assert costs == [1] * (5 * blocks)
+    else:
+        assert costs == [1] * blocks + [3] * blocks + [1] * blocks
+    assert floor_units == 3 * blocks
 
 
-def test_the_held_shared_expert_is_an_item_per_block_and_pass_before_the_routed_ones():
+@pytest.mark.parametrize("pass_items", [True, False])
+def test_the_held_shared_expert_is_the_first_group(pass_items):
     m = 40
-    config = ExpertsConfig.for_shape(**SHARD, shared_expert=True, m=m)
+    config = ExpertsConfig.for_shape(**SHARD, shared_expert=True, m=m).replace(pass_items=pass_items)
     shape = config.gemm("down")
     passes = -(-m // shape.tokens_per_pass)
+    assert passes > 1
     costs, floor_units = item_schedule.item_costs(np.array([3]), config, "down", m=m)
-    assert costs == [1] * (passes + 1) * shape.items_per_expert
+    if pass_items:
+        assert costs == [1] * (passes + 1) * shape.items_per_expert
+    else:
+        assert costs == [passes] * shape.items_per_expert + [1] * shape.items_per_expert
     assert floor_units == 2 * shape.items_per_expert
 
 
