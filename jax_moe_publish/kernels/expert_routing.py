@@ -18,11 +18,11 @@ the counts (`ROUTING_PAIRS_PER_THREAD`; at m = 256, top-8 and 1024 ids per span,
 1)`` pairs would take 3 spans where the routed ids take 2).
 
 So every CTA of a call holds the same tables, and a slot of a segment names the same pair in
-all of them. A group's work is one item per column block and pass of its pairs (`work_item`):
-the passes of one block run side by side on as many CTAs, which read its weights at about the
-same time (one read from memory, the others from L2), rather than one after the other on one
-CTA. The order never reaches a result, since each pair's sums are computed apart from every
-other pair's (a pair is one column of an mma's B, whatever column that is).
+all of them. A group's work is one item per column block and pass of its pairs (`work_item`,
+with ``pass_items``): the passes of one block run side by side on as many CTAs, at about the
+same time, rather than one after the other on one CTA, and the grid's CTAs get even shares.
+The order never reaches a result, since each pair's sums are computed apart from every other
+pair's (a pair is one column of an mma's B, whatever column that is).
 """
 
 from __future__ import annotations
@@ -237,9 +237,9 @@ class ExpertRouting:
     def work_item(self, tables, item) -> tuple:
         """``(group, column block, start, count)`` of work item ``item``: it computes that block
         for the pairs ``sPairs[start:start + count]``, one pass of them (without
-        ``pass_items``: all, in passes). The active groups' passes are numbered in order (`_scan`), and item ``n * items_per_pass + j`` is
-        block ``j`` of pass ``n``: the passes of a block are ``items_per_pass`` items apart, so
-        that they run at about the same time."""
+        ``pass_items``: all, in passes). The active groups' passes are numbered in order
+        (`_scan`), and item ``n * items_per_pass + j`` is block ``j`` of pass ``n``: the passes
+        of a block are ``items_per_pass`` items apart, so that they run at about the same time."""
         sCount, sStart, sPassStart, sActive, sTotals, _, _ = tables
         pass_index = item // self.items_per_pass
         # The last active group whose passes start at or before this one (sPassStart[0] = 0).
