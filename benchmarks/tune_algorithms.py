@@ -15,8 +15,8 @@ entries are all the model's, one-shot up to the largest m at which it is no slow
 two-shot, two-shot beyond.
 
 ``--measure`` (on GPUs) times our kernels and XLA's path side by side at ``--tp`` and every
-``--m``: at tp = 1 the direct kernel against XLA's ``jnp`` finalize, above it one-shot and
-two-shot against the finalize and ``psum``, without and with the epilogue, the way
+``--m``, without and with the epilogue: at tp = 1 the direct kernel against XLA's ``jnp``
+finalize, above it one-shot and two-shot against the finalize and ``psum``, the way
 ``bench_moe_publish.py`` times its cases (DeepSeek-V3 shape, both XLA columns). It writes
 every figure to ``--out``, a part of the sweep, after each m (a run cut short keeps the m it
 finished). XLA's default column competes as ``xla`` (the op's ``jnp`` path runs it), for

@@ -353,10 +353,10 @@ class ExpertsConfig:
         ``tiled_weights`` and ``enable_pdl``; an experiment, not chosen by `for_shape`.
     pass_items : bool
         A work item is one column block of one pass (``8 * token_tiles`` pairs) of a group, and
-        the passes of a block run side by side on as many CTAs, one reading its weights from
-        memory and the others mostly from L2 (`kernels.expert_routing`). False: an item is a
-        block of all of a group's pairs, its passes one after another on one CTA, each reading
-        the weights again; kept to compare the two.
+        the passes of a block run side by side on as many CTAs, which evens out the CTAs'
+        shares (`kernels.expert_routing`). False: an item is a block of all of a group's pairs,
+        its passes one after another on one CTA; kept to compare the two. Either way each pass
+        reads the block's weights again.
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
