@@ -153,7 +153,7 @@ EXPERTS_VARIANTS = (
     ((1024, 128, 8, 2, True), dict(token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2, gate_up_warp_cols=64,
                                    gate_up_unroll=2, down_warp_cols=32, down_warps_k=1, down_warps_n=8,
                                    down_unroll=4)),
-    ((768, 48, 12, 3, False), dict(gate_up_warps_k=4, gate_up_unroll=3, down_warps_k=1, down_warps_n=4,
+    ((768, 48, 12, 3, False), dict(gate_up_warps_k=4, gate_up_unroll=2, down_warps_k=1, down_warps_n=4,
                                    down_unroll=3, enable_pdl=False)),
     # The gate/up K split over a cluster: 16 CTAs (beyond the portable 8) of whole rows; 8 CTAs of
     # 6 warps, two token tiles; 2 CTAs that each also split K over their warps, each finishing
@@ -188,11 +188,11 @@ EXPERTS_VARIANTS = (
                                    down_warps_n=8, down_unroll=4)),
     # e4m3 weights with 128 x 128 scale blocks: the heuristic's shapes, fused and split (4-byte
     # rows of gate/up, 8-byte rows of down); 8-byte rows of gate/up and 4-byte rows of down with
-    # warps side by side and four token tiles (one step in flight: at two, ptxas held 128
-    # registers and spilled).
+    # warps side by side and three token tiles (one step in flight: at four tiles, or two steps,
+    # ptxas held 128 registers and spilled).
     ((7168, 256, 32, 8, True), dict(fp8_weights=True)),
     ((7168, 256, 32, 8, False), dict(fp8_weights=True)),
-    ((1024, 128, 8, 2, True), dict(fp8_weights=True, token_tiles=4, gate_up_warps_k=4, gate_up_warps_n=2,
+    ((1024, 128, 8, 2, True), dict(fp8_weights=True, token_tiles=3, gate_up_warps_k=4, gate_up_warps_n=2,
                                    gate_up_warp_cols=64, gate_up_unroll=1, down_warp_cols=32, down_warps_k=1,
                                    down_warps_n=8, down_unroll=4)),
     # e4m3 weights in the tiled order, without and with the ring (scales copied beside the
