@@ -211,12 +211,6 @@ def load_cluster_f32(address, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def load_cluster_s32(address, *, loc=None, ip=None) -> Int32:
-    """Load of one int32 at a 32-bit ``shared::cluster`` address (a CTA of the cluster)."""
-    return Int32(_scalar_at(address, "ld.shared::cluster.s32", T.i32(), "r", True, loc, ip, shared=True))
-
-
-@dsl_user_op
 def load_s32(address: Int64, *, predicate=None, loc=None, ip=None) -> Int32:
     """Non-coherent load of one int32 of read-only input; 0 without access where ``predicate``
     (an Int32) is 0."""
