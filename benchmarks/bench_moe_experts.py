@@ -542,7 +542,8 @@ def draw_weights(args, config, tp, layers):
     weights = [draw_layer_weights(jax.random.fold_in(key, layer), config, tp) for layer in range(layers)]
     layouts = weight_layouts(args)
     prepare = jax.jit(jmp.prepare_experts)
-    quantize = jax.jit(jmp.BlockScaled.quantize)
+    # One expert at a time: quantizing a whole tp = 1 layer at once needs float32 copies of it.
+    quantize = jax.jit(lambda w: jax.lax.map(jmp.BlockScaled.quantize, w))
     shared_columns = [c for c in selected_columns(args) if c.shared and not why_no_shared(c, config)]
     for layer, w in enumerate(weights):
         if (False, True, False) in layouts:
