@@ -416,16 +416,15 @@ def layer_weight_bytes(config, tp):
 
 
 def weight_layouts(args) -> set:
-    """The layers' weight arrays that the selected columns read: ``(fp8, prepared, held)``, the
-    bf16 arrays always (the FP8 ones are quantized from them); ``held``: prepared with the shared
-    expert."""
-    return {(False, False, False)} | {(column.fp8, column.prepared, column.shared == "held")
-                                      for column in selected_columns(args)}
+    """The layers' weight arrays that the selected columns read: ``(fp8, prepared, held)``;
+    ``held``: prepared with the shared expert. The others are dropped once derived."""
+    return {(column.fp8, column.prepared, column.shared == "held") for column in selected_columns(args)}
 
 
 def weight_copies(args):
-    """Bytes of each layer's weights held, in copies of its bf16 arrays (`weight_layouts`; e4m3: half)."""
-    return sum(0.5 if fp8 else 1 for fp8, _, _ in weight_layouts(args))
+    """Bytes of each layer's weights held, in copies of its bf16 arrays (`weight_layouts`; e4m3: half),
+    and one layer's bf16 and e4m3 arrays while its others are derived from them."""
+    return sum(0.5 if fp8 else 1 for fp8, _, _ in weight_layouts(args)) + 1.5
 
 
 def shared_expert_bytes(config, tp):
@@ -533,31 +532,38 @@ def draw_shared_weights(key, config, tp):
 
 
 def draw_weights(args, config, tp, layers):
-    """Each layer's weights (`draw_layer_weights`), with those the columns read besides
-    (`weight_layouts`): ``"prepared"``, their `jmp.prepare_experts` order; ``"fp8"``, the pair
+    """Each layer's weights that the columns read (`weight_layouts`): ``"gate_up"`` and ``"down"``
+    (`draw_layer_weights`); ``"prepared"``, their `jmp.prepare_experts` order; ``"fp8"``, the pair
     ``(gate_up, down)`` quantized (`jmp.BlockScaled.quantize`, where the shard holds whole
     blocks); ``"fp8_prepared"``, its prepared order; with a shared expert, ``"shared"`` (its
-    ``(gate_up, down)``) and ``"prepared_shared"``, the prepared order holding it."""
+    ``(gate_up, down)``) and ``"prepared_shared"``, the prepared order holding it. A layer's
+    arrays that no column reads are dropped before the next layer is drawn, so that a tp = 1
+    layer's derived copies fit beside it."""
     key = jax.random.fold_in(jax.random.fold_in(shape_key(args, config.name), 2), tp)
-    weights = [draw_layer_weights(jax.random.fold_in(key, layer), config, tp) for layer in range(layers)]
     layouts = weight_layouts(args)
     prepare = jax.jit(jmp.prepare_experts)
     # One expert at a time: quantizing a whole tp = 1 layer at once needs float32 copies of it.
     quantize = jax.jit(lambda w: jax.lax.map(jmp.BlockScaled.quantize, w))
     shared_columns = [c for c in selected_columns(args) if c.shared and not why_no_shared(c, config)]
-    for layer, w in enumerate(weights):
-        if (False, True, False) in layouts:
-            w["prepared"] = prepare(w["gate_up"], w["down"])
+    weights = []
+    for layer in range(layers):
+        w = draw_layer_weights(jax.random.fold_in(key, layer), config, tp)
         if holds_fp8_blocks(config, tp) and {(True, False, False), (True, True, False)} & layouts:
             fp8 = (quantize(w["gate_up"]), quantize(w["down"]))
+            if (True, True, False) in layouts:
+                w["fp8_prepared"] = jax.block_until_ready(prepare(*fp8))
             if (True, False, False) in layouts:
                 w["fp8"] = fp8
-            if (True, True, False) in layouts:
-                w["fp8_prepared"] = prepare(*fp8)
+            del fp8
+        if (False, True, False) in layouts:
+            w["prepared"] = prepare(w["gate_up"], w["down"])
         if shared_columns:
             w["shared"] = draw_shared_weights(jax.random.fold_in(jax.random.fold_in(key, layer), 1), config, tp)
             if (False, True, True) in layouts and mb.holds_shared(config):
                 w["prepared_shared"] = prepare(w["gate_up"], w["down"], shared=w["shared"])
+        if (False, False, False) not in layouts:
+            del w["gate_up"], w["down"]
+        weights.append(jax.block_until_ready(w))
     return weights
 
 
