@@ -111,7 +111,15 @@ def _tile(weights, warps_n: int, warp_cols: int, *, gated: bool):
     if isinstance(weights, BlockScaled):
         return BlockScaled(_tile(weights.values, warps_n, warp_cols, gated=gated), weights.scales)
     split, order = _split_axes(tuple(weights.shape), warps_n, warp_cols, gated)
-    return weights.reshape(split).transpose(order).reshape(weights.shape)
+    if not isinstance(weights, jax.Array):
+        return weights.reshape(split).transpose(order).reshape(weights.shape)
+
+    def tile_expert(expert):
+        return expert.reshape(split[1:]).transpose([axis - 1 for axis in order[1:]]).reshape(expert.shape)
+
+    # One expert at a time: XLA's autotuner runs a whole layer's transpose into scratch as large as
+    # the result, which a DeepSeek-V3 tp = 1 layer (15 GB of gate_up) cannot spare beside it.
+    return jax.lax.map(tile_expert, weights)
 
 
 def _untile(tiled, warps_n: int, warp_cols: int, *, gated: bool):
