@@ -992,7 +992,7 @@ def plot(paths, png):
         raise SystemExit(f"--plot {' '.join(paths)}: no results in these files")
     shapes = list(dict.fromkeys(r["shape"] for r in results))
     tps = sorted({r["tp"] for r in results})
-    figure, axes = plt.subplots(len(shapes), len(tps), figsize=(5 * len(tps), 4 * len(shapes)), squeeze=False)
+    figure, axes = plt.subplots(len(shapes), len(tps), figsize=(max(5 * len(tps), 8), 4 * len(shapes)), squeeze=False)
     for row, shape in enumerate(shapes):
         for col, tp in enumerate(tps):
             axis = axes[row][col]
