@@ -89,7 +89,7 @@ BENCH_M="1 2 4 8 16 32 64 128 256 512 1024"
 SWEEP_M="1 2 4 8 16 32 64 128 256 512 1024"  # tune_algorithms.py's default --m: what a merge needs
 BLOCK_M="1 8 32 64 128"
 MULTIPROCESS_M="1 8 64 256"
-BENCH_CASES=(--algorithms oneshot twoshot --epilogue)
+BENCH_CASES=(--algorithms oneshot twoshot --epilogue --fp8 group)  # FP8: the epilogue's out with DeepSeek-V3's quantizer
 # 11 runs per program, as the two-round runs of results/2026-12-01-h200x2-tp2-cb-on.json.
 BENCH_TIMING=(--xla-columns xla xla_nccl --rounds 2 --reps 11)
 
