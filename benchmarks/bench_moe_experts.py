@@ -421,10 +421,14 @@ def weight_layouts(args) -> set:
     return {(column.fp8, column.prepared, column.shared == "held") for column in selected_columns(args)}
 
 
+DRAW_COPIES = 1.5
+"""Copies of a layer's bf16 arrays held besides the layers' while the next is drawn: its rows
+and their e4m3 quantization, from which the others are derived (`draw_weights`)."""
+
+
 def weight_copies(args):
-    """Bytes of each layer's weights held, in copies of its bf16 arrays (`weight_layouts`; e4m3: half),
-    and one layer's bf16 and e4m3 arrays while its others are derived from them."""
-    return sum(0.5 if fp8 else 1 for fp8, _, _ in weight_layouts(args)) + 1.5
+    """Bytes of each layer's weights held, in copies of its bf16 arrays (`weight_layouts`; e4m3: half)."""
+    return sum(0.5 if fp8 else 1 for fp8, _, _ in weight_layouts(args))
 
 
 def shared_expert_bytes(config, tp):
@@ -454,12 +458,15 @@ def holds_fp8_blocks(config, tp):
 
 
 def budget_layers(args, config, tp):
-    """The most layers whose weights (`weight_copies` of them) fit ``--weight-budget-gb``."""
+    """The most layers whose weights (`weight_copies` of them) fit ``--weight-budget-gb`` beside
+    the arrays of the layer being drawn (`DRAW_COPIES`)."""
     layer_bytes = layer_weight_bytes(config, tp) * weight_copies(args)
-    layers = int(args.weight_budget_gb * 1e9 // layer_bytes)
+    draw_bytes = layer_weight_bytes(config, tp) * DRAW_COPIES
+    layers = int((args.weight_budget_gb * 1e9 - draw_bytes) // layer_bytes)
     if layers < 1:
         raise SystemExit(f"--weight-budget-gb {args.weight_budget_gb}: one layer of {config.name} at tp={tp} "
-                         f"needs {layer_bytes / 1e9:.2f} GB; expected a budget of at least that")
+                         f"needs {(layer_bytes + draw_bytes) / 1e9:.2f} GB while drawn; expected a budget of "
+                         "at least that")
     return layers
 
 
