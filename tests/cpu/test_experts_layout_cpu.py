@@ -44,13 +44,16 @@ def _lane_columns(shape, item, w_n, lane, intermediate):
     return slice(first, first + shape.warp_cols // 8)
 
 
+@pytest.mark.parametrize("as_jax", [False, True], ids=["numpy", "jax"])
 @pytest.mark.parametrize("hidden, intermediate, count, changes", LAYOUTS)
-def test_the_tiled_order_is_where_each_lane_loads(rng, hidden, intermediate, count, changes):
+def test_the_tiled_order_is_where_each_lane_loads(rng, hidden, intermediate, count, changes, as_jax):
     """Every lane's load of every K step of every item, at `GemmShape.tiled_offset`, holds the
-    weights it multiplies: rows ``16 step + 2q + LANE_ROWS[r]`` of its columns."""
+    weights it multiplies: rows ``16 step + 2q + LANE_ROWS[r]`` of its columns. NumPy's arrays
+    are tiled whole, JAX's an expert at a time."""
     config = _config(hidden, intermediate, count, changes)
     w = numerics.random_experts(rng, m=1, hidden=hidden, intermediate=intermediate, experts=count, top_k=1)
-    prepared = prepare_experts(w.gate_up, w.down, config=config)
+    arrays = (jnp.asarray(w.gate_up), jnp.asarray(w.down)) if as_jax else (w.gate_up, w.down)
+    prepared = prepare_experts(*arrays, config=config)
     for role, rows, tiled in (("gate_up", w.gate_up, prepared.gate_up), ("down", w.down, prepared.down)):
         shape = config.gemm(role)
         for expert in range(count):
