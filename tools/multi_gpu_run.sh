@@ -30,6 +30,9 @@
 #   bench-P-mLO-HI  benchmarks/bench_moe_publish.py, problem P (deepseek or qwen), the m of
 #                   BENCH_M (below) from LO to HI (bench-P-mLO: LO alone): one-shot and two-shot,
 #                   with and without the epilogue, both XLA columns, 2 rounds of 11 timed runs
+#   bench-fp8-P-mLO-HI
+#                   the same for problem P with the epilogue's FP8 out (FP8_PROBLEM) alone,
+#                   beside our bf16 epilogue followed by the jnp quantizer
 #   block-P-mLO-HI  benchmarks/bench_moe_block.py, problem P, the m of BLOCK_M from LO to HI:
 #                   its JSON and plot
 #   multiprocess-mLO-HI
@@ -39,6 +42,8 @@
 #   bench-deepseek-m256 bench-deepseek-m512 bench-deepseek-m1024
 #   bench-qwen-m1-2 bench-qwen-m4-8 bench-qwen-m16-32 bench-qwen-m64-128
 #   bench-qwen-m256 bench-qwen-m512 bench-qwen-m1024
+#   bench-fp8-deepseek-m1-2 bench-fp8-deepseek-m4-8 bench-fp8-deepseek-m16-32
+#   bench-fp8-deepseek-m64-128 bench-fp8-deepseek-m256 bench-fp8-deepseek-m512 bench-fp8-deepseek-m1024
 #   block-qwen-m1-32 block-qwen-m64-128 block-deepseek-m1-8 block-deepseek-m32-64 block-deepseek-m128
 #   multiprocess-m1-8 multiprocess-m64-256
 #   sweep-tp1-m1-1024
@@ -89,7 +94,9 @@ BENCH_M="1 2 4 8 16 32 64 128 256 512 1024"
 SWEEP_M="1 2 4 8 16 32 64 128 256 512 1024"  # tune_algorithms.py's default --m: what a merge needs
 BLOCK_M="1 8 32 64 128"
 MULTIPROCESS_M="1 8 64 256"
-BENCH_CASES=(--algorithms oneshot twoshot --epilogue --fp8 group)  # FP8: the epilogue's out with DeepSeek-V3's quantizer
+BENCH_ALGORITHMS=(--algorithms oneshot twoshot)
+BENCH_CASES=("${BENCH_ALGORITHMS[@]}" --epilogue)
+FP8_PROBLEM=+rmsnorm+fp8  # the epilogue's FP8 out, a scale per 128 columns (DeepSeek-V3's quantizer)
 # 11 runs per program, as the two-round runs of results/2026-12-01-h200x2-tp2-cb-on.json.
 BENCH_TIMING=(--xla-columns xla xla_nccl --rounds 2 --reps 11)
 
@@ -119,7 +126,7 @@ problem_of() {  # problem_of STEP: the benchmark's name of the step's problem
 step_ms() {  # step_ms STEP: the m that a benchmark step runs; fails, saying why, for no step
     local list lo hi m picked=()
     case "$1" in
-        bench-deepseek-m*|bench-qwen-m*) list=$BENCH_M ;;
+        bench-deepseek-m*|bench-qwen-m*|bench-fp8-deepseek-m*|bench-fp8-qwen-m*) list=$BENCH_M ;;
         sweep-tp[0-9]*-m*) list=$SWEEP_M ;;
         block-deepseek-m*|block-qwen-m*) list=$BLOCK_M ;;
         multiprocess-m*) list=$MULTIPROCESS_M ;;
@@ -147,6 +154,8 @@ build() {
     run "$PYTHON" -m jax_moe_publish.aot build --preset tests --preset deepseek-v3 --preset qwen3-moe --out "$dir"
     run "$PYTHON" benchmarks/bench_moe_publish.py --build-kernels "$dir" --problems deepseek-v3 qwen3-moe \
         --tp "$tp" --m $BENCH_M "${BENCH_CASES[@]}"
+    run "$PYTHON" benchmarks/bench_moe_publish.py --build-kernels "$dir" --problems "deepseek-v3$FP8_PROBLEM" \
+        "qwen3-moe$FP8_PROBLEM" --tp "$tp" --m $BENCH_M "${BENCH_ALGORITHMS[@]}"
     run "$PYTHON" benchmarks/bench_moe_block.py --build-kernels "$dir" --tp "$tp" --m $BLOCK_M
     if [ "$tp" = 2 ]; then run "$PYTHON" benchmarks/bench_multiprocess.py --build-kernels "$dir" --m $MULTIPROCESS_M; fi
     # The GPU machine loads cubins and sidecars only, and a carried folder must stay under 64 MiB:
@@ -203,6 +212,9 @@ for step in "$@"; do
             logged pingpong /tmp/nvlink_pingpong "$out/nvlink-pingpong.json" || status=1 ;;
         sweep-*) logged "$step" "$PYTHON" benchmarks/tune_algorithms.py --measure --tp "$(sweep_tp "$step")" \
                      --m $(step_ms "$step") --out "$out/$step.json" || status=1 ;;
+        bench-fp8-*) logged "$step-tp$TP" "$PYTHON" benchmarks/bench_moe_publish.py \
+                         --problems "$(problem_of "$step")$FP8_PROBLEM" --tp "$TP" --m $(step_ms "$step") \
+                         "${BENCH_ALGORITHMS[@]}" "${BENCH_TIMING[@]}" --out "$out/$step-tp$TP.json" || status=1 ;;
         bench-*) logged "$step-tp$TP" "$PYTHON" benchmarks/bench_moe_publish.py --problems "$(problem_of "$step")" \
                      --tp "$TP" --m $(step_ms "$step") "${BENCH_CASES[@]}" "${BENCH_TIMING[@]}" \
                      --out "$out/$step-tp$TP.json" || status=1 ;;

@@ -125,12 +125,14 @@ def test_every_step_names_existing_scripts_and_options(tp, tmp_path):
     lines = run.stdout.splitlines()
     for needed in ("bash tools/gpu_check.sh", "bash tools/sanitize.sh", f"tools/soak.py --tp {tp} --calls 20000",
                    "benchmarks/nvlink_pingpong.cu", "tune_algorithms.py --measure",
-                   "--problems deepseek-v3", "--problems qwen3-moe", "bench_multiprocess.py", "bench_moe_block.py"):
+                   "--problems deepseek-v3 ", "--problems qwen3-moe ", "--problems deepseek-v3+rmsnorm+fp8 ",
+                   "bench_multiprocess.py", "bench_moe_block.py"):
         assert any(needed in line for line in lines), needed
     for line in lines:
         if "bench_moe_publish.py" in line:
             assert f"--tp {tp} " in line and "--xla-columns xla xla_nccl" in line and "--rounds 2" in line, line
-            assert "--algorithms oneshot twoshot" in line and "--epilogue" in line, line
+            # The FP8 steps' problem has the epilogue in its name.
+            assert "--algorithms oneshot twoshot" in line and ("--epilogue" in line or "+rmsnorm+fp8 " in line), line
         if "tune_algorithms.py" in line:  # a part of the sweep, which a merge turns into the table later
             part_tp = int(option_values(line, "--tp")[0])
             assert part_tp <= int(tp) and "--table" not in line, line
@@ -154,7 +156,7 @@ def test_the_splits_run_every_m_of_the_build_once():
         problem = option_values(line, "--problems")[0] if "--problems" in line else None
         ran.setdefault((kind, problem), []).extend(option_values(line, "--m"))
     assert set(ran) == {(kind, problem) for kind in ("bench", "block") for problem in ("deepseek-v3", "qwen3-moe")} | {
-        ("multiprocess", None)}
+        ("bench", "deepseek-v3+rmsnorm+fp8"), ("multiprocess", None)}
     for (kind, problem), ms in ran.items():
         assert ms == built[kind], (kind, problem, ms)
 
