@@ -4,8 +4,11 @@
 # OUT_DIR (default $OUT, else multi-gpu-runs/).
 #
 # First, where CuTe DSL is (no GPU needed), the kernels of every step at that tp, without their
-# PTX so that the folder can travel (30 MB at tp = 2, 35 MB at tp = 8; the limit is 64 MiB):
+# PTX so that the folder can travel (51 MiB of files at tp = 8 on 2026-12-06; the limit is 64 MiB):
 #   bash tools/multi_gpu_run.sh build TP
+# and those of the bench-fp8 steps into a folder of their own (6 MiB at tp = 8), which the calls
+# of those steps carry instead, with JAX_MOE_PUBLISH_KERNEL_DIR pointed at it:
+#   JAX_MOE_PUBLISH_KERNEL_DIR=kernels-fp8 bash tools/multi_gpu_run.sh build-fp8 TP
 # Then on the GPU machine, in the repository root, tp = every local GPU:
 #   JMP_COMMIT=<the commit> bash tools/multi_gpu_run.sh STEP [STEP ...]
 #
@@ -32,7 +35,7 @@
 #                   with and without the epilogue, both XLA columns, 2 rounds of 11 timed runs
 #   bench-fp8-P-mLO-HI
 #                   the same for problem P with the epilogue's FP8 out (FP8_PROBLEM) alone,
-#                   beside our bf16 epilogue followed by the jnp quantizer
+#                   beside our bf16 epilogue followed by the jnp quantizer (build-fp8's kernels)
 #   block-P-mLO-HI  benchmarks/bench_moe_block.py, problem P, the m of BLOCK_M from LO to HI:
 #                   its JSON and plot
 #   multiprocess-mLO-HI
@@ -154,20 +157,30 @@ build() {
     run "$PYTHON" -m jax_moe_publish.aot build --preset tests --preset deepseek-v3 --preset qwen3-moe --out "$dir"
     run "$PYTHON" benchmarks/bench_moe_publish.py --build-kernels "$dir" --problems deepseek-v3 qwen3-moe \
         --tp "$tp" --m $BENCH_M "${BENCH_CASES[@]}"
-    run "$PYTHON" benchmarks/bench_moe_publish.py --build-kernels "$dir" --problems "deepseek-v3$FP8_PROBLEM" \
-        "qwen3-moe$FP8_PROBLEM" --tp "$tp" --m $BENCH_M "${BENCH_ALGORITHMS[@]}"
     run "$PYTHON" benchmarks/bench_moe_block.py --build-kernels "$dir" --tp "$tp" --m $BLOCK_M
     if [ "$tp" = 2 ]; then run "$PYTHON" benchmarks/bench_multiprocess.py --build-kernels "$dir" --m $MULTIPROCESS_M; fi
+    without_ptx "$dir"
+}
+
+build_fp8() {  # the bench-fp8 steps' kernels: DeepSeek-V3's problem alone (its checkpoints are the FP8 ones)
+    local tp=$1 dir=$JAX_MOE_PUBLISH_KERNEL_DIR
+    case "$tp" in 2|4|8) ;; *) echo "build-fp8: TP=$tp: expected 2, 4 or 8" >&2; exit 2 ;; esac
+    run "$PYTHON" benchmarks/bench_moe_publish.py --build-kernels "$dir" --problems "deepseek-v3$FP8_PROBLEM" \
+        --tp "$tp" --m $BENCH_M "${BENCH_ALGORITHMS[@]}"
+    without_ptx "$dir"
+}
+
+without_ptx() {
     # The GPU machine loads cubins and sidecars only, and a carried folder must stay under 64 MiB:
     # the PTX (about two thirds of the bytes) stays out unless KEEP_PTX is set.
-    if [ -z "${KEEP_PTX:-}" ]; then run find "$dir" -name '*.ptx' -delete; fi
-    [ -n "${DRY_RUN:-}" ] || du -sh "$dir"
+    if [ -z "${KEEP_PTX:-}" ]; then run find "$1" -name '*.ptx' -delete; fi
+    [ -n "${DRY_RUN:-}" ] || du -sh "$1"
 }
 
 [ $# -gt 0 ] || usage
-if [ "$1" = build ]; then
+if [ "$1" = build ] || [ "$1" = build-fp8 ]; then
     [ $# = 2 ] || usage
-    build "$2"
+    if [ "$1" = build ]; then build "$2"; else build_fp8 "$2"; fi
     exit 0
 fi
 
