@@ -33,8 +33,8 @@
 #   bench-P-mLO-HI  benchmarks/bench_moe_publish.py, problem P (deepseek or qwen), the m of
 #                   BENCH_M (below) from LO to HI (bench-P-mLO: LO alone): one-shot and two-shot,
 #                   with and without the epilogue, both XLA columns, 2 rounds of 11 timed runs
-#   bench-fp8-P-mLO-HI
-#                   the same for problem P with the epilogue's FP8 out (FP8_PROBLEM) alone,
+#   bench-fp8-deepseek-mLO-HI
+#                   the same for DeepSeek-V3 with the epilogue's FP8 out (FP8_PROBLEM) alone,
 #                   beside our bf16 epilogue followed by the jnp quantizer (build-fp8's kernels)
 #   block-P-mLO-HI  benchmarks/bench_moe_block.py, problem P, the m of BLOCK_M from LO to HI:
 #                   its JSON and plot
@@ -129,7 +129,7 @@ problem_of() {  # problem_of STEP: the benchmark's name of the step's problem
 step_ms() {  # step_ms STEP: the m that a benchmark step runs; fails, saying why, for no step
     local list lo hi m picked=()
     case "$1" in
-        bench-deepseek-m*|bench-qwen-m*|bench-fp8-deepseek-m*|bench-fp8-qwen-m*) list=$BENCH_M ;;
+        bench-deepseek-m*|bench-qwen-m*|bench-fp8-deepseek-m*) list=$BENCH_M ;;
         sweep-tp[0-9]*-m*) list=$SWEEP_M ;;
         block-deepseek-m*|block-qwen-m*) list=$BLOCK_M ;;
         multiprocess-m*) list=$MULTIPROCESS_M ;;
