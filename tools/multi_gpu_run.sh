@@ -153,7 +153,6 @@ sweep_tp() {  # sweep_tp STEP: the tp of a sweep step; fails, saying why, for no
 
 build() {
     local tp=$1 dir=$JAX_MOE_PUBLISH_KERNEL_DIR
-    case "$tp" in 2|4|8) ;; *) echo "build: TP=$tp: expected 2, 4 or 8" >&2; exit 2 ;; esac
     run "$PYTHON" -m jax_moe_publish.aot build --preset tests --preset deepseek-v3 --preset qwen3-moe --out "$dir"
     run "$PYTHON" benchmarks/bench_moe_publish.py --build-kernels "$dir" --problems deepseek-v3 qwen3-moe \
         --tp "$tp" --m $BENCH_M "${BENCH_CASES[@]}"
@@ -164,7 +163,6 @@ build() {
 
 build_fp8() {  # the bench-fp8 steps' kernels: DeepSeek-V3's problem alone (its checkpoints are the FP8 ones)
     local tp=$1 dir=$JAX_MOE_PUBLISH_KERNEL_DIR
-    case "$tp" in 2|4|8) ;; *) echo "build-fp8: TP=$tp: expected 2, 4 or 8" >&2; exit 2 ;; esac
     run "$PYTHON" benchmarks/bench_moe_publish.py --build-kernels "$dir" --problems "deepseek-v3$FP8_PROBLEM" \
         --tp "$tp" --m $BENCH_M "${BENCH_ALGORITHMS[@]}"
     without_ptx "$dir"
@@ -178,11 +176,13 @@ without_ptx() {
 }
 
 [ $# -gt 0 ] || usage
-if [ "$1" = build ] || [ "$1" = build-fp8 ]; then
-    [ $# = 2 ] || usage
-    if [ "$1" = build ]; then build "$2"; else build_fp8 "$2"; fi
-    exit 0
-fi
+case "$1" in
+    build|build-fp8)
+        [ $# = 2 ] || usage
+        case "$2" in 2|4|8) ;; *) echo "$1: TP=$2: expected 2, 4 or 8" >&2; exit 2 ;; esac
+        if [ "$1" = build ]; then build "$2"; else build_fp8 "$2"; fi
+        exit 0 ;;
+esac
 
 for step in "$@"; do
     case "$step" in
