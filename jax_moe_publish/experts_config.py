@@ -44,6 +44,11 @@ MAX_THREADS = 1024
 ONE_TILE_MAX_HIDDEN = 2048
 ONE_TILE_MAX_INTERMEDIATE = 384
 ONE_TILE_MAX_PAIRS_PER_EXPERT = 4
+ONE_CTA_GATE_UP_WARPS_K = 16
+"""Gate/up warps where a call's items are at most one per SM (`ExpertsConfig.for_shape`). At
+DeepSeek-V3's tp = 8 shard, m = 1 (128 items), 16 warps took 0.90 of 8 warps' time (42.6 against
+47.5 µs, prepared weights, two rounds on one H100, 2026-12-06); at m = 2 and at tp = 4 (256 items)
+they gained nothing."""
 """`one_token_tile`'s bounds: the shard's hidden and intermediate (each kernel's K), and a call's
 pairs per expert on average."""
 SPLIT_K = (1, 2, 4, 8, 16)
@@ -577,7 +582,9 @@ class ExpertsConfig:
         (Qwen3-30B's) at most 4 of gate/up and 1 of down (ptxas spilled at 8 and at 3).
 
         Token tiles: 2 (16 tokens per pass over an expert's weights), but 1 for a call of ``m``
-        tokens where the experts are small and their pairs few (`one_token_tile`)."""
+        tokens where the experts are small and their pairs few (`one_token_tile`). Gate/up with
+        `ONE_CTA_GATE_UP_WARPS_K` warps for a call of ``m`` tokens whose items are at most one per
+        SM (bf16 weights)."""
         sms = 132
         # gate/up: all warps split hidden (K is long, the columns few); 64 columns per warp
         # (32 of gate, 32 of up) once 8 experts still give two items per SM.
@@ -600,6 +607,12 @@ class ExpertsConfig:
         gate_up_warps_k = 8
         while gate_up_warps_k > 1 and (hidden // MMA_K) % gate_up_warps_k:
             gate_up_warps_k //= 2
+        # A call whose gate/up items are at most one per SM (a token at DeepSeek-V3's tp = 8 shard:
+        # 8 experts of 16 items): 16 warps, twice the bytes in flight of the SM's one CTA.
+        groups = None if m is None else min(m * top_k, experts) + int(shared_expert)
+        if (not fp8_weights and groups is not None and groups * (intermediate // (gate_up_cols // 2)) <= sms
+                and (hidden // MMA_K) % ONE_CTA_GATE_UP_WARPS_K == 0):
+            gate_up_warps_k = ONE_CTA_GATE_UP_WARPS_K
         # e4m3 at 16 or fewer K steps per gate/up warp (Qwen3-30B's hidden): with 8 steps in flight
         # ptxas budgeted 64 registers and spilled, and down at 3 took 128 (spilling) or 255.
         short_fp8 = fp8_weights and hidden // MMA_K // gate_up_warps_k <= 16
