@@ -45,10 +45,13 @@ ONE_TILE_MAX_HIDDEN = 2048
 ONE_TILE_MAX_INTERMEDIATE = 384
 ONE_TILE_MAX_PAIRS_PER_EXPERT = 4
 ONE_CTA_GATE_UP_WARPS_K = 16
-"""Gate/up warps where a call's items are at most one per SM (`ExpertsConfig.for_shape`). At
-DeepSeek-V3's tp = 8 shard, m = 1 (128 items), 16 warps took 0.90 of 8 warps' time (42.6 against
-47.5 µs, prepared weights, two rounds on one H100, 2026-12-06); at m = 2 and at tp = 4 (256 items)
-they gained nothing."""
+ONE_CTA_MIN_STEPS = 16
+"""Gate/up warps where a call's items are at most one per SM and each warp keeps at least
+``ONE_CTA_MIN_STEPS`` K steps (`ExpertsConfig.for_shape`). Measured on one H100 (2026-12-06,
+prepared weights, against 8 warps): DeepSeek-V3's tp = 8 shard at m = 1 (128 items, 28 steps per
+warp) 0.90-0.92 of the time (42.6 and 44.5 against 47.5 and 48.5 µs, two runs), Qwen3-235B's at
+m = 1 (96 items, 16 steps) 0.98; Qwen3-30B's tp 8 and 4 shards (8 steps) lost 3-9 %; with 256
+items (DeepSeek-V3 tp 4, m = 1; tp 8, m = 2) 16 warps gained nothing."""
 """`one_token_tile`'s bounds: the shard's hidden and intermediate (each kernel's K), and a call's
 pairs per expert on average."""
 SPLIT_K = (1, 2, 4, 8, 16)
@@ -611,7 +614,8 @@ class ExpertsConfig:
         # 8 experts of 16 items): 16 warps, twice the bytes in flight of the SM's one CTA.
         groups = None if m is None else min(m * top_k, experts) + int(shared_expert)
         if (not fp8_weights and groups is not None and groups * (intermediate // (gate_up_cols // 2)) <= sms
-                and (hidden // MMA_K) % ONE_CTA_GATE_UP_WARPS_K == 0):
+                and hidden // MMA_K % ONE_CTA_GATE_UP_WARPS_K == 0
+                and hidden // MMA_K // ONE_CTA_GATE_UP_WARPS_K >= ONE_CTA_MIN_STEPS):
             gate_up_warps_k = ONE_CTA_GATE_UP_WARPS_K
         # e4m3 at 16 or fewer K steps per gate/up warp (Qwen3-30B's hidden): with 8 steps in flight
         # ptxas budgeted 64 registers and spilled, and down at 3 took 128 (spilling) or 255.

@@ -227,6 +227,8 @@ EXPERTS_VARIANTS = (
     ((7168, 256, 32, 8, True), dict(shared_expert=True, fp8_weights=True, tiled_weights=True)),
     ((7168, 256, 32, 8, True), dict(shared_expert=True, fp8_weights=True, fp8_tokens=True, tiled_weights=True,
                                     **RING, token_tiles=1)),
+    # Gate/up in 16 warps (`ONE_CTA_GATE_UP_WARPS_K`, one item per SM) over the tiled order.
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True, gate_up_warps_k=16, gate_up_unroll=7)),
     # Down launched early (`early_down`: its routing and an L2 prefetch while gate/up finishes):
     # bf16, e4m3 weights, and with the shared expert.
     ((7168, 256, 32, 8, True), dict(tiled_weights=True, early_down=True)),
