@@ -44,6 +44,8 @@ MAX_THREADS = 1024
 ONE_TILE_MAX_HIDDEN = 2048
 ONE_TILE_MAX_INTERMEDIATE = 384
 ONE_TILE_MAX_PAIRS_PER_EXPERT = 4
+"""`one_token_tile`'s bounds: the shard's hidden and intermediate (each kernel's K), and a call's
+pairs per expert on average."""
 ONE_CTA_GATE_UP_WARPS_K = 16
 ONE_CTA_MIN_STEPS = 16
 """Gate/up warps where a call's items are at most one per SM and each warp keeps at least
@@ -52,8 +54,6 @@ prepared weights, against 8 warps): DeepSeek-V3's tp = 8 shard at m = 1 (128 ite
 warp) 0.90-0.92 of the time (42.6 and 44.5 against 47.5 and 48.5 µs, two runs), Qwen3-235B's at
 m = 1 (96 items, 16 steps) 0.98; Qwen3-30B's tp 8 and 4 shards (8 steps) lost 3-9 %; with 256
 items (DeepSeek-V3 tp 4, m = 1; tp 8, m = 2) 16 warps gained nothing."""
-"""`one_token_tile`'s bounds: the shard's hidden and intermediate (each kernel's K), and a call's
-pairs per expert on average."""
 SPLIT_K = (1, 2, 4, 8, 16)
 """CTAs of one cluster that split a gate/up work item's K (16: beyond the portable cluster
 size, which the launchers opt into)."""
@@ -587,7 +587,7 @@ class ExpertsConfig:
         Token tiles: 2 (16 tokens per pass over an expert's weights), but 1 for a call of ``m``
         tokens where the experts are small and their pairs few (`one_token_tile`). Gate/up with
         `ONE_CTA_GATE_UP_WARPS_K` warps for a call of ``m`` tokens whose items are at most one per
-        SM (bf16 weights)."""
+        SM, where each warp keeps `ONE_CTA_MIN_STEPS` K steps (bf16 weights)."""
         sms = 132
         # gate/up: all warps split hidden (K is long, the columns few); 64 columns per warp
         # (32 of gate, 32 of up) once 8 experts still give two items per SM.
