@@ -371,18 +371,20 @@ def main() -> int:
     if ARGS.cpu:
         print(f"on {tp} virtual CPU devices, the reference path, small dimensions: a plumbing check, its times "
               "mean nothing", flush=True)
-        copy_rate = None
+        copy, copy_rate = None, None
     else:
         kernel_builds.check_kernels(kernel_configs(configs, tp),
                                     "python benchmarks/bench_moe_block.py --build-kernels DIR "
-                                    f"--problems {' '.join(ARGS.problems)} --m {' '.join(map(str, ARGS.m))}")
-        copy_rate = floors.xla_copy_bytes_per_s(devices[0], ARGS.reps)
-        print(f"copy bandwidth {copy_rate / 1e9:.0f} GB/s (read + write)", flush=True)
+                                    f"--problems {' '.join(ARGS.problems)} --m {' '.join(map(str, ARGS.m))} "
+                                    f"--tp {tp} --paths {' '.join(ARGS.paths)}")
+        copy = floors.copy_limit(devices[0], ARGS.reps)
+        copy_rate = copy["bytes_per_s"]
+        print(f"copy bandwidth {copy_rate / 1e9:.0f} GB/s (read + write; {copy['what']})", flush=True)
     results = []
     data = {"environment": {**records.machine_environment(), "platform": platform, "plumbing_check": ARGS.cpu,
                             "tp": tp, "layers": ARGS.layers, "iterations": list(ARGS.iterations),
                             "reps": ARGS.reps, "paths": ARGS.paths, "op_impl": op_impl()},
-            "copy_bytes_per_s": copy_rate, "problems": {}, "results": results}
+            "copy_bytes_per_s": copy_rate, "copy": copy, "problems": {}, "results": results}
     key = jax.random.key(0)
     for config in configs:
         config.check_tp(tp)

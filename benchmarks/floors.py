@@ -76,12 +76,22 @@ def xla_copy_bytes_per_s(device, reps):
     return 2 * big.nbytes / transfer_seconds(jax.jit(lambda x: x * 0.5), big, tiny, reps)
 
 
+def copy_limit(device, reps):
+    """The floor's copy rate on ``device``: the faster of a jitted ``x * 0.5`` of a 4 GiB bf16
+    array and ``cuMemcpyDtoDAsync`` of as many bytes (a memory-bound kernel can reach either),
+    bytes read + written per second, with both figures."""
+    xla_copy = xla_copy_bytes_per_s(device, reps)
+    copy_bytes = int(np.prod(COPY_SHAPE)) * 2
+    memcpy = driver_copy_bytes_per_s(device.local_hardware_id, copy_bytes, reps)
+    return {"bytes_per_s": max(xla_copy, memcpy), "xla_kernel_bytes_per_s": xla_copy,
+            "memcpy_bytes_per_s": memcpy, "array_bytes": copy_bytes,
+            "what": "faster of a jitted x * 0.5 and cuMemcpyDtoDAsync, bytes read + written"}
+
+
 def measure_floors(gpus, reps, hlo=None):
     """The three limits every case's floor is made of, measured once on this run's GPUs.
 
-    * ``copy``: a jitted ``x * 0.5`` of a 4 GiB bf16 array on GPU 0 (a real
-      multiply, so XLA must read and write every byte), bytes read + written
-      per second;
+    * ``copy``: `copy_limit` on GPU 0;
     * ``p2p``: ``jax.device_put`` of a 1 GiB array from GPU 0 to GPU 1 and
       back, bytes one way per second, the faster direction (None with one GPU);
     * ``empty_call``: per-call time of a chain of tiny dependent XLA kernels,
@@ -91,15 +101,7 @@ def measure_floors(gpus, reps, hlo=None):
     """
     first = gpus[0]
     tiny = jnp.zeros(TINY_SHAPE, jnp.bfloat16, device=first)
-    xla_copy = xla_copy_bytes_per_s(first, reps)
-    copy_bytes = int(np.prod(COPY_SHAPE)) * 2
-    memcpy = driver_copy_bytes_per_s(first.local_hardware_id, copy_bytes, reps)
-    # The floor takes the faster of the two: a memory-bound kernel can reach either.
-    floors = {"copy": {"bytes_per_s": max(xla_copy, memcpy), "xla_kernel_bytes_per_s": xla_copy,
-                       "memcpy_bytes_per_s": memcpy, "array_bytes": copy_bytes,
-                       "what": "faster of a jitted x * 0.5 and cuMemcpyDtoDAsync on GPU 0, "
-                               "bytes read + written"},
-              "p2p": None}
+    floors = {"copy": copy_limit(first, reps), "p2p": None}
     if len(gpus) > 1:
         second = gpus[1]
         forward_big = jnp.ones(P2P_SHAPE, jnp.bfloat16, device=first)

@@ -5,6 +5,7 @@ and a ``--cpu`` plumbing run."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import importlib.util
@@ -30,7 +31,7 @@ import moe_block_model as bm  # noqa: E402
 import timing  # noqa: E402
 
 import jax_moe_publish as jmp  # noqa: E402
-from jax_moe_publish import tuning  # noqa: E402
+from jax_moe_publish import checks, experts, tuning  # noqa: E402
 
 BENCHMARK = ROOT / "benchmarks" / "bench_moe_block.py"
 # Small dimensions: every split over 2 and 4 ranks, 8 groups of 2 experts for DeepSeek-V3's router.
@@ -214,6 +215,27 @@ def test_block_benchmark_times_our_op_with_its_finalize_in_the_loop(monkeypatch)
         inside, outside = hlo_text.loop_body_opcodes(hlo[side])
         assert {op: inside.get(op, 0) for op in finalize} == finalize, (side, inside)
         assert not {op: outside[op] for op in ("gather", "dot", "all-reduce") if op in outside}, (side, outside)
+
+
+@pytest.mark.parametrize("shared_intermediate", [64, 32], ids=["shared expert held", "shared expert apart"])
+def test_the_benchmark_builds_the_experts_kernels_its_paths_load(monkeypatch, shared_intermediate):
+    """``--build-kernels`` builds, for the ``ours`` and ``prepared`` paths at each m, the set
+    `moe_experts` loads for the block's weights of one rank: on prepared weights with the shared
+    expert where they hold it (a DeepSeek-V3 tp = 1 run once found that set missing)."""
+    config = mb.scaled(mb.DEEPSEEK_V3, **{**SMALL, "shared_intermediate": shared_intermediate})
+    ms = (1, 5)
+    monkeypatch.setattr(block, "ARGS", argparse.Namespace(m=list(ms), paths=["ours", "prepared"]))
+    built = set(block.kernel_configs([config], 1))
+    mesh = jax.make_mesh((1,), (mb.TP,), devices=jax.devices()[:1])
+    params_key, input_key = jax.random.split(jax.random.key(0))
+    layer = mb.local_params(config, mb.init_params(params_key, config, mesh, 1, prepared=True)[0])
+    assert layer["prepared"].shared == mb.holds_shared(config) == (shared_intermediate == config.intermediate)
+    for m in ms:
+        x, _ = mb.init_inputs(input_key, config, mesh, m)
+        expert_ids, _ = mb.route(config, layer, x)
+        for weights in ((layer["gate_up"], layer["down"]), (layer["prepared"], None)):
+            shape = checks.check_expert_arrays(x, expert_ids, *weights)
+            assert experts._default_config(shape) in built, (m, len(weights))
 
 
 def test_the_benchmark_names_the_block_s_paths():
