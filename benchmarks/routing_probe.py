@@ -8,7 +8,8 @@ check them. Where CuTe DSL is (no GPU needed):
 
     python benchmarks/routing_probe.py --out DIR
 
-writes ``DIR/routing-<shard>.cubin`` per shard of `SHARDS`, and ``DIR/routing.txt``, one line
+writes ``DIR/routing-<shard>.cubin`` per shard of `SHARDS` (and ``routing-<shard>-warp.cubin``
+with `ExpertsConfig.warp_routing`), and ``DIR/routing.txt``, one line
 per cubin: its file, kernel symbol, threads, shared memory bytes, experts, top_k and whether
 the shared expert is held, which `routing_time.cu` reads.
 """
@@ -82,13 +83,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lines = []
     for name, fields in SHARDS.items():
-        config = jmp.ExpertsConfig.for_shape(**fields)
-        cubin, symbol, threads, smem, _ = compile_probe(config)
-        path = out / f"routing-{name}.cubin"
-        path.write_bytes(cubin)
-        lines.append(f"{path.name} {symbol} {threads} {smem} {config.experts} {config.top_k} "
-                     f"{int(config.shared_expert)}")
-        print(lines[-1], flush=True)
+        # Each shard as the op builds its tables, and with `ExpertsConfig.warp_routing`.
+        for suffix, warp_routing in (("", False), ("-warp", True)):
+            config = jmp.ExpertsConfig.for_shape(**fields).replace(warp_routing=warp_routing)
+            cubin, symbol, threads, smem, _ = compile_probe(config)
+            path = out / f"routing-{name}{suffix}.cubin"
+            path.write_bytes(cubin)
+            lines.append(f"{path.name} {symbol} {threads} {smem} {config.experts} {config.top_k} "
+                         f"{int(config.shared_expert)}")
+            print(lines[-1], flush=True)
     (out / "routing.txt").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -67,7 +67,7 @@ _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gat
                "down_warp_cols", "down_unroll")
 _BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "gate_up_bulk_loads", "down_bulk_loads",
                 "tiled_weights", "fp8_weights", "fp8_tokens", "fp8_shift_widening", "shared_expert", "early_down",
-                "pass_items", "enable_pdl")
+                "pass_items", "enable_pdl", "warp_routing")
 
 
 def _require(condition: bool, field: str, value, expected: str) -> None:
@@ -368,6 +368,11 @@ class ExpertsConfig:
     enable_pdl : bool
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
+    warp_routing : bool
+        A call of at most 32 routed ids (4 tokens at top-8) builds its routing tables in one
+        warp, from ballots of the ids' bits, with no shared-memory atomics and one CTA barrier
+        instead of five (`kernels.expert_routing`); the same tables. An experiment, not chosen
+        by `for_shape`.
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin (the launch shapes are Hopper's).
     """
@@ -399,6 +404,7 @@ class ExpertsConfig:
     early_down: bool = False
     pass_items: bool = True
     enable_pdl: bool = True
+    warp_routing: bool = False
     arch: str = "sm_90a"
 
     op = "experts"
@@ -547,7 +553,8 @@ class ExpertsConfig:
         for name, default in (("gate_up_split_k", 1), ("gate_up_async_loads", False), ("down_async_loads", False),
                               ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False),
                               ("shared_expert", False), ("early_down", False), ("fp8_shift_widening", False),
-                              ("gate_up_bulk_loads", False), ("down_bulk_loads", False), ("pass_items", True)):
+                              ("gate_up_bulk_loads", False), ("down_bulk_loads", False), ("pass_items", True),
+                              ("warp_routing", False)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

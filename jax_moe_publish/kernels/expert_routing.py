@@ -68,6 +68,7 @@ class ExpertRouting:
         self.search_steps = max(self.groups - 1, 1).bit_length()
         # Bits of a valid routed id (`_same_group`).
         self.id_bits = max(self.experts - 1, 1).bit_length()
+        self.warp_routing = config.warp_routing
 
     def allocate(self):
         """(count, start, pass_starts, active, totals, offsets, pairs), int32 tensors in shared memory."""
@@ -84,6 +85,74 @@ class ExpertRouting:
     def build(self, tables, expert_ids: Int64, m: Int32, tidx) -> None:
         """Fill ``tables`` for the call's ``m`` tokens; every thread of the CTA takes part, and
         the tables are complete for all of them on return."""
+        if cutlass.const_expr(self.warp_routing):
+            if m * self.top_k <= WARP:
+                if tidx < WARP:
+                    self._build_in_warp(tables, expert_ids, m, tidx)
+                cute.arch.barrier()
+            else:
+                self._build_in_cta(tables, expert_ids, m, tidx)
+        else:
+            self._build_in_cta(tables, expert_ids, m, tidx)
+
+    @cute.jit
+    def _build_in_warp(self, tables, expert_ids: Int64, m: Int32, lane) -> None:
+        """The tables of a call of at most 32 routed ids, by one warp, lane ``l`` holding id ``l``
+        (`ExpertsConfig.warp_routing`). A pair's slot is the number of valid ids below its own
+        plus that of its equals in lower lanes, both from ballots of the ids' bits, high bit
+        first; its group's lowest lane writes the group's count, start and active entry, and
+        the passes before each active group are a scan in group order."""
+        sCount, sStart, sPassStart, sActive, sTotals, _, sPairs = tables
+        shared = 1 if self.shared else 0
+        pair, group, valid = self._span(expert_ids, Int32(0), Int32(1), m * self.top_k, lane, 1)[0]
+        lanes_below = Int32(cute.arch.lanemask_lt())
+        equal = cute.arch.vote_ballot_sync(valid)
+        lower = Int32(0)
+        for bit in reversed(range(self.id_bits)):
+            set_here = ((group >> bit) & 1) != 0
+            ones = cute.arch.vote_ballot_sync(set_here)
+            lower = lower | cutlass.select_(set_here, equal & ~ones, Int32(0))
+            equal = equal & cutlass.select_(set_here, ones, ~ones)
+        start = cute.arch.popc(lower)
+        ptx.store_shared_s32((sPairs.iterator + start + cute.arch.popc(equal & lanes_below)).toint(), pair,
+                             predicate=Int32(valid))
+        first = valid & ((equal & lanes_below) == 0)
+        firsts = cute.arch.vote_ballot_sync(first)
+        routed_active = cute.arch.popc(firsts)
+        valid_total = cute.arch.popc(cute.arch.vote_ballot_sync(valid))
+        # The shared group, if held, is active entry 0; the routed groups follow in id order.
+        active = cute.arch.popc(firsts & lower) + shared
+        written = cutlass.select_(first, group, Int32(0))
+        count = cute.arch.popc(equal)
+        ptx.store_shared_s32((sCount.iterator + written).toint(), count, predicate=Int32(first))
+        ptx.store_shared_s32((sStart.iterator + written).toint(), start, predicate=Int32(first))
+        ptx.store_shared_s32((sActive.iterator + active).toint(), group, predicate=Int32(first))
+        ptx.store_shared_s32((sPassStart.iterator + active).toint(), self._passes(count), predicate=Int32(first))
+        shared_passes = Int32(0)
+        if cutlass.const_expr(self.shared):
+            shared_passes = self._passes(m)
+            if lane == 0:
+                sActive[0] = Int32(self.experts)
+                sCount[self.experts] = m
+                sStart[self.experts] = valid_total
+                sPassStart[0] = Int32(0)
+            if lane < m:
+                sPairs[valid_total + lane] = lane * self.pairs_per_token + self.top_k
+        cute.arch.sync_warp()
+        inside = lane < routed_active
+        passes = sPassStart[cutlass.select_(inside, lane + shared, Int32(0))]
+        passes_before, passes_total = ptx.warp_exclusive_sum(cutlass.select_(inside, passes, Int32(0)), lane)
+        cute.arch.sync_warp()
+        if inside:
+            sPassStart[lane + shared] = passes_before + shared_passes
+        if lane == 0:
+            sTotals[ACTIVE] = routed_active + shared
+            sTotals[VALID] = valid_total + m * shared
+            sTotals[PASSES] = passes_total + shared_passes
+
+    @cute.jit
+    def _build_in_cta(self, tables, expert_ids: Int64, m: Int32, tidx) -> None:
+        """`build` by the whole CTA: counts per warp, offsets, a scan, then each warp's pairs."""
         sCount, sStart, sPassStart, sActive, sTotals, sOffsets, sPairs = tables
         routed = m * self.top_k
         warp, lane = tidx // WARP, tidx % WARP

@@ -229,6 +229,11 @@ EXPERTS_VARIANTS = (
                                     **RING, token_tiles=1)),
     # Gate/up in 16 warps (`ONE_CTA_GATE_UP_WARPS_K`, one item per SM) over the tiled order.
     ((7168, 256, 32, 8, True), dict(tiled_weights=True, gate_up_warps_k=16, gate_up_unroll=7)),
+    # The routing tables of at most 32 ids in one warp (`warp_routing`): bf16, the tiled order,
+    # the shared expert held (33 groups at m = 4), and Qwen3-30B's tp = 8 shard.
+    ((7168, 256, 32, 8, True), dict(warp_routing=True)),
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, warp_routing=True)),
+    ((2048, 96, 24, 8, True), dict(tiled_weights=True, warp_routing=True)),
     # Down launched early (`early_down`: its routing and an L2 prefetch while gate/up finishes):
     # bf16, e4m3 weights, and with the shared expert.
     ((7168, 256, 32, 8, True), dict(tiled_weights=True, early_down=True)),

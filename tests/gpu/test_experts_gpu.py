@@ -124,6 +124,25 @@ def test_routing_edges(launcher, rng, case):
     _check(out, activations, inputs, case)
 
 
+@pytest.mark.parametrize("config", [config for config in CONFIGS if config.warp_routing], ids=_id)
+def test_routing_in_one_warp_up_to_its_bound(devices, rng, config):
+    """`ExpertsConfig.warp_routing`: at 3 and 4 tokens (24 and 32 ids, one warp's tables) and
+    at 5 (40, the CTA's), with skipped ids, hot experts (equal ids within a token) and one
+    expert for every id."""
+    launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0], max_m=5)
+    try:
+        for m in (3, 4, 5):
+            for case, options in (("random", {}), ("hot experts", dict(hot_experts=3)),
+                                  ("skipped", dict(skipped_fraction=0.5)), ("one expert", dict(skipped_fraction=0.0))):
+                inputs = _inputs(rng, config, m, **options)
+                if case == "one expert":
+                    inputs.expert_ids[:] = config.experts - 1
+                out, activations = launcher.run(inputs)
+                _check(out, activations, inputs, f"m={m} {case}")
+    finally:
+        launcher.close()
+
+
 def test_routing_over_several_spans(launcher, devices, rng):
     """A call of more pairs than one span of the routing's id loads, with skipped ids: every
     span's pairs reach their experts (the tables are rebuilt from ids loaded again)."""
@@ -192,8 +211,9 @@ def test_e4m3_weights_match_the_model_of_their_blocks(devices, rng, config):
     launcher = gpu_harness.ExpertsLauncher(default_store().get(config), devices.group(1)[0],
                                            max_m=max(*MS, spans_m))
     try:
-        for m, options in [*((m, {}) for m in MS), (64, dict(hot_experts=3)), (16, dict(skipped_fraction=1.0)),
-                           (spans_m, {})]:
+        # m = 4 with top-8: 32 routed ids, the most that `warp_routing` builds in one warp.
+        for m, options in [*((m, {}) for m in MS), (4, {}), (4, dict(hot_experts=3)), (64, dict(hot_experts=3)),
+                           (16, dict(skipped_fraction=1.0)), (spans_m, {})]:
             (x, ids, gate_up, down), model = fp8_experts.random_case(
                 rng, m=m, hidden=config.hidden, intermediate=config.intermediate, experts_count=config.experts,
                 top_k=config.top_k, fused=config.fused_gate_up, fp8_x=config.fp8_tokens, **options)
