@@ -253,7 +253,7 @@ class ExpertRouting:
         """The lanes of the row whose valid id equals this lane's: one ballot of the valid lanes and
         one per bit of an id (valid ids lie in ``[0, experts)``). `match.any` does the same in one
         instruction, but over rows of mostly distinct ids the tables took 1.1-1.2 µs more at m =
-        256 at one CTA per SM, 2.1 µs more at two (one H100, `routing_time.cu`, 2026-12-06)."""
+        256 at one CTA per SM, 2.0-2.1 µs more at two (one H100, `routing_time.cu`, 2026-12-06)."""
         same = cute.arch.vote_ballot_sync(valid)
         for bit in range(self.id_bits):
             set_here = ((group >> bit) & 1) != 0
