@@ -619,8 +619,8 @@ class ExpertsConfig:
             gate_up_warps_k //= 2
         # A call whose gate/up items are at most one per SM (a token at DeepSeek-V3's tp = 8 shard:
         # 8 experts of 16 items): 16 warps, twice the bytes in flight of the SM's one CTA.
-        groups = None if m is None else min(m * top_k, experts) + int(shared_expert)
-        if (not fp8_weights and groups is not None and groups * (intermediate // (gate_up_cols // 2)) <= sms
+        if (not fp8_weights and m is not None
+                and (min(m * top_k, experts) + int(shared_expert)) * (intermediate // (gate_up_cols // 2)) <= sms
                 and hidden // MMA_K % ONE_CTA_GATE_UP_WARPS_K == 0
                 and hidden // MMA_K // ONE_CTA_GATE_UP_WARPS_K >= ONE_CTA_MIN_STEPS):
             gate_up_warps_k = ONE_CTA_GATE_UP_WARPS_K

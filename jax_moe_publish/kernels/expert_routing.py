@@ -66,7 +66,7 @@ class ExpertRouting:
         self.experts_per_lane = -(-config.experts // WARP)
         # Steps of the search for an item's group over the active ones (`work_item`).
         self.search_steps = max(self.groups - 1, 1).bit_length()
-        # Bits of a valid routed id (`_same_group`).
+        # Bits of a valid routed id (`_equal_and_lower`).
         self.id_bits = max(self.experts - 1, 1).bit_length()
         self.warp_routing = config.warp_routing
 
@@ -106,13 +106,7 @@ class ExpertRouting:
         shared = 1 if self.shared else 0
         pair, group, valid = self._span(expert_ids, Int32(0), Int32(1), m * self.top_k, lane, 1)[0]
         lanes_below = Int32(cute.arch.lanemask_lt())
-        equal = cute.arch.vote_ballot_sync(valid)
-        lower = Int32(0)
-        for bit in reversed(range(self.id_bits)):
-            set_here = ((group >> bit) & 1) != 0
-            ones = cute.arch.vote_ballot_sync(set_here)
-            lower = lower | cutlass.select_(set_here, equal & ~ones, Int32(0))
-            equal = equal & cutlass.select_(set_here, ones, ~ones)
+        equal, lower = self._equal_and_lower(group, valid)
         start = cute.arch.popc(lower)
         ptx.store_shared_s32((sPairs.iterator + start + cute.arch.popc(equal & lanes_below)).toint(), pair,
                              predicate=Int32(valid))
@@ -237,7 +231,7 @@ class ExpertRouting:
         its group, and in a row after the lanes below it with the same group. Every row's lanes of
         the same group are found first, so that their ballots overlap; only the offsets chain."""
         lanes_below = Int32(cute.arch.lanemask_lt())
-        sames = [self._same_group(group, valid) for _, group, valid in span]
+        sames = [self._equal_and_lower(group, valid)[0] for _, group, valid in span]
         for (p, group, valid), same in zip(span, sames):
             below = cute.arch.popc(same & lanes_below)
             offset = sOffsets[cutlass.select_(valid, group, Int32(0)), warp]
@@ -249,17 +243,21 @@ class ExpertRouting:
             ptx.store_shared_s32(moved, offset + Int32(cute.arch.popc(same)), predicate=Int32(valid & (below == 0)))
             cute.arch.sync_warp()
 
-    def _same_group(self, group, valid) -> Int32:
-        """The lanes of the row whose valid id equals this lane's: one ballot of the valid lanes and
-        one per bit of an id (valid ids lie in ``[0, experts)``). `match.any` does the same in one
-        instruction, but over rows of mostly distinct ids the tables took 1.1-1.2 µs more at m =
-        256 at one CTA per SM, 2.0-2.1 µs more at two (one H100, `routing_time.cu`, 2026-12-06)."""
-        same = cute.arch.vote_ballot_sync(valid)
-        for bit in range(self.id_bits):
+    def _equal_and_lower(self, group, valid) -> tuple:
+        """``(equal, lower)``: the lanes of the row whose valid id equals this lane's, and those
+        whose valid id is lower, from one ballot of the valid lanes and one per bit of an id
+        (valid ids lie in ``[0, experts)``), high bit first. Where a caller uses only ``equal``,
+        the compiler drops ``lower``. `match.any` finds ``equal`` in one instruction, but over
+        rows of mostly distinct ids the tables took 1.1-1.2 µs more at m = 256 at one CTA per SM,
+        2.0-2.1 µs more at two (one H100, `routing_time.cu`, 2026-12-06)."""
+        equal = cute.arch.vote_ballot_sync(valid)
+        lower = Int32(0)
+        for bit in reversed(range(self.id_bits)):
             set_here = ((group >> bit) & 1) != 0
             ones = cute.arch.vote_ballot_sync(set_here)
-            same = same & cutlass.select_(set_here, ones, ~ones)
-        return same
+            lower = lower | cutlass.select_(set_here, equal & ~ones, Int32(0))
+            equal = equal & cutlass.select_(set_here, ones, ~ones)
+        return equal, lower
 
     @cute.jit
     def _scan(self, sCount, sStart, sPassStart, sActive, sTotals, lane) -> None:
