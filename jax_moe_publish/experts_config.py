@@ -46,6 +46,11 @@ ONE_TILE_MAX_INTERMEDIATE = 384
 ONE_TILE_MAX_PAIRS_PER_EXPERT = 4
 """`one_token_tile`'s bounds: the shard's hidden and intermediate (each kernel's K), and a call's
 pairs per expert on average."""
+WARP_ROUTING_IDS = 32
+"""Routed ids (``m * top_k``) up to which ``warp_routing`` builds the tables in one warp, an id
+per lane. Measured on one H100 (2026-12-06, prepared weights, against the CTA's routing at m =
+1): 0.51-0.57 µs per launch instead of 0.91-1.39 (`routing_time.cu`), and 0.7-2.3 µs less per
+call at the tp = 4 and 8 shards of DeepSeek-V3, Qwen3-235B and Qwen3-30B; 0.5-2.5 µs at m = 4."""
 ONE_CTA_GATE_UP_WARPS_K = 16
 ONE_CTA_MIN_STEPS = 16
 """Gate/up warps where a call's items are at most one per SM and each warp keeps at least
@@ -369,10 +374,10 @@ class ExpertsConfig:
         Programmatic dependent launch: the gate/up kernel waits for its predecessor, the down
         kernel for gate/up, and each lets its successor launch once its CTAs are done.
     warp_routing : bool
-        A call of at most 32 routed ids (4 tokens at top-8) builds its routing tables in one
-        warp, from ballots of the ids' bits, with no shared-memory atomics and one CTA barrier
-        instead of five (`kernels.expert_routing`); the same tables. An experiment, not chosen
-        by `for_shape`.
+        A call of at most `WARP_ROUTING_IDS` routed ids (4 tokens at top-8) builds its routing
+        tables in one warp, from ballots of the ids' bits, with no shared-memory atomics and one
+        CTA barrier instead of five (`kernels.expert_routing`); the same tables. `for_shape`
+        takes it for a call of that many ids.
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin (the launch shapes are Hopper's).
     """
@@ -592,7 +597,8 @@ class ExpertsConfig:
         (Qwen3-30B's) at most 4 of gate/up and 1 of down (ptxas spilled at 8 and at 3).
 
         Token tiles: 2 (16 tokens per pass over an expert's weights), but 1 for a call of ``m``
-        tokens where the experts are small and their pairs few (`one_token_tile`). Gate/up with
+        tokens where the experts are small and their pairs few (`one_token_tile`). The routing in
+        one warp (``warp_routing``) for a call of at most `WARP_ROUTING_IDS` routed ids. Gate/up with
         `ONE_CTA_GATE_UP_WARPS_K` warps for a call of ``m`` tokens whose items are at most one per
         SM, where each warp keeps `ONE_CTA_MIN_STEPS` K steps (bf16 weights)."""
         sms = 132
@@ -630,12 +636,13 @@ class ExpertsConfig:
         gate_up_steps = 4 if fp8_weights and ((not fused_gate_up and gate_up_cols == 64) or short_fp8) else 8
         one_tile = m is not None and one_token_tile(hidden, intermediate, m * top_k, experts, fp8_weights)
         token_tiles = 1 if one_tile else 2
+        warp_routing = m is not None and m * top_k <= WARP_ROUTING_IDS
         return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, token_tiles=token_tiles,
                    fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
                    gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, gate_up_steps),
                    down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
                    down_unroll=unroll(intermediate, down_warps_k, 1 if short_fp8 else 4), fp8_weights=fp8_weights,
-                   fp8_tokens=fp8_tokens, shared_expert=shared_expert, arch=arch)
+                   fp8_tokens=fp8_tokens, shared_expert=shared_expert, warp_routing=warp_routing, arch=arch)
 
 
 def one_token_tile(hidden: int, intermediate: int, pairs: int, experts: int, fp8_weights: bool) -> bool:

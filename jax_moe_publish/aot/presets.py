@@ -13,7 +13,7 @@ from __future__ import annotations
 from jax_moe_publish import tuning
 from jax_moe_publish.config import (EPILOGUE_ALGORITHMS, GROUP_ALGORITHMS, SINGLE_ALGORITHMS, KernelConfig,
                                     fp8_twins, result_of)
-from jax_moe_publish.experts_config import FP8_BLOCK, ExpertsConfig
+from jax_moe_publish.experts_config import FP8_BLOCK, MAX_PAIRS, ExpertsConfig
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -28,7 +28,8 @@ routed experts: DeepSeek-V3; Qwen3-235B-A22B and Qwen3-30B-A3B."""
 
 def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
     """The experts op's configs for each of ``shapes`` sharded at every TP size (intermediate / tp
-    columns per rank), at every m (the token tiles `ExpertsConfig.for_shape` gives by m): gate and
+    columns per rank), at every m the kernels take (`ExpertsConfig.for_shape`'s launch shapes change
+    with m) and at an unknown m: gate and
     up fused, split, and in the tiled order of prepared weights; the
     same with e4m3 weights, and with e4m3 weights and tokens, where the shard holds whole
     128 x 128 blocks; with a shared expert, the tiled order with it too."""
@@ -38,15 +39,19 @@ def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
             whole_blocks = hidden % FP8_BLOCK == 0 and intermediate // tp % FP8_BLOCK == 0
             # (fp8_weights, fp8_tokens): bf16; e4m3 weights with bf16 or e4m3 tokens.
             for fp8 in ((False, False), (True, False), (True, True)) if whole_blocks else ((False, False),):
-                # m = 1 and unknown: the token tiles of the fewest tokens and of any (`one_token_tile`).
-                for m in (1, None):
-                    fused, split = (ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp,
-                                                            experts=count, top_k=top_k, fused_gate_up=fused,
-                                                            fp8_weights=fp8[0], fp8_tokens=fp8[1], arch=arch, m=m)
-                                    for fused in (True, False))
-                    configs += [fused, split, fused.replace(tiled_weights=True)]
+                # Every m the kernels take (the launch shapes change with it at a few thresholds), and
+                # unknown.
+                for m in (*range(1, MAX_PAIRS // top_k + 1), None):
+                    def for_shape(fused_gate_up=True, shared_expert=False):
+                        return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count,
+                                                       top_k=top_k, fused_gate_up=fused_gate_up, fp8_weights=fp8[0],
+                                                       fp8_tokens=fp8[1], shared_expert=shared_expert, arch=arch, m=m)
+
+                    fused = for_shape()
+                    configs += [fused, for_shape(fused_gate_up=False), fused.replace(tiled_weights=True)]
                     if shared:
-                        configs.append(fused.replace(tiled_weights=True, shared_expert=True))
+                        # The shared expert's group counts in the launch shapes.
+                        configs.append(for_shape(shared_expert=True).replace(tiled_weights=True))
     return list(dict.fromkeys(configs))
 
 

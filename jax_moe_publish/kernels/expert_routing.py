@@ -31,7 +31,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from jax_moe_publish.experts_config import MAX_PAIRS, ROUTING_PAIRS_PER_THREAD, SMEM_ALIGNMENT, ExpertsConfig, GemmShape
+from jax_moe_publish.experts_config import (MAX_PAIRS, ROUTING_PAIRS_PER_THREAD, SMEM_ALIGNMENT, WARP_ROUTING_IDS,
+                                            ExpertsConfig, GemmShape)
 from jax_moe_publish.kernels import ptx
 
 WARP = 32
@@ -86,7 +87,7 @@ class ExpertRouting:
         """Fill ``tables`` for the call's ``m`` tokens; every thread of the CTA takes part, and
         the tables are complete for all of them on return."""
         if cutlass.const_expr(self.warp_routing):
-            if m * self.top_k <= WARP:
+            if m * self.top_k <= WARP_ROUTING_IDS:
                 if tidx < WARP:
                     self._build_in_warp(tables, expert_ids, m, tidx)
                 cute.arch.barrier()
@@ -97,8 +98,8 @@ class ExpertRouting:
 
     @cute.jit
     def _build_in_warp(self, tables, expert_ids: Int64, m: Int32, lane) -> None:
-        """The tables of a call of at most 32 routed ids, by one warp, lane ``l`` holding id ``l``
-        (`ExpertsConfig.warp_routing`). A pair's slot is the number of valid ids below its own
+        """The tables of a call of at most `WARP_ROUTING_IDS` routed ids, by one warp, lane ``l``
+        holding id ``l`` (`ExpertsConfig.warp_routing`). A pair's slot is the number of valid ids below its own
         plus that of its equals in lower lanes, both from ballots of the ids' bits, high bit
         first; its group's lowest lane writes the group's count, start and active entry, and
         the passes before each active group are a scan in group order."""

@@ -87,7 +87,7 @@ def test_the_kernel_path_takes_e4m3_weights(rng, stood_in, fused, fp8_x, monkeyp
     jaxpr = str(jax.make_jaxpr(lambda *a: experts.moe_experts(*a, impl="kernel"))(*args))
     config, _ = stood_in[-1]
     assert config == jmp.ExpertsConfig.for_shape(hidden=256, intermediate=128, experts=4, top_k=2,
-                                                 fused_gate_up=fused, fp8_weights=True, fp8_tokens=fp8_x)
+                                                 fused_gate_up=fused, fp8_weights=True, fp8_tokens=fp8_x, m=3)
     assert STAND_IN in jaxpr
     layout = ["gate_up"] if fused else ["gate", "up"]
     args_record = [(o["name"], o["dtype"], o["shape"]) for o in _abi.call_operands(config) if o["io"] == "arg"]

@@ -239,5 +239,5 @@ def test_the_op_on_prepared_e4m3_weights_is_the_op_on_them(rng, stood_in):  # no
         assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)), impl
     config, _ = stood_in[-1]
     assert config == ExpertsConfig.for_shape(hidden=256, intermediate=128, experts=4, top_k=2,
-                                             fp8_weights=True).replace(tiled_weights=True)
+                                             fp8_weights=True, m=5).replace(tiled_weights=True)
 
