@@ -50,7 +50,8 @@ WARP_ROUTING_IDS = 32
 """Routed ids (``m * top_k``) up to which ``warp_routing`` builds the tables in one warp, an id
 per lane. Measured on one H100 (2026-12-06, prepared weights, against the CTA's routing at m =
 1): 0.51-0.57 µs per launch instead of 0.91-1.39 (`routing_time.cu`), and 0.7-2.3 µs less per
-call at the tp = 4 and 8 shards of DeepSeek-V3, Qwen3-235B and Qwen3-30B; 0.5-2.5 µs at m = 4."""
+call at the tp = 4 and 8 shards of DeepSeek-V3, Qwen3-235B and Qwen3-30B; 0.5-2.5 µs at m = 4,
+some of it within the run's spread (benchmarks/README.md)."""
 ONE_CTA_GATE_UP_WARPS_K = 16
 ONE_CTA_MIN_STEPS = 16
 """Gate/up warps where a call's items are at most one per SM and each warp keeps at least
