@@ -28,19 +28,17 @@ routed experts: DeepSeek-V3; Qwen3-235B-A22B and Qwen3-30B-A3B."""
 
 def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
     """The experts op's configs for each of ``shapes`` sharded at every TP size (intermediate / tp
-    columns per rank), at every m the kernels take (`ExpertsConfig.for_shape`'s launch shapes change
-    with m) and at an unknown m: gate and
-    up fused, split, and in the tiled order of prepared weights; the
-    same with e4m3 weights, and with e4m3 weights and tokens, where the shard holds whole
-    128 x 128 blocks; with a shared expert, the tiled order with it too."""
+    columns per rank), at every m the kernels take and at an unknown m (`ExpertsConfig.for_shape`'s
+    launch shapes change with m): gate and up fused, split, and in the tiled order of prepared
+    weights; the same with e4m3 weights, and with e4m3 weights and tokens, where the shard holds
+    whole 128 x 128 blocks; with a shared expert, the tiled order with it too."""
     configs = []
     for hidden, intermediate, count, top_k, shared in shapes:
         for tp in TP_SIZES:
             whole_blocks = hidden % FP8_BLOCK == 0 and intermediate // tp % FP8_BLOCK == 0
             # (fp8_weights, fp8_tokens): bf16; e4m3 weights with bf16 or e4m3 tokens.
             for fp8 in ((False, False), (True, False), (True, True)) if whole_blocks else ((False, False),):
-                # Every m the kernels take (the launch shapes change with it at a few thresholds), and
-                # unknown.
+                # The launch shapes change with m at a few thresholds: every m, then unknown.
                 for m in (*range(1, MAX_PAIRS // top_k + 1), None):
                     def for_shape(fused_gate_up=True, shared_expert=False):
                         return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count,

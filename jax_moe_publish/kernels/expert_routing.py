@@ -99,10 +99,10 @@ class ExpertRouting:
     @cute.jit
     def _build_in_warp(self, tables, expert_ids: Int64, m: Int32, lane) -> None:
         """The tables of a call of at most `WARP_ROUTING_IDS` routed ids, by one warp, lane ``l``
-        holding id ``l`` (`ExpertsConfig.warp_routing`). A pair's slot is the number of valid ids below its own
-        plus that of its equals in lower lanes, both from ballots of the ids' bits, high bit
-        first; its group's lowest lane writes the group's count, start and active entry, and
-        the passes before each active group are a scan in group order."""
+        holding id ``l`` (`ExpertsConfig.warp_routing`). A pair's slot is the number of valid
+        ids below its own plus that of its equals in lower lanes (`_equal_and_lower`); its
+        group's lowest lane writes the group's count, start and active entry, and the passes
+        before each active group are a scan in group order."""
         sCount, sStart, sPassStart, sActive, sTotals, _, sPairs = tables
         shared = 1 if self.shared else 0
         pair, group, valid = self._span(expert_ids, Int32(0), Int32(1), m * self.top_k, lane, 1)[0]
