@@ -38,18 +38,18 @@ def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
             whole_blocks = hidden % FP8_BLOCK == 0 and intermediate // tp % FP8_BLOCK == 0
             # (fp8_weights, fp8_tokens): bf16; e4m3 weights with bf16 or e4m3 tokens.
             for fp8 in ((False, False), (True, False), (True, True)) if whole_blocks else ((False, False),):
+                def for_shape(m, fused_gate_up=True, shared_expert=False):
+                    return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count,
+                                                   top_k=top_k, fused_gate_up=fused_gate_up, fp8_weights=fp8[0],
+                                                   fp8_tokens=fp8[1], shared_expert=shared_expert, arch=arch, m=m)
+
                 # The launch shapes change with m at a few thresholds: every m, then unknown.
                 for m in (*range(1, MAX_PAIRS // top_k + 1), None):
-                    def for_shape(fused_gate_up=True, shared_expert=False):
-                        return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate // tp, experts=count,
-                                                       top_k=top_k, fused_gate_up=fused_gate_up, fp8_weights=fp8[0],
-                                                       fp8_tokens=fp8[1], shared_expert=shared_expert, arch=arch, m=m)
-
-                    fused = for_shape()
-                    configs += [fused, for_shape(fused_gate_up=False), fused.replace(tiled_weights=True)]
+                    fused = for_shape(m)
+                    configs += [fused, for_shape(m, fused_gate_up=False), fused.replace(tiled_weights=True)]
                     if shared:
                         # The shared expert's group counts in the launch shapes.
-                        configs.append(for_shape(shared_expert=True).replace(tiled_weights=True))
+                        configs.append(for_shape(m, shared_expert=True).replace(tiled_weights=True))
     return list(dict.fromkeys(configs))
 
 
