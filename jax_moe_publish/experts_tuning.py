@@ -14,19 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 
 TABLE_FILE = pathlib.Path(__file__).with_name("experts_table.json")
 IMPLS = ("kernel", "gather", "reference")
+OUT_OF_MEMORY = "JaxRuntimeError: RESOURCE_EXHAUSTED"
+"""How a column's ``why_not`` starts where its program ran out of the GPU's memory (the
+benchmark writes the exception's type first)."""
 KERNEL_COLUMN = "ours"
 """The benchmark's column of ``impl="kernel"``."""
 GATHER_COLUMN = "gather"
 """The benchmark's column of ``impl="gather"``. The runs of 2026-12-03 timed it as
 ``examples/moe_block.py``'s decode path before it became the op's route: the same gather and
 GEMMs, with the pairs sorted by expert before and the rows left in that order."""
-REFERENCE_ROUTES = ("ragged_dot", "ragged_dot_pallas_triton", "cudnn", "xla_triton", "tokamax")
+REFERENCE_ROUTES = ("ragged_dot", "ragged_dot_pallas_triton", "cudnn", "xla_triton")
 """The benchmark's columns that ``impl="reference"`` can run as (its ragged_dot under a flag or
-a compile option); the table's reference is the fastest of them."""
+a compile option); the table's reference is the fastest of them. Not its ``tokamax`` column:
+no route of the op runs tokamax's kernels, so a case where they are the fastest is a loss of
+the op's, not a route for ``auto``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +86,8 @@ def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: in
 def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
     """The entries of the ``bench_moe_experts.py`` runs ``paths``: per shard shape, the fastest
     route at each measured m (the kernels' column, the gather column, and the fastest of
-    `REFERENCE_ROUTES` as the reference; a case needs a reference figure and one other), and
+    `REFERENCE_ROUTES` as the reference; a case needs a reference figure, or a reference column
+    that ran out of memory, and one other), and
     one entry per range of consecutive measured m with the same winner, up to the range's last
     m. A trailing range of the reference gets no entry (no entry: the reference), so a shape
     where the reference wins everywhere gets none. Where several runs measured one shape and m,
@@ -107,7 +114,8 @@ def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
             ranges.pop()
         for impl, ms in ranges:
             routes, name = measured[ms[-1]]
-            figures = ", ".join(f"{route} {us:.1f} us" + (f" ({column})" if route == "reference" else "")
+            figures = ", ".join((f"{route} {us:.1f} us" if math.isfinite(us) else f"{route} failed")
+                                + (f" ({column})" if route == "reference" else "")
                                 for route, (us, column) in sorted(routes.items(), key=lambda item: item[1][0]))
             entries.append(ExpertsChoice(
                 hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, max_m=ms[-1], impl=impl,
@@ -118,12 +126,17 @@ def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
 
 def _route_figures(columns: dict) -> dict:
     """``{impl: (us, column)}`` of one case's timed columns: kernel, gather, and reference as the
-    fastest of `REFERENCE_ROUTES`."""
+    fastest of `REFERENCE_ROUTES`; where none of those ran but one ran out of the GPU's memory,
+    the reference at infinity: the table must not send a call to a route that cannot run it."""
     timed = {name: figures["us"] for name, figures in columns.items() if "us" in figures}
     routes = {impl: (timed[column], column) for impl, column in (("kernel", KERNEL_COLUMN), ("gather", GATHER_COLUMN))
               if column in timed}
     references = [name for name in REFERENCE_ROUTES if name in timed]
+    failed = [name for name in REFERENCE_ROUTES
+              if columns.get(name, {}).get("why_not", "").startswith(OUT_OF_MEMORY)]
     if references:
         best = min(references, key=timed.get)
         routes["reference"] = (timed[best], best)
+    elif failed:
+        routes["reference"] = (math.inf, failed[0])
     return routes

@@ -428,6 +428,31 @@ def test_the_table_ranks_the_three_routes_in_ranges_of_m(tmp_path, monkeypatch):
                       65: "kernel", 128: "kernel", 129: "reference"}
 
 
+def test_the_table_never_takes_tokamax_for_the_reference(tmp_path):
+    """tokamax's column is what a JAX user has, but impl="reference" cannot run as it."""
+    run = _run(tmp_path, "run.json", [(256, {"ours": 300.0, "ragged_dot": 900.0, "tokamax": 250.0, "gather": 400.0})])
+    [entry] = experts_tuning.measured_entries([run])
+    assert (entry.impl, entry.max_m) == ("kernel", 256)
+    assert entry.reason == ("fastest at measured m = 256; at m = 256: kernel 300.0 us, gather 400.0 us, "
+                            "reference 900.0 us (ragged_dot)")
+
+
+def test_the_table_counts_a_reference_out_of_memory_as_lost(tmp_path):
+    """DeepSeek-V3's tp = 1 shard at m = 256: ragged_dot asked for 14 GB more than an H100 had."""
+    run = _run(tmp_path, "run.json", [(1, {"ours": 10.0, "ragged_dot": 40.0}), (256, {"ours": 300.0, "gather": 400.0})])
+    cases = json.loads(run.read_text())
+    cases["results"][1]["columns"]["ragged_dot"] = {"why_not": "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}
+    cases["results"][1]["columns"]["xla_triton"] = {"why_not": "JaxRuntimeError: INVALID_ARGUMENT: No such compile option"}
+    run.write_text(json.dumps(cases))
+    [entry] = experts_tuning.measured_entries([run])
+    assert (entry.impl, entry.max_m) == ("kernel", 256)
+    assert entry.reason.endswith("at m = 256: kernel 300.0 us, gather 400.0 us, reference failed (ragged_dot)")
+    # A reference that could not be built there is absent, not lost: nothing to rank against.
+    del cases["results"][1]["columns"]["ragged_dot"]
+    run.write_text(json.dumps(cases))
+    assert [(e.impl, e.max_m) for e in experts_tuning.measured_entries([run])] == [("kernel", 1)]
+
+
 def test_the_table_gives_a_shape_no_entry_where_the_reference_wins(tmp_path):
     lost = _run(tmp_path, "lost.json", [(1, {"ours": 50.0, "ragged_dot": 40.0, "gather": 45.0}),
                                         (8, {"ours": 60.0, "ragged_dot": 40.0})])
