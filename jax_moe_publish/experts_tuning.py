@@ -87,11 +87,11 @@ def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
     """The entries of the ``bench_moe_experts.py`` runs ``paths``: per shard shape, the fastest
     route at each measured m (the kernels' column, the gather column, and the fastest of
     `REFERENCE_ROUTES` as the reference; a case needs a reference figure, or a reference column
-    that ran out of memory, and one other), and
-    one entry per range of consecutive measured m with the same winner, up to the range's last
-    m. A trailing range of the reference gets no entry (no entry: the reference), so a shape
-    where the reference wins everywhere gets none. Where several runs measured one shape and m,
-    the later path's figures count. Each entry names the run of its last m."""
+    that ran out of memory, and one other), and one entry per range of consecutive measured m
+    with the same winner, up to the range's last m. A trailing range of the reference gets no
+    entry (no entry: the reference), so a shape where the reference wins everywhere gets none.
+    Where several runs measured one shape and m, the later path's figures count. Each entry
+    names the run of its last m."""
     cases = {}
     for path in paths:
         for case in json.loads(path.read_text())["results"]:
