@@ -379,6 +379,10 @@ class ExpertsConfig:
         tables in one warp, from ballots of the ids' bits, with no shared-memory atomics and one
         CTA barrier instead of five (`kernels.expert_routing`); the same tables. `for_shape`
         takes it for a call of that many ids.
+    gate_up_token_tiles : int or None
+        The gate/up kernel's own `token_tiles` (None: the same). Each kernel builds its passes
+        from its own, so gate/up, which reads two thirds of the bytes, may take its experts'
+        tokens in fewer passes than down, whose accumulators are four times as many per warp.
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin (the launch shapes are Hopper's).
     """
@@ -411,6 +415,7 @@ class ExpertsConfig:
     pass_items: bool = True
     enable_pdl: bool = True
     warp_routing: bool = False
+    gate_up_token_tiles: int | None = None
     arch: str = "sm_90a"
 
     op = "experts"
@@ -427,6 +432,10 @@ class ExpertsConfig:
         _require(1 <= self.experts <= MAX_EXPERTS, "experts", self.experts, f"an int in [1, {MAX_EXPERTS}]")
         _require(1 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k, f"an int in [1, {MAX_TOP_K}]")
         _require(1 <= self.token_tiles <= 4, "token_tiles", self.token_tiles, "an int in [1, 4]")
+        _require(self.gate_up_token_tiles is None or (isinstance(self.gate_up_token_tiles, numbers.Integral)
+                                                      and not isinstance(self.gate_up_token_tiles, bool)
+                                                      and 1 <= self.gate_up_token_tiles <= 4),
+                 "gate_up_token_tiles", self.gate_up_token_tiles, "None (token_tiles) or an int in [1, 4]")
         for name in ("hidden", "intermediate"):
             _require(getattr(self, name) > 0 and getattr(self, name) % MMA_K == 0, name, getattr(self, name),
                      f"a positive multiple of {MMA_K} (the tensor cores' K step)")
@@ -483,7 +492,9 @@ class ExpertsConfig:
         """The work item of the ``gate_up`` or ``down`` kernel."""
         if role == "gate_up":
             return GemmShape(self.hidden, self.intermediate, True, self.gate_up_warps_k, self.gate_up_warps_n,
-                             self.gate_up_warp_cols, self.gate_up_unroll, self.token_tiles, self.gate_up_split_k,
+                             self.gate_up_warp_cols, self.gate_up_unroll,
+                             self.token_tiles if self.gate_up_token_tiles is None else self.gate_up_token_tiles,
+                             self.gate_up_split_k,
                              self.gate_up_async_loads, self.gate_up_bulk_loads, self.tiled_weights, self.fp8_weights,
                              self.fp8_tokens, self.fp8_shift_widening)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
@@ -560,7 +571,7 @@ class ExpertsConfig:
                               ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False),
                               ("shared_expert", False), ("early_down", False), ("fp8_shift_widening", False),
                               ("gate_up_bulk_loads", False), ("down_bulk_loads", False), ("pass_items", True),
-                              ("warp_routing", False)):
+                              ("warp_routing", False), ("gate_up_token_tiles", None)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

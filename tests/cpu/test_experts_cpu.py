@@ -441,8 +441,9 @@ def test_the_table_counts_a_reference_out_of_memory_as_lost(tmp_path):
     """DeepSeek-V3's tp = 1 shard at m = 256: ragged_dot asked for 14 GB more than an H100 had."""
     run = _run(tmp_path, "run.json", [(1, {"ours": 10.0, "ragged_dot": 40.0}), (256, {"ours": 300.0, "gather": 400.0})])
     cases = json.loads(run.read_text())
-    cases["results"][1]["columns"]["ragged_dot"] = {"why_not": "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}
-    cases["results"][1]["columns"]["xla_triton"] = {"why_not": "JaxRuntimeError: INVALID_ARGUMENT: No such compile option"}
+    columns = cases["results"][1]["columns"]
+    columns["ragged_dot"] = {"why_not": "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}
+    columns["xla_triton"] = {"why_not": "JaxRuntimeError: INVALID_ARGUMENT: No such compile option"}
     run.write_text(json.dumps(cases))
     [entry] = experts_tuning.measured_entries([run])
     assert (entry.impl, entry.max_m) == ("kernel", 256)
@@ -604,6 +605,22 @@ def test_e4m3_at_a_short_hidden_keeps_fewer_steps_in_flight():
                                        fp8_weights=True)
         bf16 = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=128, top_k=8)
         assert (e4m3.gate_up_unroll, e4m3.down_unroll) == (bf16.gate_up_unroll, bf16.down_unroll)
+
+
+def test_gate_up_may_take_its_own_token_tiles():
+    """`gate_up_token_tiles` changes gate/up's passes only: down's shape, the tiled order and,
+    while None, the cubin's name stay; a value outside [1, 4] is refused by name."""
+    config = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8, m=256)
+    config = config.replace(tiled_weights=True)
+    wide = config.replace(gate_up_token_tiles=4)
+    assert (wide.gemm("gate_up").token_tiles, wide.gemm("down").token_tiles) == (4, config.token_tiles)
+    assert wide.gemm("gate_up").tokens_per_pass == 32 and wide.gemm("down") == config.gemm("down")
+    assert experts_layout.Tiling.of(wide) == experts_layout.Tiling.of(config)
+    assert config.gate_up_token_tiles is None and wide.key != config.key
+    assert ExpertsConfig.from_dict(wide.to_dict()) == wide
+    for bad in (0, 5, True, 2.0):
+        with pytest.raises(ValueError, match=rf"ExpertsConfig.gate_up_token_tiles={bad!r}: expected"):
+            config.replace(gate_up_token_tiles=bad)
 
 
 def test_one_token_tile_for_small_experts_and_few_pairs_per_expert():
