@@ -104,7 +104,7 @@ def main(argv=None):
                             costs, floor_units = item_costs(counts[counts > 0], config, role, m)
                             layers.append(spread(costs, floor_units, args.sms, args.ctas_per_sm))
                         mean = {key: np.mean([layer[key] for layer in layers]) for key in layers[0]}
-                        print(f"| {name} | {tp} | {m} | {column.name} | {role} | {config.token_tiles} "
+                        print(f"| {name} | {tp} | {m} | {column.name} | {role} | {config.gemm(role).token_tiles} "
                               f"| {mean['items']:.0f} | {mean['reads']:.2f} | {mean['cta']:.2f} | {mean['sm']:.2f} "
                               f"| {mean['reads'] * mean['sm']:.2f} |")
 
