@@ -52,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     types = {int: int, float: float, bool: _bool, str: str}
     for field in _fields():
         default = field.default
-        if default is None:
-            kind = _bool  # keep_own_partial: None follows fuse_reduce
+        if default is None:  # keep_own_partial (None: fuse_reduce's), gate_up_token_tiles (None: token_tiles)
+            kind = _bool if str(field.type).startswith("bool") else int
         else:
             kind = types[type(default)] if default is not dataclasses.MISSING else int
         owners = "/".join(cls.__name__ for cls in CONFIGS.values() if field.name in _names(cls))

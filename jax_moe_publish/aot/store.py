@@ -50,11 +50,13 @@ def dsl_available() -> bool:
 
 
 def build_command(config, out: str = "DIR") -> str:
-    """The CLI command that builds ``config`` into folder ``out``."""
+    """The CLI command that builds ``config`` into folder ``out`` (a field left None, which
+    follows another, is left out: the CLI's default)."""
     flags = ["--op", config.op]
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        flags += [f"--{field.name.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+        if value is not None:
+            flags += [f"--{field.name.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
     return shlex.join(["python", "-m", "jax_moe_publish.aot", "build", *flags, "--out", out])
 
 

@@ -234,6 +234,11 @@ EXPERTS_VARIANTS = (
     ((7168, 256, 32, 8, True), dict(warp_routing=True)),
     ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, warp_routing=True)),
     ((2048, 96, 24, 8, True), dict(tiled_weights=True, warp_routing=True)),
+    # Gate/up's own token tiles (`gate_up_token_tiles`): more than down's, with the shared expert
+    # held too; fewer than down's, at Qwen3-30B's tp = 8 shard.
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True, gate_up_token_tiles=4)),
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, gate_up_token_tiles=3)),
+    ((2048, 96, 24, 8, True), dict(tiled_weights=True, token_tiles=2, gate_up_token_tiles=1)),
     # Down launched early (`early_down`: its routing and an L2 prefetch while gate/up finishes):
     # bf16, e4m3 weights, and with the shared expert.
     ((7168, 256, 32, 8, True), dict(tiled_weights=True, early_down=True)),

@@ -13,16 +13,32 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import warnings
 
 import pytest
 
 from jax_moe_publish import _abi, tuning
+from jax_moe_publish.aot import __main__ as aot_cli
 from jax_moe_publish.aot import artifact, store
 from jax_moe_publish.aot import compile as aot_compile
 from jax_moe_publish.aot.compile import call_record
+from jax_moe_publish.experts_config import ExpertsConfig
 
 CONFIG = tuning.kernel_config(tuning.Problem(512, 2), tp=2, m=None)
+
+
+EXPERTS = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8, m=256)
+
+
+@pytest.mark.parametrize("config", [CONFIG, CONFIG.replace(keep_own_partial=True), EXPERTS,
+                                    EXPERTS.replace(gate_up_token_tiles=3)],
+                         ids=["publish", "publish-own-partial", "experts", "experts-gate-up-tiles"])
+def test_the_build_command_parses_back_to_its_config(config):
+    """The command a missing set's error names gives the CLI that config again, a field left
+    None (it follows another) included."""
+    args = aot_cli._parser().parse_args(shlex.split(store.build_command(config))[3:])
+    assert aot_cli._configs(args) == [config]
 
 
 def elf_header(machine: int = 190) -> bytes:  # EM_CUDA
