@@ -71,6 +71,8 @@ ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
                "down_warp_cols", "down_unroll")
+_OPTIONAL_INT_FIELDS = ("gate_up_token_tiles",)
+"""Int fields that may be None: they follow another field."""
 _BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "gate_up_bulk_loads", "down_bulk_loads",
                 "tiled_weights", "fp8_weights", "fp8_tokens", "fp8_shift_widening", "shared_expert", "early_down",
                 "pass_items", "enable_pdl", "warp_routing")
@@ -422,9 +424,12 @@ class ExpertsConfig:
     """The contract this config compiles (`_abi.CONTRACTS`)."""
 
     def __post_init__(self) -> None:
-        for field in _INT_FIELDS:
+        for field in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
             value = getattr(self, field)
-            _require(isinstance(value, numbers.Integral) and not isinstance(value, bool), field, value, "an int")
+            if value is None and field in _OPTIONAL_INT_FIELDS:
+                continue
+            _require(isinstance(value, numbers.Integral) and not isinstance(value, bool), field, value,
+                     "an int" if field in _INT_FIELDS else "None or an int")
             object.__setattr__(self, field, int(value))
         for field in _BOOL_FIELDS:
             _require(isinstance(getattr(self, field), bool), field, getattr(self, field), "a bool")
@@ -432,10 +437,8 @@ class ExpertsConfig:
         _require(1 <= self.experts <= MAX_EXPERTS, "experts", self.experts, f"an int in [1, {MAX_EXPERTS}]")
         _require(1 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k, f"an int in [1, {MAX_TOP_K}]")
         _require(1 <= self.token_tiles <= 4, "token_tiles", self.token_tiles, "an int in [1, 4]")
-        _require(self.gate_up_token_tiles is None or (isinstance(self.gate_up_token_tiles, numbers.Integral)
-                                                      and not isinstance(self.gate_up_token_tiles, bool)
-                                                      and 1 <= self.gate_up_token_tiles <= 4),
-                 "gate_up_token_tiles", self.gate_up_token_tiles, "None (token_tiles) or an int in [1, 4]")
+        _require(self.gate_up_token_tiles is None or 1 <= self.gate_up_token_tiles <= 4, "gate_up_token_tiles",
+                 self.gate_up_token_tiles, "None (token_tiles) or an int in [1, 4]")
         for name in ("hidden", "intermediate"):
             _require(getattr(self, name) > 0 and getattr(self, name) % MMA_K == 0, name, getattr(self, name),
                      f"a positive multiple of {MMA_K} (the tensor cores' K step)")

@@ -618,6 +618,7 @@ def test_gate_up_may_take_its_own_token_tiles():
     assert experts_layout.Tiling.of(wide) == experts_layout.Tiling.of(config)
     assert config.gate_up_token_tiles is None and wide.key != config.key
     assert ExpertsConfig.from_dict(wide.to_dict()) == wide
+    assert config.replace(gate_up_token_tiles=np.int64(4)).key == wide.key  # as the other int fields
     for bad in (0, 5, True, 2.0):
         with pytest.raises(ValueError, match=rf"ExpertsConfig.gate_up_token_tiles={bad!r}: expected"):
             config.replace(gate_up_token_tiles=bad)
