@@ -70,7 +70,7 @@ MBARRIER_BYTES = 8
 ARCHS = ("sm_90a", "sm_100a")
 _INT_FIELDS = ("hidden", "intermediate", "experts", "top_k", "token_tiles", "gate_up_warps_k", "gate_up_warps_n",
                "gate_up_warp_cols", "gate_up_unroll", "gate_up_split_k", "down_warps_k", "down_warps_n",
-               "down_warp_cols", "down_unroll")
+               "down_warp_cols", "down_unroll", "gate_up_column_blocks")
 _OPTIONAL_INT_FIELDS = ("gate_up_token_tiles",)
 """Int fields that may be None: they follow another field."""
 _BOOL_FIELDS = ("fused_gate_up", "gate_up_async_loads", "down_async_loads", "gate_up_bulk_loads", "down_bulk_loads",
@@ -100,7 +100,10 @@ class GemmShape:
     weights are e4m3 with a float32 scale per `FP8_BLOCK` x `FP8_BLOCK` block, else bf16;
     ``fp8_tokens``: the tokens (B) are e4m3 with a float32 scale per token and `FP8_BLOCK` rows
     of K, else bf16 (gate/up only: down's tokens are the activations); ``shift_widening``: e4m3
-    weights (and tokens) widened by `ptx`'s exponent shift (`ExpertsConfig.fp8_shift_widening`)."""
+    weights (and tokens) widened by `ptx`'s exponent shift (`ExpertsConfig.fp8_shift_widening`);
+    ``column_blocks``: the column blocks of ``warps_n * warp_cols`` (gated: half as many SwiGLU
+    columns) that one work item covers, each lane loading its columns of every block and
+    multiplying them by the same token fragments (`ExpertsConfig.gate_up_column_blocks`)."""
 
     k: int
     columns: int
@@ -117,6 +120,7 @@ class GemmShape:
     fp8: bool = False
     fp8_tokens: bool = False
     shift_widening: bool = False
+    column_blocks: int = 1
 
     @property
     def weight_bytes(self) -> int:
@@ -145,8 +149,13 @@ class GemmShape:
 
     @property
     def mma_tiles(self) -> int:
-        """mma.sync instructions side by side over a warp's columns."""
-        return self.warp_cols // MMA_COLUMNS
+        """mma.sync instructions side by side over a warp's columns, in every column block."""
+        return self.warp_cols // MMA_COLUMNS * self.column_blocks
+
+    def tile_column(self, tile: int) -> int:
+        """The first of mma tile ``tile``'s two columns of a lane, from the lane's first: the
+        lane's columns are ``2 * lane_words`` consecutive ones of each column block."""
+        return tile // self.lane_words * self.block_columns + 2 * (tile % self.lane_words)
 
     @property
     def lane_words(self) -> int:
@@ -154,9 +163,14 @@ class GemmShape:
         return self.warp_cols // 16
 
     @property
-    def item_columns(self) -> int:
-        """Output columns of one work item (SwiGLU columns when gated)."""
+    def block_columns(self) -> int:
+        """Output columns of one column block (SwiGLU columns when gated): one item of the tiled order."""
         return self.warps_n * self.warp_cols // (2 if self.gated else 1)
+
+    @property
+    def item_columns(self) -> int:
+        """Output columns of one work item: `column_blocks` blocks."""
+        return self.block_columns * self.column_blocks
 
     @property
     def items_per_expert(self) -> int:
@@ -191,6 +205,7 @@ class GemmShape:
 
     @property
     def tile_item_bytes(self) -> int:
+        """Bytes of one column block of an expert in the tiled order (its ``item``)."""
         return self.k // MMA_K * self.tile_step_bytes
 
     def tiled_offset(self, item: int, step: int, w_n: int, row: int, lane: int) -> int:
@@ -385,6 +400,14 @@ class ExpertsConfig:
         The gate/up kernel's own `token_tiles` (None: the same). Each kernel builds its passes
         from its own, so gate/up, which reads two thirds of the bytes, may take its experts'
         tokens in fewer passes than down, whose accumulators are four times as many per warp.
+    gate_up_column_blocks : int
+        Column blocks (``gate_up_warps_n * gate_up_warp_cols / 2`` SwiGLU columns each: the
+        items of the tiled order, which stays the same) that one gate/up work item covers: each
+        warp loads its columns of every block and multiplies them by one load of the tokens.
+        A gate/up warp loads 16 bytes of a pass's tokens (two tiles) per 32 bytes of weights
+        that it loads for one block: the tokens' share of what the SMs read from L2 halves at 2
+        blocks, and the items are half as many. bf16 weights with register loads only (no
+        ``gate_up_async_loads``, ``gate_up_bulk_loads`` or ``gate_up_split_k``).
     arch : {"sm_90a", "sm_100a"}
         Target of the cubin (the launch shapes are Hopper's).
     """
@@ -418,6 +441,7 @@ class ExpertsConfig:
     enable_pdl: bool = True
     warp_routing: bool = False
     gate_up_token_tiles: int | None = None
+    gate_up_column_blocks: int = 1
     arch: str = "sm_90a"
 
     op = "experts"
@@ -439,6 +463,15 @@ class ExpertsConfig:
         _require(1 <= self.token_tiles <= 4, "token_tiles", self.token_tiles, "an int in [1, 4]")
         _require(self.gate_up_token_tiles is None or 1 <= self.gate_up_token_tiles <= 4, "gate_up_token_tiles",
                  self.gate_up_token_tiles, "None (token_tiles) or an int in [1, 4]")
+        _require(1 <= self.gate_up_column_blocks <= 4, "gate_up_column_blocks", self.gate_up_column_blocks,
+                 "an int in [1, 4]")
+        if self.gate_up_column_blocks > 1:
+            for field, value in (("fp8_weights", self.fp8_weights), ("gate_up_async_loads", self.gate_up_async_loads),
+                                 ("gate_up_bulk_loads", self.gate_up_bulk_loads)):
+                _require(not value, field, value, f"False with gate_up_column_blocks={self.gate_up_column_blocks} "
+                                                  "(column blocks are read with bf16 register loads)")
+            _require(self.gate_up_split_k == 1, "gate_up_split_k", self.gate_up_split_k,
+                     f"1 with gate_up_column_blocks={self.gate_up_column_blocks}")
         for name in ("hidden", "intermediate"):
             _require(getattr(self, name) > 0 and getattr(self, name) % MMA_K == 0, name, getattr(self, name),
                      f"a positive multiple of {MMA_K} (the tensor cores' K step)")
@@ -470,7 +503,8 @@ class ExpertsConfig:
                      "hidden" if role == "down" else "intermediate", shape.columns,
                      f"a multiple of the {role} kernel's {shape.item_columns} columns per work item "
                      f"({prefix}warps_n={shape.warps_n} x {prefix}warp_cols={shape.warp_cols}"
-                     f"{' / 2, half of them up' if shape.gated else ''})")
+                     f"{' / 2, half of them up' if shape.gated else ''}"
+                     f"{f' x {prefix}column_blocks={shape.column_blocks}' if shape.column_blocks > 1 else ''})")
             steps = shape.k // MMA_K
             if shape.bulk_loads:
                 self._check_bulk_loads(role, shape)
@@ -499,7 +533,7 @@ class ExpertsConfig:
                              self.token_tiles if self.gate_up_token_tiles is None else self.gate_up_token_tiles,
                              self.gate_up_split_k,
                              self.gate_up_async_loads, self.gate_up_bulk_loads, self.tiled_weights, self.fp8_weights,
-                             self.fp8_tokens, self.fp8_shift_widening)
+                             self.fp8_tokens, self.fp8_shift_widening, self.gate_up_column_blocks)
         return GemmShape(self.intermediate, self.hidden, False, self.down_warps_k, self.down_warps_n,
                          self.down_warp_cols, self.down_unroll, self.token_tiles, 1, self.down_async_loads,
                          self.down_bulk_loads, self.tiled_weights, self.fp8_weights,
@@ -574,7 +608,8 @@ class ExpertsConfig:
                               ("tiled_weights", False), ("fp8_weights", False), ("fp8_tokens", False),
                               ("shared_expert", False), ("early_down", False), ("fp8_shift_widening", False),
                               ("gate_up_bulk_loads", False), ("down_bulk_loads", False), ("pass_items", True),
-                              ("warp_routing", False), ("gate_up_token_tiles", None)):
+                              ("warp_routing", False), ("gate_up_token_tiles", None),
+                              ("gate_up_column_blocks", 1)):
             if fields[name] == default:
                 del fields[name]
         text = ",".join(f"{name}={fields[name]!r}" for name in sorted(fields))

@@ -266,4 +266,4 @@ class ExpertGateUpKernel:
                             up_low, up_high = bf16_round_pair(up[token], up[token + 2])
                             word = ptx.f32x2_to_bf16x2(silu(gate_low) * up_low, silu(gate_high) * up_high)
                             row = activations + Int64(sPairs[start + slot]) * (cfg.intermediate * BF16_BYTES)
-                            ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)
+                            ptx.store_u32(row + Int64(column + s.tile_column(i)) * BF16_BYTES, word)

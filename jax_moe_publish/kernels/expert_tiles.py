@@ -54,15 +54,17 @@ def _allocate_row_major(shape):
 
 class WeightWalk(NamedTuple):
     """Where a lane's weight loads are: its row ``r`` (`LANE_ROWS`) of the K step from row ``k0``
-    at ``start + k0 * k_row_bytes + row_offsets[r]`` (the two are compile-time constants). With
-    e4m3 weights, the float32 scale of its columns' block in the K block of row ``k0`` at
-    ``scales + (k0 / FP8_BLOCK) * scale_row_bytes`` (else ``scales`` is None)."""
+    at ``start + k0 * k_row_bytes + row_offsets[r]``, and of column block ``b`` at
+    ``block_offsets[b]`` more (the three are compile-time constants). With e4m3 weights, the
+    float32 scale of its columns' block in the K block of row ``k0`` at ``scales + (k0 /
+    FP8_BLOCK) * scale_row_bytes`` (else ``scales`` is None)."""
 
     start: Int64
     k_row_bytes: int
     row_offsets: tuple
     scales: Int64 | None = None
     scale_row_bytes: int = 0
+    block_offsets: tuple = (0,)
 
 
 class Tokens(NamedTuple):
@@ -268,8 +270,9 @@ class ExpertTiles:
         """This lane's `WeightWalk` through an item's K steps from row ``k_begin``, with
         ``expert_weights`` the address of the expert's weights (the lane's matrix: gate or up,
         in the split layout). In the weights' rows (stride ``row_bytes``) the lane's columns
-        start at ``item_in_expert * item_columns + lane_column``; in the tiled order
-        (`GemmShape.tiled_offset`) the item is one block. e4m3 weights: ``expert_scales`` is
+        start at ``item_in_expert * item_columns + lane_column``, a column block's
+        `GemmShape.block_columns` after the one before; in the tiled order
+        (`GemmShape.tiled_offset`) each of the item's column blocks is one block. e4m3 weights: ``expert_scales`` is
         the address of the lane's matrix's scales of the expert (``[k / FP8_BLOCK, columns /
         FP8_BLOCK]``, rows ``scale_row_bytes`` apart), whatever the order of the weights."""
         s = self.shape
@@ -282,12 +285,13 @@ class ExpertTiles:
                       + Int64(column // FP8_BLOCK) * SCALE_BYTES)
         if cutlass.const_expr(s.tiled):
             k_row_bytes = s.tile_step_bytes // MMA_K
-            start = (expert_weights + Int64(item_in_expert) * s.tile_item_bytes + k_begin * k_row_bytes
-                     + Int64(w_n * 4 * s.tile_row_bytes + lane * s.tile_lane_bytes))
+            start = (expert_weights + Int64(item_in_expert * s.column_blocks) * s.tile_item_bytes
+                     + k_begin * k_row_bytes + Int64(w_n * 4 * s.tile_row_bytes + lane * s.tile_lane_bytes))
             return WeightWalk(start, k_row_bytes, tuple(r * s.tile_row_bytes for r in range(4)), scales,
-                              scale_row_bytes)
+                              scale_row_bytes, tuple(b * s.tile_item_bytes for b in range(s.column_blocks)))
         start = expert_weights + k_begin * row_bytes + Int64(column) * s.weight_bytes + Int64(2 * q) * row_bytes
-        return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS), scales, scale_row_bytes)
+        return WeightWalk(start, row_bytes, tuple(r * row_bytes for r in LANE_ROWS), scales, scale_row_bytes,
+                          tuple(b * s.block_columns * s.weight_bytes for b in range(s.column_blocks)))
 
     @cute.jit
     def accumulate(self, rAcc, walk: WeightWalk, tokens: Tokens, w_k, lane,
@@ -430,8 +434,10 @@ class ExpertTiles:
             for u in cutlass.range_constexpr(s.unroll):
                 k0 = Int64(((step + u) * s.warps_k + w_k) * MMA_K)
                 rows = walk.start + k0 * walk.k_row_bytes
-                # As loaded (e4m3: half the registers), widened at their mmas.
-                a_loaded = [self._load_weight_row(rows + offset) for offset in walk.row_offsets]
+                # As loaded (e4m3: half the registers), widened at their mmas; a row's words of
+                # every column block in turn (`GemmShape.tile_column`).
+                a_loaded = [[word for block in walk.block_offsets
+                             for word in self._load_weight_row(rows + offset + block)] for offset in walk.row_offsets]
                 b_words, token_scales = [], None
                 if cutlass.const_expr(s.fp8_tokens):
                     token_scales = []

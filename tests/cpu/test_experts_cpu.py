@@ -624,6 +624,32 @@ def test_gate_up_may_take_its_own_token_tiles():
             config.replace(gate_up_token_tiles=bad)
 
 
+def test_gate_up_items_may_cover_several_column_blocks():
+    """`gate_up_column_blocks` widens gate/up's items over blocks of the same tiled order: a
+    lane's columns of each block in turn (`GemmShape.tile_column`), half the items per expert;
+    down, the order and, at 1, the cubin's name stay; what it cannot take is refused by name."""
+    config = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8, m=256)
+    config = config.replace(tiled_weights=True)
+    wide = config.replace(gate_up_column_blocks=2, gate_up_unroll=4)
+    one, two = config.gemm("gate_up"), wide.gemm("gate_up")
+    assert (two.block_columns, two.item_columns, two.items_per_expert) == (16, 32, one.items_per_expert // 2)
+    assert [one.tile_column(i) for i in range(one.mma_tiles)] == [0, 2]
+    assert [two.tile_column(i) for i in range(two.mma_tiles)] == [0, 2, 16, 18]
+    assert two.tile_item_bytes == one.tile_item_bytes and wide.gemm("down") == config.gemm("down")
+    assert experts_layout.Tiling.of(wide) == experts_layout.Tiling.of(config)
+    assert config.gate_up_column_blocks == 1 and wide.key != config.key
+    assert config.replace(gate_up_column_blocks=np.int64(2), gate_up_unroll=4).key == wide.key
+    for bad in (0, 5, True):
+        with pytest.raises(ValueError, match=rf"ExpertsConfig.gate_up_column_blocks={bad!r}: expected"):
+            config.replace(gate_up_column_blocks=bad)
+    for field, value in (("fp8_weights", True), ("gate_up_async_loads", True), ("gate_up_bulk_loads", True),
+                         ("gate_up_split_k", 2)):
+        with pytest.raises(ValueError, match=rf"ExpertsConfig.{field}={value!r}: expected .*gate_up_column_blocks=2"):
+            wide.replace(**{field: value})
+    with pytest.raises(ValueError, match=r"ExpertsConfig.intermediate=96: expected a multiple of .* 64 columns"):
+        ExpertsConfig(hidden=2048, intermediate=96, experts=128, top_k=8, gate_up_column_blocks=4)
+
+
 def test_one_token_tile_for_small_experts_and_few_pairs_per_expert():
     """for_shape gives one token tile where it measured faster (`one_token_tile`): Qwen3-30B's
     tp 2, 4 and 8 shards (hidden 2048, intermediate at most 384) at m * top_k <= 4 * experts

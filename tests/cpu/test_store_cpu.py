@@ -32,8 +32,9 @@ EXPERTS = ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, to
 
 
 @pytest.mark.parametrize("config", [CONFIG, CONFIG.replace(keep_own_partial=True), EXPERTS,
-                                    EXPERTS.replace(gate_up_token_tiles=3)],
-                         ids=["publish", "publish-own-partial", "experts", "experts-gate-up-tiles"])
+                                    EXPERTS.replace(gate_up_token_tiles=3), EXPERTS.replace(gate_up_column_blocks=2)],
+                         ids=["publish", "publish-own-partial", "experts", "experts-gate-up-tiles",
+                              "experts-column-blocks"])
 def test_the_build_command_parses_back_to_its_config(config):
     """The command a missing set's error names gives the CLI that config again, a field left
     None (it follows another) included."""
