@@ -270,11 +270,12 @@ class ExpertTiles:
         """This lane's `WeightWalk` through an item's K steps from row ``k_begin``, with
         ``expert_weights`` the address of the expert's weights (the lane's matrix: gate or up,
         in the split layout). In the weights' rows (stride ``row_bytes``) the lane's columns
-        start at ``item_in_expert * item_columns + lane_column``, a column block's
+        start at ``item_in_expert * item_columns + lane_column``, each column block's
         `GemmShape.block_columns` after the one before; in the tiled order
-        (`GemmShape.tiled_offset`) each of the item's column blocks is one block. e4m3 weights: ``expert_scales`` is
-        the address of the lane's matrix's scales of the expert (``[k / FP8_BLOCK, columns /
-        FP8_BLOCK]``, rows ``scale_row_bytes`` apart), whatever the order of the weights."""
+        (`GemmShape.tiled_offset`) each of the item's column blocks is one block. e4m3 weights:
+        ``expert_scales`` is the address of the lane's matrix's scales of the expert (``[k /
+        FP8_BLOCK, columns / FP8_BLOCK]``, rows ``scale_row_bytes`` apart), whatever the order of
+        the weights."""
         s = self.shape
         column = item_in_expert * s.item_columns + lane_column
         scales = None
