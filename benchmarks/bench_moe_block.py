@@ -290,21 +290,22 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
     return results
 
 
+def experts_config(config, tp: int, m: int, prepared: bool):
+    """The experts op's config of the rank's expert shard at ``m`` (prepared weights:
+    ``tiled_weights``, and the shared expert held where `moe_block.holds_shared`)."""
+    ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
+                                       experts=config.experts, top_k=config.top_k, m=m,
+                                       shared_expert=prepared and mb.holds_shared(config))
+    return ours.replace(tiled_weights=prepared)
+
+
 def kernel_configs(configs, tp):
     """The kernel configs of every case: the finalize op's (the tuning table's choice for the
-    kernels) and, for the ``ours`` and ``prepared`` paths, the experts op's own for the rank's
-    expert shard at each m (prepared weights: ``tiled_weights``, and the shared expert held
-    where `moe_block.holds_shared`)."""
+    kernels) and, for the ``ours`` and ``prepared`` paths, the experts op's own
+    (`experts_config`) at each m."""
     finalize = [chains.spec_config(op_spec(config), tp, None, m) for config in configs for m in ARGS.m]
-
-    def experts(config, m, prepared):
-        ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
-                                           experts=config.experts, top_k=config.top_k, m=m,
-                                           shared_expert=prepared and mb.holds_shared(config))
-        return ours.replace(tiled_weights=prepared)
-
-    chosen = [experts(config, m, path == "prepared") for path in ("ours", "prepared") if path in ARGS.paths
-              for config in configs for m in ARGS.m]
+    chosen = [experts_config(config, tp, m, path == "prepared") for path in ("ours", "prepared")
+              if path in ARGS.paths for config in configs for m in ARGS.m]
     return list(dict.fromkeys(finalize + chosen))
 
 

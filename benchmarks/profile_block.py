@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+import bench_moe_block  # noqa: E402
 import chains  # noqa: E402
 import jax_moe_publish as jmp  # noqa: E402
 import kernel_builds  # noqa: E402
@@ -44,16 +45,6 @@ def profiler(name: str):
 def _check(result: int, name: str) -> None:
     if result != 0:
         raise RuntimeError(f"{name} returned CUDA error {result}")
-
-
-def experts_config(config, m: int, path: str):
-    """The experts op's config of the block's ``path`` at ``m`` (None for the paths without it)."""
-    if path not in ("ours", "prepared"):
-        return None
-    chosen = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate,
-                                         experts=config.experts, top_k=config.top_k, m=m,
-                                         shared_expert=path == "prepared" and mb.holds_shared(config))
-    return chosen.replace(tiled_weights=path == "prepared")
 
 
 def step_us(decode, inputs, steps: int) -> float:
@@ -82,10 +73,11 @@ def main(argv=None) -> int:
                                                                "then exit")
     args = parser.parse_args(argv)
     config = mb.PROBLEMS[args.problem]
-    spec = dict(hidden=config.hidden, top_k=config.top_k, shared=config.shared,
-                scale=config.routed_scaling_factor, epilogue=True)
-    kernels = [chains.spec_config(spec, 1, None, args.m)] if args.finalize == "ours" else []
-    kernels += [c for c in [experts_config(config, args.m, args.path)] if c is not None]
+    kernels = []
+    if args.finalize == "ours":
+        kernels.append(chains.spec_config(bench_moe_block.op_spec(config), 1, None, args.m))
+    if args.path in ("ours", "prepared"):
+        kernels.append(bench_moe_block.experts_config(config, 1, args.m, args.path == "prepared"))
     if args.build_kernels:
         kernel_builds.build_kernels(kernels, args.build_kernels)
         return 0

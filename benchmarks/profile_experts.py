@@ -19,9 +19,10 @@ changes to it) over a chain of layers with their own weights (a pass reads >= 20
 L2): a quick comparison while exploring, timed with the host's clock around many calls; the
 benchmark of record is ``bench_moe_experts.py``, and only its figures are a reason to change a
 launch shape (at Qwen3-30B tp 1, m = 1, ``--time`` put a variant at 0.70 of the default's time
-where the benchmark found the two equal: benchmarks/EXPERIMENTS.md, 2026-12-06). Each variant's rows of the first layer are
-checked against the default's (relative difference at most `bench_moe_experts.MAX_DIFFERENCE`:
-another K split sums in another order); the script fails if one is not.
+where the benchmark found the two equal: benchmarks/EXPERIMENTS.md, 2026-12-06). Each
+variant's rows of the first layer are checked against the default's (relative difference at
+most `bench_moe_experts.MAX_DIFFERENCE`: another K split sums in another order); the script
+fails if one is not.
 """
 
 from __future__ import annotations
