@@ -1,0 +1,51 @@
+"""`benchmarks/chain_timeline.py`: the per-call summary of a trace's kernel events."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import chain_timeline
+
+
+def test_the_span_less_the_kernels_is_the_idle_time_per_call():
+    # Two calls, each gate/up (100 ns) then down (50 ns), with gaps of 10, 30 and 20 ns.
+    events = [(1000, 100, "gate_up"), (1110, 50, "down"), (1190, 100, "gate_up"), (1310, 50, "down")]
+    summary = chain_timeline.summarize(events, calls=2)
+    assert summary["span_us"] == pytest.approx((1360 - 1000) / 1e3 / 2)
+    assert summary["kernels"] == {"gate_up": {"us": pytest.approx(0.1), "launches": 1.0},
+                                  "down": {"us": pytest.approx(0.05), "launches": 1.0}}
+    assert list(summary["kernels"]) == ["gate_up", "down"]  # the costliest first
+    assert summary["kernels_us"] == pytest.approx(0.15)
+    assert summary["idle_us"] == pytest.approx((10 + 30 + 20) / 1e3 / 2)
+
+
+def test_the_span_ends_at_the_last_kernel_to_finish():
+    # A long kernel that starts first and ends last, a short one inside it.
+    summary = chain_timeline.summarize([(0, 500, "long"), (100, 50, "short")], calls=1)
+    assert summary["span_us"] == pytest.approx(0.5)
+
+
+def test_kernel_names_are_cut_and_their_launches_counted_together():
+    long = "fusion_" + "x" * 200
+    summary = chain_timeline.summarize([(0, 10, long + "a"), (20, 10, long + "b")], calls=1)
+    (name,) = summary["kernels"]
+    assert len(name) == chain_timeline.NAME_CHARS
+    assert summary["kernels"][name]["launches"] == 2
+
+
+def test_a_trace_without_kernels_is_refused():
+    with pytest.raises(ValueError, match="no kernel events"):
+        chain_timeline.summarize([], calls=1)
+
+
+@pytest.mark.parametrize("argv, expected", [(["--iterations", "0"], "--iterations 0: expected at least 1"),
+                                            (["--cpu"], "--cpu: a timeline is the GPU's kernels")])
+def test_bad_arguments_are_refused_by_name(argv, expected, capsys):
+    with pytest.raises(SystemExit):
+        chain_timeline.parse(argv)
+    assert expected in capsys.readouterr().err
