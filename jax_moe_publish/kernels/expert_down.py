@@ -181,7 +181,7 @@ class ExpertDownKernel:
                         if slot < count:
                             word = ptx.f32x2_to_bf16x2(rAcc[i, j, token], rAcc[i, j, token + 2])
                             row = self._row(sPairs[start + slot], out, shared, out_row_bytes)
-                            ptx.store_u32(row + Int64(column + 2 * i) * BF16_BYTES, word)
+                            ptx.store_u32(row + Int64(column + s.tile_column(i)) * BF16_BYTES, word)
 
     def _row(self, pair, out, shared, row_bytes: int):
         """The address of ``pair``'s row: ``out``'s row ``pair``; with the shared expert, the
