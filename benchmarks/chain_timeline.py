@@ -117,10 +117,16 @@ def main(argv=None) -> int:
     results = []
     for config, tp, m, active, layers, inputs in cases(args):
         for column in columns:
-            compiled, _ = bench.compile_column(column, args, config.top_k, layers, inputs)
+            case = {"shape": config.name, "tp": tp, "m": m, "column": column.name, "layers": layers,
+                    "active_experts": [int(a.size) for a in active]}
+            try:
+                compiled, _ = bench.compile_column(column, args, config.top_k, layers, inputs)
+            except Exception as error:  # noqa: BLE001 - as the benchmark, a column that cannot build is recorded
+                results.append({**case, "why_not": bench.one_line(error)})
+                print(f"{config.name} tp={tp} m={m} {column.name}: not built: {results[-1]['why_not']}")
+                continue
             summary = timeline(compiled, inputs, args.iterations, args.iterations * layers)
-            results.append({"shape": config.name, "tp": tp, "m": m, "column": column.name, "layers": layers,
-                            "active_experts": [int(a.size) for a in active], **summary})
+            results.append({**case, **summary})
             print(f"{config.name} tp={tp} m={m} {column.name}: span {summary['span_us']:.1f} us per call, "
                   f"kernels {summary['kernels_us']:.1f}, idle {summary['idle_us']:.1f}")
             for name, kernel in summary["kernels"].items():
