@@ -659,6 +659,13 @@ def chain(layer_fn, layers):
     return program
 
 
+def chain_inputs(config, m, weights, xs, ids):
+    """`chain`'s operands but ``iterations`` for one case: the first ``len(xs)`` layers'
+    weights, each layer's ``x`` and ids, ``zero``, and the first ``y`` (zero rows and shared rows)."""
+    return (weights[:len(xs)], xs, ids, jnp.zeros((), jnp.float32),
+            (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16), jnp.zeros((m, config.hidden), jnp.bfloat16)))
+
+
 @contextlib.contextmanager
 def jax_flag(name):
     """JAX's config flag ``name`` set while the block runs (None: nothing), restored after."""
@@ -847,8 +854,7 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     xs, ids, active = routing
     layers = len(xs)
     hidden, top_k = config.hidden, config.top_k
-    inputs = (weights[:layers], xs, ids, jnp.zeros((), jnp.float32),
-              (jnp.zeros((m * top_k, hidden), jnp.bfloat16), jnp.zeros((m, hidden), jnp.bfloat16)))
+    inputs = chain_inputs(config, m, weights, xs, ids)
     distinct = [int(a.size) for a in active]
     mean_active = float(np.mean(distinct))
     expert_bytes = config.expert_bytes(tp)

@@ -24,7 +24,6 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 from jax.profiler import ProfileData
 
 import bench_moe_experts as bench
@@ -90,11 +89,7 @@ def cases(args):
         routings = {m: bench.case_routing(args, config, tp, m, most) for m in args.m}
         weights = bench.draw_weights(args, config, tp, max(len(routing[0]) for routing in routings.values()))
         for m, (xs, ids, active) in routings.items():
-            layers = len(xs)
-            inputs = (weights[:layers], xs, ids, jnp.zeros((), jnp.float32),
-                      (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16),
-                       jnp.zeros((m, config.hidden), jnp.bfloat16)))
-            yield config, tp, m, active, layers, inputs
+            yield config, tp, m, active, len(xs), bench.chain_inputs(config, m, weights, xs, ids)
         del weights
 
 
