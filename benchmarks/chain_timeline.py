@@ -51,13 +51,16 @@ def parse(argv=None):
 
 def kernel_events(xspace_path):
     """``(start_ns, duration_ns, name)`` of every kernel on the GPU planes' streams, by start."""
-    events = []
+    events, seen = [], []
     for plane in ProfileData.from_file(xspace_path).planes:
+        seen.append(f"{plane.name}: {[line.name for line in plane.lines]}")
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
             if "Stream" in line.name:
                 events.extend((event.start_ns, event.duration_ns, event.name) for event in line.events)
+    if not events:
+        raise ValueError("no kernel events on a /device:GPU plane's Stream line; the trace holds " + "; ".join(seen))
     return sorted(events)
 
 
