@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,28 +52,19 @@ def test_bad_arguments_are_refused_by_name(argv, expected, capsys):
     assert expected in capsys.readouterr().err
 
 
-class _Trace:
-    """A stand-in for `jax.profiler.ProfileData`: planes of named lines of events."""
-
-    def __init__(self, planes):
-        self.planes = [_Named(name, lines=[_Named(line, events=[_Event(*event) for event in events])
-                                           for line, events in lines.items()])
-                       for name, lines in planes.items()]
-
-
-class _Named:
-    def __init__(self, name, **fields):
-        self.name = name
-        self.__dict__.update(fields)
-
-
-class _Event:
-    def __init__(self, start_ns, duration_ns, name):
-        self.start_ns, self.duration_ns, self.name = start_ns, duration_ns, name
+def _trace(planes):
+    """A stand-in for `jax.profiler.ProfileData`: planes of named lines of ``(start_ns, duration_ns,
+    name)`` events."""
+    return SimpleNamespace(planes=[
+        SimpleNamespace(name=name, lines=[
+            SimpleNamespace(name=line, events=[SimpleNamespace(start_ns=start, duration_ns=duration, name=event)
+                                               for start, duration, event in events])
+            for line, events in lines.items()])
+        for name, lines in planes.items()])
 
 
 def test_kernel_events_are_the_gpu_planes_stream_lines_in_start_order(monkeypatch):
-    trace = _Trace({
+    trace = _trace({
         "/device:GPU:0": {"Stream #13(Compute)": [(300, 5, "down"), (100, 7, "gate_up")],
                           "XLA Ops": [(100, 7, "an op, not a kernel")]},
         "/host:CPU": {"Stream of the host": [(50, 1, "host")]},
@@ -82,7 +74,7 @@ def test_kernel_events_are_the_gpu_planes_stream_lines_in_start_order(monkeypatc
 
 
 def test_a_trace_without_kernel_events_is_refused_with_what_it_holds(monkeypatch):
-    trace = _Trace({"/host:CPU": {"python": [(50, 1, "host")]}, "/device:GPU:0": {"XLA Ops": []}})
+    trace = _trace({"/host:CPU": {"python": [(50, 1, "host")]}, "/device:GPU:0": {"XLA Ops": []}})
     monkeypatch.setattr(chain_timeline.ProfileData, "from_file", lambda path: trace)
     with pytest.raises(ValueError, match=r"no kernel events.*/host:CPU: \['python'\].*/device:GPU:0: \['XLA Ops'\]"):
         chain_timeline.kernel_events("trace.xplane.pb")
