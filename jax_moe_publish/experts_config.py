@@ -52,6 +52,9 @@ per lane. Measured on one H100 (2026-12-06, prepared weights, against the CTA's 
 1): 0.51-0.57 µs per launch instead of 0.91-1.39 (`routing_time.cu`), and 0.7-2.3 µs less per
 call at the tp = 4 and 8 shards of DeepSeek-V3, Qwen3-235B and Qwen3-30B; 0.5-2.5 µs at m = 4,
 some of it within the run's spread (benchmarks/README.md)."""
+THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT = 16
+"""A call's pairs per expert on average from which `ExpertsConfig.for_shape` gives gate/up three
+token tiles (`three_gate_up_tiles`)."""
 ONE_CTA_GATE_UP_WARPS_K = 16
 ONE_CTA_MIN_STEPS = 16
 """Gate/up warps where a call's items are at most one per SM and each warp keeps at least
@@ -648,7 +651,8 @@ class ExpertsConfig:
         (Qwen3-30B's) at most 4 of gate/up and 1 of down (ptxas spilled at 8 and at 3).
 
         Token tiles: 2 (16 tokens per pass over an expert's weights), but 1 for a call of ``m``
-        tokens where the experts are small and their pairs few (`one_token_tile`). The routing in
+        tokens where the experts are small and their pairs few (`one_token_tile`), and 3 of
+        gate/up's own where the pairs are many (`three_gate_up_tiles`). The routing in
         one warp (``warp_routing``) for a call of at most `WARP_ROUTING_IDS` routed ids. Gate/up with
         `ONE_CTA_GATE_UP_WARPS_K` warps for a call of ``m`` tokens whose items are at most one per
         SM, where each warp keeps `ONE_CTA_MIN_STEPS` K steps (bf16 weights)."""
@@ -687,13 +691,15 @@ class ExpertsConfig:
         gate_up_steps = 4 if fp8_weights and ((not fused_gate_up and gate_up_cols == 64) or short_fp8) else 8
         one_tile = m is not None and one_token_tile(hidden, intermediate, m * top_k, experts, fp8_weights)
         token_tiles = 1 if one_tile else 2
+        gate_up_token_tiles = 3 if m is not None and three_gate_up_tiles(m * top_k, experts, fp8_weights) else None
         warp_routing = m is not None and m * top_k <= WARP_ROUTING_IDS
         return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, token_tiles=token_tiles,
                    fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
                    gate_up_warp_cols=gate_up_cols, gate_up_unroll=unroll(hidden, gate_up_warps_k, gate_up_steps),
                    down_warps_k=down_warps_k, down_warps_n=down_warps_n, down_warp_cols=down_cols,
                    down_unroll=unroll(intermediate, down_warps_k, 1 if short_fp8 else 4), fp8_weights=fp8_weights,
-                   fp8_tokens=fp8_tokens, shared_expert=shared_expert, warp_routing=warp_routing, arch=arch)
+                   fp8_tokens=fp8_tokens, shared_expert=shared_expert, warp_routing=warp_routing,
+                   gate_up_token_tiles=gate_up_token_tiles, arch=arch)
 
 
 def one_token_tile(hidden: int, intermediate: int, pairs: int, experts: int, fp8_weights: bool) -> bool:
@@ -708,3 +714,15 @@ def one_token_tile(hidden: int, intermediate: int, pairs: int, experts: int, fp8
     tile's down kernel spilled a register."""
     return (not fp8_weights and hidden <= ONE_TILE_MAX_HIDDEN and intermediate <= ONE_TILE_MAX_INTERMEDIATE
             and pairs <= ONE_TILE_MAX_PAIRS_PER_EXPERT * experts)
+
+
+def three_gate_up_tiles(pairs: int, experts: int, fp8_weights: bool) -> bool:
+    """Whether `ExpertsConfig.for_shape` gives gate/up three token tiles (24 tokens per pass over
+    an expert's weights; down keeps two): bf16 weights and a call's ``pairs`` at least
+    ``THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT`` per expert, where routing that favours some
+    experts gives many of them more than 16 pairs, so a second pass over their weights.
+    Measured on one H100 (2026-12-07, prepared weights, against two tiles; benchmarks/README.md):
+    at 16 pairs per expert (m = 256 at top-8 of 128) 0.72 of the time at Qwen3-30B's tp 1 shard,
+    0.89 at its tp 8 and 0.94 at Qwen3-235B's tp 8; at 8 (m = 128 of 128 experts, m = 256 of
+    DeepSeek-V3's 256) 0.89-0.99, but 1.025 at Qwen3-235B's tp 8."""
+    return not fp8_weights and pairs >= THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT * experts

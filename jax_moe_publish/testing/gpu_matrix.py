@@ -9,7 +9,7 @@ from __future__ import annotations
 from jax_moe_publish import tuning
 from jax_moe_publish.config import (EPILOGUE_ALGORITHMS, FUSED_ALGORITHMS, GROUP_ALGORITHMS, SINGLE_ALGORITHMS,
                                     KernelConfig, fp8_twins, result_of)
-from jax_moe_publish.experts_config import ExpertsConfig
+from jax_moe_publish.experts_config import THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT, ExpertsConfig
 
 GROUP_TPS = (2, 4, 8)
 """The group sizes the GPU tests run (on one GPU with virtual ranks)."""
@@ -272,13 +272,17 @@ shapes, and `EXPERTS_VARIANTS` with the rest of the choices."""
 
 
 def experts_configs(arch: str = "sm_90a") -> list[ExpertsConfig]:
-    """The experts op's GPU test configs (`EXPERTS_SHAPES` at any m and at m = 1, where the op
-    may take one token tile; `EXPERTS_VARIANTS`)."""
+    """The experts op's GPU test configs (`EXPERTS_SHAPES` at any m, at m = 1, where the op
+    may take one token tile, and at the least m whose pairs per expert give gate/up three;
+    `EXPERTS_VARIANTS`)."""
     def heuristic(hidden, intermediate, experts, top_k, fused, m=None):
         return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                                        fused_gate_up=fused, arch=arch, m=m)
 
-    configs = [heuristic(*shape, m=m) for shape in EXPERTS_SHAPES for m in (None, 1)]
+    def many_pairs(hidden, intermediate, experts, top_k, fused):
+        return -(-THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT * experts // top_k)
+
+    configs = [heuristic(*shape, m=m) for shape in EXPERTS_SHAPES for m in (None, 1, many_pairs(*shape))]
     configs += [heuristic(*shape).replace(**changes) for shape, changes in EXPERTS_VARIANTS]
     return list(dict.fromkeys(configs))
 

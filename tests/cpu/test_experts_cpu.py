@@ -624,6 +624,25 @@ def test_gate_up_may_take_its_own_token_tiles():
             config.replace(gate_up_token_tiles=bad)
 
 
+def test_three_gate_up_tiles_where_the_pairs_per_expert_are_many():
+    """for_shape gives gate/up three token tiles, down keeping two, at 16 or more pairs per
+    expert on average (`three_gate_up_tiles`: m >= 256 at top-8 of 128 experts, m >= 512 of
+    256), bf16 weights; none where m is not given. The tiled order is the same, so that
+    prepared weights serve each m's config."""
+    def tiles(hidden, intermediate, experts, m, **options):
+        config = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=8, m=m,
+                                         **options)
+        return config.gemm("gate_up").token_tiles, config.gemm("down").token_tiles
+
+    for hidden, intermediate in ((2048, 768), (2048, 96), (4096, 192)):
+        assert [tiles(hidden, intermediate, 128, m) for m in (255, 256, 1024, None)] == [(2, 2), (3, 2), (3, 2), (2, 2)]
+    assert [tiles(7168, 256, 256, m) for m in (256, 511, 512)] == [(2, 2), (2, 2), (3, 2)]
+    assert tiles(7168, 256, 256, 512, fp8_weights=True) == (2, 2)
+    shapes = [checks.ExpertsShape(m, 8, 128, 2048, 96, True) for m in (255, 256)]
+    assert [experts._default_config(shape).gate_up_token_tiles for shape in shapes] == [None, 3]
+    assert len({experts_layout.Tiling.of(experts._default_config(shape)) for shape in shapes}) == 1
+
+
 def test_gate_up_items_may_cover_several_column_blocks():
     """`gate_up_column_blocks` widens gate/up's items over blocks of the same tiled order: a
     lane's columns of each block in turn (`GemmShape.tile_column`), half the items per expert;
