@@ -724,5 +724,5 @@ def three_gate_up_tiles(pairs: int, experts: int, fp8_weights: bool) -> bool:
     Measured on one H100 (2026-12-07, prepared weights, against two tiles; benchmarks/README.md):
     at 16 pairs per expert (m = 256 at top-8 of 128) 0.72 of the time at Qwen3-30B's tp 1 shard,
     0.89 at its tp 8 and 0.94 at Qwen3-235B's tp 8; at 8 (m = 128 of 128 experts, m = 256 of
-    DeepSeek-V3's 256) 0.89-0.99, but 1.025 at Qwen3-235B's tp 8."""
+    DeepSeek-V3's 256) 0.89-0.97, but 1.025 at Qwen3-235B's tp 8."""
     return not fp8_weights and pairs >= THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT * experts

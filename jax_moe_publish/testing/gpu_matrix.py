@@ -279,10 +279,11 @@ def experts_configs(arch: str = "sm_90a") -> list[ExpertsConfig]:
         return ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                                        fused_gate_up=fused, arch=arch, m=m)
 
-    def many_pairs(hidden, intermediate, experts, top_k, fused):
-        return -(-THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT * experts // top_k)
-
-    configs = [heuristic(*shape, m=m) for shape in EXPERTS_SHAPES for m in (None, 1, many_pairs(*shape))]
+    configs = []
+    for shape in EXPERTS_SHAPES:
+        experts, top_k = shape[2], shape[3]
+        many_pairs = -(-THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT * experts // top_k)
+        configs += [heuristic(*shape, m=m) for m in (None, 1, many_pairs)]
     configs += [heuristic(*shape).replace(**changes) for shape, changes in EXPERTS_VARIANTS]
     return list(dict.fromkeys(configs))
 
