@@ -55,6 +55,10 @@ some of it within the run's spread (benchmarks/README.md)."""
 THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT = 16
 """A call's pairs per expert on average from which `ExpertsConfig.for_shape` gives gate/up three
 token tiles (`three_gate_up_tiles`)."""
+THREE_TILES_MIN_EXPERTS = 256
+THREE_TILES_MIN_PAIRS_PER_EXPERT = 8
+"""The experts and a call's pairs per expert on average from which `ExpertsConfig.for_shape` gives
+both kernels three token tiles (`three_token_tiles`)."""
 ONE_CTA_GATE_UP_WARPS_K = 16
 ONE_CTA_MIN_STEPS = 16
 """Gate/up warps where a call's items are at most one per SM and each warp keeps at least
@@ -652,7 +656,8 @@ class ExpertsConfig:
 
         Token tiles: 2 (16 tokens per pass over an expert's weights), but 1 for a call of ``m``
         tokens where the experts are small and their pairs few (`one_token_tile`), and 3 of
-        gate/up's own where the pairs are many (`three_gate_up_tiles`). The routing in
+        gate/up's own where the pairs are many (`three_gate_up_tiles`), and 3 of both kernels where
+        the experts are many and so are their pairs (`three_token_tiles`). The routing in
         one warp (``warp_routing``) for a call of at most `WARP_ROUTING_IDS` routed ids. Gate/up with
         `ONE_CTA_GATE_UP_WARPS_K` warps for a call of ``m`` tokens whose items are at most one per
         SM, where each warp keeps `ONE_CTA_MIN_STEPS` K steps (bf16 weights)."""
@@ -690,8 +695,10 @@ class ExpertsConfig:
         short_fp8 = fp8_weights and hidden // MMA_K // gate_up_warps_k <= 16
         gate_up_steps = 4 if fp8_weights and ((not fused_gate_up and gate_up_cols == 64) or short_fp8) else 8
         one_tile = m is not None and one_token_tile(hidden, intermediate, m * top_k, experts, fp8_weights)
-        token_tiles = 1 if one_tile else 2
-        gate_up_token_tiles = 3 if m is not None and three_gate_up_tiles(m * top_k, experts, fp8_weights) else None
+        three_tiles = m is not None and three_token_tiles(m * top_k, experts, fp8_weights)
+        token_tiles = 1 if one_tile else 3 if three_tiles else 2
+        three_gate_up = m is not None and not three_tiles and three_gate_up_tiles(m * top_k, experts, fp8_weights)
+        gate_up_token_tiles = 3 if three_gate_up else None
         warp_routing = m is not None and m * top_k <= WARP_ROUTING_IDS
         return cls(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, token_tiles=token_tiles,
                    fused_gate_up=fused_gate_up, gate_up_warps_k=gate_up_warps_k, gate_up_warps_n=1,
@@ -723,6 +730,22 @@ def three_gate_up_tiles(pairs: int, experts: int, fp8_weights: bool) -> bool:
     experts gives many of them more than 16 pairs, so a second pass over their weights.
     Measured on one H100 (2026-12-07, prepared weights, against two tiles; benchmarks/README.md):
     at 16 pairs per expert (m = 256 at top-8 of 128) 0.72 of the time at Qwen3-30B's tp 1 shard,
-    0.89 at its tp 8 and 0.94 at Qwen3-235B's tp 8; at 8 (m = 128 of 128 experts, m = 256 of
-    DeepSeek-V3's 256) 0.89-0.97, but 1.025 at Qwen3-235B's tp 8."""
+    0.89 at its tp 8 and 0.94 at Qwen3-235B's tp 8 (0.71-0.96 at the tp 1, 2 and 4 shards of
+    both); at 8 (m = 128 of 128 experts) 0.89-0.99 at Qwen3-30B's shards and Qwen3-235B's tp 1,
+    but 1.025-1.06 at Qwen3-235B's tp 2, 4 and 8. At 256 experts `three_token_tiles` decides."""
     return not fp8_weights and pairs >= THREE_GATE_UP_TILES_MIN_PAIRS_PER_EXPERT * experts
+
+
+def three_token_tiles(pairs: int, experts: int, fp8_weights: bool) -> bool:
+    """Whether `ExpertsConfig.for_shape` gives both kernels three token tiles (24 tokens per pass
+    over an expert's weights): bf16 weights, at least ``THREE_TILES_MIN_EXPERTS`` experts and a
+    call's ``pairs`` at least ``THREE_TILES_MIN_PAIRS_PER_EXPERT`` per expert. DeepSeek-V3's
+    grouped router (4 of 8 groups per token) left 75-98 of its 256 experts idle at m = 256 in the
+    benchmark's draws and gave the active ones 11-13 pairs on average, more than 16 to over a
+    quarter of them. Measured on one H100 (2026-12-07, prepared weights, against two tiles, two runs;
+    benchmarks/README.md): at m = 256 0.89 of the time at its tp 2 shard, 0.92-0.93 at tp 4 and
+    0.96 at tp 8. At 128 experts the same was mixed (0.92-0.96 at Qwen3-235B's tp 2 and 4 and
+    Qwen3-30B's tp 4 and 8 shards, 1.01-1.03 at Qwen3-30B's tp 1 and 2), so there down keeps two
+    (`three_gate_up_tiles`)."""
+    return (not fp8_weights and experts >= THREE_TILES_MIN_EXPERTS
+            and pairs >= THREE_TILES_MIN_PAIRS_PER_EXPERT * experts)

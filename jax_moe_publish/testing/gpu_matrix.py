@@ -239,6 +239,11 @@ EXPERTS_VARIANTS = (
     ((7168, 256, 32, 8, True), dict(tiled_weights=True, gate_up_token_tiles=4)),
     ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, gate_up_token_tiles=3)),
     ((2048, 96, 24, 8, True), dict(tiled_weights=True, token_tiles=2, gate_up_token_tiles=1)),
+    # Three token tiles of both kernels (`three_token_tiles`, DeepSeek-V3's shards from m = 256):
+    # in the weights' rows, in the tiled order, and with the shared expert held.
+    ((7168, 256, 32, 8, True), dict(token_tiles=3)),
+    ((7168, 256, 32, 8, True), dict(tiled_weights=True, token_tiles=3)),
+    ((7168, 256, 32, 8, True), dict(shared_expert=True, tiled_weights=True, token_tiles=3)),
     # Gate/up items of two column blocks (`gate_up_column_blocks`): in the tiled order, with the
     # shared expert held too, and in the weights' rows at Qwen3-30B's tp = 8 shard (3 blocks of 32).
     ((7168, 256, 32, 8, True), dict(tiled_weights=True, gate_up_column_blocks=2, gate_up_unroll=4)),

@@ -626,9 +626,9 @@ def test_gate_up_may_take_its_own_token_tiles():
 
 def test_three_gate_up_tiles_where_the_pairs_per_expert_are_many():
     """for_shape gives gate/up three token tiles, down keeping two, at 16 or more pairs per
-    expert on average (`three_gate_up_tiles`: m >= 256 at top-8 of 128 experts, m >= 512 of
-    256), bf16 weights; none where m is not given. The tiled order is the same, so that
-    prepared weights serve each m's config."""
+    expert on average (`three_gate_up_tiles`: m >= 256 at top-8 of 128 experts), bf16 weights;
+    none where m is not given. The tiled order is the same, so that prepared weights serve each
+    m's config."""
     def tiles(hidden, intermediate, experts, m, **options):
         config = ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=8, m=m,
                                          **options)
@@ -636,10 +636,29 @@ def test_three_gate_up_tiles_where_the_pairs_per_expert_are_many():
 
     for hidden, intermediate in ((2048, 768), (2048, 96), (4096, 192)):
         assert [tiles(hidden, intermediate, 128, m) for m in (255, 256, 1024, None)] == [(2, 2), (3, 2), (3, 2), (2, 2)]
-    assert [tiles(7168, 256, 256, m) for m in (256, 511, 512)] == [(2, 2), (2, 2), (3, 2)]
     assert tiles(7168, 256, 256, 512, fp8_weights=True) == (2, 2)
     shapes = [checks.ExpertsShape(m, 8, 128, 2048, 96, True) for m in (255, 256)]
     assert [experts._default_config(shape).gate_up_token_tiles for shape in shapes] == [None, 3]
+    assert len({experts_layout.Tiling.of(experts._default_config(shape)) for shape in shapes}) == 1
+
+
+def test_three_token_tiles_where_the_experts_and_their_pairs_are_many():
+    """for_shape gives both kernels three token tiles at 256 or more experts and 8 or more pairs
+    per expert on average (`three_token_tiles`: m >= 256 at DeepSeek-V3's top-8 of 256, each
+    shard), bf16 weights, with the shared expert held too; not at 128 experts, nor where m is
+    not given. The tiled order stays the one prepared weights have."""
+    def tiles(intermediate, experts, m, **options):
+        config = ExpertsConfig.for_shape(hidden=7168, intermediate=intermediate, experts=experts, top_k=8, m=m,
+                                         **options)
+        return config.gemm("gate_up").token_tiles, config.gemm("down").token_tiles
+
+    for intermediate in (2048, 1024, 512, 256):
+        assert [tiles(intermediate, 256, m) for m in (255, 256, 1024, None)] == [(2, 2), (3, 3), (3, 3), (2, 2)]
+        assert tiles(intermediate, 256, 256, shared_expert=True) == (3, 3)
+    assert tiles(256, 256, 256, fp8_weights=True) == (2, 2)
+    assert [tiles(256, 128, m) for m in (128, 256)] == [(2, 2), (3, 2)]
+    shapes = [checks.ExpertsShape(m, 8, 256, 7168, 256, True) for m in (255, 256)]
+    assert [experts._default_config(shape).token_tiles for shape in shapes] == [2, 3]
     assert len({experts_layout.Tiling.of(experts._default_config(shape)) for shape in shapes}) == 1
 
 
