@@ -19,8 +19,9 @@ program (`COLUMNS`):
   (its cuDNN grouped GEMM; XLA takes it with cuDNN >= 9.22 on Ampere or later);
 * ``xla_triton``: the same, compiled with ``xla_gpu_experimental_triton_ragged_dot`` and
   ``xla_gpu_experimental_enable_tiling_propagation`` (XLA's Triton ragged-dot emitter);
-* ``tokamax``: ``tokamax.ragged_dot`` in the same two grouped GEMMs (its ``mosaic``
-  implementation, else ``triton``);
+* ``tokamax``: ``jmp.moe_experts(impl="tokamax")``: the same two grouped GEMMs as
+  ``tokamax.ragged_dot``'s Mosaic GPU kernel (`jax_moe_publish.experts_tokamax`), a route
+  ``impl="auto"`` runs where the table has it fastest;
 * ``gather``: ``jmp.moe_experts(impl="gather")`` (`jax_moe_publish.experts_gather`: XLA
   gathers the active experts' weights into slots, two batched GEMMs), the route that
   ``impl="auto"`` runs where the table (`experts_tuning`) has it fastest;
@@ -55,8 +56,7 @@ program (`COLUMNS`):
   written per second, which a read-only stream moves at about the same rate, the HBM's
   bandwidth being shared between reads and writes).
 
-``tokamax`` returns the rows in expert order, as the MoE block's finalize reads them; the
-others in pair order. Every column's output of one pass is checked against ours
+Every column's output of one pass (rows in pair order) is checked against ours
 (or, where ours cannot run, the first column that ran; relative difference at most 1e-2;
 the FP8 columns as said above) before its times count. XLA's options are per-program
 compile options (as `chains`' ``xla_nccl`` column), not ``XLA_FLAGS``: each column keeps its
@@ -145,7 +145,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import importlib.util
 import itertools
 import json
 import math
@@ -168,7 +167,7 @@ import records
 import timing
 
 import jax_moe_publish as jmp
-from jax_moe_publish import reference
+from jax_moe_publish import experts_tokamax, reference
 from jax_moe_publish.experts_config import FP8_BLOCK
 from jax_moe_publish.experts_layout import Tiling
 from jax_moe_publish.testing import rank_processes
@@ -226,7 +225,7 @@ class Column:
 
     name: str
     what: str
-    route: str  # "ours", "reference" or "gather" (jmp.moe_experts with that impl), or "tokamax"
+    route: str  # "ours" (impl="kernel"), or the jmp.moe_experts impl: "reference", "gather", "tokamax"
     prepared: bool = False  # on jmp.prepare_experts's weights (made once, before the timed loop)
     fp8: bool = False  # on the layers' e4m3 weights (BlockScaled of 128 x 128 blocks)
     fp8_tokens: bool = False  # x quantized to e4m3 per token and 128 channels in the step
@@ -262,8 +261,8 @@ COLUMNS = (
                              ("xla_gpu_experimental_enable_tiling_propagation", True)),
            needs_in_hlo=(_RAGGED_DOT_KEPT, r'"kind":\s*"__triton_gemm"'),
            needs_what="a ragged dot in a Triton GEMM fusion (kind __triton_gemm)"),
-    Column("tokamax", "tokamax.ragged_dot in the same two grouped GEMMs, expert order (implementation "
-           "'mosaic', else 'triton')", "tokamax"),
+    Column("tokamax", "jmp.moe_experts(impl='tokamax'): the reference's two grouped GEMMs as tokamax.ragged_dot's "
+           "Mosaic GPU kernel", "tokamax"),
     Column("gather", "jmp.moe_experts(impl='gather'): the active experts' weights gathered by XLA into slots, "
            "two batched GEMMs", "gather"),
     Column("ours_fp8", "jmp.moe_experts(impl='kernel') on e4m3 weights with 128 x 128 block scales", "ours",
@@ -294,7 +293,6 @@ KEPT_BY_VARIANTS = ("hidden", "intermediate", "experts", "top_k", "fused_gate_up
                     "fp8_tokens", "shared_expert", "arch", *(f.name for f in dataclasses.fields(Tiling)))
 """`jmp.ExpertsConfig` fields that a ``--variants`` column may not change: the call's operands and
 the weights' tiled order (its columns read the same prepared weights as ``ours_prepared``)."""
-TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton")  # tokamax's "xla" is jax.lax.ragged_dot: the ragged_dot column
 
 
 def parse_changes(text: str) -> dict:
@@ -583,38 +581,28 @@ def active_bitmask(active, experts):
 # The columns' programs
 
 
-def layer_function(column, args, top_k, tokamax_ragged_dot=None):
+def layer_function(column, args):
     """``(layer weights, x, expert ids) -> rows`` of ``column``."""
-    if column.route != "tokamax":
-        impl = args.ours_impl if column.route == "ours" else column.route
-        if column.fp8_tokens:
-            return lambda w, x, ids: jmp.moe_experts(jmp.BlockScaled(*reference.quantize_fp8(x)), ids,
-                                                     w["fp8_prepared"], impl=impl)
-        if column.shared == "held":
-            return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared_shared"], impl=impl)
-        if column.shared == "xla":
-            return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared"], shared=w["shared"], impl=impl)
-        if column.prepared:
-            name = "fp8_prepared" if column.fp8 else "prepared"
-            if column.bulk:
-                return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
-                                                         config=bulk_config(w[name], ids.shape, column.fp8))
-            if column.changes:
-                return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
-                                                         config=variant_config(w[name], ids.shape, column))
-            return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
-        if column.fp8:
-            return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
-        return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
-
-    def grouped(w, x, ids):
-        # moe_block.routed_rows_ragged's GEMMs, through tokamax's ragged_dot.
-        order, _, sizes = mb.sort_by_expert(ids, w["gate_up"].shape[0])
-        h = tokamax_ragged_dot(x[order // top_k], w["gate_up"], sizes, preferred_element_type=jnp.float32)
-        h = mb.swiglu(h.astype(jnp.bfloat16))
-        return tokamax_ragged_dot(h, w["down"], sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-
-    return grouped
+    impl = args.ours_impl if column.route == "ours" else column.route
+    if column.fp8_tokens:
+        return lambda w, x, ids: jmp.moe_experts(jmp.BlockScaled(*reference.quantize_fp8(x)), ids,
+                                                 w["fp8_prepared"], impl=impl)
+    if column.shared == "held":
+        return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared_shared"], impl=impl)
+    if column.shared == "xla":
+        return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared"], shared=w["shared"], impl=impl)
+    if column.prepared:
+        name = "fp8_prepared" if column.fp8 else "prepared"
+        if column.bulk:
+            return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
+                                                     config=bulk_config(w[name], ids.shape, column.fp8))
+        if column.changes:
+            return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
+                                                     config=variant_config(w[name], ids.shape, column))
+        return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
+    if column.fp8:
+        return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
+    return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
 
 
 def default_config(prepared, ids_shape, fp8: bool = False):
@@ -682,24 +670,10 @@ def jax_flag(name):
         jax.config.update(name, before)
 
 
-def compile_column(column, args, top_k, layers, inputs):
-    """``(compiled program, the call it runs)`` of ``column`` (the call only where ``what`` does
-    not say it: ours' impl, tokamax's implementation); raises where it cannot be built."""
-    if column.route != "tokamax":
-        ran = f"jmp.moe_experts(impl={args.ours_impl!r})" if column.route == "ours" else None
-        return build(column, layer_function(column, args, top_k), layers, inputs), ran
-    import tokamax
-
-    errors = []
-    for implementation in TOKAMAX_IMPLEMENTATIONS:
-        ragged_dot = functools.partial(tokamax.ragged_dot, implementation=implementation)
-        try:
-            compiled = build(column, layer_function(column, args, top_k, ragged_dot), layers, inputs)
-        except Exception as error:  # noqa: BLE001 - tokamax and XLA raise their own types
-            errors.append(f"{implementation}: {one_line(error)}")
-            continue
-        return compiled, f"tokamax.ragged_dot(implementation={implementation!r})"
-    raise RuntimeError("; ".join(errors))
+def compile_column(column, args, layers, inputs):
+    """``(compiled program, the call it runs)`` of ``column``; raises where it cannot be built."""
+    impl = args.ours_impl if column.route == "ours" else column.route
+    return build(column, layer_function(column, args), layers, inputs), f"jmp.moe_experts(impl={impl!r})"
 
 
 def build(column, layer_fn, layers, inputs):
@@ -782,14 +756,6 @@ def per_call_estimates(programs, counts, inputs, reps, layers):
 # One case
 
 
-def pair_order(rows, ids):
-    """Rows in expert order (stable, as `moe_block.sort_by_expert`) put back in pair order."""
-    order = np.argsort(np.asarray(ids).reshape(-1), kind="stable")
-    unsorted = np.empty_like(rows)
-    unsorted[order] = rows
-    return unsorted
-
-
 class NotTimed(Exception):
     """A column that ran but may not be timed as what it claims to be: its ``why_not``."""
 
@@ -800,9 +766,7 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
     that of the first column that ran. Records in ``entry`` the call it ran, its compile seconds,
     its kernels (`hlo_kernels`) and its loop counts (`loop_counts`); returns the program."""
     start = time.perf_counter()
-    compiled, ran = compile_column(column, args, top_k, layers, inputs)
-    if ran:
-        entry["ran"] = ran
+    compiled, entry["ran"] = compile_column(column, args, layers, inputs)
     text = compiled.as_text()
     if hlo_prefix:
         pathlib.Path(f"{hlo_prefix}.{column.name}.txt").write_text(text)
@@ -812,8 +776,7 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
     entry["compile_s"] = time.perf_counter() - start
     entry["hlo"] = hlo_kernels(text)
     out, shared = (np.asarray(y, np.float64) for y in compiled(*inputs, jnp.int32(1)))
-    # tokamax leaves the rows in expert order; the last layer's routing orders them.
-    outputs[column.name] = pair_order(out, inputs[2][-1]) if column.route == "tokamax" else out
+    outputs[column.name] = out
     if column.shared:
         # The last layer's x is its xs entry (the tie adds zero).
         weights, xs = inputs[0][-1], inputs[1][-1]
@@ -894,7 +857,7 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
                     programs[column.name] = prepare_column(column, args, top_k, layers, inputs, entry, outputs,
                                                            hlo_prefix)
                 else:
-                    programs[column.name] = compile_column(column, args, top_k, layers, inputs)[0]
+                    programs[column.name] = compile_column(column, args, layers, inputs)[0]
             except NotTimed as reason:
                 entry["why_not"] = str(reason)
             except Exception as error:  # noqa: BLE001 - JAX, XLA and tokamax raise their own types
@@ -959,7 +922,7 @@ def known_unavailable(column):
     """Whether this Python lacks what ``column`` needs, where that shows without a device (its
     module, its JAX flag); the run records the error itself."""
     if column.route == "tokamax":
-        return importlib.util.find_spec("tokamax") is None
+        return experts_tokamax.import_error() is not None
     return column.jax_flag is not None and not hasattr(jax.config, column.jax_flag)
 
 

@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe_publish import _launch, batching, checks, experts_gather, experts_layout, experts_tuning, reference
+from jax_moe_publish import (_launch, batching, checks, experts_gather, experts_layout, experts_tokamax, experts_tuning,
+                             reference)
 from jax_moe_publish.block_scaled import BlockScaled
 from jax_moe_publish.experts_config import FP8_BLOCK, MAX_PAIRS, ExpertsConfig
 from jax_moe_publish.experts_layout import PreparedExperts, Tiling
 
-IMPLS = ("auto", "kernel", "gather", "reference")
+IMPLS = ("auto", "kernel", "gather", "tokamax", "reference")
 
 
 def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | None = None, *, shared=None,
@@ -81,17 +82,20 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         (`reference.shared_expert`). The kernels compute it as one more expert, beside the
         routed ones in one pass over the weights, where `prepare_experts` holds it
         (``prepare_experts(gate_up, down, shared=...)``; then leave this None).
-    impl : {"auto", "kernel", "gather", "reference"}
+    impl : {"auto", "kernel", "gather", "tokamax", "reference"}
         ``kernel``: the kernels, on CUDA devices, where they take the shape (hidden a multiple
         of 32, intermediate of 16, ``m * top_k <= 8192`` (``m * (top_k + 1)`` with a held
         shared expert), at most 1024 experts and top-64);
         it raises elsewhere. ``gather``: pure JAX on any platform, the active experts' weights
         gathered by XLA and two batched GEMMs over every token (`experts_gather`; the same
         roundings, intermediates of ``min(m * top_k, experts) * m`` rows: a decode route).
-        ``reference``: the pure-JAX reference (`reference.moe_experts`,
+        ``tokamax``: the reference's grouped GEMMs as tokamax's Mosaic GPU kernel, on CUDA
+        devices with tokamax installed (the ``tokamax`` extra), bf16 operands only
+        (`experts_tokamax`); it raises elsewhere. ``reference``: the pure-JAX reference (`reference.moe_experts`,
         `jax.lax.ragged_dot`). ``auto``: on CUDA devices the route that a measured table
         (`experts_tuning`) found fastest at this shape and m (the kernels only where they can
-        run); the reference where the table has no entry, and on every other platform.
+        run, tokamax where it imports, else the entry's next fastest route); the reference
+        where the table has no entry, and on every other platform.
         With a `PreparedExperts`, ``auto`` is the kernels on CUDA devices where they take the
         shape; the other routes, and ``auto`` elsewhere, undo the tiling in every call first.
         e4m3 weights follow the table of bf16 weights (the kernels read half their bytes).
@@ -116,6 +120,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     if impl == "kernel" and (why_not or not gpus):
         raise ValueError(f"impl='kernel': {why_not or 'no CUDA device in this process'}; use impl='auto', "
                          "'gather' or 'reference'")
+    why_no_tokamax = experts_tokamax.why_not(shape) if impl in ("tokamax", "auto") else None
+    if impl == "tokamax" and (why_no_tokamax or not gpus):
+        raise ValueError(f"impl='tokamax': {why_no_tokamax or 'no CUDA device in this process'}; use impl='auto', "
+                         "'kernel', 'gather' or 'reference'")
     route = impl
     if impl == "auto":
         # The table holds runs on CUDA devices: on any other platform auto runs the reference.
@@ -125,7 +133,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
             route = "kernel"
         elif gpus:
             route = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
-                                             experts=shape.experts, top_k=shape.top_k, m=shape.m)
+                                             experts=shape.experts, top_k=shape.top_k, m=shape.m,
+                                             tokamax=why_no_tokamax is None)
         if route == "kernel" and why_not:
             route = "reference"
     if shape.tiling is not None:
@@ -134,7 +143,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         gate, up = (gate_up, None) if shape.fused else gate_up
     # The pure routes on the weights' rows: tiled weights are put back in them first.
     pure = {name: _untiling(route_fn, shape.tiling, shape.prepared_shared)
-            for name, route_fn in (("reference", _reference), ("gather", _gather))}
+            for name, route_fn in (("reference", _reference), ("gather", _gather), ("tokamax", _tokamax))}
     if route == "kernel":
         set_id = _launch.load(config or _default_config(shape), gpus)
 
@@ -142,8 +151,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
             return _call_kernels(set_id, x, expert_ids, gate, up, down, shape.prepared_shared)
 
         experts = _on_cuda(kernels, pure["reference"])
-    elif route == "gather" and impl == "auto":
-        experts = _on_cuda(pure["gather"], pure["reference"])
+    elif route == "tokamax" or (route == "gather" and impl == "auto"):
+        experts = _on_cuda(pure[route], pure["reference"])
     else:
         experts = pure[route]
     # A batch is one call on every path: the kernels' FFI call and ragged_dot have no vmap rule
@@ -218,6 +227,10 @@ def _reference(x, expert_ids, gate, up, down):
 
 def _gather(x, expert_ids, gate, up, down):
     return experts_gather.moe_experts(x, expert_ids, _gate_up(gate, up), down)
+
+
+def _tokamax(x, expert_ids, gate, up, down):
+    return experts_tokamax.moe_experts(x, expert_ids, _gate_up(gate, up), down)
 
 
 def _untiling(route, tiling: Tiling | None, shared: bool = False):

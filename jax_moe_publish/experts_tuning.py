@@ -2,10 +2,12 @@
 
 An entry of ``experts_table.json`` says that for one shard shape (hidden, intermediate,
 experts, top_k) and calls of more tokens than the shape's previous entry covers and at most
-``max_m``, ``impl`` ("kernel", "gather" or "reference") was the fastest route at every
-measured m of that range in the run its ``source`` names (a result file under
-``benchmarks/results``). A call that no entry covers runs the reference: the kernels and the
-gather route are chosen only where a run on a GPU measured them faster than the other routes.
+``max_m``, ``impl`` ("kernel", "gather", "tokamax" or "reference") was the fastest route at
+every measured m of that range in the run its ``source`` names (a result file under
+``benchmarks/results``), and ``otherwise`` the fastest of the others where ``impl`` is
+"tokamax" (an optional dependency: the route where it does not import). A call that no entry
+covers runs the reference: the other routes are chosen only where a run on a GPU measured them
+faster than the rest.
 The table measures CUDA devices, and ``impl="auto"`` reads it on them only.
 ``benchmarks/experts_table.py`` rewrites the table from such runs (`measured_entries`).
 """
@@ -18,27 +20,31 @@ import math
 import pathlib
 
 TABLE_FILE = pathlib.Path(__file__).with_name("experts_table.json")
-IMPLS = ("kernel", "gather", "reference")
+IMPLS = ("kernel", "gather", "tokamax", "reference")
 OUT_OF_MEMORY = "JaxRuntimeError: RESOURCE_EXHAUSTED"
 """How a column's ``why_not`` starts where its program ran out of the GPU's memory (the
 benchmark writes the exception's type first)."""
 KERNEL_COLUMN = "ours"
 """The benchmark's column of ``impl="kernel"``."""
+TOKAMAX_COLUMN = "tokamax"
+"""The benchmark's column of ``impl="tokamax"``, where its ``ran`` is `TOKAMAX_RAN`: runs
+before that route timed tokamax's GEMMs in a grouping of the benchmark's own, not a route
+``auto`` can take."""
+TOKAMAX_RAN = "jmp.moe_experts(impl='tokamax')"
 GATHER_COLUMN = "gather"
 """The benchmark's column of ``impl="gather"``. The runs of 2026-12-03 timed it as
 ``examples/moe_block.py``'s decode path before it became the op's route: the same gather and
 GEMMs, with the pairs sorted by expert before and the rows left in that order."""
 REFERENCE_ROUTES = ("ragged_dot", "ragged_dot_pallas_triton", "cudnn", "xla_triton")
 """The benchmark's columns that ``impl="reference"`` can run as (its ragged_dot under a flag or
-a compile option); the table's reference is the fastest of them. Not its ``tokamax`` column:
-no route of the op runs tokamax's kernels, so a case where they are the fastest is a loss of
-the op's, not a route for ``auto``."""
+a compile option); the table's reference is the fastest of them."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsChoice:
     """``impl`` for calls of one shard shape with at most ``max_m`` tokens and more than the
-    shape's previous entry covers, measured in ``source``."""
+    shape's previous entry covers, measured in ``source``; ``otherwise``: the route where
+    ``impl`` is "tokamax" and tokamax does not import (None for any other ``impl``)."""
 
     hidden: int
     intermediate: int
@@ -48,10 +54,15 @@ class ExpertsChoice:
     impl: str
     source: str
     reason: str
+    otherwise: str | None = None
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r}: expected one of {IMPLS}")
+        others = tuple(impl for impl in IMPLS if impl != "tokamax")
+        if (self.impl == "tokamax") != (self.otherwise in others):
+            raise ValueError(f"otherwise={self.otherwise!r} with impl={self.impl!r}: expected one of {others} with "
+                             "impl='tokamax', else None")
         if not self.source.startswith("benchmarks/results/"):
             raise ValueError(f"source={self.source!r}: expected the result file of the run that measured it")
 
@@ -73,23 +84,25 @@ def load_table(path: pathlib.Path = TABLE_FILE) -> list[ExpertsChoice]:
 TABLE = load_table()
 
 
-def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: int) -> str:
+def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: int, tokamax: bool) -> str:
     """``impl="auto"``'s route for a call on a CUDA device: the first entry of the shape that
-    covers ``m``, else ``"reference"``."""
+    covers ``m`` (its ``otherwise`` where it names tokamax and ``tokamax`` is False: it does
+    not import, or cannot take the call), else ``"reference"``."""
     for entry in TABLE:
         if (entry.hidden, entry.intermediate, entry.experts, entry.top_k) == (hidden, intermediate, experts, top_k) \
                 and m <= entry.max_m:
-            return entry.impl
+            return entry.otherwise if entry.impl == "tokamax" and not tokamax else entry.impl
     return "reference"
 
 
 def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
     """The entries of the ``bench_moe_experts.py`` runs ``paths``: per shard shape, the fastest
-    route at each measured m (the kernels' column, the gather column, and the fastest of
-    `REFERENCE_ROUTES` as the reference; a case needs a reference figure, or a reference column
-    that ran out of memory, and one other), and one entry per range of consecutive measured m
-    with the same winner, up to the range's last m. A trailing range of the reference gets no
-    entry (no entry: the reference), so a shape where the reference wins everywhere gets none.
+    route at each measured m (the kernels' column, the gather column, the tokamax route's, and
+    the fastest of `REFERENCE_ROUTES` as the reference; a case needs a reference figure, or a
+    reference column that ran out of memory, and one other) and, where that is tokamax, the
+    fastest of the others; one entry per range of consecutive measured m with the same two, up
+    to the range's last m. A trailing range of the reference gets no entry (no entry: the
+    reference), so a shape where the reference wins everywhere gets none.
     Where several runs measured one shape and m, the later path's figures count. Each entry
     names the run of its last m."""
     cases = {}
@@ -102,17 +115,20 @@ def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
             cases.setdefault(shape, {})[case["m"]] = (routes, path.name)
     entries = []
     for (hidden, intermediate, experts, top_k), measured in sorted(cases.items()):
-        ranges = []  # [impl, [m, ...]] of consecutive measured m with the same winner
+        ranges = []  # [(impl, otherwise), [m, ...]] of consecutive measured m with the same two
         for m in sorted(measured):
             routes, _ = measured[m]
             winner = min(routes, key=lambda route: routes[route][0])
-            if ranges and ranges[-1][0] == winner:
+            otherwise = None
+            if winner == "tokamax":
+                otherwise = min((route for route in routes if route != "tokamax"), key=lambda route: routes[route][0])
+            if ranges and ranges[-1][0] == (winner, otherwise):
                 ranges[-1][1].append(m)
             else:
-                ranges.append([winner, [m]])
-        if ranges and ranges[-1][0] == "reference":
+                ranges.append([(winner, otherwise), [m]])
+        if ranges and ranges[-1][0] == ("reference", None):
             ranges.pop()
-        for impl, ms in ranges:
+        for (impl, otherwise), ms in ranges:
             routes, name = measured[ms[-1]]
             figures = ", ".join((f"{route} {us:.1f} us" if math.isfinite(us) else f"{route} failed")
                                 + (f" ({column})" if route == "reference" else "")
@@ -120,17 +136,21 @@ def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
             entries.append(ExpertsChoice(
                 hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, max_m=ms[-1], impl=impl,
                 source=f"benchmarks/results/{name}",
-                reason=f"fastest at measured m = {', '.join(map(str, ms))}; at m = {ms[-1]}: {figures}"))
+                reason=f"fastest at measured m = {', '.join(map(str, ms))}; at m = {ms[-1]}: {figures}",
+                otherwise=otherwise))
     return entries
 
 
 def _route_figures(columns: dict) -> dict:
-    """``{impl: (us, column)}`` of one case's timed columns: kernel, gather, and reference as the
-    fastest of `REFERENCE_ROUTES`; where none of those ran but one ran out of the GPU's memory,
-    the reference at infinity: the table must not send a call to a route that cannot run it."""
+    """``{impl: (us, column)}`` of one case's timed columns: kernel, gather, tokamax (where the
+    column ran the op's route, `TOKAMAX_RAN`), and reference as the fastest of
+    `REFERENCE_ROUTES`; where none of those ran but one ran out of the GPU's memory, the
+    reference at infinity: the table must not send a call to a route that cannot run it."""
     timed = {name: figures["us"] for name, figures in columns.items() if "us" in figures}
     routes = {impl: (timed[column], column) for impl, column in (("kernel", KERNEL_COLUMN), ("gather", GATHER_COLUMN))
               if column in timed}
+    if TOKAMAX_COLUMN in timed and columns[TOKAMAX_COLUMN].get("ran") == TOKAMAX_RAN:
+        routes["tokamax"] = (timed[TOKAMAX_COLUMN], TOKAMAX_COLUMN)
     references = [name for name in REFERENCE_ROUTES if name in timed]
     failed = [name for name in REFERENCE_ROUTES
               if columns.get(name, {}).get("why_not", "").startswith(OUT_OF_MEMORY)]

@@ -391,13 +391,17 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return (jax.nn.silu(as_float32(gate)) * as_float32(up)).astype(jnp.bfloat16)
 
 
-def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array):
+def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array, *,
+                                 ragged_dot=lax.ragged_dot):
     """`moe_experts` and its activations ``h``: ``(y, h)``, h bf16 [m * top_k, intermediate] in
-    pair order (the kernels' intermediate between their two GEMMs), zero for a skipped pair."""
+    pair order (the kernels' intermediate between their two GEMMs), zero for a skipped pair.
+    ``ragged_dot``: the grouped GEMM the pairs run through, of `jax.lax.ragged_dot`'s signature
+    (the op's tokamax route passes tokamax's, `experts_tokamax`); the rows past the groups,
+    the skipped pairs', are zeroed here, whatever it leaves in them."""
     shape = checks.check_expert_arrays(x, expert_ids, gate_up, down)
     flat = expert_ids.reshape(-1)
     valid = (flat >= 0) & (flat < shape.experts)
-    # Skipped pairs sort last, past every group: ragged_dot leaves their rows zero.
+    # Skipped pairs sort last, past every group; their rows are zeroed below.
     group = jnp.where(valid, flat, shape.experts)
     order = jnp.argsort(group, stable=True)
     sizes = jnp.zeros((shape.experts + 1,), jnp.int32).at[group].add(1)[: shape.experts]
@@ -405,8 +409,8 @@ def moe_experts_with_activations(x: jax.Array, expert_ids: jax.Array, gate_up, d
 
     def project(a, w):
         a, w, precision = gemm_operands(a, w)
-        return lax.ragged_dot(a, w, sizes, precision=precision,
-                              preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return ragged_dot(a, w, sizes, precision=precision,
+                          preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
     if shape.fused:
         gate, up = jnp.split(project(rows, gate_up), 2, axis=-1)

@@ -57,7 +57,7 @@ def test_chain_keeps_every_layer_in_the_timed_loop(name):
         inputs = (bench.draw_weights(args, config, tp, layers), xs, ids, jnp.zeros((), jnp.float32),
                   (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16),
                    jnp.zeros((m, config.hidden), jnp.bfloat16)))
-        compiled, _ = bench.compile_column(column, args, config.top_k, layers, inputs)
+        compiled, _ = bench.compile_column(column, args, layers, inputs)
     inside, outside = hlo_text.loop_body_opcodes(compiled.as_text())
     sorts = layers if column.route != "gather" or experts_gather.gather_slots(m, config.top_k, config.experts)[1] else 0
     dots = (4 if column.shared else 2) * layers
@@ -93,7 +93,7 @@ def test_the_kernels_built_are_those_ours_columns_load(stood_in):
                     inputs = (weights, xs, ids, jnp.zeros((), jnp.float32),
                               (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16),
                                jnp.zeros((m, config.hidden), jnp.bfloat16)))
-                    bench.compile_column(column, args, config.top_k, layers, inputs)
+                    bench.compile_column(column, args, layers, inputs)
     loaded = {config for config, _ in stood_in}
     assert {(c.fp8_weights, c.fp8_tokens, c.shared_expert, c.tiled_weights) for c in loaded} == {
         (False, False, False, False), (False, False, False, True), (True, False, False, False),

@@ -138,10 +138,15 @@ def test_bad_arguments_are_named(rng, function, changes, error, match):
 def test_bad_op_options_are_named(rng):
     inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
     args = _arrays(inputs, True)
-    with pytest.raises(ValueError, match=r"impl='fast': expected one of \('auto', 'kernel', 'gather', 'reference'\)"):
+    with pytest.raises(ValueError, match=r"impl='fast': expected one of \('auto', 'kernel', 'gather', 'tokamax', "
+                                         r"'reference'\)"):
         experts.moe_experts(*args, impl="fast")
     with pytest.raises(ValueError, match="impl='kernel': no CUDA device in this process"):
         experts.moe_experts(*args, impl="kernel")
+    # tokamax is optional: missing, the error says so and how to install it; else no GPU here.
+    with pytest.raises(ValueError, match=r"impl='tokamax': (tokamax does not import \(.*\); install it with pip "
+                                         r"install 'jax-moe-publish\[tokamax\]'|no CUDA device in this process)"):
+        experts.moe_experts(*args, impl="tokamax")
     other = ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=7, top_k=2)
     with pytest.raises(ValueError, match=r"config: experts=7 \(the arrays give 6\)"):
         experts.moe_experts(*args, config=other)
@@ -423,18 +428,42 @@ def test_the_table_ranks_the_three_routes_in_ranges_of_m(tmp_path, monkeypatch):
                                  "reference 200.0 us (ragged_dot)")
     # auto_impl's reading of them: a range starts past the previous entry's max_m.
     monkeypatch.setattr(experts_tuning, "TABLE", entries)
-    routes = {m: experts_tuning.auto_impl(**SHAPE, m=m) for m in (1, 8, 9, 16, 17, 64, 65, 128, 129)}
+    routes = {m: experts_tuning.auto_impl(**SHAPE, m=m, tokamax=True) for m in (1, 8, 9, 16, 17, 64, 65, 128, 129)}
     assert routes == {1: "kernel", 8: "kernel", 9: "reference", 16: "reference", 17: "gather", 64: "gather",
                       65: "kernel", 128: "kernel", 129: "reference"}
 
 
-def test_the_table_never_takes_tokamax_for_the_reference(tmp_path):
-    """tokamax's column is what a JAX user has, but impl="reference" cannot run as it."""
-    run = _run(tmp_path, "run.json", [(256, {"ours": 300.0, "ragged_dot": 900.0, "tokamax": 250.0, "gather": 400.0})])
-    [entry] = experts_tuning.measured_entries([run])
-    assert (entry.impl, entry.max_m) == ("kernel", 256)
-    assert entry.reason == ("fastest at measured m = 256; at m = 256: kernel 300.0 us, gather 400.0 us, "
-                            "reference 900.0 us (ragged_dot)")
+def test_the_table_takes_tokamax_only_as_the_ops_route(tmp_path, monkeypatch):
+    """A run's tokamax column is a route where it timed jmp.moe_experts(impl="tokamax"), with the
+    fastest other route for where tokamax does not import; the runs before that route timed
+    tokamax's GEMMs in the benchmark's own grouping, which auto cannot take."""
+    cases = [(64, {"ours": 100.0, "ragged_dot": 900.0, "tokamax": 120.0, "gather": 90.0}),
+             (128, {"ours": 200.0, "ragged_dot": 900.0, "tokamax": 150.0, "gather": 400.0}),
+             (256, {"ours": 300.0, "ragged_dot": 900.0, "tokamax": 250.0, "gather": 400.0}),
+             (512, {"ours": 600.0, "ragged_dot": 900.0, "tokamax": 400.0, "gather": 500.0})]
+    before = _run(tmp_path, "before.json", cases)
+    assert [(e.impl, e.max_m) for e in experts_tuning.measured_entries([before])] == [("gather", 64), ("kernel", 256),
+                                                                                        ("gather", 512)]
+    run = json.loads(before.read_text())
+    for case in run["results"]:
+        case["columns"]["tokamax"]["ran"] = experts_tuning.TOKAMAX_RAN
+    now = tmp_path / "now.json"
+    now.write_text(json.dumps(run))
+    entries = experts_tuning.measured_entries([now])
+    # tokamax wins from 128; the fastest other route splits its range.
+    assert [(e.impl, e.otherwise, e.max_m) for e in entries] == [("gather", None, 64), ("tokamax", "kernel", 256),
+                                                                   ("tokamax", "gather", 512)]
+    assert entries[1].reason == ("fastest at measured m = 128, 256; at m = 256: tokamax 250.0 us, kernel 300.0 us, "
+                                 "gather 400.0 us, reference 900.0 us (ragged_dot)")
+    monkeypatch.setattr(experts_tuning, "TABLE", entries)
+    for tokamax, want in ((True, ["gather", "tokamax", "tokamax", "reference"]),
+                          (False, ["gather", "kernel", "gather", "reference"])):
+        assert [experts_tuning.auto_impl(**SHAPE, m=m, tokamax=tokamax) for m in (64, 256, 512, 513)] == want
+    with pytest.raises(ValueError, match=r"otherwise=None with impl='tokamax': expected one of \('kernel', 'gather', "
+                                         r"'reference'\) with impl='tokamax', else None"):
+        dataclasses.replace(entries[1], otherwise=None)
+    with pytest.raises(ValueError, match=r"otherwise='gather' with impl='kernel'"):
+        dataclasses.replace(entries[0], impl="kernel", otherwise="gather")
 
 
 def test_the_table_counts_a_reference_out_of_memory_as_lost(tmp_path):
