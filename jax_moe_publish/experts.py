@@ -120,7 +120,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     if impl == "kernel" and (why_not or not gpus):
         raise ValueError(f"impl='kernel': {why_not or 'no CUDA device in this process'}; use impl='auto', "
                          "'gather' or 'reference'")
-    why_no_tokamax = experts_tokamax.why_not(shape) if impl in ("tokamax", "auto") else None
+    why_no_tokamax = experts_tokamax.why_not(shape) if impl == "tokamax" else None
     if impl == "tokamax" and (why_no_tokamax or not gpus):
         raise ValueError(f"impl='tokamax': {why_no_tokamax or 'no CUDA device in this process'}; use impl='auto', "
                          "'kernel', 'gather' or 'reference'")
@@ -132,9 +132,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
             # The other routes would undo the tiled order in every call.
             route = "kernel"
         elif gpus:
-            route = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
-                                             experts=shape.experts, top_k=shape.top_k, m=shape.m,
-                                             tokamax=why_no_tokamax is None)
+            route, otherwise = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
+                                                        experts=shape.experts, top_k=shape.top_k, m=shape.m)
+            if route == "tokamax" and experts_tokamax.why_not(shape):
+                route = otherwise
         if route == "kernel" and why_not:
             route = "reference"
     if shape.tiling is not None:

@@ -84,15 +84,15 @@ def load_table(path: pathlib.Path = TABLE_FILE) -> list[ExpertsChoice]:
 TABLE = load_table()
 
 
-def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: int, tokamax: bool) -> str:
-    """``impl="auto"``'s route for a call on a CUDA device: the first entry of the shape that
-    covers ``m`` (its ``otherwise`` where it names tokamax and ``tokamax`` is False: it does
-    not import, or cannot take the call), else ``"reference"``."""
+def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: int) -> tuple[str, str | None]:
+    """``impl="auto"``'s route for a call on a CUDA device, and the route where that is tokamax
+    and tokamax cannot run: the first entry of the shape that covers ``m``, else
+    ``("reference", None)``."""
     for entry in TABLE:
         if (entry.hidden, entry.intermediate, entry.experts, entry.top_k) == (hidden, intermediate, experts, top_k) \
                 and m <= entry.max_m:
-            return entry.otherwise if entry.impl == "tokamax" and not tokamax else entry.impl
-    return "reference"
+            return entry.impl, entry.otherwise
+    return "reference", None
 
 
 def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:

@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 import fp8_experts
 import numerics
 from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
-from jax_moe_publish import _launch, checks, experts, experts_gather, experts_layout, experts_tuning, reference
+from jax_moe_publish import (_launch, checks, experts, experts_gather, experts_layout, experts_tokamax, experts_tuning,
+                             reference)
 from jax_moe_publish.experts_config import BULK_IN_FLIGHT_BYTES, MAX_PAIRS, SHARED_MEMORY_BYTES, ExpertsConfig
 from jax_moe_publish.testing import gpu_matrix
 
@@ -428,9 +429,25 @@ def test_the_table_ranks_the_three_routes_in_ranges_of_m(tmp_path, monkeypatch):
                                  "reference 200.0 us (ragged_dot)")
     # auto_impl's reading of them: a range starts past the previous entry's max_m.
     monkeypatch.setattr(experts_tuning, "TABLE", entries)
-    routes = {m: experts_tuning.auto_impl(**SHAPE, m=m, tokamax=True) for m in (1, 8, 9, 16, 17, 64, 65, 128, 129)}
+    routes = {m: experts_tuning.auto_impl(**SHAPE, m=m)[0] for m in (1, 8, 9, 16, 17, 64, 65, 128, 129)}
     assert routes == {1: "kernel", 8: "kernel", 9: "reference", 16: "reference", 17: "gather", 64: "gather",
                       65: "kernel", 128: "kernel", 129: "reference"}
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(), None),
+    (dict(block_scaled=True), "the tokamax route takes bf16 x and weights only; this call has BlockScaled operands"),
+    (dict(intermediate=96), r"intermediate=96: the tokamax route takes hidden and intermediate multiples of 64"),
+    (dict(hidden=1000, intermediate=40), r"hidden=1000, intermediate=40: the tokamax route takes"),
+])
+def test_what_the_tokamax_route_cannot_take_is_named(monkeypatch, changes, match):
+    """Checked before tokamax traces anything (impl="tokamax" raises with it; auto takes the
+    table's other route); tokamax itself is stood in as importable."""
+    monkeypatch.setattr(experts_tokamax, "import_error", lambda: None)
+    shape = checks.ExpertsShape(**{**dict(m=4, top_k=8, experts=32, hidden=7168, intermediate=256, fused=True),
+                                   **changes})
+    why = experts_tokamax.why_not(shape)
+    assert why is None if match is None else re.match(match, why), why
 
 
 def test_the_table_takes_tokamax_only_as_the_ops_route(tmp_path, monkeypatch):
@@ -456,9 +473,8 @@ def test_the_table_takes_tokamax_only_as_the_ops_route(tmp_path, monkeypatch):
     assert entries[1].reason == ("fastest at measured m = 128, 256; at m = 256: tokamax 250.0 us, kernel 300.0 us, "
                                  "gather 400.0 us, reference 900.0 us (ragged_dot)")
     monkeypatch.setattr(experts_tuning, "TABLE", entries)
-    for tokamax, want in ((True, ["gather", "tokamax", "tokamax", "reference"]),
-                          (False, ["gather", "kernel", "gather", "reference"])):
-        assert [experts_tuning.auto_impl(**SHAPE, m=m, tokamax=tokamax) for m in (64, 256, 512, 513)] == want
+    assert [experts_tuning.auto_impl(**SHAPE, m=m) for m in (64, 256, 512, 513)] == [
+        ("gather", None), ("tokamax", "kernel"), ("tokamax", "gather"), ("reference", None)]
     with pytest.raises(ValueError, match=r"otherwise=None with impl='tokamax': expected one of \('kernel', 'gather', "
                                          r"'reference'\) with impl='tokamax', else None"):
         dataclasses.replace(entries[1], otherwise=None)

@@ -97,9 +97,11 @@ def test_the_kernel_path_takes_e4m3_weights(rng, stood_in, fused, fp8_x, monkeyp
                            ("down", "e4m3", [4, 128, 256]), *scales, ("down_scales", "f32", [4, 1, 2]),
                            *([("x_scales", "f32", [2])] if fp8_x else [])]
     _check(jax.jit(lambda *a: experts.moe_experts(*a, impl="kernel"))(*args), model, "kernel path on CPU")
-    # auto follows the table of bf16 weights: the e4m3 kernels where it names the kernels.
-    for route, loads in (("kernel", 1), ("gather", 0)):
-        monkeypatch.setattr(experts.experts_tuning, "auto_impl", lambda route=route, **shape: route)
+    # auto follows the table of bf16 weights: the e4m3 kernels where it names the kernels, and
+    # where it names tokamax (bf16 only) with the kernels for the calls tokamax cannot take.
+    for route, loads in (("kernel", 1), ("gather", 0), (("tokamax", "kernel"), 1)):
+        choice = route if isinstance(route, tuple) else (route, None)
+        monkeypatch.setattr(experts.experts_tuning, "auto_impl", lambda choice=choice, **shape: choice)
         before = len(stood_in)
         _check(jax.jit(experts.moe_experts)(*args), model, f"auto on CPU, the table naming {route}")
         assert len(stood_in) == before + loads, route
