@@ -90,9 +90,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         gathered by XLA and two batched GEMMs over every token (`experts_gather`; the same
         roundings, intermediates of ``min(m * top_k, experts) * m`` rows: a decode route).
         ``tokamax``: the reference's grouped GEMMs as tokamax's Mosaic GPU kernel, on CUDA
-        devices with tokamax installed (the ``tokamax`` extra), bf16 operands only
-        (`experts_tokamax`); it raises elsewhere. ``reference``: the pure-JAX reference (`reference.moe_experts`,
-        `jax.lax.ragged_dot`). ``auto``: on CUDA devices the route that a measured table
+        devices with tokamax installed (the ``tokamax`` extra), bf16 operands, hidden and
+        intermediate multiples of 64 (`experts_tokamax`); it raises elsewhere.
+        ``reference``: the pure-JAX reference (`reference.moe_experts`, `jax.lax.ragged_dot`). ``auto``: on CUDA devices the route that a measured table
         (`experts_tuning`) found fastest at this shape and m (the kernels only where they can
         run, tokamax where it imports, else the entry's next fastest route); the reference
         where the table has no entry, and on every other platform.

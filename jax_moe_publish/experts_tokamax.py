@@ -1,11 +1,11 @@
 """The experts op's ``impl="tokamax"`` route: the reference's pairs, in expert order, through
 tokamax's grouped GEMM for Hopper (``tokamax.ragged_dot``, its Mosaic GPU implementation).
 
-tokamax is optional (``pip install "jax-moe-publish[tokamax]"``; its 0.0.17 needs jax >= 0.11.1).
-Its kernel tiles each expert's pairs for tensor cores, sized for prefill: on an H100 it
-overtook the op's kernels only at the largest batches measured (benchmarks/README.md), and
-``impl="auto"`` takes it only where a run measured it fastest (`experts_tuning`). The rounding points are the reference's (`reference.moe_experts`); only the
-order of the float32 sums is tokamax's.
+tokamax is optional (``pip install "jax-moe-publish[tokamax]"``; its 0.0.17 needs jax >=
+0.11.1). Its kernel tiles each expert's pairs for tensor cores in blocks sized for prefill, and
+``impl="auto"`` takes it only where a run measured it fastest (`experts_tuning`; the design's
+"the experts op" says where). The rounding points are the reference's
+(`reference.moe_experts`); only the order of the float32 sums is tokamax's.
 """
 
 from __future__ import annotations
