@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
+
 from jax_moe_publish import checks, reference
 
 IMPLEMENTATION = "mosaic"
@@ -19,6 +21,10 @@ IMPLEMENTATION = "mosaic"
 TILE = 64
 """What hidden and intermediate must be multiples of: the kernel's TMA tiles (at Qwen3-30B's
 tp = 8 shard, intermediate 96, it raised that a dimension must be a multiple of its tiling 64)."""
+ROW_TILE = 8
+"""What the route pads a call's pairs to a multiple of, with skipped pairs: tokamax aligns each
+expert's rows to 8 (its sm_90 kernel's ``align_tile``), and on one H100 calls of 28 pairs
+failed where 4, 56 and 256 passed."""
 
 
 @functools.cache
@@ -48,8 +54,17 @@ def why_not(shape: checks.ExpertsShape) -> str | None:
 
 
 def moe_experts(x, expert_ids, gate_up, down):
-    """`reference.moe_experts`'s arguments and result, its two grouped GEMMs tokamax's."""
+    """`reference.moe_experts`'s arguments and result, its two grouped GEMMs tokamax's, on the
+    pairs padded to a multiple of `ROW_TILE` by tokens whose ids are all skipped (sorted past
+    every group: no expert reads them; their rows are dropped)."""
     import tokamax
 
+    m, top_k = expert_ids.shape
+    padded_m = m
+    while padded_m * top_k % ROW_TILE:
+        padded_m += 1
+    x = jnp.pad(x, ((0, padded_m - m), (0, 0)))
+    expert_ids = jnp.pad(expert_ids, ((0, padded_m - m), (0, 0)), constant_values=-1)
     grouped = functools.partial(tokamax.ragged_dot, implementation=IMPLEMENTATION)
-    return reference.moe_experts_with_activations(x, expert_ids, gate_up, down, ragged_dot=grouped)[0]
+    rows = reference.moe_experts_with_activations(x, expert_ids, gate_up, down, ragged_dot=grouped)[0]
+    return rows[: m * top_k]

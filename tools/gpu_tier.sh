@@ -8,7 +8,7 @@
 # 2: the op and mesh tests as rank processes; 3: the tp = 8 epilogue harness alone (beside
 # part 1's four it ran past 10 minutes; alone it takes about 6.5), derivatives, multi-process; 4: the kernel and
 # epilogue files' JAX-level tests as rank processes, then faults, the harness's and the public API's; 5: the
-# experts op, its seven steps one after the other; whole it outgrows a call, so run its steps by name, a few per
+# experts op, its eight steps one after the other; whole it outgrows a call, so run its steps by name, a few per
 # call. Side by side (as until 2026-12-05) none of its five steps then finished in 520 s on one H200, while alone one of
 # its DeepSeek-V3-shard configs took 25-63 s per test.
 # Rank-process tests never run beside other processes: their kernels starved the harness's
@@ -37,6 +37,7 @@ STEPS=(
     "5|experts-e4m3-tiled|-k|e4m3 and tiled and not bulk|tests/gpu/test_experts_gpu.py"
     "5|experts-shared|-k|shared_expert and not bulk|tests/gpu/test_experts_gpu.py"
     "5|experts-bulk|-k|bulk|tests/gpu/test_experts_gpu.py"
+    "5|experts-tokamax|tests/gpu/test_experts_tokamax_gpu.py"
 )
 # Parts whose steps run side by side; the others run their steps one after the other.
 SIDE_BY_SIDE=" 1 "

@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -448,6 +449,28 @@ def test_what_the_tokamax_route_cannot_take_is_named(monkeypatch, changes, match
                                    **changes})
     why = experts_tokamax.why_not(shape)
     assert why is None if match is None else re.match(match, why), why
+
+
+@pytest.mark.parametrize("m, top_k", [(7, 4), (1, 4), (3, 8), (5, 6)])
+def test_the_tokamax_route_hands_tokamax_whole_row_tiles(rng, monkeypatch, m, top_k):
+    """Its pairs reach tokamax padded to a multiple of ROW_TILE by skipped pairs, and its rows
+    are the reference's: tokamax stood in by jax.lax.ragged_dot, which it claims to match."""
+    seen = []
+
+    def ragged_dot(lhs, rhs, group_sizes, *, implementation, **options):
+        seen.append((lhs.shape[0], int(np.sum(np.asarray(group_sizes)))))
+        assert implementation == experts_tokamax.IMPLEMENTATION
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, **options)
+
+    monkeypatch.setitem(sys.modules, "tokamax", types.SimpleNamespace(ragged_dot=ragged_dot))
+    inputs = numerics.random_experts(rng, m=m, hidden=64, intermediate=32, experts=6, top_k=top_k)
+    got = experts_tokamax.moe_experts(inputs.x, inputs.expert_ids, inputs.gate_up, inputs.down)
+    want = reference.moe_experts(inputs.x, inputs.expert_ids, inputs.gate_up, inputs.down)
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    valid = int(np.sum((inputs.expert_ids >= 0) & (inputs.expert_ids < 6)))
+    assert [rows % experts_tokamax.ROW_TILE for rows, _ in seen] == [0, 0]
+    # At most ROW_TILE - 1 padding tokens, whose pairs no group counts.
+    assert all(rows - m * top_k < experts_tokamax.ROW_TILE * top_k and grouped == valid for rows, grouped in seen), seen
 
 
 def test_the_table_takes_tokamax_only_as_the_ops_route(tmp_path, monkeypatch):

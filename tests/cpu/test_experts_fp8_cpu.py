@@ -103,7 +103,8 @@ def test_the_kernel_path_takes_e4m3_weights(rng, stood_in, fused, fp8_x, monkeyp
         choice = route if isinstance(route, tuple) else (route, None)
         monkeypatch.setattr(experts.experts_tuning, "auto_impl", lambda choice=choice, **shape: choice)
         before = len(stood_in)
-        _check(jax.jit(experts.moe_experts)(*args), model, f"auto on CPU, the table naming {route}")
+        # A new function per route: jit's cache would otherwise keep the first route's trace.
+        _check(jax.jit(lambda *a: experts.moe_experts(*a))(*args), model, f"auto on CPU, the table naming {route}")
         assert len(stood_in) == before + loads, route
         assert not loads or stood_in[-1][0] == config
 
