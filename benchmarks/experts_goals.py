@@ -8,6 +8,11 @@
   m = 1 (the other cases print the ratio, with no goal);
 - **never slower**: no other route of a JAX user (`OTHER_ROUTES`) faster than ``column``.
 
+``--column auto`` judges ``impl="auto"`` on the weights' rows: each case's figure is that of
+the route the committed table (`experts_tuning.auto_impl`) gives its shard and m (its
+``otherwise`` where the run has no tokamax figure), and the kernels' column counts among the
+other routes.
+
 The floor is the run's own: the active experts' weight bytes at the copy rate measured in the
 same run (the JSON's ``floor``). A column without figures in a case (it could not run, with its
 reason in the JSON) does not count. Exit status 0 whatever was missed: a report, not a test.
@@ -22,6 +27,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from jax_moe_publish import experts_tuning  # noqa: E402
 from jax_moe_publish.experts_tuning import REFERENCE_ROUTES  # noqa: E402
 
 NEAR_FLOOR_RATIO = 1.25
@@ -30,6 +36,11 @@ SMALL_CALL_SLACK_US = 4.0
 RAGGED_DOT_SPEEDUP = 15.0
 RAGGED_DOT_GOAL_SHAPE, RAGGED_DOT_GOAL_M = "deepseek-v3", 1
 OTHER_ROUTES = (*REFERENCE_ROUTES, "tokamax", "gather")
+AUTO = "auto"
+ROUTE_COLUMNS = {"kernel": experts_tuning.KERNEL_COLUMN, "gather": experts_tuning.GATHER_COLUMN,
+                 "tokamax": experts_tuning.TOKAMAX_COLUMN, "reference": "ragged_dot"}
+"""The benchmark's column of each ``impl`` on the weights' rows (``impl="reference"`` runs
+ragged_dot's default lowering)."""
 
 
 def floor_us(case: dict, run: dict) -> float:
@@ -45,19 +56,32 @@ def near_floor_bound_us(case: dict, run: dict) -> float:
     return floor + SMALL_CALL_SLACK_US
 
 
+def auto_column(case: dict) -> str:
+    """The column of the route ``impl="auto"`` takes at ``case``'s shard and m."""
+    route, otherwise = experts_tuning.auto_impl(hidden=case["hidden"], intermediate=case["intermediate"],
+                                                experts=case["experts"], top_k=case["top_k"], m=case["m"])
+    if route == "tokamax" and "us" not in case["columns"].get(ROUTE_COLUMNS["tokamax"], {}):
+        route = otherwise
+    return ROUTE_COLUMNS[route]
+
+
 def case_goals(case: dict, run: dict, column: str) -> dict | None:
-    """One case's verdicts for ``column``, or None where it has no figure there."""
+    """One case's verdicts for ``column`` (`AUTO`: the route auto takes), or None where it has
+    no figure there."""
     columns = case["columns"]
-    ours = columns.get(column, {}).get("us")
+    judged = auto_column(case) if column == AUTO else column
+    ours = columns.get(judged, {}).get("us")
     if ours is None:
         return None
-    others = {name: columns[name]["us"] for name in OTHER_ROUTES if columns.get(name, {}).get("us") is not None}
+    candidates = (*OTHER_ROUTES, experts_tuning.KERNEL_COLUMN) if column == AUTO else OTHER_ROUTES
+    others = {name: columns[name]["us"] for name in candidates
+              if name != judged and columns.get(name, {}).get("us") is not None}
     best = min(others, key=others.get) if others else None
     ragged = others.get("ragged_dot")
     ragged_goal = case["shape"] == RAGGED_DOT_GOAL_SHAPE and case["m"] == RAGGED_DOT_GOAL_M
     bound = near_floor_bound_us(case, run)
     return {
-        "shape": case["shape"], "tp": case["tp"], "m": case["m"], "us": ours,
+        "shape": case["shape"], "tp": case["tp"], "m": case["m"], "column": judged, "us": ours,
         "floor_us": floor_us(case, run), "bound_us": bound, "near_floor": ours <= bound,
         "best_other": best, "best_other_us": others.get(best),
         "never_slower": best is None or ours <= others[best],
@@ -91,7 +115,8 @@ def markdown(rows: list[dict], column: str) -> str:
         speedup = "-" if row["ragged_dot_speedup"] is None else f"{row['ragged_dot_speedup']:.1f}"
         if row["ragged_dot_goal"] is not None:
             speedup += f" ({mark(row['ragged_dot_goal'])})"
-        lines.append(f"| {row['shape']} tp {row['tp']} | {row['m']} | {row['us']:.1f} | {row['floor_us']:.1f} "
+        us = f"{row['us']:.1f}" if row["column"] == column else f"{row['us']:.1f} ({row['column']})"
+        lines.append(f"| {row['shape']} tp {row['tp']} | {row['m']} | {us} | {row['floor_us']:.1f} "
                      f"| {row['bound_us']:.1f} | {mark(row['near_floor'])} | {best} | {over} "
                      f"| {mark(row['never_slower'])} | {speedup} |")
     ragged = [row for row in rows if row["ragged_dot_goal"] is not None]
@@ -105,7 +130,8 @@ def markdown(rows: list[dict], column: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=pathlib.Path, help="bench_moe_experts.py result JSONs")
-    parser.add_argument("--column", default="ours_prepared", help="our column to judge (default: ours_prepared)")
+    parser.add_argument("--column", default="ours_prepared",
+                        help=f"our column to judge, or {AUTO!r} (default: ours_prepared)")
     args = parser.parse_args(argv)
     print(markdown(run_goals(args.runs, args.column), args.column))
     return 0

@@ -75,3 +75,19 @@ def test_markdown_counts_the_misses(tmp_path):
     text = goals.markdown(goals.run_goals([path], "ours_prepared"), "ours_prepared")
     assert text.splitlines()[-1] == ("2 cases: near the floor missed in 1, slower than another route in 1, "
                                      "under 15x ragged_dot in 1 of 1 (deepseek-v3, m = 1).")
+
+
+def test_auto_is_judged_as_the_route_the_table_gives(tmp_path, monkeypatch):
+    """--column auto: the table's route at each case (its other route where the run has no
+    tokamax figure, the reference where no entry covers m), against every other column."""
+    shard = dict(hidden=2048, intermediate=192, experts=128, top_k=8)
+    monkeypatch.setattr(goals.experts_tuning, "TABLE", [goals.experts_tuning.ExpertsChoice(
+        **shard, max_m=64, impl="tokamax", otherwise="kernel", source="benchmarks/results/t.json", reason="test")])
+    path = write_run(tmp_path, "run.json",
+                     case(m=16, ours=12.0, tokamax=10.0, gather=11.0, ragged_dot=50.0) | shard,
+                     case(m=32, ours=12.0, tokamax=None, gather=11.0, ragged_dot=50.0) | shard,
+                     case(m=128, ours=20.0, tokamax=30.0, ragged_dot=50.0) | shard)
+    rows = goals.run_goals([path], goals.AUTO)
+    assert [(row["m"], row["column"], row["best_other"], row["never_slower"]) for row in rows] == [
+        (16, "tokamax", "gather", True), (32, "ours", "gather", False), (128, "ragged_dot", "ours", False)]
+    assert "| 16 | 10.0 (tokamax) |" in goals.markdown(rows, goals.AUTO)
