@@ -10,8 +10,8 @@
 
 ``--column auto`` judges ``impl="auto"`` on the weights' rows: each case's figure is that of
 the route the committed table (`experts_tuning.auto_impl`) gives its shard and m (its
-``otherwise`` where the run has no tokamax figure), and the kernels' column counts among the
-other routes.
+``otherwise`` where the run has no figure of the tokamax route: none, or one of tokamax's
+GEMMs alone, from before the route), and the kernels' column counts among the other routes.
 
 The floor is the run's own: the active experts' weight bytes at the copy rate measured in the
 same run (the JSON's ``floor``). A column without figures in a case (it could not run, with its
@@ -60,7 +60,8 @@ def auto_column(case: dict) -> str:
     """The column of the route ``impl="auto"`` takes at ``case``'s shard and m."""
     route, otherwise = experts_tuning.auto_impl(hidden=case["hidden"], intermediate=case["intermediate"],
                                                 experts=case["experts"], top_k=case["top_k"], m=case["m"])
-    if route == "tokamax" and "us" not in case["columns"].get(ROUTE_COLUMNS["tokamax"], {}):
+    tokamax = case["columns"].get(ROUTE_COLUMNS["tokamax"], {})
+    if route == "tokamax" and not ("us" in tokamax and tokamax.get("ran") == experts_tuning.TOKAMAX_RAN):
         route = otherwise
     return ROUTE_COLUMNS[route]
 

@@ -87,6 +87,11 @@ def test_auto_is_judged_as_the_route_the_table_gives(tmp_path, monkeypatch):
                      case(m=16, ours=12.0, tokamax=10.0, gather=11.0, ragged_dot=50.0) | shard,
                      case(m=32, ours=12.0, tokamax=None, gather=11.0, ragged_dot=50.0) | shard,
                      case(m=128, ours=20.0, tokamax=30.0, ragged_dot=50.0) | shard)
+    run = json.loads(path.read_text())
+    for each in run["results"]:
+        if "us" in each["columns"]["tokamax"]:
+            each["columns"]["tokamax"]["ran"] = goals.experts_tuning.TOKAMAX_RAN
+    path.write_text(json.dumps(run))
     rows = goals.run_goals([path], goals.AUTO)
     assert [(row["m"], row["column"], row["best_other"], row["never_slower"]) for row in rows] == [
         (16, "tokamax", "gather", True), (32, "ours", "gather", False), (128, "ragged_dot", "ours", False)]
