@@ -37,8 +37,7 @@ RAGGED_DOT_SPEEDUP = 15.0
 RAGGED_DOT_GOAL_SHAPE, RAGGED_DOT_GOAL_M = "deepseek-v3", 1
 OTHER_ROUTES = (*REFERENCE_ROUTES, "tokamax", "gather")
 AUTO = "auto"
-ROUTE_COLUMNS = {"kernel": experts_tuning.KERNEL_COLUMN, "gather": experts_tuning.GATHER_COLUMN,
-                 "tokamax": experts_tuning.TOKAMAX_COLUMN, "reference": "ragged_dot"}
+ROUTE_COLUMNS = {**experts_tuning.ROUTE_COLUMNS, "reference": "ragged_dot"}
 """The benchmark's column of each ``impl`` on the weights' rows (``impl="reference"`` runs
 ragged_dot's default lowering)."""
 
@@ -60,8 +59,7 @@ def auto_column(case: dict) -> str:
     """The column of the route ``impl="auto"`` takes at ``case``'s shard and m."""
     route, otherwise = experts_tuning.auto_impl(hidden=case["hidden"], intermediate=case["intermediate"],
                                                 experts=case["experts"], top_k=case["top_k"], m=case["m"])
-    tokamax = case["columns"].get(ROUTE_COLUMNS["tokamax"], {})
-    if route == "tokamax" and not ("us" in tokamax and tokamax.get("ran") == experts_tuning.TOKAMAX_RAN):
+    if route == "tokamax" and experts_tuning.timed_route(case["columns"], "tokamax") is None:
         route = otherwise
     return ROUTE_COLUMNS[route]
 

@@ -35,6 +35,8 @@ GATHER_COLUMN = "gather"
 """The benchmark's column of ``impl="gather"``. The runs of 2026-12-03 timed it as
 ``examples/moe_block.py``'s decode path before it became the op's route: the same gather and
 GEMMs, with the pairs sorted by expert before and the rows left in that order."""
+ROUTE_COLUMNS = {"kernel": KERNEL_COLUMN, "gather": GATHER_COLUMN, "tokamax": TOKAMAX_COLUMN}
+"""The benchmark's column of each route but the reference."""
 REFERENCE_ROUTES = ("ragged_dot", "ragged_dot_pallas_triton", "cudnn", "xla_triton")
 """The benchmark's columns that ``impl="reference"`` can run as (its ragged_dot under a flag or
 a compile option); the table's reference is the fastest of them."""
@@ -147,10 +149,8 @@ def _route_figures(columns: dict) -> dict:
     `REFERENCE_ROUTES`; where none of those ran but one ran out of the GPU's memory, the
     reference at infinity: the table must not send a call to a route that cannot run it."""
     timed = {name: figures["us"] for name, figures in columns.items() if "us" in figures}
-    routes = {impl: (timed[column], column) for impl, column in (("kernel", KERNEL_COLUMN), ("gather", GATHER_COLUMN))
-              if column in timed}
-    if TOKAMAX_COLUMN in timed and columns[TOKAMAX_COLUMN].get("ran") == TOKAMAX_RAN:
-        routes["tokamax"] = (timed[TOKAMAX_COLUMN], TOKAMAX_COLUMN)
+    routes = {impl: (us, ROUTE_COLUMNS[impl]) for impl in ROUTE_COLUMNS
+              if (us := timed_route(columns, impl)) is not None}
     references = [name for name in REFERENCE_ROUTES if name in timed]
     failed = [name for name in REFERENCE_ROUTES
               if columns.get(name, {}).get("why_not", "").startswith(OUT_OF_MEMORY)]
@@ -160,3 +160,13 @@ def _route_figures(columns: dict) -> dict:
     elif failed:
         routes["reference"] = (math.inf, failed[0])
     return routes
+
+
+def timed_route(columns: dict, impl: str) -> float | None:
+    """The µs of route ``impl`` (one of `ROUTE_COLUMNS`) in a case's ``columns``, or None where
+    its column has no figure of that route: none, or tokamax's GEMMs timed alone (not
+    `TOKAMAX_RAN`)."""
+    figures = columns.get(ROUTE_COLUMNS[impl], {})
+    if impl == "tokamax" and figures.get("ran") != TOKAMAX_RAN:
+        return None
+    return figures.get("us")
