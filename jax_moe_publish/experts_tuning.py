@@ -5,9 +5,10 @@ experts, top_k) and calls of more tokens than the shape's previous entry covers 
 ``max_m``, ``impl`` ("kernel", "gather", "tokamax" or "reference") was the fastest route at
 every measured m of that range in the run its ``source`` names (a result file under
 ``benchmarks/results``), and ``otherwise`` the fastest of the others where ``impl`` is
-"tokamax" (an optional dependency: the route where it does not import). A call that no entry
-covers runs the reference: the other routes are chosen only where a run on a GPU measured them
-faster than the rest.
+"tokamax" (an optional dependency: the route where it does not import). A call of more tokens
+than a shape's last entry covers takes that entry's route, the fastest at the largest measured
+m; a shape without entries runs the reference: the other routes are chosen only where a run on
+a GPU measured them faster than the rest.
 The table measures CUDA devices, and ``impl="auto"`` reads it on them only.
 ``benchmarks/experts_table.py`` rewrites the table from such runs (`measured_entries`).
 """
@@ -88,13 +89,14 @@ TABLE = load_table()
 
 def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: int) -> tuple[str, str | None]:
     """``impl="auto"``'s route for a call on a CUDA device, and the route where that is tokamax
-    and tokamax cannot run: the first entry of the shape that covers ``m``, else
-    ``("reference", None)``."""
-    for entry in TABLE:
-        if (entry.hidden, entry.intermediate, entry.experts, entry.top_k) == (hidden, intermediate, experts, top_k) \
-                and m <= entry.max_m:
-            return entry.impl, entry.otherwise
-    return "reference", None
+    and tokamax cannot run: the first entry of the shape that covers ``m``, past them all the
+    shape's last (the route measured fastest at its largest m), else ``("reference", None)``."""
+    entries = [entry for entry in TABLE
+               if (entry.hidden, entry.intermediate, entry.experts, entry.top_k) == (hidden, intermediate, experts, top_k)]
+    if not entries:
+        return "reference", None
+    entry = next((entry for entry in entries if m <= entry.max_m), entries[-1])
+    return entry.impl, entry.otherwise
 
 
 def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
@@ -103,8 +105,7 @@ def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
     the fastest of `REFERENCE_ROUTES` as the reference; a case needs a reference figure, or a
     reference column that ran out of memory, and one other) and, where that is tokamax, the
     fastest of the others; one entry per range of consecutive measured m with the same two, up
-    to the range's last m. A trailing range of the reference gets no entry (no entry: the
-    reference), so a shape where the reference wins everywhere gets none.
+    to the range's last m, the last range's included (`auto_impl` extends it past that m).
     Where several runs measured one shape and m, the later path's figures count. Each entry
     names the run of its last m."""
     cases = {}
@@ -128,8 +129,6 @@ def measured_entries(paths: list[pathlib.Path]) -> list[ExpertsChoice]:
                 ranges[-1][1].append(m)
             else:
                 ranges.append([(winner, otherwise), [m]])
-        if ranges and ranges[-1][0] == ("reference", None):
-            ranges.pop()
         for (impl, otherwise), ms in ranges:
             routes, name = measured[ms[-1]]
             figures = ", ".join((f"{route} {us:.1f} us" if math.isfinite(us) else f"{route} failed")

@@ -356,7 +356,12 @@ def test_auto_takes_the_kernels_only_where_the_table_measured_them(rng, stood_in
                                          source="benchmarks/results/a-run.json", reason="faster in that run")
     monkeypatch.setattr(experts_tuning, "TABLE", [entry])
     assert STAND_IN in jaxpr()
-    monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, max_m=3)])
+    monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, max_m=2, impl="reference"),
+                                                  dataclasses.replace(entry, max_m=3)])
+    assert STAND_IN in jaxpr()  # m = 4 is past the shape's last entry: its route
+    monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, max_m=4, impl="reference")])
+    assert STAND_IN not in jaxpr()
+    monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, experts=7)])
     assert STAND_IN not in jaxpr()
     with pytest.raises(ValueError, match="source='a run': expected the result file of the run"):
         dataclasses.replace(entry, source="a run")
@@ -420,9 +425,9 @@ def test_the_table_ranks_the_three_routes_in_ranges_of_m(tmp_path, monkeypatch):
         (512, {"ours": 300.0}),  # no reference figure: nothing to rank against
     ])
     entries = experts_tuning.measured_entries([run])
-    # The kernels' range at m = 1, 2, 8 is one entry; the reference's at 16 is written, since
-    # the gather range after it needs it; the last range (the reference's at 256) is not.
-    assert [(e.impl, e.max_m) for e in entries] == [("kernel", 8), ("reference", 16), ("gather", 64), ("kernel", 128)]
+    # The kernels' range at m = 1, 2, 8 is one entry; so is each range of the reference's.
+    assert [(e.impl, e.max_m) for e in entries] == [("kernel", 8), ("reference", 16), ("gather", 64), ("kernel", 128),
+                                                    ("reference", 256)]
     assert all(e.source == "benchmarks/results/run.json" for e in entries)
     assert entries[0].reason == ("fastest at measured m = 1, 2, 8; at m = 8: kernel 30.0 us, reference 35.0 us "
                                  "(cudnn), gather 50.0 us")
@@ -430,9 +435,9 @@ def test_the_table_ranks_the_three_routes_in_ranges_of_m(tmp_path, monkeypatch):
                                  "reference 200.0 us (ragged_dot)")
     # auto_impl's reading of them: a range starts past the previous entry's max_m.
     monkeypatch.setattr(experts_tuning, "TABLE", entries)
-    routes = {m: experts_tuning.auto_impl(**SHAPE, m=m)[0] for m in (1, 8, 9, 16, 17, 64, 65, 128, 129)}
+    routes = {m: experts_tuning.auto_impl(**SHAPE, m=m)[0] for m in (1, 8, 9, 16, 17, 64, 65, 128, 129, 257)}
     assert routes == {1: "kernel", 8: "kernel", 9: "reference", 16: "reference", 17: "gather", 64: "gather",
-                      65: "kernel", 128: "kernel", 129: "reference"}
+                      65: "kernel", 128: "kernel", 129: "reference", 257: "reference"}
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -497,7 +502,7 @@ def test_the_table_takes_tokamax_only_as_the_ops_route(tmp_path, monkeypatch):
                                  "gather 400.0 us, reference 900.0 us (ragged_dot)")
     monkeypatch.setattr(experts_tuning, "TABLE", entries)
     assert [experts_tuning.auto_impl(**SHAPE, m=m) for m in (64, 256, 512, 513)] == [
-        ("gather", None), ("tokamax", "kernel"), ("tokamax", "gather"), ("reference", None)]
+        ("gather", None), ("tokamax", "kernel"), ("tokamax", "gather"), ("tokamax", "gather")]
     with pytest.raises(ValueError, match=r"otherwise=None with impl='tokamax': expected one of \('kernel', 'gather', "
                                          r"'reference'\) with impl='tokamax', else None"):
         dataclasses.replace(entries[1], otherwise=None)
@@ -522,10 +527,20 @@ def test_the_table_counts_a_reference_out_of_memory_as_lost(tmp_path):
     assert [(e.impl, e.max_m) for e in experts_tuning.measured_entries([run])] == [("kernel", 1)]
 
 
-def test_the_table_gives_a_shape_no_entry_where_the_reference_wins(tmp_path):
-    lost = _run(tmp_path, "lost.json", [(1, {"ours": 50.0, "ragged_dot": 40.0, "gather": 45.0}),
-                                        (8, {"ours": 60.0, "ragged_dot": 40.0})])
-    assert experts_tuning.measured_entries([lost]) == []
+def test_auto_keeps_the_route_of_a_shape_s_largest_measured_m_past_it(tmp_path, monkeypatch):
+    """Past a shape's last entry auto takes its route; a shape without entries, the reference."""
+    won = _run(tmp_path, "won.json", [(1, {"ours": 50.0, "ragged_dot": 40.0, "gather": 45.0}),
+                                      (8, {"ours": 30.0, "ragged_dot": 40.0})])
+    lost = _run(tmp_path, "lost.json", [(1, {"ours": 50.0, "ragged_dot": 40.0}), (8, {"ours": 60.0, "ragged_dot": 40.0})],
+                hidden=128)
+    entries = experts_tuning.measured_entries([won, lost])
+    assert [(e.hidden, e.impl, e.max_m) for e in entries] == [(64, "reference", 1), (64, "kernel", 8),
+                                                              (128, "reference", 8)]
+    monkeypatch.setattr(experts_tuning, "TABLE", entries)
+    routes = {(hidden, m): experts_tuning.auto_impl(**{**SHAPE, "hidden": hidden}, m=m)[0]
+              for hidden in (64, 128, 256) for m in (1, 8, 9, 1024)}
+    assert routes == {(64, 1): "reference", (64, 8): "kernel", (64, 9): "kernel", (64, 1024): "kernel",
+                      **{(hidden, m): "reference" for hidden in (128, 256) for m in (1, 8, 9, 1024)}}
 
 
 def test_a_later_run_s_figures_replace_an_earlier_s(tmp_path):
