@@ -475,8 +475,7 @@ def shape_key(args, name):
 def router_params(key, config):
     """One layer's router (`moe_block.init_layer`'s distributions)."""
     keys = jax.random.split(key)
-    params = {"router": jax.random.normal(keys[0], (config.hidden, config.experts), jnp.float32)
-              * config.hidden**-0.5}
+    params = {"router": mb.router_weight(keys[0], config.hidden, config.experts)}
     if config.router == "sigmoid-grouped":
         params["bias"] = 0.1 * jax.random.normal(keys[1], (config.experts,), jnp.float32)
     return params

@@ -194,7 +194,7 @@ def param_specs(config: MoEConfig, prepared: bool = False) -> dict:
     """The layout of one layer's parameters: replicated (``P()``) or one slice per rank
     along a leading axis of size tp (``P("tp")``). Shapes, with ``i = intermediate / tp``::
 
-        router         float32 [hidden, experts]            (replicated)
+        router         float32 [experts, hidden]            (replicated; a Linear's weight, as published)
         bias           float32 [experts]                    (replicated; grouped router only)
         gate_up        bf16 [tp, experts, hidden, 2 * i]    (rank r: gate and up columns r*i..(r+1)*i)
         down           bf16 [tp, experts, i, hidden]        (rank r: rows r*i..(r+1)*i)
@@ -214,6 +214,12 @@ def param_specs(config: MoEConfig, prepared: bool = False) -> dict:
     return specs
 
 
+def router_weight(key, hidden: int, experts: int):
+    """A router weight float32 [experts, hidden] of unit-scale logits, drawn [hidden, experts]
+    and transposed: the draw of the runs before the weight's rows were experts."""
+    return (jax.random.normal(key, (hidden, experts), jnp.float32) * hidden**-0.5).T
+
+
 def init_layer(key, config: MoEConfig, tp: int) -> dict:
     """One layer's parameters (global arrays, `param_specs`), random with unit-scale activations.
 
@@ -230,7 +236,7 @@ def init_layer(key, config: MoEConfig, tp: int) -> dict:
         return jax.random.uniform(k, shape, jnp.bfloat16, -limit, limit)
 
     params = {
-        "router": jax.random.normal(keys[0], (hidden, experts), jnp.float32) * hidden**-0.5,
+        "router": router_weight(keys[0], hidden, experts),
         "gate_up": weight(keys[1], (tp, experts, hidden, 2 * i), hidden),
         "down": weight(keys[2], (tp, experts, i, hidden), config.intermediate),
         "norm": (1.0 + 0.1 * jax.random.normal(keys[3], (hidden,), jnp.float32)).astype(jnp.bfloat16),
@@ -325,8 +331,9 @@ def route_logits(config: MoEConfig, logits, bias=None):
 
 
 def route(config: MoEConfig, layer: dict, x):
-    """`route_logits` of ``x`` (bf16 [m, hidden]): logits in float32."""
-    logits = jnp.dot(x.astype(jnp.float32), layer["router"], precision=lax.Precision.HIGHEST)
+    """`route_logits` of ``x`` (bf16 [m, hidden]): logits in float32. The weight's rows are
+    experts, so that each logit is a reduction along contiguous memory."""
+    logits = jnp.einsum("mh,eh->me", x.astype(jnp.float32), layer["router"], precision=lax.Precision.HIGHEST)
     return route_logits(config, logits, layer.get("bias"))
 
 

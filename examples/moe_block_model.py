@@ -165,7 +165,7 @@ def numpy_layer(config: MoEConfig, layer, x, residual, tp: int, experts=None) ->
     """
     x, residual = _f64(x), _f64(residual)
     m, hidden = x.shape
-    router = _f64(layer["router"])
+    router = _f64(layer["router"]).T  # stored [experts, hidden]
     logits = x @ router
     logit_var = _sum_var(np.abs(x) @ np.abs(router), hidden + 1)
     bias = _f64(layer["bias"]) if config.router == "sigmoid-grouped" else None
