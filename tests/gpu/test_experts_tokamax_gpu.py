@@ -30,8 +30,13 @@ def _weights(inputs, fused):
     return inputs.gate_up if fused else (inputs.gate, inputs.up)
 
 
-def _route(impl, gate_up, down):
-    return jax.jit(lambda x, ids: jmp.moe_experts(x, ids, gate_up, down, impl=impl))
+def _route(impl):
+    """A jit of the op of its own: its trace reads the table and whether tokamax imports."""
+    return jax.jit(lambda x, ids, gate_up, down: jmp.moe_experts(x, ids, gate_up, down, impl=impl))
+
+
+TOKAMAX = _route("tokamax")
+"""The model checks' one jit: tokamax compiles once per shape and m, not per case."""
 
 
 @pytest.mark.parametrize("case", ["random", "hot experts", "every id skipped"])
@@ -42,12 +47,12 @@ def test_the_tokamax_route_matches_the_model(rng, shape, m, case):
     options = {"hot experts": dict(hot_experts=3), "every id skipped": dict(skipped_fraction=1.0)}.get(case, {})
     inputs = numerics.random_experts(rng, m=m, hidden=hidden, intermediate=intermediate, experts=count, top_k=top_k,
                                      **options)
-    op = _route("tokamax", _weights(inputs, fused), inputs.down)
-    out = np.asarray(op(inputs.x, inputs.expert_ids))
+    args = (inputs.x, inputs.expert_ids, _weights(inputs, fused), inputs.down)
+    out = np.asarray(TOKAMAX(*args))
     exact, bound = numerics.expected_rows(inputs)
     numerics.assert_close(out, exact, bound, what=f"tokamax m={m} {case}")
     numerics.assert_rows_zero(out, inputs, what=f"tokamax m={m} {case}")
-    again = np.asarray(op(inputs.x, inputs.expert_ids))
+    again = np.asarray(TOKAMAX(*args))
     assert np.array_equal(again.view(np.uint16), out.view(np.uint16)), "the same inputs gave other bits"
 
 
@@ -71,11 +76,11 @@ def test_auto_takes_tokamax_where_the_table_says_and_its_other_route_where_tokam
                                          max_m=64, impl="tokamax", otherwise="gather",
                                          source="benchmarks/results/test.json", reason="the test's entry")
     monkeypatch.setattr(experts_tuning, "TABLE", [entry])
-    bits = {impl: np.asarray(_route(impl, gate_up, inputs.down)(inputs.x, inputs.expert_ids)).view(np.uint16)
-            for impl in ("auto", "tokamax", "gather")}
+    args = (inputs.x, inputs.expert_ids, gate_up, inputs.down)
+    bits = {impl: np.asarray(_route(impl)(*args)).view(np.uint16) for impl in ("auto", "tokamax", "gather")}
     assert np.array_equal(bits["auto"], bits["tokamax"])
     monkeypatch.setattr(experts_tokamax, "import_error", lambda: "ImportError: the test's")
-    fallen_back = np.asarray(_route("auto", gate_up, inputs.down)(inputs.x, inputs.expert_ids)).view(np.uint16)
+    fallen_back = np.asarray(_route("auto")(*args)).view(np.uint16)
     assert np.array_equal(fallen_back, bits["gather"])
     with pytest.raises(ValueError, match=r"impl='tokamax': tokamax does not import \(ImportError: the test's\)"):
         jmp.moe_experts(inputs.x, inputs.expert_ids, gate_up, inputs.down, impl="tokamax")
