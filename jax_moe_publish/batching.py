@@ -94,12 +94,11 @@ def fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_
     return folded, unfold
 
 
-def folding_expert_batches(experts, max_pairs: int | None = None, shared: bool = False):
+def folding_expert_batches(experts):
     """The experts op's ``experts(x, expert_ids, gate, up, down)`` under ``jax.vmap``: one call
     whose tokens are the whole batch's, element b's after element b - 1's, so the kernels'
     FFI call (and ragged_dot) never sees a batch. The weights must be the same for the whole
-    batch; ``max_pairs`` bounds the call's pairs (the kernels'), a token's ``top_k`` and with
-    ``shared`` one more; each result's rows are per token (``[m * rows per token, ...]``)."""
+    batch; each result's rows are per token (``[m * rows per token, ...]``)."""
 
     @jax.custom_batching.custom_vmap
     def call(x, expert_ids, gate, up, down):
@@ -114,12 +113,7 @@ def folding_expert_batches(experts, max_pairs: int | None = None, shared: bool =
                 raise ValueError(f"{name}: under jax.vmap it differs between batch elements, but one call of the "
                                  "experts op reads one set of weights; expected the same weights for the whole "
                                  "batch (in_axes=None for them)")
-        m, top_k = expert_ids.shape[-2:]
-        pairs = top_k + int(shared)
-        if max_pairs is not None and batch * m * pairs > max_pairs:
-            raise ValueError(f"jax.vmap over a batch of {batch}: one call takes the batch's pairs, {batch} x {m} x "
-                             f"{pairs} = {batch * m * pairs}, more than the kernels' {max_pairs}; expected a "
-                             "smaller batch, or impl='reference'")
+        m = expert_ids.shape[-2]
 
         def tokens(value, is_batched):  # [batch, m, ...] -> [batch * m, ...]
             value = value if is_batched else jnp.broadcast_to(value, (batch, *value.shape))

@@ -84,9 +84,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         (``prepare_experts(gate_up, down, shared=...)``; then leave this None).
     impl : {"auto", "kernel", "gather", "tokamax", "reference"}
         ``kernel``: the kernels, on CUDA devices, where they take the shape (hidden a multiple
-        of 32, intermediate of 16, ``m * top_k <= 8192`` (``m * (top_k + 1)`` with a held
-        shared expert), at most 1024 experts and top-64);
-        it raises elsewhere. ``gather``: pure JAX on any platform, the active experts' weights
+        of 32, intermediate of 16, at most 1024 experts and top-64); it raises elsewhere. A
+        call of more than 8192 pairs (``m * top_k``, ``m * (top_k + 1)`` with a held shared
+        expert) runs as consecutive kernel calls of at most that many, each reading its
+        active experts' weights (`ExpertsConfig.max_m` tokens each). ``gather``: pure JAX on any platform, the active experts' weights
         gathered by XLA and two batched GEMMs over every token (`experts_gather`; the same
         roundings, intermediates of ``min(m * top_k, experts) * m`` rows: a decode route).
         ``tokamax``: the reference's grouped GEMMs as tokamax's Mosaic GPU kernel, on CUDA
@@ -147,20 +148,20 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     pure = {name: _untiling(route_fn, shape.tiling, shape.prepared_shared)
             for name, route_fn in (("reference", _reference), ("gather", _gather), ("tokamax", _tokamax))}
     if route == "kernel":
-        set_id = _launch.load(config or _default_config(shape), gpus)
+        kernel_config = config or _default_config(shape)
+        set_id = _launch.load(kernel_config, gpus)
 
         def kernels(x, expert_ids, gate, up, down):
             return _call_kernels(set_id, x, expert_ids, gate, up, down, shape.prepared_shared)
 
-        experts = _on_cuda(kernels, pure["reference"])
+        experts = _on_cuda(_in_token_chunks(kernels, kernel_config.max_m), pure["reference"])
     elif route == "tokamax" or (route == "gather" and impl == "auto"):
         experts = _on_cuda(pure[route], pure["reference"])
     else:
         experts = pure[route]
     # A batch is one call on every path: the kernels' FFI call and ragged_dot have no vmap rule
     # for a batched lhs, and the gather route reads each active expert once for the whole batch.
-    experts = batching.folding_expert_batches(experts, max_pairs=MAX_PAIRS if route == "kernel" else None,
-                                              shared=shape.prepared_shared)
+    experts = batching.folding_expert_batches(experts)
     rows = _differentiable(experts, pure["reference"])(x, expert_ids, gate, up, down)
     if shared is None:
         return rows
@@ -273,17 +274,12 @@ def _has_gpus() -> bool:
 
 def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = None) -> str | None:
     """Why the kernels cannot take a call of ``shape`` (with ``config``, else the default), or
-    None: no config of the shape exists (`ExpertsConfig`'s checks say why), the call has more
-    pairs than they hold, or its FP8 operands are not those the kernels take."""
+    None: no config of the shape exists (`ExpertsConfig`'s checks say why), or its FP8 operands
+    are not those the kernels take."""
     if shape.block_scaled and not shape.fp8_weights:
         return ("the kernels take bf16 x and weights, or every weight a BlockScaled of 128 x 128 blocks (e4m3 "
                 "weights) with x bf16 or a BlockScaled of 1 x 128 blocks (e4m3 tokens); this call's BlockScaled "
                 "operands are otherwise")
-    pairs_per_token = shape.top_k + int(shape.prepared_shared)
-    if shape.m * pairs_per_token > MAX_PAIRS:
-        what = "(top_k + 1, the shared expert's)" if shape.prepared_shared else "top_k"
-        return (f"m * {what} = {shape.m} x {pairs_per_token} = {shape.m * pairs_per_token} pairs, more than the "
-                f"kernels' {MAX_PAIRS}")
     if config is None:
         try:
             _default_config(shape)
@@ -293,11 +289,12 @@ def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = N
 
 
 def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
-    """`ExpertsConfig.for_shape`'s config of ``shape`` and its m, reading the tiled order of its
-    prepared weights where they are."""
+    """`ExpertsConfig.for_shape`'s config of ``shape`` and its m (of one kernel call's tokens at
+    most, `_in_token_chunks`), reading the tiled order of its prepared weights where they are."""
+    m = min(shape.m, MAX_PAIRS // (shape.top_k + int(shape.prepared_shared)))
     config = ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
                                      top_k=shape.top_k, fused_gate_up=shape.fused, fp8_weights=shape.fp8_weights,
-                                     fp8_tokens=shape.fp8_tokens, shared_expert=shape.prepared_shared, m=shape.m)
+                                     fp8_tokens=shape.fp8_tokens, shared_expert=shape.prepared_shared, m=m)
     return config if shape.tiling is None else shape.tiling.config_for(config)
 
 
@@ -319,6 +316,23 @@ def _check_config(config, call: dict, expected: str) -> None:
     if differ:
         listed = ", ".join(f"{name}={got!r} (the arrays give {want!r})" for name, (got, want) in differ.items())
         raise ValueError(f"config: {listed}; expected a config of {expected}")
+
+
+def _in_token_chunks(kernels, max_tokens: int):
+    """``kernels`` for a call of any number of tokens: one of more than ``max_tokens`` (the most
+    pairs a kernel call holds) as consecutive calls of at most that many, their results in token
+    order. Each token's rows are the same bits in any call, so in any chunk."""
+
+    def experts(x, expert_ids, gate, up, down):
+        m = expert_ids.shape[0]
+        if m <= max_tokens:
+            return kernels(x, expert_ids, gate, up, down)
+        # x may be a BlockScaled: its values and scales split alike.
+        chunks = [kernels(jax.tree.map(lambda value: value[start:start + max_tokens], x),
+                          expert_ids[start:start + max_tokens], gate, up, down) for start in range(0, m, max_tokens)]
+        return jax.tree.map(lambda *parts: jnp.concatenate(parts), *chunks)
+
+    return experts
 
 
 def _call_kernels(set_id, x, expert_ids, gate, up, down, shared: bool = False):

@@ -23,9 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 import fp8_experts
 import numerics
-from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
-from jax_moe_publish import (_launch, checks, experts, experts_gather, experts_layout, experts_tokamax, experts_tuning,
+from experts_stand_in import STAND_IN, ffi_calls, stood_in  # noqa: F401 - the fixture
+from jax_moe_publish import (checks, experts, experts_gather, experts_layout, experts_tokamax, experts_tuning,
                              reference)
+from jax_moe_publish.block_scaled import BlockScaled
 from jax_moe_publish.experts_config import BULK_IN_FLIGHT_BYTES, MAX_PAIRS, SHARED_MEMORY_BYTES, ExpertsConfig
 from jax_moe_publish.testing import gpu_matrix
 
@@ -205,9 +206,46 @@ def test_shapes_the_kernels_refuse_are_named(rng, stood_in):
     inputs = numerics.random_experts(rng, m=4, hidden=48, intermediate=32, experts=6, top_k=2)
     with pytest.raises(ValueError, match=r"impl='kernel': the kernels take no call of this shape: .*hidden=48"):
         experts.moe_experts(*_arrays(inputs, True), impl="kernel")
-    many = numerics.random_experts(rng, m=MAX_PAIRS // 2 + 1, hidden=64, intermediate=32, experts=6, top_k=2)
-    with pytest.raises(ValueError, match=rf"{MAX_PAIRS + 2} pairs, more than the kernels' {MAX_PAIRS}"):
-        experts.moe_experts(*_arrays(many, True), impl="kernel")
+
+
+def _kernel_calls_tokens(jaxpr) -> list[int]:
+    """The tokens (x's rows) of each FFI call in ``jaxpr``, in order."""
+    return [eqn.invars[0].aval.shape[0] for eqn in ffi_calls(jaxpr)]
+
+
+def test_a_call_past_the_kernels_pairs_is_several_kernel_calls(rng, stood_in):
+    """More than `MAX_PAIRS` pairs: consecutive kernel calls of ``max_m`` tokens, the last of the
+    rest, with the config of ``max_m`` tokens; so too a vmapped batch past them."""
+    max_m = MAX_PAIRS // 2
+    many = numerics.random_experts(rng, m=2 * max_m + 3, hidden=64, intermediate=32, experts=6, top_k=2)
+    jaxpr = jax.make_jaxpr(lambda *a: experts.moe_experts(*a, impl="kernel"))(*_arrays(many, True)).jaxpr
+    assert _kernel_calls_tokens(jaxpr) == [max_m, max_m, 3]
+    assert stood_in[-1][0] == ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2, m=max_m)
+    w = numerics.random_experts(rng, m=max_m // 2, hidden=64, intermediate=32, experts=6, top_k=2)
+    xs, ids = np.stack([w.x] * 3), np.stack([w.expert_ids] * 3)
+    jaxpr = jax.make_jaxpr(jax.vmap(lambda x, i: experts.moe_experts(x, i, w.gate_up, w.down, impl="kernel")))(
+        xs, ids).jaxpr
+    assert _kernel_calls_tokens(jaxpr) == [max_m, max_m // 2]
+
+
+def test_token_chunks_keep_every_token_s_rows_in_order(rng):
+    """`_in_token_chunks` over a stand-in whose rows tell each token apart, with a BlockScaled x
+    and two results (the shared expert's rows beside the routed): the bits of one call."""
+    inputs = numerics.random_experts(rng, m=11, hidden=256, intermediate=32, experts=6, top_k=3)
+    x = BlockScaled(*reference.quantize_fp8(inputs.x))
+
+    def stand_in(x, expert_ids, gate, up, down):
+        values = x.values.astype(jnp.float32) * jnp.repeat(x.scales, 128, axis=1)
+        rows = values[:, None, :64] + expert_ids[..., None].astype(jnp.float32)
+        return rows.reshape(-1, 64).astype(jnp.bfloat16), (values[:, :32] * gate).astype(jnp.bfloat16)
+
+    whole = stand_in(x, inputs.expert_ids, 3.0, None, None)
+    for max_tokens in (1, 4, 10, 11):
+        chunked = experts._in_token_chunks(stand_in, max_tokens)(x, inputs.expert_ids, 3.0, None, None)
+        for got, want, what in zip(chunked, whole, ("rows", "shared rows")):
+            assert got.shape == want.shape, f"{what} in chunks of {max_tokens}"
+            assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)), (
+                f"{what} in chunks of {max_tokens}")
 
 
 def test_vmap_is_one_call_per_element(rng):
@@ -313,16 +351,11 @@ def test_the_kernel_path_under_vmap_and_grad(rng, stood_in):
     assert np.any(np.asarray(grad).astype(np.float32) != 0)
 
 
-def test_the_kernel_path_refuses_batched_weights_and_too_many_pairs(rng, stood_in):
+def test_the_kernel_path_refuses_batched_weights(rng, stood_in):
     w = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
     downs = np.stack([w.down, w.down])
     with pytest.raises(ValueError, match="down: under jax.vmap it differs between batch elements"):
         jax.vmap(lambda d: experts.moe_experts(w.x, w.expert_ids, w.gate_up, d, impl="kernel"))(downs)
-    m = MAX_PAIRS // 4
-    big = numerics.random_experts(rng, m=m, hidden=64, intermediate=32, experts=6, top_k=2)
-    xs, ids = np.stack([big.x] * 3), np.stack([big.expert_ids] * 3)
-    with pytest.raises(ValueError, match=rf"a batch of 3: one call takes the batch's pairs, 3 x {m} x 2"):
-        jax.vmap(lambda x, i: experts.moe_experts(x, i, w.gate_up, w.down, impl="kernel"))(xs, ids)
 
 
 def test_the_kernel_path_under_shard_map(rng, stood_in):

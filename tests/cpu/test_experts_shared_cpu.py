@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import fp8_experts
 import numerics
-from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
+from experts_stand_in import STAND_IN, ffi_calls, stood_in  # noqa: F401 - the fixture
 from jax_moe_publish import BlockScaled, ExpertsConfig, _abi, experts, prepare_experts, reference
 from jax_moe_publish.experts_config import MAX_PAIRS
 
@@ -161,14 +161,17 @@ def test_a_shared_expert_config_s_call_record():
     assert "shared" in _abi.EXPERTS.roles["expert_down_shared"].params
 
 
-def test_too_many_pairs_with_the_shared_expert_are_named(rng, stood_in):  # noqa: F811
-    """``m * (top_k + 1)`` pairs past the kernels' table: impl="kernel" refuses by name, auto
-    runs the reference."""
-    (x, ids, gate_up, down, shared), _, _ = _case(rng, m=MAX_PAIRS // 2, hidden=128, intermediate=128, count=3,
-                                                   top_k=2)
+def test_a_call_past_the_pairs_with_the_shared_expert_is_several_kernel_calls(rng, stood_in):  # noqa: F811
+    """``m * (top_k + 1)`` pairs past the kernels' table: kernel calls of ``MAX_PAIRS // 3``
+    tokens at top-2, the last of the rest, each with its shared rows."""
+    m = MAX_PAIRS // 2
+    (x, ids, gate_up, down, shared), _, _ = _case(rng, m=m, hidden=128, intermediate=128, count=3, top_k=2)
     prepared = prepare_experts(gate_up, down, shared=shared)
-    with pytest.raises(ValueError, match=rf"m \* \(top_k \+ 1, the shared expert's\) = {MAX_PAIRS // 2} x 3"):
-        experts.moe_experts(x, ids, prepared, impl="kernel")
+    jaxpr = jax.make_jaxpr(lambda x, ids, p: experts.moe_experts(x, ids, p, impl="kernel"))(x, ids, prepared).jaxpr
+    calls = ffi_calls(jaxpr)
+    chunk = MAX_PAIRS // 3
+    assert [eqn.invars[0].aval.shape[0] for eqn in calls] == [chunk, m - chunk]
+    assert [eqn.outvars[1].aval.shape for eqn in calls] == [(chunk, 128), (m - chunk, 128)]
 
 
 def test_misuse_is_named(rng):

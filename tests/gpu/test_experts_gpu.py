@@ -23,7 +23,6 @@ the same blocks.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -33,7 +32,7 @@ import jax_moe_publish as jmp
 import numerics
 from jax_moe_publish import experts_gather, experts_layout
 from jax_moe_publish.aot.store import default_store
-from jax_moe_publish.experts_config import MAX_PAIRS, ROUTING_PAIRS_PER_THREAD
+from jax_moe_publish.experts_config import ROUTING_PAIRS_PER_THREAD
 from jax_moe_publish.testing import gpu_matrix
 
 pytestmark = pytest.mark.gpus(1)
@@ -341,14 +340,19 @@ def test_a_chain_of_layers_in_one_program(rng):
     assert np.array_equal(got.view(np.uint16), x.view(np.uint16))
 
 
-def test_too_many_pairs_are_refused_before_the_kernels(rng):
+def test_a_call_past_the_kernels_pairs_matches_the_model(rng):
+    """More tokens than one kernel call holds (``max_m``): consecutive calls, every row against
+    the model, the last tokens' rows the bits of a call of those tokens alone."""
     config = CONFIGS[0]
-    m = MAX_PAIRS // config.top_k + 1
-    x = jnp.zeros((m, config.hidden), jnp.bfloat16)
-    ids = jnp.zeros((m, config.top_k), jnp.int32)
-    weights = _inputs(rng, config, 1)
-    with pytest.raises(ValueError, match="pairs, more than the kernels'"):
-        jmp.moe_experts(x, ids, weights.gate_up, weights.down, impl="kernel", config=config)
+    m = config.max_m + 5
+    inputs = _inputs(rng, config, m)
+    op = jax.jit(lambda x, ids: jmp.moe_experts(x, ids, inputs.gate_up, inputs.down, impl="kernel", config=config))
+    got = np.asarray(op(inputs.x, inputs.expert_ids))
+    exact, bound = numerics.expected_rows(inputs)
+    numerics.assert_close(got, exact, bound, what=f"m={m} in two kernel calls")
+    numerics.assert_rows_zero(got, inputs, what=f"m={m}")
+    alone = np.asarray(op(inputs.x[-5:], inputs.expert_ids[-5:]))
+    assert np.array_equal(got[-5 * config.top_k:].view(np.uint16), alone.view(np.uint16))
 
 
 GATHER_SHAPES = (*gpu_matrix.EXPERTS_SHAPES, (2048, 96, 128, 8, True))
