@@ -16,7 +16,7 @@ from jax import lax
 from jax_moe_publish import (_launch, batching, checks, experts_gather, experts_layout, experts_tokamax, experts_tuning,
                              reference)
 from jax_moe_publish.block_scaled import BlockScaled
-from jax_moe_publish.experts_config import FP8_BLOCK, MAX_PAIRS, ExpertsConfig
+from jax_moe_publish.experts_config import FP8_BLOCK, ExpertsConfig
 from jax_moe_publish.experts_layout import PreparedExperts, Tiling
 
 IMPLS = ("auto", "kernel", "gather", "tokamax", "reference")
@@ -289,12 +289,11 @@ def _why_no_kernels(shape: checks.ExpertsShape, config: ExpertsConfig | None = N
 
 
 def _default_config(shape: checks.ExpertsShape) -> ExpertsConfig:
-    """`ExpertsConfig.for_shape`'s config of ``shape`` and its m (of one kernel call's tokens at
-    most, `_in_token_chunks`), reading the tiled order of its prepared weights where they are."""
-    m = min(shape.m, MAX_PAIRS // (shape.top_k + int(shape.prepared_shared)))
+    """`ExpertsConfig.for_shape`'s config of ``shape`` and its m, reading the tiled order of its
+    prepared weights where they are."""
     config = ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate, experts=shape.experts,
                                      top_k=shape.top_k, fused_gate_up=shape.fused, fp8_weights=shape.fp8_weights,
-                                     fp8_tokens=shape.fp8_tokens, shared_expert=shape.prepared_shared, m=m)
+                                     fp8_tokens=shape.fp8_tokens, shared_expert=shape.prepared_shared, m=shape.m)
     return config if shape.tiling is None else shape.tiling.config_for(config)
 
 

@@ -220,7 +220,9 @@ def test_a_call_past_the_kernels_pairs_is_several_kernel_calls(rng, stood_in):
     many = numerics.random_experts(rng, m=2 * max_m + 3, hidden=64, intermediate=32, experts=6, top_k=2)
     jaxpr = jax.make_jaxpr(lambda *a: experts.moe_experts(*a, impl="kernel"))(*_arrays(many, True)).jaxpr
     assert _kernel_calls_tokens(jaxpr) == [max_m, max_m, 3]
-    assert stood_in[-1][0] == ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2, m=max_m)
+    one_call = ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2, m=max_m)
+    assert stood_in[-1][0] == one_call == ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2,
+                                                                 m=2 * max_m + 3)
     w = numerics.random_experts(rng, m=max_m // 2, hidden=64, intermediate=32, experts=6, top_k=2)
     xs, ids = np.stack([w.x] * 3), np.stack([w.expert_ids] * 3)
     jaxpr = jax.make_jaxpr(jax.vmap(lambda x, i: experts.moe_experts(x, i, w.gate_up, w.down, impl="kernel")))(
