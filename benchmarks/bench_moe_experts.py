@@ -51,6 +51,8 @@ program (`COLUMNS`):
 * ``ours_prepared:FIELD=VALUE,...`` (``--variants``): ``ours_prepared`` with those changes to
   the op's config (`jmp.ExpertsConfig` launch-shape fields that keep the tiled order, such as
   ``token_tiles=1``): a launch shape measured against the default in the same run;
+  ``ours:FIELD=VALUE,...`` (``--variants rows:FIELD=VALUE,...``): ``ours`` so, on the weights'
+  rows, where the tiled order's fields may change too (``gate_up_warp_cols=64``);
 * ``floor``: the active experts' weight bytes (``3 * hidden * intermediate * 2`` each) at
   the HBM bandwidth measured in the same run (`floors.measure_floors`' copy: bytes read +
   written per second, which a read-only stream moves at about the same rate, the HBM's
@@ -231,7 +233,7 @@ class Column:
     fp8_tokens: bool = False  # x quantized to e4m3 per token and 128 channels in the step
     shared: str = ""  # the shared expert too: "held" by the prepared weights, or through "xla"
     bulk: bool = False  # ours with ExpertsConfig.with_bulk_loads (prepared weights only)
-    changes: tuple = ()  # ours with these (field, value) changes to the default config (prepared weights only)
+    changes: tuple = ()  # ours with these (field, value) changes to the default config
     compiler_options: tuple = ()  # XLA options of this column's programs only
     jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
     needs_in_hlo: tuple = ()
@@ -289,6 +291,9 @@ COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
 FLOOR_COLUMNS = ("floor", "floor_fp8", "floor_shared")
 """A case's entries beside its columns: the floors (module docstring)."""
 VARIANT_PREFIX = "ours_prepared:"
+ROWS_VARIANT_PREFIX = "ours:"
+ROWS_VARIANT = "rows:"
+"""How a ``--variants`` text asks for a column of ``ours`` (the weights' rows)."""
 KEPT_BY_VARIANTS = ("hidden", "intermediate", "experts", "top_k", "fused_gate_up", "tiled_weights", "fp8_weights",
                     "fp8_tokens", "shared_expert", "arch", *(f.name for f in dataclasses.fields(Tiling)))
 """`jmp.ExpertsConfig` fields that a ``--variants`` column may not change: the call's operands and
@@ -305,18 +310,26 @@ def parse_changes(text: str) -> dict:
 
 
 def variant_column(text: str) -> Column:
-    """The ``--variants`` column of ``text`` (`parse_changes`), named `VARIANT_PREFIX` + ``text``;
-    ValueError where a change is not a launch-shape field that keeps the tiled order."""
+    """The ``--variants`` column of ``text`` (`parse_changes`): of ``ours_prepared``, named
+    `VARIANT_PREFIX` + ``text``, or after `ROWS_VARIANT` of ``ours``, named `ROWS_VARIANT_PREFIX` +
+    the changes; ValueError where a change is not a launch-shape field (that keeps the tiled
+    order, on prepared weights)."""
+    rows = text.startswith(ROWS_VARIANT)
+    changes_text = text.removeprefix(ROWS_VARIANT)
     try:
-        changes = parse_changes(text)
+        changes = parse_changes(changes_text)
     except ValueError:
-        raise ValueError(f"--variants {text}: expected FIELD=VALUE[,FIELD=VALUE...] with integer or "
+        raise ValueError(f"--variants {text}: expected [{ROWS_VARIANT}]FIELD=VALUE[,FIELD=VALUE...] with integer or "
                          "true/false values") from None
     fields = {f.name for f in dataclasses.fields(jmp.ExpertsConfig)}
+    kept = set(KEPT_BY_VARIANTS) - ({f.name for f in dataclasses.fields(Tiling)} if rows else set())
     for field in changes:
-        if field not in fields or field in KEPT_BY_VARIANTS:
-            raise ValueError(f"--variants {text}: {field!r} is not a launch-shape field that keeps the weights' "
-                             f"tiled order; expected one of {sorted(fields - set(KEPT_BY_VARIANTS))}")
+        if field not in fields or field in kept:
+            what = "launch-shape field" if rows else "launch-shape field that keeps the weights' tiled order"
+            raise ValueError(f"--variants {text}: {field!r} is not a {what}; expected one of {sorted(fields - kept)}")
+    if rows:
+        return Column(ROWS_VARIANT_PREFIX + changes_text, f"ours with the op's config changed by {changes_text} (the "
+                      "weights' rows)", "ours", changes=tuple(sorted(changes.items())))
     return Column(VARIANT_PREFIX + text, f"ours_prepared with the op's config changed by {text} (the same tiled "
                   "order)", "ours", prepared=True, changes=tuple(sorted(changes.items())))
 
@@ -346,7 +359,8 @@ def parse(argv=None):
     parser.add_argument("--columns", nargs="+", default=list(COLUMN_NAMES), choices=COLUMN_NAMES)
     parser.add_argument("--variants", nargs="+", default=[], metavar="FIELD=VALUE[,...]",
                         help="more columns: ours_prepared with these changes to the op's config (launch-shape "
-                             "fields that keep the tiled order), e.g. token_tiles=1")
+                             "fields that keep the tiled order), e.g. token_tiles=1; rows:FIELD=VALUE: ours so (the "
+                             "weights' rows), e.g. rows:gate_up_warp_cols=64")
     parser.add_argument("--reps", type=int, default=10, help="paired repetitions per round")
     parser.add_argument("--rounds", type=int, default=1, help="rounds, each with freshly compiled programs")
     parser.add_argument("--target-ms", type=float, help="each column's long run less its short run, in ms "
@@ -395,7 +409,9 @@ def parse(argv=None):
                 try:
                     ours_config(config, tp, column, m)  # ExpertsConfig checks each value
                 except ValueError as error:
-                    parser.error(f"--variants {column.name.removeprefix(VARIANT_PREFIX)} at {name} tp={tp}: {error}")
+                    text = column.name.removeprefix(VARIANT_PREFIX) if column.prepared else (
+                        ROWS_VARIANT + column.name.removeprefix(ROWS_VARIANT_PREFIX))
+                    parser.error(f"--variants {text} at {name} tp={tp}: {error}")
     return args
 
 
@@ -601,7 +617,19 @@ def layer_function(column, args):
         return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
     if column.fp8:
         return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
+    if column.changes:
+        return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl,
+                                                 config=rows_variant_config(w["down"], ids.shape, column))
     return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
+
+
+def rows_variant_config(down, ids_shape, column):
+    """A rows ``--variants`` column's config for the weights' rows (``down`` gives the shard's
+    shape): the op's default with the column's changes."""
+    experts, intermediate, hidden = down.shape
+    m, top_k = ids_shape
+    return jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                                       m=m).replace(**dict(column.changes))
 
 
 def default_config(prepared, ids_shape, fp8: bool = False):
@@ -910,8 +938,8 @@ def case_estimate_s(args, config, tp, m, layers, columns):
         if known_unavailable(column):
             seconds += GUESS["unavailable_s"]
             continue
-        # A --variants column compiles as ours_prepared does.
-        guess = GUESS["compile_s"][column.name if not column.changes else "ours_prepared"]
+        # A --variants column compiles as the column it changes does.
+        guess = GUESS["compile_s"][column.name if not column.changes else "ours_prepared" if column.prepared else "ours"]
         compile_s = guess + GUESS["compile_s_per_layer"] * layers
         seconds += args.rounds * (compile_s + (args.reps + 3) * pair_s)
     return seconds

@@ -251,12 +251,30 @@ def test_a_variant_column_runs_beside_ours_prepared(tmp_path):
                                         config.replace(tiled_weights=True, token_tiles=3)]
 
 
+def test_a_rows_variant_is_ours_with_any_launch_shape_change():
+    """``--variants rows:...``: a column of ours (the weights' rows) whose config, loaded in the
+    run and built by ``--build-kernels``, is the op's default with the changes, the tiled
+    order's fields among them."""
+    args = bench.parse(["--shapes", "qwen3-30b-a3b", "--tp", "1", "--m", "1", "--columns", "ours",
+                        "--variants", "rows:gate_up_warp_cols=64"])
+    column, = args.variant_columns
+    assert (column.name, column.route, column.prepared) == ("ours:gate_up_warp_cols=64", "ours", False)
+    default = jmp.ExpertsConfig.for_shape(hidden=2048, intermediate=768, experts=128, top_k=8, m=1)
+    assert default.gate_up_warp_cols == 32 and not default.tiled_weights
+    wide = default.replace(gate_up_warp_cols=64)
+    assert bench.ours_configs(args) == [default, wide]
+    down = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
+    assert bench.rows_variant_config(down, (1, 8), column) == wide
+
+
 @pytest.mark.parametrize("variant, expected", [
     ("gate_up_warp_cols=64", "'gate_up_warp_cols' is not a launch-shape field that keeps the weights' tiled order"),
     ("fp8_weights=true", "'fp8_weights' is not a launch-shape field"),
     ("no_such_field=1", "'no_such_field' is not a launch-shape field"),
-    ("token_tiles", "expected FIELD=VALUE"),
+    ("token_tiles", "expected [rows:]FIELD=VALUE"),
     ("token_tiles=7", "--variants token_tiles=7 at deepseek-v3 tp=8: ExpertsConfig.token_tiles=7"),
+    ("rows:fp8_weights=true", "'fp8_weights' is not a launch-shape field; expected"),
+    ("rows:token_tiles=7", "--variants rows:token_tiles=7 at deepseek-v3 tp=8: ExpertsConfig.token_tiles=7"),
 ])
 def test_a_variant_outside_the_tiled_order_or_the_config_is_refused(variant, expected, capsys):
     with pytest.raises(SystemExit):
