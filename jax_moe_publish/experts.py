@@ -87,8 +87,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         of 32, intermediate of 16, at most 1024 experts and top-64); it raises elsewhere. A
         call of more than 8192 pairs (``m * top_k``, ``m * (top_k + 1)`` with a held shared
         expert) runs as consecutive kernel calls of at most that many, each reading its
-        active experts' weights (`ExpertsConfig.max_m` tokens each). ``gather``: pure JAX on any platform, the active experts' weights
-        gathered by XLA and two batched GEMMs over every token (`experts_gather`; the same
+        active experts' weights (`ExpertsConfig.max_m` tokens each, all with the call's
+        config). ``gather``: pure JAX on any platform, the active experts' weights gathered by
+        XLA and two batched GEMMs over every token (`experts_gather`; the same
         roundings, intermediates of ``min(m * top_k, experts) * m`` rows: a decode route).
         ``tokamax``: the reference's grouped GEMMs as tokamax's Mosaic GPU kernel, on CUDA
         devices with tokamax installed (the ``tokamax`` extra), bf16 operands, hidden and

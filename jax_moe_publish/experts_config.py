@@ -660,10 +660,7 @@ class ExpertsConfig:
         the experts are many and so are their pairs (`three_token_tiles`). The routing in
         one warp (``warp_routing``) for a call of at most `WARP_ROUTING_IDS` routed ids. Gate/up with
         `ONE_CTA_GATE_UP_WARPS_K` warps for a call of ``m`` tokens whose items are at most one per
-        SM, where each warp keeps `ONE_CTA_MIN_STEPS` K steps (bf16 weights). An ``m`` past
-        `max_m` is one kernel call's: the op runs it as calls of `max_m` tokens."""
-        if m is not None:
-            m = min(m, MAX_PAIRS // (top_k + int(shared_expert)))
+        SM, where each warp keeps `ONE_CTA_MIN_STEPS` K steps (bf16 weights)."""
         sms = 132
         # gate/up: all warps split hidden (K is long, the columns few); 64 columns per warp
         # (32 of gate, 32 of up) once 8 experts still give two items per SM.

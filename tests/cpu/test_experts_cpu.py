@@ -215,14 +215,13 @@ def _kernel_calls_tokens(jaxpr) -> list[int]:
 
 def test_a_call_past_the_kernels_pairs_is_several_kernel_calls(rng, stood_in):
     """More than `MAX_PAIRS` pairs: consecutive kernel calls of ``max_m`` tokens, the last of the
-    rest, with the config of ``max_m`` tokens; so too a vmapped batch past them."""
+    rest, with the call's config; so too a vmapped batch past them."""
     max_m = MAX_PAIRS // 2
     many = numerics.random_experts(rng, m=2 * max_m + 3, hidden=64, intermediate=32, experts=6, top_k=2)
     jaxpr = jax.make_jaxpr(lambda *a: experts.moe_experts(*a, impl="kernel"))(*_arrays(many, True)).jaxpr
     assert _kernel_calls_tokens(jaxpr) == [max_m, max_m, 3]
-    one_call = ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2, m=max_m)
-    assert stood_in[-1][0] == one_call == ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2,
-                                                                 m=2 * max_m + 3)
+    assert stood_in[-1][0] == ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2,
+                                                      m=2 * max_m + 3)
     w = numerics.random_experts(rng, m=max_m // 2, hidden=64, intermediate=32, experts=6, top_k=2)
     xs, ids = np.stack([w.x] * 3), np.stack([w.expert_ids] * 3)
     jaxpr = jax.make_jaxpr(jax.vmap(lambda x, i: experts.moe_experts(x, i, w.gate_up, w.down, impl="kernel")))(
