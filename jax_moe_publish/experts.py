@@ -320,8 +320,8 @@ def _check_config(config, call: dict, expected: str) -> None:
 
 def _in_token_chunks(kernels, max_tokens: int):
     """``kernels`` for a call of any number of tokens: one of more than ``max_tokens`` (the most
-    pairs a kernel call holds) as consecutive calls of at most that many, their results in token
-    order. Each token's rows are the same bits in any call, so in any chunk."""
+    whose pairs a kernel call holds) as consecutive calls of at most that many, their results
+    in token order. Each token's rows are the same bits in any call, so in any chunk."""
 
     def experts(x, expert_ids, gate, up, down):
         m = expert_ids.shape[0]
