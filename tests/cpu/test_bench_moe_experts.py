@@ -22,6 +22,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import bench_moe_experts as bench
 import hlo_text
+import numerics
 
 import jax_moe_publish as jmp
 from experts_stand_in import stood_in  # noqa: F401 - the fixture
@@ -265,6 +266,14 @@ def test_a_rows_variant_is_ours_with_any_launch_shape_change():
     assert bench.ours_configs(args) == [default, wide]
     down = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
     assert bench.rows_variant_config(down, (1, 8), column) == wide
+    # Its layer on CPU (auto: the reference) takes the config the op checks against the call.
+    rng = np.random.default_rng(SEED)
+    w = numerics.random_experts(rng, m=3, hidden=64, intermediate=32, experts=6, top_k=2)
+    column, = bench.parse(["--cpu", "--variants", "rows:token_tiles=3"]).variant_columns
+    layer = bench.layer_function(column, bench.parse(["--cpu"]))
+    got = layer({"gate_up": w.gate_up, "down": w.down}, w.x, w.expert_ids)
+    want = jmp.reference.moe_experts(w.x, w.expert_ids, w.gate_up, w.down)
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
 @pytest.mark.parametrize("variant, expected", [
