@@ -619,23 +619,20 @@ def layer_function(column, args):
         return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
     if column.changes:
         return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl,
-                                                 config=rows_variant_config(w["down"], ids.shape, column))
+                                                 config=rows_variant_config(w["gate_up"], ids.shape, column))
     return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
 
 
-def rows_variant_config(down, ids_shape, column):
-    """A rows ``--variants`` column's config for the weights' rows (``down`` gives the shard's
-    shape): the op's default with the column's changes."""
-    experts, intermediate, hidden = down.shape
-    m, top_k = ids_shape
-    return jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                                       m=m).replace(**dict(column.changes))
+def rows_variant_config(gate_up, ids_shape, column):
+    """A rows ``--variants`` column's config for the weights' rows (the fused ``gate_up``): the
+    op's default with the column's changes."""
+    return default_config(gate_up, ids_shape).replace(**dict(column.changes))
 
 
-def default_config(prepared, ids_shape, fp8: bool = False):
-    """The op's default config for ``prepared`` weights and ids of ``ids_shape`` (m, top_k),
-    before their tiled order."""
-    experts, hidden, gate_up_columns = prepared.gate_up.shape
+def default_config(gate_up, ids_shape, fp8: bool = False):
+    """The op's default config for fused ``gate_up`` weights (prepared weights' before their
+    tiled order) and ids of ``ids_shape`` (m, top_k)."""
+    experts, hidden, gate_up_columns = gate_up.shape
     m, top_k = ids_shape
     return jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=gate_up_columns // 2, experts=experts,
                                        top_k=top_k, fp8_weights=fp8, m=m)
@@ -644,13 +641,13 @@ def default_config(prepared, ids_shape, fp8: bool = False):
 def bulk_config(prepared, ids_shape, fp8: bool):
     """The bulk-copy columns' config for ``prepared`` weights: the default's, with both kernels'
     bulk loads (`jmp.ExpertsConfig.with_bulk_loads`, the same tiled order)."""
-    return default_config(prepared, ids_shape, fp8).with_bulk_loads()
+    return default_config(prepared.gate_up, ids_shape, fp8).with_bulk_loads()
 
 
 def variant_config(prepared, ids_shape, column):
     """A ``--variants`` column's config for ``prepared`` weights: the default's in their tiled
     order, with the column's changes."""
-    return prepared.tiling.config_for(default_config(prepared, ids_shape)).replace(**dict(column.changes))
+    return prepared.tiling.config_for(default_config(prepared.gate_up, ids_shape)).replace(**dict(column.changes))
 
 
 def chain(layer_fn, layers):

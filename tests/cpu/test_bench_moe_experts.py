@@ -264,8 +264,8 @@ def test_a_rows_variant_is_ours_with_any_launch_shape_change():
     assert default.gate_up_warp_cols == 32 and not default.tiled_weights
     wide = default.replace(gate_up_warp_cols=64)
     assert bench.ours_configs(args) == [default, wide]
-    down = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
-    assert bench.rows_variant_config(down, (1, 8), column) == wide
+    gate_up = jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16)
+    assert bench.rows_variant_config(gate_up, (1, 8), column) == wide
     # Its layer on CPU (auto: the reference) takes the config the op checks against the call.
     rng = np.random.default_rng(SEED)
     w = numerics.random_experts(rng, m=3, hidden=64, intermediate=32, experts=6, top_k=2)
