@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import fp8_experts
 import numerics
-from experts_stand_in import STAND_IN, ffi_calls, stood_in  # noqa: F401 - the fixture
+from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
+from stand_in_kernels import ffi_calls
 from jax_moe_publish import BlockScaled, ExpertsConfig, _abi, experts, prepare_experts, reference
 from jax_moe_publish.experts_config import MAX_PAIRS
 

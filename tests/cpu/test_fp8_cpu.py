@@ -194,7 +194,7 @@ def test_the_kernel_path_quantizes_in_the_kernels(result, scaled, monkeypatch):
             mailbox, *a, impl="kernel", residual=residual, norm_weight=norm_weight, **options))(*stacks)
     (config, _), = loads
     assert config.fp8_out == ("static" if scaled else "group") and config.epilogue == "rmsnorm"
-    calls = [eqn for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == "ffi_call"]
+    calls = stand_in_kernels.ffi_calls(jaxpr.jaxpr)
     assert len(calls) == 1
     operands, results = calls[0].invars, calls[0].outvars
     assert [v.aval.dtype for v in operands[-1:]] == ([jnp.float32] if scaled else [jnp.bfloat16])
@@ -202,13 +202,6 @@ def test_the_kernel_path_quantizes_in_the_kernels(result, scaled, monkeypatch):
     expected = [(FP8, hidden), (jnp.bfloat16, hidden)] + ([] if scaled else [(jnp.float32, groups)])
     assert [(v.aval.dtype, v.aval.shape[-1]) for v in results] == expected
     assert [aval.dtype for aval in jaxpr.out_avals] == [FP8] + ([] if scaled else [jnp.float32]) + [jnp.bfloat16]
-
-
-def _equations(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs inside it."""
-    yield from jaxpr.eqns
-    for sub in jax.extend.core.subjaxprs(jaxpr):
-        yield from _equations(sub)
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["group", "static"])

@@ -32,9 +32,3 @@ def stood_in(monkeypatch):
 
     monkeypatch.setattr(_launch, "load", load)
     return loads
-
-
-def ffi_calls(jaxpr) -> list:
-    """The FFI call equations of ``jaxpr`` and of the jaxprs inside it, in order."""
-    found = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "ffi_call"]
-    return found + [eqn for sub in jax.extend.core.subjaxprs(jaxpr) for eqn in ffi_calls(sub)]
