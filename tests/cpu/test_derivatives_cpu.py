@@ -26,6 +26,7 @@ names: their gradients are bounded by zero, so they must come out exactly zero.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -38,6 +39,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
+import jaxprs
 import numerics
 import stand_in_kernels as stand_in_kernels_module
 from jax_moe_publish import reference
@@ -658,14 +660,9 @@ def stand_in_kernels(monkeypatch):
     return monkeypatch
 
 
-def _count(jaxpr, counts=None) -> dict:
+def _count(jaxpr) -> dict:
     """How often each primitive occurs in ``jaxpr`` and the jaxprs inside it."""
-    counts = {} if counts is None else counts
-    for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
-    for sub in jax.extend.core.subjaxprs(jaxpr):
-        _count(sub, counts)
-    return counts
+    return collections.Counter(eqn.primitive.name for eqn in jaxprs.equations(jaxpr))
 
 
 def _psums(counts) -> int:

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 import determinism
+import jaxprs
 import stand_in_kernels
 import jax_moe_publish as jmp
 import numerics
@@ -152,8 +152,7 @@ def traced_kernels(monkeypatch):
 
 def _kernel_sets(jaxpr) -> list[int]:
     """The ``set_id`` of every stand-in kernel call in ``jaxpr`` and the jaxprs inside it."""
-    found = [dict(eqn.params["attributes"])["set_id"] for eqn in jaxpr.eqns if eqn.primitive.name == "ffi_call"]
-    return found + [set_id for sub in jex_core.subjaxprs(jaxpr) for set_id in _kernel_sets(sub)]
+    return [dict(eqn.params["attributes"])["set_id"] for eqn in jaxprs.equations(jaxpr, "ffi_call")]
 
 
 @pytest.mark.parametrize("epilogue", [False, True], ids=["y", "epilogue"])

@@ -22,9 +22,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import fp8_experts
+from jaxprs import equations
 import numerics
 from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
-from stand_in_kernels import ffi_calls
 from jax_moe_publish import (checks, experts, experts_gather, experts_layout, experts_tokamax, experts_tuning,
                              reference)
 from jax_moe_publish.block_scaled import BlockScaled
@@ -211,7 +211,7 @@ def test_shapes_the_kernels_refuse_are_named(rng, stood_in):
 
 def _kernel_calls_tokens(jaxpr) -> list[int]:
     """The tokens (x's rows) of each FFI call in ``jaxpr``, in order."""
-    return [eqn.invars[0].aval.shape[0] for eqn in ffi_calls(jaxpr)]
+    return [eqn.invars[0].aval.shape[0] for eqn in equations(jaxpr, "ffi_call")]
 
 
 def test_a_call_past_the_kernels_pairs_is_several_kernel_calls(rng, stood_in):

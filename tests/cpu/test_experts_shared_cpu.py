@@ -16,9 +16,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import fp8_experts
+from jaxprs import equations
 import numerics
 from experts_stand_in import STAND_IN, stood_in  # noqa: F401 - the fixture
-from stand_in_kernels import ffi_calls
 from jax_moe_publish import BlockScaled, ExpertsConfig, _abi, experts, prepare_experts, reference
 from jax_moe_publish.experts_config import MAX_PAIRS
 
@@ -169,7 +169,7 @@ def test_a_call_past_the_pairs_with_the_shared_expert_is_several_kernel_calls(rn
     (x, ids, gate_up, down, shared), _, _ = _case(rng, m=m, hidden=128, intermediate=128, count=3, top_k=2)
     prepared = prepare_experts(gate_up, down, shared=shared)
     jaxpr = jax.make_jaxpr(lambda x, ids, p: experts.moe_experts(x, ids, p, impl="kernel"))(x, ids, prepared).jaxpr
-    calls = ffi_calls(jaxpr)
+    calls = equations(jaxpr, "ffi_call")
     chunk = MAX_PAIRS // 3
     assert [eqn.invars[0].aval.shape[0] for eqn in calls] == [chunk, m - chunk]
     assert [eqn.outvars[1].aval.shape for eqn in calls] == [(chunk, 128), (m - chunk, 128)]

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
+import jaxprs
 import numerics
 import stand_in_kernels
 
@@ -194,7 +195,7 @@ def test_the_kernel_path_quantizes_in_the_kernels(result, scaled, monkeypatch):
             mailbox, *a, impl="kernel", residual=residual, norm_weight=norm_weight, **options))(*stacks)
     (config, _), = loads
     assert config.fp8_out == ("static" if scaled else "group") and config.epilogue == "rmsnorm"
-    calls = stand_in_kernels.ffi_calls(jaxpr.jaxpr)
+    calls = jaxprs.equations(jaxpr.jaxpr, "ffi_call")
     assert len(calls) == 1
     operands, results = calls[0].invars, calls[0].outvars
     assert [v.aval.dtype for v in operands[-1:]] == ([jnp.float32] if scaled else [jnp.bfloat16])

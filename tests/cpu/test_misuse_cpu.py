@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jex_core
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_publish as jmp
+import jaxprs
 import numerics
 import stand_in_kernels as stand_in_kernels_module
 from jax_moe_publish import mailbox as mailbox_module
@@ -391,8 +391,7 @@ def test_vmap_gives_each_batch_element_its_result(result, routed_batched):
 
 def _operand_shapes(jaxpr, primitive: str) -> list:
     """Per equation of ``primitive`` in ``jaxpr`` and the jaxprs inside it, its operands' shapes."""
-    found = [[v.aval.shape for v in eqn.invars] for eqn in jaxpr.eqns if eqn.primitive.name == primitive]
-    return found + [shapes for sub in jex_core.subjaxprs(jaxpr) for shapes in _operand_shapes(sub, primitive)]
+    return [[v.aval.shape for v in eqn.invars] for eqn in jaxprs.equations(jaxpr, primitive)]
 
 
 @pytest.mark.parametrize("result", ["allreduce", "reduce_scatter"])

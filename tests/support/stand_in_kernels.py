@@ -33,8 +33,3 @@ def install(monkeypatch) -> list:
     monkeypatch.setattr(op_module._launch, "call", ffi_call)
     return loads
 
-
-def ffi_calls(jaxpr) -> list:
-    """The FFI call equations of ``jaxpr`` and of the jaxprs inside it, in order."""
-    found = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "ffi_call"]
-    return found + [eqn for sub in jax.extend.core.subjaxprs(jaxpr) for eqn in ffi_calls(sub)]
