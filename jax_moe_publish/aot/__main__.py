@@ -6,6 +6,7 @@ Examples::
     python -m jax_moe_publish.aot build --hidden 7168 --top-k 8 --tp 2 --out kernels/
     python -m jax_moe_publish.aot build --op experts --hidden 7168 --intermediate 256 --experts 256 \
         --top-k 8 --out kernels/
+    python -m jax_moe_publish.aot build --experts-model 7168,2048,384,8 --experts-tp 4 8 --out kernels/
 
 Point ``$JAX_MOE_PUBLISH_KERNEL_DIR`` at the folder on machines without CuTe DSL.
 """
@@ -40,6 +41,17 @@ def _bool(text: str) -> bool:
     return lowered in ("true", "1")
 
 
+def _experts_model(text: str) -> tuple[int, int, int, int, bool]:
+    """``HIDDEN,INTERMEDIATE,EXPERTS,TOP_K[,shared]`` as a `presets.experts` shape."""
+    parts = text.split(",")
+    shared = parts[4:] == ["shared"]
+    if len(parts) - shared != 4 or not all(part.isdigit() and int(part) > 0 for part in parts[:4]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HIDDEN,INTERMEDIATE,EXPERTS,TOP_K (positive ints, "
+                                         "the model's unsharded intermediate), then ',shared' for a shared expert "
+                                         "of that intermediate")
+    return (*map(int, parts[:4]), shared)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jax_moe_publish.aot")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--out", required=True, help="folder for <key>.cubin/.ptx/.json")
     build.add_argument("--preset", action="append", choices=sorted(PRESETS), default=[],
                        help="a named list of configs (repeatable)")
+    build.add_argument("--experts-model", action="append", type=_experts_model, default=[],
+                       metavar="HIDDEN,INTERMEDIATE,EXPERTS,TOP_K[,shared]",
+                       help="every experts-op set of a model's routed experts, sharded at each --experts-tp, as a "
+                            "preset holds them (repeatable)")
+    build.add_argument("--experts-tp", type=int, nargs="+", default=list(presets.TP_SIZES), metavar="TP",
+                       help=f"the TP sizes of --experts-model (default {' '.join(map(str, presets.TP_SIZES))})")
     build.add_argument("--op", choices=sorted(CONFIGS), default="publish",
                        help="the op of an explicit config: its flags are that config class's fields")
     types = {int: int, float: float, bool: _bool, str: str}
@@ -79,6 +97,17 @@ def _configs(args) -> list:
     explicit = {f.name: getattr(args, f.name) for f in _fields()}
     arch = explicit.pop("arch") or "sm_90a"
     configs = [c for name in args.preset for c in PRESETS[name](arch)]
+    for hidden, intermediate, count, top_k, shared in args.experts_model:
+        uneven = [tp for tp in args.experts_tp if tp < 1 or intermediate % tp]
+        if uneven:
+            raise SystemExit(f"--experts-tp {' '.join(map(str, uneven))}: expected TP sizes that divide the "
+                             f"intermediate of --experts-model {hidden},{intermediate},{count},{top_k} evenly")
+        for tp in args.experts_tp:
+            try:
+                configs += presets.experts([(hidden, intermediate, count, top_k, shared)], arch, tps=(tp,))
+            except ValueError as error:
+                raise SystemExit(f"--experts-model {hidden},{intermediate},{count},{top_k} at tp {tp} (intermediate "
+                                 f"{intermediate // tp} per rank): {error}") from None
     given = {name: value for name, value in explicit.items() if value is not None}
     others = sorted(set(given) - set(_names(CONFIGS[args.op])))
     if others:
@@ -110,7 +139,8 @@ def _configs(args) -> list:
                                     algorithm=algorithm, arch=arch)
         configs.append(base.replace(**given))
     if not configs:
-        raise SystemExit("nothing to build: give --preset or an explicit config (--hidden --top-k --tp)")
+        raise SystemExit("nothing to build: give --preset, --experts-model or an explicit config "
+                         "(--hidden --top-k --tp)")
     return list(dict.fromkeys(configs))
 
 

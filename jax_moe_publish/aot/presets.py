@@ -26,15 +26,15 @@ QWEN3_MOE_EXPERTS = ((4096, 1536, 128, 8, False), (2048, 768, 128, 8, False))
 routed experts: DeepSeek-V3; Qwen3-235B-A22B and Qwen3-30B-A3B."""
 
 
-def experts(shapes, arch: str = "sm_90a") -> list[ExpertsConfig]:
-    """The experts op's configs for each of ``shapes`` sharded at every TP size (intermediate / tp
-    columns per rank), at every m the kernels take and at an unknown m (`ExpertsConfig.for_shape`'s
+def experts(shapes, arch: str = "sm_90a", tps=TP_SIZES) -> list[ExpertsConfig]:
+    """The experts op's configs for each of ``shapes`` sharded at every TP size of ``tps``
+    (intermediate / tp columns per rank), at every m the kernels take and at an unknown m (`ExpertsConfig.for_shape`'s
     launch shapes change with m): gate and up fused, split, and in the tiled order of prepared
     weights; the same with e4m3 weights, and with e4m3 weights and tokens, where the shard holds
     whole 128 x 128 blocks; with a shared expert, the tiled order with it too."""
     configs = []
     for hidden, intermediate, count, top_k, shared in shapes:
-        for tp in TP_SIZES:
+        for tp in tps:
             whole_blocks = hidden % FP8_BLOCK == 0 and intermediate // tp % FP8_BLOCK == 0
             # (fp8_weights, fp8_tokens): bf16; e4m3 weights with bf16 or e4m3 tokens.
             for fp8 in ((False, False), (True, False), (True, True)) if whole_blocks else ((False, False),):

@@ -165,11 +165,15 @@ class KernelStore:
                 f"{build_command(config, str(stale[0]))}"
             )
         where = os.pathsep.join(map(str, self.prebuilt_dirs)) or "(unset)"
+        # The experts op's launch shapes change with m: one set per call shape would miss the next.
+        model = ("" if config.op != "experts" else
+                 "\n(or every set of the model's experts, at each m and TP size: python -m jax_moe_publish.aot build "
+                 "--experts-model HIDDEN,INTERMEDIATE,EXPERTS,TOP_K --out DIR, INTERMEDIATE unsharded)")
         return (
             f"no compiled kernel for {config} in ${KERNEL_DIR_ENV}={where} or in the cache "
             f"{self.cache_dir}, and CuTe DSL (the 'compile' extra, nvidia-cutlass-dsl) is not "
             f"installed to build it. On a machine with CuTe DSL run:\n  "
-            f"{build_command(config)}\nand point ${KERNEL_DIR_ENV} at DIR."
+            f"{build_command(config)}\nand point ${KERNEL_DIR_ENV} at DIR.{model}"
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import warnings
 
@@ -20,7 +21,7 @@ import pytest
 
 from jax_moe_publish import _abi, tuning
 from jax_moe_publish.aot import __main__ as aot_cli
-from jax_moe_publish.aot import artifact, store
+from jax_moe_publish.aot import artifact, presets, store
 from jax_moe_publish.aot import compile as aot_compile
 from jax_moe_publish.aot.compile import call_record
 from jax_moe_publish.experts_config import ExpertsConfig
@@ -40,6 +41,46 @@ def test_the_build_command_parses_back_to_its_config(config):
     None (it follows another) included."""
     args = aot_cli._parser().parse_args(shlex.split(store.build_command(config))[3:])
     assert aot_cli._configs(args) == [config]
+
+
+def test_an_experts_model_builds_the_sets_a_preset_would_hold_at_its_tp_sizes():
+    """``--experts-model`` gives, per TP size, what ``presets.experts`` gives the shape: among
+    them the op's config for every m at each shard, and prepared with the shared expert."""
+    args = aot_cli._parser().parse_args(shlex.split(
+        "build --out DIR --experts-model 7168,2048,384,8 --experts-model 2048,768,64,4,shared --experts-tp 4 8"))
+    configs = aot_cli._configs(args)
+    assert configs == presets.experts([(7168, 2048, 384, 8, False), (2048, 768, 64, 4, True)], tps=(4, 8))
+    for m in (1, 9, 64, 256, 1024, None):
+        for tp in (4, 8):
+            assert ExpertsConfig.for_shape(hidden=7168, intermediate=2048 // tp, experts=384, top_k=8, m=m) in configs
+            shared = ExpertsConfig.for_shape(hidden=2048, intermediate=768 // tp, experts=64, top_k=4, m=m,
+                                             shared_expert=True)
+            assert shared.replace(tiled_weights=True) in configs
+    assert {(c.hidden, c.intermediate) for c in configs} == {(7168, 512), (7168, 256), (2048, 192), (2048, 96)}
+    default = aot_cli._configs(aot_cli._parser().parse_args(shlex.split("build --out DIR --experts-model 512,128,8,2")))
+    assert {c.intermediate for c in default} == {128, 64, 32, 16}  # tp 1, 2, 4 and 8
+
+
+@pytest.mark.parametrize("flags, words", [
+    ("--experts-model 7168,2048,384", "argument --experts-model: '7168,2048,384': expected HIDDEN,INTERMEDIATE"),
+    ("--experts-model 7168,2048,384,8,sharde", "then ',shared' for a shared expert"),
+    ("--experts-model 7168,0,384,8", "(positive ints, the model's unsharded intermediate)"),
+])
+def test_a_malformed_experts_model_is_refused_by_name(capsys, flags, words):
+    with pytest.raises(SystemExit) as raised:
+        aot_cli._parser().parse_args(shlex.split(f"build --out DIR {flags}"))
+    assert raised.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, words", [
+    ("--experts-model 7168,2048,384,8 --experts-tp 3 8",
+     "--experts-tp 3: expected TP sizes that divide the intermediate of --experts-model 7168,2048,384,8 evenly"),
+    ("--experts-model 7160,2048,384,8 --experts-tp 2",
+     "--experts-model 7160,2048,384,8 at tp 2 (intermediate 1024 per rank): ExpertsConfig.hidden=7160: expected"),
+])
+def test_an_experts_model_the_kernels_cannot_shard_is_refused_by_name(flags, words):
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        aot_cli._configs(aot_cli._parser().parse_args(shlex.split(f"build --out DIR {flags}")))
 
 
 def elf_header(machine: int = 190) -> bytes:  # EM_CUDA
@@ -154,6 +195,16 @@ def test_loading_a_damaged_set_names_the_file(tmp_path, part, change, words):
     assert str(raised.value).startswith(f"{path}: ")
     assert words in str(raised.value)
     assert raised.value.path == path
+
+
+@pytest.mark.parametrize("config", [CONFIG, EXPERTS], ids=["publish", "experts"])
+def test_without_dsl_a_missing_set_names_its_build_command(tmp_path, no_dsl, config):
+    """And for the experts op, whose sets change with m, the command of every set of a model."""
+    with pytest.raises(store.MissingKernelError) as raised:
+        new_store(tmp_path, tmp_path / "prebuilt").get(config)
+    message = str(raised.value)
+    assert store.build_command(config) in message and store.KERNEL_DIR_ENV in message
+    assert ("--experts-model HIDDEN,INTERMEDIATE,EXPERTS,TOP_K" in message) == (config is EXPERTS)
 
 
 @pytest.mark.parametrize("part,change,words", DAMAGE)
