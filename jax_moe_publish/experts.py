@@ -98,7 +98,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
         ``auto``: on CUDA devices the route that a measured table (`experts_tuning`) found
         fastest at this shape and m (past its largest measured m, the route fastest there; the
         kernels only where they can run, tokamax where it imports, else the entry's next fastest
-        route); the reference at a shape the table lacks, and on every other platform.
+        route); at a shape the table lacks, the kernels up to 16 pairs per expert (``m * top_k
+        <= 16 * E``, the measured range; `experts_tuning.auto_impl`), else the reference; on
+        every other platform, the reference.
         With a `PreparedExperts`, ``auto`` is the kernels on CUDA devices where they take the
         shape; the other routes, and ``auto`` elsewhere, undo the tiling in every call first.
         e4m3 weights follow the table of bf16 weights (the kernels read half their bytes).

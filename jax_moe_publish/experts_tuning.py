@@ -7,8 +7,8 @@ every measured m of that range in the run its ``source`` names (a result file un
 ``benchmarks/results``), and ``otherwise`` the fastest of the others where ``impl`` is
 "tokamax" (an optional dependency: the route where it does not import). A call of more tokens
 than a shape's last entry covers takes that entry's route, the fastest at the largest measured
-m; a shape without entries runs the reference: the other routes are chosen only where a run on
-a GPU measured them faster than the rest.
+m. A shape without entries takes the kernels up to `UNLISTED_KERNEL_MAX_PAIRS_PER_EXPERT` pairs
+per expert, the range the runs measured, and the reference past it (`auto_impl` says why).
 The table measures CUDA devices, and ``impl="auto"`` reads it on them only.
 ``benchmarks/experts_table.py`` rewrites the table from such runs (`measured_entries`).
 """
@@ -86,15 +86,30 @@ def load_table(path: pathlib.Path = TABLE_FILE) -> list[ExpertsChoice]:
 
 TABLE = load_table()
 
+UNLISTED_KERNEL_MAX_PAIRS_PER_EXPERT = 16
+"""The most pairs per expert (``m * top_k / experts``) at which ``impl="auto"`` runs the kernels
+at a shape the table lacks: the most that the table's runs measured (m = 256 at top-8 of 128
+experts)."""
+
 
 def auto_impl(*, hidden: int, intermediate: int, experts: int, top_k: int, m: int) -> tuple[str, str | None]:
     """``impl="auto"``'s route for a call on a CUDA device, and the route where that is tokamax
     and tokamax cannot run: the first entry of the shape that covers ``m``, past them all the
-    shape's last (the route measured fastest at its largest m), else ``("reference", None)``."""
+    shape's last (the route measured fastest at its largest m).
+
+    A shape without entries: the kernels up to `UNLISTED_KERNEL_MAX_PAIRS_PER_EXPERT` pairs per
+    expert, else the reference. In the committed runs up to 2026-12-07 (213 cases: DeepSeek-V3,
+    Qwen3-235B and Qwen3-30B shards at tp 1-8, m 1-256, H100 and H200) the kernels on the
+    weights' rows took a median 0.25 of ``ragged_dot``'s time and at most 1.04 of the fastest
+    ``ragged_dot`` route's (2 cases above 1.0, Qwen3-30B's tp 1 shard at m 16 and 32); the
+    reference was the fastest route in none. Past that many pairs per expert, unmeasured, the
+    kernels read an active expert's weights once per 16 or 24 of its pairs (their token tiles)
+    where a dense GEMM reads them once."""
     entries = [entry for entry in TABLE
                if (entry.hidden, entry.intermediate, entry.experts, entry.top_k) == (hidden, intermediate, experts, top_k)]
     if not entries:
-        return "reference", None
+        within = m * top_k <= UNLISTED_KERNEL_MAX_PAIRS_PER_EXPERT * experts
+        return ("kernel" if within else "reference"), None
     entry = next((entry for entry in entries if m <= entry.max_m), entries[-1])
     return entry.impl, entry.otherwise
 

@@ -380,24 +380,28 @@ def test_the_kernel_path_under_shard_map(rng, stood_in):
         assert np.array_equal(np.asarray(out[rank]).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
-def test_auto_takes_the_kernels_only_where_the_table_measured_them(rng, stood_in, monkeypatch):
+def test_auto_takes_the_table_s_route_and_the_kernels_at_a_shape_it_lacks(rng, stood_in, monkeypatch):
     inputs = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
 
-    def jaxpr():
+    def jaxpr(inputs=inputs):
         return str(jax.make_jaxpr(lambda *a: experts.moe_experts(*a))(*_arrays(inputs, True)))
 
-    assert not any((e.hidden, e.intermediate) == (64, 32) for e in experts_tuning.TABLE) and STAND_IN not in jaxpr()
-    entry = experts_tuning.ExpertsChoice(hidden=64, intermediate=32, experts=6, top_k=2, max_m=4, impl="kernel",
+    # A shape the table lacks: the kernels up to 16 pairs per expert (8 of 6 experts here), then the reference.
+    assert not any((e.hidden, e.intermediate) == (64, 32) for e in experts_tuning.TABLE) and STAND_IN in jaxpr()
+    many = numerics.random_experts(rng, m=49, hidden=64, intermediate=32, experts=6, top_k=2)  # 98 pairs
+    assert STAND_IN not in jaxpr(many)
+    entry = experts_tuning.ExpertsChoice(hidden=64, intermediate=32, experts=6, top_k=2, max_m=4, impl="reference",
                                          source="benchmarks/results/a-run.json", reason="faster in that run")
     monkeypatch.setattr(experts_tuning, "TABLE", [entry])
-    assert STAND_IN in jaxpr()
-    monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, max_m=2, impl="reference"),
-                                                  dataclasses.replace(entry, max_m=3)])
+    assert STAND_IN not in jaxpr()
+    monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, max_m=2),
+                                                  dataclasses.replace(entry, max_m=3, impl="kernel")])
     assert STAND_IN in jaxpr()  # m = 4 is past the shape's last entry: its route
-    monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, max_m=4, impl="reference")])
-    assert STAND_IN not in jaxpr()
     monkeypatch.setattr(experts_tuning, "TABLE", [dataclasses.replace(entry, experts=7)])
-    assert STAND_IN not in jaxpr()
+    assert STAND_IN in jaxpr()  # an entry of another shape: this one is still unlisted
+    # A shape the kernels do not take (hidden not a multiple of 32) runs the reference.
+    odd = numerics.random_experts(rng, m=4, hidden=48, intermediate=32, experts=6, top_k=2)
+    assert STAND_IN not in jaxpr(odd)
     with pytest.raises(ValueError, match="source='a run': expected the result file of the run"):
         dataclasses.replace(entry, source="a run")
 
@@ -563,7 +567,8 @@ def test_the_table_counts_a_reference_out_of_memory_as_lost(tmp_path):
 
 
 def test_auto_keeps_the_route_of_a_shape_s_largest_measured_m_past_it(tmp_path, monkeypatch):
-    """Past a shape's last entry auto takes its route; a shape without entries, the reference."""
+    """Past a shape's last entry auto takes its route; a shape without entries, the kernels up
+    to 16 pairs per expert (the measured range), the reference past that."""
     won = _run(tmp_path, "won.json", [(1, {"ours": 50.0, "ragged_dot": 40.0, "gather": 45.0}),
                                       (8, {"ours": 30.0, "ragged_dot": 40.0})])
     lost = _run(tmp_path, "lost.json", [(1, {"ours": 50.0, "ragged_dot": 40.0}), (8, {"ours": 60.0, "ragged_dot": 40.0})],
@@ -575,7 +580,12 @@ def test_auto_keeps_the_route_of_a_shape_s_largest_measured_m_past_it(tmp_path, 
     routes = {(hidden, m): experts_tuning.auto_impl(**{**SHAPE, "hidden": hidden}, m=m)[0]
               for hidden in (64, 128, 256) for m in (1, 8, 9, 1024)}
     assert routes == {(64, 1): "reference", (64, 8): "kernel", (64, 9): "kernel", (64, 1024): "kernel",
-                      **{(hidden, m): "reference" for hidden in (128, 256) for m in (1, 8, 9, 1024)}}
+                      **{(128, m): "reference" for m in (1, 8, 9, 1024)},
+                      (256, 1): "kernel", (256, 8): "kernel", (256, 9): "kernel", (256, 1024): "reference"}
+    # 16 pairs per expert: 96 pairs of 6 experts at top-2, m = 48.
+    unlisted = {**SHAPE, "hidden": 256}
+    assert experts_tuning.UNLISTED_KERNEL_MAX_PAIRS_PER_EXPERT == 16
+    assert [experts_tuning.auto_impl(**unlisted, m=m) for m in (48, 49)] == [("kernel", None), ("reference", None)]
 
 
 def test_a_later_run_s_figures_replace_an_earlier_s(tmp_path):

@@ -79,8 +79,8 @@ def test_markdown_counts_the_misses(tmp_path):
 
 def test_auto_is_judged_as_the_route_the_table_gives(tmp_path, monkeypatch):
     """--column auto: the table's route at each case (its other route where the run has no
-    tokamax figure, the last entry's route past its m, the reference at a shape without
-    entries), against every other column."""
+    tokamax figure, the last entry's route past its m; at a shape without entries the kernels
+    up to 16 pairs per expert, then the reference), against every other column."""
     shard = dict(hidden=2048, intermediate=192, experts=128, top_k=8)
     monkeypatch.setattr(goals.experts_tuning, "TABLE", [goals.experts_tuning.ExpertsChoice(
         **shard, max_m=64, impl="tokamax", otherwise="kernel", source="benchmarks/results/t.json", reason="test")])
@@ -88,7 +88,8 @@ def test_auto_is_judged_as_the_route_the_table_gives(tmp_path, monkeypatch):
                      case(m=16, ours=12.0, tokamax=10.0, gather=11.0, ragged_dot=50.0) | shard,
                      case(m=32, ours=12.0, tokamax=None, gather=11.0, ragged_dot=50.0) | shard,
                      case(m=128, ours=20.0, tokamax=30.0, ragged_dot=50.0) | shard,
-                     case(tp=4, m=128, ours=20.0, tokamax=30.0, ragged_dot=50.0) | shard | dict(experts=64))
+                     case(tp=4, m=128, ours=20.0, tokamax=30.0, ragged_dot=50.0) | shard | dict(experts=64),
+                     case(tp=2, m=128, ours=20.0, tokamax=30.0, ragged_dot=50.0) | shard | dict(experts=32))
     run = json.loads(path.read_text())
     for each in run["results"]:
         if "us" in each["columns"]["tokamax"]:
@@ -97,5 +98,5 @@ def test_auto_is_judged_as_the_route_the_table_gives(tmp_path, monkeypatch):
     rows = goals.run_goals([path], goals.AUTO)
     assert [(row["m"], row["column"], row["best_other"], row["never_slower"]) for row in rows] == [
         (16, "tokamax", "gather", True), (32, "ours", "gather", False), (128, "tokamax", "ours", False),
-        (128, "ragged_dot", "ours", False)]
+        (128, "ours", "tokamax", True), (128, "ragged_dot", "ours", False)]
     assert "| 16 | 10.0 (tokamax) |" in goals.markdown(rows, goals.AUTO)
