@@ -28,10 +28,11 @@ routed experts: DeepSeek-V3; Qwen3-235B-A22B and Qwen3-30B-A3B."""
 
 def experts(shapes, arch: str = "sm_90a", tps=TP_SIZES) -> list[ExpertsConfig]:
     """The experts op's configs for each of ``shapes`` sharded at every TP size of ``tps``
-    (intermediate / tp columns per rank), at every m the kernels take and at an unknown m (`ExpertsConfig.for_shape`'s
-    launch shapes change with m): gate and up fused, split, and in the tiled order of prepared
-    weights; the same with e4m3 weights, and with e4m3 weights and tokens, where the shard holds
-    whole 128 x 128 blocks; with a shared expert, the tiled order with it too."""
+    (intermediate / tp columns per rank), at every m the kernels take and at an unknown m
+    (`ExpertsConfig.for_shape`'s launch shapes change with m): gate and up fused, split, and in
+    the tiled order of prepared weights; the same with e4m3 weights, and with e4m3 weights and
+    tokens, where the shard holds whole 128 x 128 blocks; with a shared expert, the tiled order
+    with it too."""
     configs = []
     for hidden, intermediate, count, top_k, shared in shapes:
         for tp in tps:
