@@ -94,15 +94,16 @@ def fold_batch(mailbox, batch, batched, routed_output, expert_weights, permuted_
     return folded, unfold
 
 
-def folding_expert_batches(experts):
-    """The experts op's ``experts(x, expert_ids, gate, up, down)`` under ``jax.vmap``: one call
-    whose tokens are the whole batch's, element b's after element b - 1's, so the kernels'
-    FFI call (and ragged_dot) never sees a batch. The weights must be the same for the whole
-    batch; each result's rows are per token (``[m * rows per token, ...]``)."""
+def folding_expert_batches(experts_for):
+    """The experts op, ``experts_for(m)(x, expert_ids, gate, up, down)`` for a call of m tokens,
+    under ``jax.vmap``: one call whose tokens are the whole batch's, element b's after element
+    b - 1's, so the kernels' FFI call (and ragged_dot) never sees a batch, and its route is
+    that of a call of ``batch * m`` tokens. The weights must be the same for the whole batch;
+    each result's rows are per token (``[m * rows per token, ...]``)."""
 
     @jax.custom_batching.custom_vmap
     def call(x, expert_ids, gate, up, down):
-        return experts(x, expert_ids, gate, up, down)
+        return experts_for(expert_ids.shape[0])(x, expert_ids, gate, up, down)
 
     @call.def_vmap
     def fold(batch, batched, x, expert_ids, gate, up, down):

@@ -46,7 +46,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     sharded on the leading axis); the pair ``(gate, up)`` shards column-wise as it is.
 
     Under ``jax.vmap`` over ``x`` and ``expert_ids`` a batch is one call over all of its tokens
-    (the weights are the same for the whole batch). ``jax.grad`` and ``jax.jvp`` pass through
+    (the weights are the same for the whole batch), routed as a call of that many tokens (auto's
+    route, the kernels' launch shapes). ``jax.grad`` and ``jax.jvp`` pass through
     on every path: the derivative is JAX's derivative of the reference at the same inputs (its
     rules for the float32 math, `jax.lax.ragged_dot` and the bf16 conversions), the forward
     the route's. A derivative under ``jax.vmap`` needs ragged_dot's batching rule, which JAX
@@ -129,20 +130,6 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     if impl == "tokamax" and (why_no_tokamax or not gpus):
         raise ValueError(f"impl='tokamax': {why_no_tokamax or 'no CUDA device in this process'}; use impl='auto', "
                          "'kernel', 'gather' or 'reference'")
-    route = impl
-    if impl == "auto":
-        # The table holds runs on CUDA devices: on any other platform auto runs the reference.
-        route = "reference"
-        if gpus and shape.tiling is not None:
-            # The other routes would undo the tiled order in every call.
-            route = "kernel"
-        elif gpus:
-            route, otherwise = experts_tuning.auto_impl(hidden=shape.hidden, intermediate=shape.intermediate,
-                                                        experts=shape.experts, top_k=shape.top_k, m=shape.m)
-            if route == "tokamax" and experts_tokamax.why_not(shape):
-                route = otherwise
-        if route == "kernel" and why_not:
-            route = "reference"
     if shape.tiling is not None:
         gate, up, down = gate_up.gate_up, None, gate_up.down
     else:
@@ -150,21 +137,40 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up, down: jax.Array | 
     # The pure routes on the weights' rows: tiled weights are put back in them first.
     pure = {name: _untiling(route_fn, shape.tiling, shape.prepared_shared)
             for name, route_fn in (("reference", _reference), ("gather", _gather), ("tokamax", _tokamax))}
-    if route == "kernel":
-        kernel_config = config or _default_config(shape)
-        set_id = _launch.load(kernel_config, gpus)
 
-        def kernels(x, expert_ids, gate, up, down):
-            return _call_kernels(set_id, x, expert_ids, gate, up, down, shape.prepared_shared)
+    def route_for(m: int):
+        """The route of a call of ``m`` tokens: the call's own, or under ``jax.vmap`` the batch's
+        (one call over all of its tokens, routed as that call)."""
+        call = shape._replace(m=m)
+        route = impl
+        if impl == "auto":
+            # The table holds runs on CUDA devices: on any other platform auto runs the reference.
+            route = "reference"
+            if gpus and call.tiling is not None:
+                # The other routes would undo the tiled order in every call.
+                route = "kernel"
+            elif gpus:
+                route, otherwise = experts_tuning.auto_impl(hidden=call.hidden, intermediate=call.intermediate,
+                                                            experts=call.experts, top_k=call.top_k, m=call.m)
+                if route == "tokamax" and experts_tokamax.why_not(call):
+                    route = otherwise
+            if route == "kernel" and why_not:
+                route = "reference"
+        if route == "kernel":
+            kernel_config = config or _default_config(call)
+            set_id = _launch.load(kernel_config, gpus)
 
-        experts = _on_cuda(_in_token_chunks(kernels, kernel_config.max_m), pure["reference"])
-    elif route == "tokamax" or (route == "gather" and impl == "auto"):
-        experts = _on_cuda(pure[route], pure["reference"])
-    else:
-        experts = pure[route]
+            def kernels(x, expert_ids, gate, up, down):
+                return _call_kernels(set_id, x, expert_ids, gate, up, down, call.prepared_shared)
+
+            return _on_cuda(_in_token_chunks(kernels, kernel_config.max_m), pure["reference"])
+        if route == "tokamax" or (route == "gather" and impl == "auto"):
+            return _on_cuda(pure[route], pure["reference"])
+        return pure[route]
+
     # A batch is one call on every path: the kernels' FFI call and ragged_dot have no vmap rule
     # for a batched lhs, and the gather route reads each active expert once for the whole batch.
-    experts = batching.folding_expert_batches(experts)
+    experts = batching.folding_expert_batches(route_for)
     rows = _differentiable(experts, pure["reference"])(x, expert_ids, gate, up, down)
     if shared is None:
         return rows

@@ -353,6 +353,27 @@ def test_the_kernel_path_under_vmap_and_grad(rng, stood_in):
     assert np.any(np.asarray(grad).astype(np.float32) != 0)
 
 
+def test_a_vmapped_batch_is_routed_as_a_call_of_its_tokens(rng, stood_in, monkeypatch):
+    """auto's route and the kernels' launch shapes of a vmapped batch are those of one call of
+    the batch's tokens, not of one element's."""
+    w = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
+    xs, ids = np.stack([w.x] * 5), np.stack([w.expert_ids] * 5)
+    entry = experts_tuning.ExpertsChoice(hidden=64, intermediate=32, experts=6, top_k=2, max_m=4, impl="kernel",
+                                         source="benchmarks/results/a-run.json", reason="faster in that run")
+    monkeypatch.setattr(experts_tuning, "TABLE", [entry, dataclasses.replace(entry, max_m=32, impl="reference")])
+
+    def jaxpr(impl="auto", batched=True):
+        op = lambda x, i: experts.moe_experts(x, i, w.gate_up, w.down, impl=impl)  # noqa: E731
+        return str(jax.make_jaxpr(jax.vmap(op) if batched else op)(*((xs, ids) if batched else (w.x, w.expert_ids))))
+
+    assert STAND_IN in jaxpr(batched=False) and STAND_IN not in jaxpr()  # 4 tokens; 20
+    jaxpr("kernel")
+    # 40 ids: past the routing in one warp, which 8 ids (one element's) would take.
+    assert stood_in[-1][0] == ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2, m=20)
+    assert not stood_in[-1][0].warp_routing
+    assert ExpertsConfig.for_shape(hidden=64, intermediate=32, experts=6, top_k=2, m=4).warp_routing
+
+
 def test_the_kernel_path_refuses_batched_weights(rng, stood_in):
     w = numerics.random_experts(rng, m=4, hidden=64, intermediate=32, experts=6, top_k=2)
     downs = np.stack([w.down, w.down])
