@@ -363,7 +363,9 @@ def test_a_vmapped_batch_is_routed_as_a_call_of_its_tokens(rng, stood_in, monkey
     monkeypatch.setattr(experts_tuning, "TABLE", [entry, dataclasses.replace(entry, max_m=32, impl="reference")])
 
     def jaxpr(impl="auto", batched=True):
-        op = lambda x, i: experts.moe_experts(x, i, w.gate_up, w.down, impl=impl)  # noqa: E731
+        def op(x, i):
+            return experts.moe_experts(x, i, w.gate_up, w.down, impl=impl)
+
         return str(jax.make_jaxpr(jax.vmap(op) if batched else op)(*((xs, ids) if batched else (w.x, w.expert_ids))))
 
     assert STAND_IN in jaxpr(batched=False) and STAND_IN not in jaxpr()  # 4 tokens; 20

@@ -32,4 +32,3 @@ def install(monkeypatch) -> list:
     monkeypatch.setattr(op_module._launch, "load", load)
     monkeypatch.setattr(op_module._launch, "call", ffi_call)
     return loads
-
