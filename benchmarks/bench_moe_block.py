@@ -18,11 +18,13 @@ Two sides:
 and two more programs per side:
 
 * ``no_gemm``: the same block with the MoE GEMMs (routed and shared, and the decode
-  path's weight gather) replaced by stand-ins of their shapes: the expert-sorted token
-  rows of ``x`` and ``x`` itself, behind an ``optimization_barrier``, so that XLA
-  materializes them as it does a GEMM's output and can neither fold them into the
-  finalize nor hoist them (``x`` changes every layer). Its step, the same for both paths,
-  is the router, the sort, the finalize + reduce, the epilogue and the loop's own cost;
+  path's weight gather) replaced by stand-ins of their shapes, behind an
+  ``optimization_barrier``, so that XLA materializes them as it does a GEMM's output and
+  can neither fold them into the finalize nor hoist them (``x`` changes every layer): for
+  the ``ragged`` path the token rows of ``x`` sorted by expert (``no_gemm_sorted``), for
+  the others, whose rows are in (token, k) order, ``x``'s rows repeated top_k times
+  (``no_gemm_pairs``); and ``x`` itself for the shared expert. Its step is the router,
+  the ``ragged`` path's sort, the finalize + reduce, the epilogue and the loop's own cost;
 * ``op``: the finalize + reduce + epilogue alone at the same m and tp
   (`chains.make_chain`, its 32 chained calls per iteration, both sides'
   finalize kept in the timed loop: XLA's tied to the loop carry, ours our kernels' custom
@@ -36,7 +38,8 @@ side and variant runs on the same inputs: ours and XLA's outputs must agree (rel
 difference at most 1e-2). The environment records our side's ``op_impl``. Per (problem,
 m, path) the JSON has:
 
-* ``step_us``: each side's full and ``no_gemm`` step (median, p10, p90);
+* ``step_us``: each side's full and ``no_gemm`` step (median, p10, p90); ``no_gemm``:
+  which stand-in the path's ``no_gemm`` step is;
 * ``saved_us_per_layer`` = (xla − ours) / layers, and ``saved_share`` = (xla − ours) / xla;
 * ``op``: ours and XLA per call alone, ``op_saved_us``, and ``saved_over_op`` =
   ``saved_us_per_layer / op_saved_us`` (the goal: at least 0.9); ``never_slower``;
@@ -125,6 +128,7 @@ if ARGS is not None and ARGS.cpu:
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 import jax  # noqa: E402  (XLA_FLAGS must be set first)
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
@@ -152,14 +156,25 @@ def op_spec(config):
                 scale=config.routed_scaling_factor, epilogue=True)
 
 
-def no_gemm_layer(config, finalize, mailbox, impl):
-    """One layer on one shard with the MoE GEMMs replaced by stand-ins (module docstring)."""
+NO_GEMM = {"ragged": "no_gemm_sorted", "decode": "no_gemm_pairs", "ours": "no_gemm_pairs",
+           "prepared": "no_gemm_pairs"}
+"""Each GEMM path's ``no_gemm`` stand-in (module docstring)."""
+
+
+def no_gemm_layer(config, finalize, mailbox, impl, sorted_rows: bool):
+    """One layer on one shard with the MoE GEMMs replaced by stand-ins (module docstring):
+    the rows sorted by expert, as the ``ragged`` path's, or in (token, k) order."""
 
     def layer(params, x, residual):
         experts, weights = mb.route(config, params, x)
-        order, permuted_indices, _ = mb.sort_by_expert(experts, config.experts)
+        if sorted_rows:
+            order, permuted_indices, _ = mb.sort_by_expert(experts, config.experts)
+            rows = x[order // config.top_k]
+        else:
+            rows = jnp.repeat(x, config.top_k, axis=0)
+            permuted_indices = jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
         # Each rank's stand-in partials, marked as such (the same on every rank).
-        stand_ins = (x[order // config.top_k], x)
+        stand_ins = (rows, x)
         rows, shared = lax.optimization_barrier(tuple(lax.pcast(a, mb.TP, to="varying") for a in stand_ins))
         parts = (rows, weights, permuted_indices, shared if config.shared else None)
         return mb.finalize_layer(config, params, parts, residual, finalize=finalize, mailbox=mailbox, impl=impl)
@@ -168,9 +183,9 @@ def no_gemm_layer(config, finalize, mailbox, impl):
 
 
 def layer_fn(config, variant, finalize, mailbox, impl):
-    """One layer of ``variant`` (a GEMM path or ``no_gemm``) on one shard; ``impl``: ours' op impl."""
-    if variant == "no_gemm":
-        return no_gemm_layer(config, finalize, mailbox, impl)
+    """One layer of ``variant`` (a GEMM path or a `NO_GEMM` stand-in) on one shard; ``impl``: ours' op impl."""
+    if variant in NO_GEMM.values():
+        return no_gemm_layer(config, finalize, mailbox, impl, sorted_rows=variant == NO_GEMM["ragged"])
     return functools.partial(mb.moe_layer, config, path=variant, finalize=finalize, mailbox=mailbox, impl=impl)
 
 
@@ -256,14 +271,16 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
     input_key, op_key = jax.random.split(key)
     x, residual = mb.init_inputs(input_key, config, mesh, m)
     inputs = (params, x, residual)
-    differences = check_outputs(config, mesh, mailbox, params, x, residual, [*ARGS.paths, "no_gemm"])
-    no_gemm = step_us(config, mesh, mailbox, "no_gemm", inputs, layers)
+    stand_ins = list(dict.fromkeys(NO_GEMM[path] for path in ARGS.paths))
+    differences = check_outputs(config, mesh, mailbox, params, x, residual, [*ARGS.paths, *stand_ins])
+    no_gemms = {stand_in: step_us(config, mesh, mailbox, stand_in, inputs, layers) for stand_in in stand_ins}
     op = op_alone(mailbox, mesh, config, m, op_key)
     experts, _ = jax.jit(functools.partial(mb.route, config))(params[0], x)
     active = int(np.unique(np.asarray(experts)).size)
     results = []
     for path in ARGS.paths:
         full = step_us(config, mesh, mailbox, path, inputs, layers)
+        no_gemm = no_gemms[NO_GEMM[path]]
         saved = full["xla"]["us"] - full["ours"]["us"]
         gemm = {side: (full[side]["us"] - no_gemm[side]["us"]) / layers for side in mb.FINALIZES}
         reads, least = weight_bytes(config, tp, m, active, path)
@@ -277,6 +294,7 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
             "problem": config.name, "tp": tp, "m": m, "path": path, "layers": layers,
             "step_us": {"ours": full["ours"], "xla": full["xla"],
                         "ours_no_gemm": no_gemm["ours"], "xla_no_gemm": no_gemm["xla"]},
+            "no_gemm": NO_GEMM[path],
             "saved_us_per_layer": saved / layers, "saved_share": saved / full["xla"]["us"],
             "never_slower": full["ours"]["us"] <= full["xla"]["us"],
             "op": op, "op_saved_us": op["saved_us"],

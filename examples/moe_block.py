@@ -312,20 +312,22 @@ def route_logits(config: MoEConfig, logits, bias=None):
     choice only; a group scores the sum of its two largest ``c``; the ``kept_groups`` best
     groups are kept; the top-k experts of the kept groups by ``c``; weights ``s`` of the
     chosen experts over their sum. ``softmax`` (Qwen3-MoE): ``p = softmax(logits)``, the
-    top-k ``p``, over their sum. Ties go to the lower index (`jax.lax.top_k`).
+    top-k ``p``, over their sum, computed as the softmax of the top-k logits (the same
+    function: softmax is monotonic and its normalization cancels), so that only the k chosen
+    go through ``exp``. Ties go to the lower index (`jax.lax.top_k`).
     """
     if config.router == "softmax":
-        weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), config.top_k)
-    else:
-        m = logits.shape[0]
-        scores = jax.nn.sigmoid(logits)
-        choice = scores + bias
-        group_scores = jnp.sum(lax.top_k(choice.reshape(m, config.groups, -1), 2)[0], axis=-1)
-        kept = lax.top_k(group_scores, config.kept_groups)[1]
-        kept_mask = jnp.any(kept[:, :, None] == jnp.arange(config.groups), axis=1)
-        expert_mask = jnp.repeat(kept_mask, config.experts // config.groups, axis=1)
-        experts = lax.top_k(jnp.where(expert_mask, choice, -jnp.inf), config.top_k)[1]
-        weights = jnp.take_along_axis(scores, experts, axis=1)
+        top_logits, experts = lax.top_k(logits, config.top_k)
+        return experts.astype(jnp.int32), jax.nn.softmax(top_logits, axis=-1)
+    m = logits.shape[0]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias
+    group_scores = jnp.sum(lax.top_k(choice.reshape(m, config.groups, -1), 2)[0], axis=-1)
+    kept = lax.top_k(group_scores, config.kept_groups)[1]
+    kept_mask = jnp.any(kept[:, :, None] == jnp.arange(config.groups), axis=1)
+    expert_mask = jnp.repeat(kept_mask, config.experts // config.groups, axis=1)
+    experts = lax.top_k(jnp.where(expert_mask, choice, -jnp.inf), config.top_k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return experts.astype(jnp.int32), weights
 

@@ -202,13 +202,13 @@ def test_block_benchmark_times_our_op_with_its_finalize_in_the_loop(monkeypatch)
     params = mb.init_params(params_key, config, mesh, 1, prepared=True)
     x, residual = mb.init_inputs(input_key, config, mesh, m)
     with jmp.Mailbox(mesh, mb.TP, hidden=config.hidden, capacity_m=m) as mailbox:
-        for variant in (*mb.PATHS, "no_gemm"):
+        for variant in (*mb.PATHS, *set(block.NO_GEMM.values())):
             step = mb.make_decode(config, mesh, block.layer_fn(config, variant, "ours", mailbox, impl), 1)
             step.lower(params, x, residual)
         programs = block.op_programs(mailbox, config, layers, (timing.SHORT,), impl)
         inputs = chains.chain_inputs(mesh, m, block.op_spec(config), chain_key, layers)
         hlo = {side: programs[side][timing.SHORT].lower(*inputs).compile().as_text() for side in mb.FINALIZES}
-    assert impls == [impl] * (len(mb.PATHS) + 1 + layers), impls
+    assert impls == [impl] * (len(mb.PATHS) + 2 + layers), impls
     expected = {"ours": {"gather": layers * config.top_k, "all-reduce": layers},
                 "xla": {"gather": layers, "dot": layers}}
     for side, finalize in expected.items():
@@ -273,5 +273,7 @@ def test_cpu_benchmark_plumbing(tmp_path):
         weights = r["weights"]
         assert 0 < weights["least_bytes"] <= weights["read_bytes"] and 1 <= weights["active_experts"] <= 16
         assert all(value <= 1e-2 for value in r["relative_difference"].values()), r["relative_difference"]
-        assert set(r["relative_difference"]) == {*mb.PATHS, "no_gemm", *(f"{path}_vs_ragged" for path in mb.PATHS[1:])}
+        assert r["no_gemm"] == block.NO_GEMM[r["path"]]
+        assert set(r["relative_difference"]) == {*mb.PATHS, "no_gemm_sorted", "no_gemm_pairs",
+                                                 *(f"{path}_vs_ragged" for path in mb.PATHS[1:])}
     assert not plot or png.stat().st_size > 0
