@@ -98,10 +98,10 @@ def test_routers_match_the_published_gates(name):
 
 
 def test_scaled_configs_keep_a_valid_grouped_router():
-    for experts, groups in [(256, (8, 4)), (64, (8, 4)), (16, (8, 4)), (24, (8, 4)), (12, (6, 4)),
-                            (10, (5, 4)), (8, (4, 4))]:
-        config = mb.scaled(mb.DEEPSEEK_V3, experts=experts)
-        assert (config.groups, config.kept_groups) == groups, experts
+    for count, groups in [(256, (8, 4)), (64, (8, 4)), (16, (8, 4)), (24, (8, 4)), (12, (6, 4)),
+                          (10, (5, 4)), (8, (4, 4))]:
+        config = mb.scaled(mb.DEEPSEEK_V3, experts=count)
+        assert (config.groups, config.kept_groups) == groups, count
         assert config.kept_groups * (config.experts // config.groups) >= config.top_k
     assert "64 experts (scaled down from 256)" in mb.scaled(mb.DEEPSEEK_V3, experts=64).describe()
     assert mb.scaled(mb.QWEN3_30B_A3B, experts=32).groups == 1
