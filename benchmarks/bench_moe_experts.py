@@ -5,7 +5,7 @@ GPU in one run, against the floor that the active experts' weight bytes set.
 for each pair ``p = t * top_k + k``, ``y[p] = bf16(bf16(silu(bf16(x[t] @ Wg[e])) *
 bf16(x[t] @ Wu[e])) @ Wd[e])``. At decode a call needs only the weights of the experts that the
 routing names, and reading them is most of its time. The columns, each its own compiled
-program (`COLUMNS`):
+program (`experts_columns.COLUMNS`):
 
 * ``ours``: ``jmp.moe_experts(impl="kernel")`` (``--cpu``: ``impl="auto"``, the reference
   path, since the kernels need a CUDA device; the JSON's ``ours_impl`` says which);
@@ -70,13 +70,13 @@ calls and fusion kinds counted in the optimized module). No column is left out s
 **What is timed.** A decode step reads each layer's weights once, so no timed call may find
 its weights in L2 (about 50 MB on an H200) from an earlier call. A program is a ``fori_loop``
 over a chain of ``layers`` calls, each layer with its own weights (all ``experts`` of the
-model), its own routing and its own ``x``, with enough layers that one pass over the chain
-reads ``--min-pass-mb`` (200 MB, 4x L2) of active weights, at least 2, and at most what
-``--weight-budget-gb`` of weights allows (the JSON says where the budget cut the layers). The
-routing is the model's router (`moe_block.route`: DeepSeek-V3's grouped sigmoid with bias,
-Qwen3's softmax top-k) over a random router matrix and random ``x``, the same for a layer
-and m at every tp. Each layer's ``x`` and ids are tied to the previous layer's output: plus
-``zero * (rows[0, 0] + shared[0, 0])``, ``zero`` a runtime argument, the output ``(rows,
+model), its own routing and its own ``x`` (`experts_draws`), with enough layers that one pass
+over the chain reads ``--min-pass-mb`` (200 MB, 4x L2) of active weights, at least 2, and at
+most what ``--weight-budget-gb`` of weights allows (the JSON says where the budget cut the
+layers). The routing is the model's router (`moe_block.route`: DeepSeek-V3's grouped sigmoid
+with bias, Qwen3's softmax top-k) over a random router matrix and random ``x``, the same for
+a layer and m at every tp. Each layer's ``x`` and ids are tied to the previous layer's output:
+plus ``zero * (rows[0, 0] + shared[0, 0])``, ``zero`` a runtime argument, the output ``(rows,
 shared)`` (the shared expert's rows, or zeros carried on) behind an ``optimization_barrier`` so
 that XLA must compute all of it; so no layer leaves the loop (the sort, the GEMMs:
 ``tests/cpu/test_bench_moe_experts.py`` reads the optimized HLO on CPU) and the tie costs
@@ -129,8 +129,8 @@ Ours needs its kernels: where CuTe DSL is, ``--build-kernels DIR`` builds those 
 selected shapes and tps (no GPU needed); point ``$JAX_MOE_PUBLISH_KERNEL_DIR`` at DIR. A run
 on GPUs checks for them before timing anything.
 
-``--cpu`` runs everything on the CPU at tiny dimensions (`CPU_DIMS`): a check of the
-plumbing, its times mean nothing.
+``--cpu`` runs everything on the CPU at tiny dimensions (`experts_draws.CPU_DIMS`): a check of
+the plumbing, its times mean nothing.
 
     python benchmarks/bench_moe_experts.py [--shapes ...] [--tp ...] [--m ...] [--columns ...] [--reps N]
         [--rounds R] [--target-ms T] [--weight-budget-gb G] [--min-pass-mb P] [--out JSON] [--hlo PREFIX]
@@ -143,10 +143,7 @@ plumbing, its times mean nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import datetime
-import functools
 import itertools
 import json
 import math
@@ -160,37 +157,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# examples/ is not a package: its modules import by name (as in bench_moe_block.py).
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+import experts_columns
+import experts_draws
 import floors
 import kernel_builds
-import moe_block as mb
 import records
 import timing
 
-import jax_moe_publish as jmp
-from jax_moe_publish import experts_tokamax, reference
+from jax_moe_publish import reference
 from jax_moe_publish.experts_config import FP8_BLOCK
-from jax_moe_publish.experts_layout import Tiling
 from jax_moe_publish.testing import rank_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-SHAPES = {
-    "deepseek-v3": mb.DEEPSEEK_V3,
-    "qwen3-235b-a22b": mb.MoEConfig("qwen3-235b-a22b", hidden=4096, intermediate=1536, experts=128, top_k=8,
-                                    router="softmax", model_experts=128),
-    "qwen3-30b-a3b": dataclasses.replace(mb.QWEN3_30B_A3B, name="qwen3-30b-a3b"),
-}
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_MS = (1, 2, 4)
-# --cpu: every shape at dimensions that split over tp = 8, and hold whole FP8 blocks at tp = 1 and 2
-# (DeepSeek-V3's shared expert of the routed experts' intermediate, as the model's).
-CPU_DIMS = {"hidden": 128, "intermediate": 256, "experts": 16, "shared_intermediate": 256}
 MAX_DIFFERENCE = 1e-2
 MAX_FP8_DIFFERENCE = 0.1
 """e4m3 operands against the unquantized ones: a 3-bit mantissa, about 4 % per value (relative, RMS)."""
-MIN_LAYERS = 2  # so that no two consecutive calls share weights or routing
 MAX_ITERATIONS = 20_000
 # By platform: the long run's excess over the short one (ms), the weights' budget (GB) and the
 # active bytes of one pass (MB).
@@ -219,121 +203,6 @@ GUESS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Column:
-    """One route to the experts' rows: how its programs are built, and what its optimized HLO
-    must hold for the column to be what its name says (``needs_in_hlo``, regexes that must all
-    match; ``needs_what`` says it in words)."""
-
-    name: str
-    what: str
-    route: str  # "ours" (impl="kernel"), or the jmp.moe_experts impl: "reference", "gather", "tokamax"
-    prepared: bool = False  # on jmp.prepare_experts's weights (made once, before the timed loop)
-    fp8: bool = False  # on the layers' e4m3 weights (BlockScaled of 128 x 128 blocks)
-    fp8_tokens: bool = False  # x quantized to e4m3 per token and 128 channels in the step
-    shared: str = ""  # the shared expert too: "held" by the prepared weights, or through "xla"
-    bulk: bool = False  # ours with ExpertsConfig.with_bulk_loads (prepared weights only)
-    changes: tuple = ()  # ours with these (field, value) changes to the default config
-    compiler_options: tuple = ()  # XLA options of this column's programs only
-    jax_flag: str | None = None  # a JAX config flag set while this column's programs are traced
-    needs_in_hlo: tuple = ()
-    needs_what: str = ""
-
-
-_RAGGED_DOT_KEPT = r"\sragged-dot\("  # XLA's default rewrites every ragged dot into dots
-COLUMNS = (
-    Column("ours", "jmp.moe_experts(impl='kernel'): this package's kernels", "ours"),
-    Column("ours_prepared", "jmp.moe_experts(impl='kernel') on jmp.prepare_experts's weights (the kernels' tiled "
-           "order, made once before the loop)", "ours", prepared=True),
-    Column("ragged_dot", "jmp.moe_experts(impl='reference'): jax.lax.ragged_dot, XLA's default lowering",
-           "reference"),
-    Column("ragged_dot_pallas_triton", "jmp.moe_experts(impl='reference') traced with "
-           "jax_ragged_dot_use_gpu_pallas_triton_lowering: JAX's Pallas Triton ragged dot", "reference",
-           jax_flag="jax_ragged_dot_use_gpu_pallas_triton_lowering",
-           needs_in_hlo=(r'custom_call_target="[^"]*triton',), needs_what="a Triton custom call"),
-    Column("cudnn", "jmp.moe_experts(impl='reference') compiled with xla_gpu_experimental_use_ragged_dot_fusion: "
-           "XLA's cuDNN grouped GEMM", "reference",
-           compiler_options=(("xla_gpu_experimental_use_ragged_dot_fusion", True),),
-           needs_in_hlo=(_RAGGED_DOT_KEPT, r'"kind":\s*"__cudnn\$fusion"'),
-           needs_what="a ragged dot in a cuDNN fusion (kind __cudnn$fusion; XLA needs cuDNN >= 9.22 and a CUDA "
-                      "GPU of Ampere or later)"),
-    Column("xla_triton", "jmp.moe_experts(impl='reference') compiled with xla_gpu_experimental_triton_ragged_dot: "
-           "XLA's Triton ragged-dot emitter", "reference",
-           compiler_options=(("xla_gpu_experimental_triton_ragged_dot", True),
-                             ("xla_gpu_experimental_enable_tiling_propagation", True)),
-           needs_in_hlo=(_RAGGED_DOT_KEPT, r'"kind":\s*"__triton_gemm"'),
-           needs_what="a ragged dot in a Triton GEMM fusion (kind __triton_gemm)"),
-    Column("tokamax", "jmp.moe_experts(impl='tokamax'): the reference's two grouped GEMMs as tokamax.ragged_dot's "
-           "Mosaic GPU kernel", "tokamax"),
-    Column("gather", "jmp.moe_experts(impl='gather'): the active experts' weights gathered by XLA into slots, "
-           "two batched GEMMs", "gather"),
-    Column("ours_fp8", "jmp.moe_experts(impl='kernel') on e4m3 weights with 128 x 128 block scales", "ours",
-           fp8=True),
-    Column("ours_fp8_prepared", "jmp.moe_experts(impl='kernel') on jmp.prepare_experts's order of the e4m3 weights",
-           "ours", prepared=True, fp8=True),
-    Column("gather_fp8", "jmp.moe_experts(impl='gather') on the e4m3 weights (dequantized after the gather)",
-           "gather", fp8=True),
-    Column("ours_fp8_tokens_prepared", "jmp.moe_experts(impl='kernel') on e4m3 tokens (quantized in the step by "
-           "reference.quantize_fp8) and jmp.prepare_experts's order of the e4m3 weights", "ours", prepared=True,
-           fp8=True, fp8_tokens=True),
-    Column("ours_shared_prepared", "jmp.moe_experts(impl='kernel') on jmp.prepare_experts's weights holding the "
-           "shared expert after the routed ones: the kernels compute its rows too", "ours", prepared=True,
-           shared="held"),
-    Column("ours_prepared_xla_shared", "ours_prepared, and the shared expert through XLA's GEMMs "
-           "(jmp.moe_experts(..., shared=...))", "ours", prepared=True, shared="xla"),
-    Column("ours_bulk_prepared", "ours_prepared with both kernels' loads as bulk copies into a ring of the CTA's "
-           "(jmp.ExpertsConfig.with_bulk_loads)", "ours", prepared=True, bulk=True),
-    Column("ours_fp8_bulk_prepared", "ours_fp8_prepared with both kernels' loads as bulk copies into a ring of the "
-           "CTA's (jmp.ExpertsConfig.with_bulk_loads)", "ours", prepared=True, fp8=True, bulk=True),
-)
-COLUMN_NAMES = tuple(column.name for column in COLUMNS)
-COLUMNS_BY_NAME = {column.name: column for column in COLUMNS}
-FLOOR_COLUMNS = ("floor", "floor_fp8", "floor_shared")
-"""A case's entries beside its columns: the floors (module docstring)."""
-VARIANT_PREFIX = "ours_prepared:"
-ROWS_VARIANT_PREFIX = "ours:"
-ROWS_VARIANT = "rows:"
-"""How a ``--variants`` text asks for a column of ``ours`` (the weights' rows)."""
-KEPT_BY_VARIANTS = ("hidden", "intermediate", "experts", "top_k", "fused_gate_up", "tiled_weights", "fp8_weights",
-                    "fp8_tokens", "shared_expert", "arch", *(f.name for f in dataclasses.fields(Tiling)))
-"""`jmp.ExpertsConfig` fields that a ``--variants`` column may not change: the call's operands and
-the weights' tiled order (its columns read the same prepared weights as ``ours_prepared``)."""
-
-
-def parse_changes(text: str) -> dict:
-    """``"field=value,field=value"`` -> changes to a `jmp.ExpertsConfig` (ints, or true/false)."""
-    changes = {}
-    for item in text.split(","):
-        field, _, value = (part.strip() for part in item.partition("="))
-        changes[field] = value == "true" if value in ("true", "false") else int(value)
-    return changes
-
-
-def variant_column(text: str) -> Column:
-    """The ``--variants`` column of ``text`` (`parse_changes`): of ``ours_prepared``, named
-    `VARIANT_PREFIX` + ``text``, or after `ROWS_VARIANT` of ``ours``, named `ROWS_VARIANT_PREFIX` +
-    the changes; ValueError where a change is not a launch-shape field (that keeps the tiled
-    order, on prepared weights)."""
-    rows = text.startswith(ROWS_VARIANT)
-    changes_text = text.removeprefix(ROWS_VARIANT)
-    try:
-        changes = parse_changes(changes_text)
-    except ValueError:
-        raise ValueError(f"--variants {text}: expected [{ROWS_VARIANT}]FIELD=VALUE[,FIELD=VALUE...] with integer or "
-                         "true/false values") from None
-    fields = {f.name for f in dataclasses.fields(jmp.ExpertsConfig)}
-    kept = set(KEPT_BY_VARIANTS) - ({f.name for f in dataclasses.fields(Tiling)} if rows else set())
-    for field in changes:
-        if field not in fields or field in kept:
-            what = "launch-shape field" if rows else "launch-shape field that keeps the weights' tiled order"
-            raise ValueError(f"--variants {text}: {field!r} is not a {what}; expected one of {sorted(fields - kept)}")
-    if rows:
-        return Column(ROWS_VARIANT_PREFIX + changes_text, f"ours with the op's config changed by {changes_text} (the "
-                      "weights' rows)", "ours", changes=tuple(sorted(changes.items())))
-    return Column(VARIANT_PREFIX + text, f"ours_prepared with the op's config changed by {text} (the same tiled "
-                  "order)", "ours", prepared=True, changes=tuple(sorted(changes.items())))
-
-
 def divides(config, tp: int) -> bool:
     try:
         config.check_tp(tp)
@@ -342,21 +211,13 @@ def divides(config, tp: int) -> bool:
     return True
 
 
-def selected_columns(args) -> list:
-    """The columns of ``--columns`` in `COLUMNS`' order, then those of ``--variants``."""
-    return [column for column in COLUMNS if column.name in args.columns] + list(getattr(args, "variant_columns", []))
-
-
-def column_named(args, name: str) -> Column:
-    return next(column for column in selected_columns(args) if column.name == name)
-
-
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=list(experts_draws.SHAPES))
     parser.add_argument("--tp", nargs="+", type=int, default=[8], help="the rank's intermediate is I / tp")
     parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_MS), help=f"tokens (the sweep: {MS})")
-    parser.add_argument("--columns", nargs="+", default=list(COLUMN_NAMES), choices=COLUMN_NAMES)
+    parser.add_argument("--columns", nargs="+", default=list(experts_columns.COLUMN_NAMES),
+                        choices=experts_columns.COLUMN_NAMES)
     parser.add_argument("--variants", nargs="+", default=[], metavar="FIELD=VALUE[,...]",
                         help="more columns: ours_prepared with these changes to the op's config (launch-shape "
                              "fields that keep the tiled order), e.g. token_tiles=1; rows:FIELD=VALUE: ours so (the "
@@ -397,257 +258,26 @@ def parse(argv=None):
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive number")
     args.ours_impl = OURS_IMPLS[platform]
     try:
-        args.variant_columns = [variant_column(text) for text in dict.fromkeys(args.variants)]
+        args.variant_columns = [experts_columns.variant_column(text) for text in dict.fromkeys(args.variants)]
     except ValueError as error:
         parser.error(str(error))
     for name in args.shapes:
-        config = shape_config(args, name)
+        config = experts_draws.shape_config(args, name)
         for tp in args.tp:
             if not args.variant_columns or not divides(config, tp):
                 continue  # main refuses a tp that does not divide the shape
             for column, m in itertools.product(args.variant_columns, args.m):
                 try:
-                    ours_config(config, tp, column, m)  # ExpertsConfig checks each value
+                    experts_columns.ours_config(config, tp, column, m)  # ExpertsConfig checks each value
                 except ValueError as error:
-                    text = column.name.removeprefix(VARIANT_PREFIX) if column.prepared else (
-                        ROWS_VARIANT + column.name.removeprefix(ROWS_VARIANT_PREFIX))
+                    text = column.name.removeprefix(experts_columns.VARIANT_PREFIX) if column.prepared else (
+                        experts_columns.ROWS_VARIANT + column.name.removeprefix(experts_columns.ROWS_VARIANT_PREFIX))
                     parser.error(f"--variants {text} at {name} tp={tp}: {error}")
     return args
 
 
 # ---------------------------------------------------------------------------------------
-# Shapes, layers, routing, weights
-
-
-def shape_config(args, name):
-    """The model's `moe_block.MoEConfig` (its router and whole dimensions), tiny under --cpu."""
-    return mb.scaled(SHAPES[name], **CPU_DIMS) if args.cpu else SHAPES[name]
-
-
-def layer_weight_bytes(config, tp):
-    """Bytes of one layer's expert weights on a rank."""
-    return config.experts * config.expert_bytes(tp)
-
-
-def weight_layouts(args) -> set:
-    """The layers' weight arrays that the selected columns read: ``(fp8, prepared, held)``;
-    ``held``: prepared with the shared expert. The others are dropped once derived."""
-    return {(column.fp8, column.prepared, column.shared == "held") for column in selected_columns(args)}
-
-
-DRAW_COPIES = 1.5
-"""Copies of a layer's bf16 arrays held besides the layers' while the next is drawn: its rows
-and their e4m3 quantization, from which the others are derived (`draw_weights`)."""
-
-
-def weight_copies(args):
-    """Bytes of each layer's weights held, in copies of its bf16 arrays (`weight_layouts`; e4m3: half)."""
-    return sum(0.5 if fp8 else 1 for fp8, _, _ in weight_layouts(args))
-
-
-def shared_expert_bytes(config, tp):
-    """The shared expert's bf16 weights on a rank (0 without one)."""
-    return 3 * config.hidden * (config.shared_intermediate // tp) * 2
-
-
-def why_no_shared(column, config):
-    """Why ``column``'s shared expert cannot run at ``config``, or None."""
-    if not config.shared:
-        return f"{config.name} has no shared expert"
-    if column.shared == "held" and not mb.holds_shared(config):
-        return (f"the shared expert's intermediate ({config.shared_intermediate}) is not the routed experts' "
-                f"({config.intermediate}): prepare_experts cannot hold it")
-    return None
-
-
-def fp8_expert_bytes(config, tp):
-    """One expert's e4m3 weights on a rank: a byte per weight and a float32 per 128 x 128 block."""
-    i = config.intermediate // tp
-    return 3 * config.hidden * i + 3 * (config.hidden // FP8_BLOCK) * (i // FP8_BLOCK) * 4
-
-
-def holds_fp8_blocks(config, tp):
-    """Whether a rank's shard holds whole 128 x 128 blocks (the FP8 columns' weights)."""
-    return config.hidden % FP8_BLOCK == 0 and config.intermediate // tp % FP8_BLOCK == 0
-
-
-def budget_layers(args, config, tp):
-    """The most layers whose weights (`weight_copies` of them) fit ``--weight-budget-gb`` beside
-    the arrays of the layer being drawn (`DRAW_COPIES`)."""
-    layer_bytes = layer_weight_bytes(config, tp) * weight_copies(args)
-    draw_bytes = layer_weight_bytes(config, tp) * DRAW_COPIES
-    layers = int((args.weight_budget_gb * 1e9 - draw_bytes) // layer_bytes)
-    if layers < 1:
-        raise SystemExit(f"--weight-budget-gb {args.weight_budget_gb}: one layer of {config.name} at tp={tp} "
-                         f"needs {(layer_bytes + draw_bytes) / 1e9:.2f} GB while drawn; expected a budget of "
-                         "at least that")
-    return layers
-
-
-def shape_key(args, name):
-    return jax.random.fold_in(jax.random.key(args.seed), list(SHAPES).index(name))
-
-
-def router_params(key, config):
-    """One layer's router (`moe_block.init_layer`'s distributions)."""
-    keys = jax.random.split(key)
-    params = {"router": mb.router_weight(keys[0], config.hidden, config.experts)}
-    if config.router == "sigmoid-grouped":
-        params["bias"] = 0.1 * jax.random.normal(keys[1], (config.experts,), jnp.float32)
-    return params
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def draw_routing(config, m, router_key, x_key):
-    """One layer's ``x`` (bf16 [m, hidden]) and its experts (int32 [m, top_k]) by the model's router."""
-    x = jax.random.normal(x_key, (m, config.hidden), jnp.float32).astype(jnp.bfloat16)
-    experts, _ = mb.route(config, router_params(router_key, config), x)
-    return x, experts
-
-
-def case_routing(args, config, tp, m, max_layers):
-    """Layers of routing for one case: ``(xs, ids, active)``, ``active`` the sorted distinct experts
-    of each layer, as many layers as one pass needs for ``--min-pass-mb`` of active weights (at
-    least MIN_LAYERS), at most ``max_layers``. A layer's routing depends on the shape, m and its
-    index only, so it is the same at every tp."""
-    key = shape_key(args, config.name)
-    xs, ids, active, pass_bytes = [], [], [], 0
-    while len(xs) < max_layers and (len(xs) < MIN_LAYERS or pass_bytes < args.min_pass_mb * 1e6):
-        layer = len(xs)
-        router_key = jax.random.fold_in(jax.random.fold_in(key, 0), layer)
-        x_key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, 1), m), layer)
-        x, experts = draw_routing(config, m, router_key, x_key)
-        xs.append(x)
-        ids.append(experts)
-        active.append(np.unique(np.asarray(experts)))
-        pass_bytes += active[-1].size * config.expert_bytes(tp)
-    return xs, ids, active
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def draw_layer_weights(key, config, tp):
-    """One layer's weights on one rank, uniform bf16 of variance ``1 / fan_in``
-    (`moe_block.init_layer`'s draw): gate_up [experts, hidden, 2 * i] (gate columns, then up)
-    and down [experts, i, hidden], ``i = intermediate / tp``."""
-    i = config.intermediate // tp
-    keys = jax.random.split(key)
-    return {"gate_up": uniform_weights(keys[0], (config.experts, config.hidden, 2 * i), config.hidden),
-            "down": uniform_weights(keys[1], (config.experts, i, config.hidden), config.intermediate)}
-
-
-def uniform_weights(key, shape, fan_in):
-    """bf16 uniform of variance ``1 / fan_in``."""
-    limit = (3 / fan_in) ** 0.5
-    return jax.random.uniform(key, shape, jnp.bfloat16, -limit, limit)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def draw_shared_weights(key, config, tp):
-    """One layer's shared expert on one rank, as `draw_layer_weights` draws an expert:
-    ``(gate_up [hidden, 2 * s], down [s, hidden])``, ``s = shared_intermediate / tp``."""
-    s = config.shared_intermediate // tp
-    keys = jax.random.split(key)
-    return (uniform_weights(keys[0], (config.hidden, 2 * s), config.hidden),
-            uniform_weights(keys[1], (s, config.hidden), config.shared_intermediate))
-
-
-def draw_weights(args, config, tp, layers):
-    """Each layer's weights that the columns read (`weight_layouts`): ``"gate_up"`` and ``"down"``
-    (`draw_layer_weights`); ``"prepared"``, their `jmp.prepare_experts` order; ``"fp8"``, the pair
-    ``(gate_up, down)`` quantized (`jmp.BlockScaled.quantize`, where the shard holds whole
-    blocks); ``"fp8_prepared"``, its prepared order; with a shared expert, ``"shared"`` (its
-    ``(gate_up, down)``) and ``"prepared_shared"``, the prepared order holding it. A layer's
-    arrays that no column reads are dropped before the next layer is drawn, so that a tp = 1
-    layer's derived copies fit beside it."""
-    key = jax.random.fold_in(jax.random.fold_in(shape_key(args, config.name), 2), tp)
-    layouts = weight_layouts(args)
-    prepare = jax.jit(jmp.prepare_experts)
-    # One expert at a time: quantizing a whole tp = 1 layer at once needs float32 copies of it.
-    quantize = jax.jit(lambda w: jax.lax.map(jmp.BlockScaled.quantize, w))
-    shared_columns = [c for c in selected_columns(args) if c.shared and not why_no_shared(c, config)]
-    weights = []
-    for layer in range(layers):
-        w = draw_layer_weights(jax.random.fold_in(key, layer), config, tp)
-        if holds_fp8_blocks(config, tp) and {(True, False, False), (True, True, False)} & layouts:
-            fp8 = (quantize(w["gate_up"]), quantize(w["down"]))
-            if (True, True, False) in layouts:
-                w["fp8_prepared"] = jax.block_until_ready(prepare(*fp8))
-            if (True, False, False) in layouts:
-                w["fp8"] = fp8
-            del fp8
-        if (False, True, False) in layouts:
-            w["prepared"] = prepare(w["gate_up"], w["down"])
-        if shared_columns:
-            w["shared"] = draw_shared_weights(jax.random.fold_in(jax.random.fold_in(key, layer), 1), config, tp)
-            if (False, True, True) in layouts and mb.holds_shared(config):
-                w["prepared_shared"] = prepare(w["gate_up"], w["down"], shared=w["shared"])
-        if (False, False, False) not in layouts:
-            del w["gate_up"], w["down"]
-        weights.append(jax.block_until_ready(w))
-    return weights
-
-
-def active_bitmask(active, experts):
-    """The set of active experts as hex, expert e the bit ``1 << e``."""
-    return format(sum(1 << int(e) for e in active), f"0{-(-experts // 4)}x")
-
-
-# ---------------------------------------------------------------------------------------
 # The columns' programs
-
-
-def layer_function(column, args):
-    """``(layer weights, x, expert ids) -> rows`` of ``column``."""
-    impl = args.ours_impl if column.route == "ours" else column.route
-    if column.fp8_tokens:
-        return lambda w, x, ids: jmp.moe_experts(jmp.BlockScaled(*reference.quantize_fp8(x)), ids,
-                                                 w["fp8_prepared"], impl=impl)
-    if column.shared == "held":
-        return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared_shared"], impl=impl)
-    if column.shared == "xla":
-        return lambda w, x, ids: jmp.moe_experts(x, ids, w["prepared"], shared=w["shared"], impl=impl)
-    if column.prepared:
-        name = "fp8_prepared" if column.fp8 else "prepared"
-        if column.bulk:
-            return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
-                                                     config=bulk_config(w[name], ids.shape, column.fp8))
-        if column.changes:
-            return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl,
-                                                     config=variant_config(w[name], ids.shape, column))
-        return lambda w, x, ids: jmp.moe_experts(x, ids, w[name], impl=impl)
-    if column.fp8:
-        return lambda w, x, ids: jmp.moe_experts(x, ids, *w["fp8"], impl=impl)
-    if column.changes:
-        return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl,
-                                                 config=rows_variant_config(w["gate_up"], ids.shape, column))
-    return lambda w, x, ids: jmp.moe_experts(x, ids, w["gate_up"], w["down"], impl=impl)
-
-
-def rows_variant_config(gate_up, ids_shape, column):
-    """A rows ``--variants`` column's config for the weights' rows (the fused ``gate_up``): the
-    op's default with the column's changes."""
-    return default_config(gate_up, ids_shape).replace(**dict(column.changes))
-
-
-def default_config(gate_up, ids_shape, fp8: bool = False):
-    """The op's default config for fused ``gate_up`` weights (prepared weights' before their
-    tiled order) and ids of ``ids_shape`` (m, top_k)."""
-    experts, hidden, gate_up_columns = gate_up.shape
-    m, top_k = ids_shape
-    return jmp.ExpertsConfig.for_shape(hidden=hidden, intermediate=gate_up_columns // 2, experts=experts,
-                                       top_k=top_k, fp8_weights=fp8, m=m)
-
-
-def bulk_config(prepared, ids_shape, fp8: bool):
-    """The bulk-copy columns' config for ``prepared`` weights: the default's, with both kernels'
-    bulk loads (`jmp.ExpertsConfig.with_bulk_loads`, the same tiled order)."""
-    return default_config(prepared.gate_up, ids_shape, fp8).with_bulk_loads()
-
-
-def variant_config(prepared, ids_shape, column):
-    """A ``--variants`` column's config for ``prepared`` weights: the default's in their tiled
-    order, with the column's changes."""
-    return prepared.tiling.config_for(default_config(prepared.gate_up, ids_shape)).replace(**dict(column.changes))
 
 
 def chain(layer_fn, layers):
@@ -678,33 +308,18 @@ def chain_inputs(config, m, weights, xs, ids):
             (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16), jnp.zeros((m, config.hidden), jnp.bfloat16)))
 
 
-@contextlib.contextmanager
-def jax_flag(name):
-    """JAX's config flag ``name`` set while the block runs (None: nothing), restored after."""
-    if name is None:
-        yield
-        return
-    if not hasattr(jax.config, name):
-        raise ValueError(f"this jax ({jax.__version__}) has no config flag {name!r}")
-    before = getattr(jax.config, name)
-    jax.config.update(name, True)
-    try:
-        yield
-    finally:
-        jax.config.update(name, before)
-
-
 def compile_column(column, args, layers, inputs):
     """``(compiled program, the call it runs)`` of ``column``; raises where it cannot be built."""
     impl = args.ours_impl if column.route == "ours" else column.route
-    return build(column, layer_function(column, args), layers, inputs), f"jmp.moe_experts(impl={impl!r})"
+    return (build(column, experts_columns.layer_function(column, args), layers, inputs),
+            f"jmp.moe_experts(impl={impl!r})")
 
 
 def build(column, layer_fn, layers, inputs):
     """The compiled chain of ``layer_fn`` with ``column``'s XLA options and JAX flag."""
     program = jax.jit(chain(layer_fn, layers), compiler_options=dict(column.compiler_options) or None)
     # The flag is part of JAX's trace context: it counts while tracing; the compiled program keeps it.
-    with jax_flag(column.jax_flag):
+    with experts_columns.jax_flag(column.jax_flag):
         lowered = program.lower(*inputs, jnp.int32(1))
     return lowered.compile()
 
@@ -713,33 +328,6 @@ def one_line(error):
     """An exception as one line: its type and the start of its message."""
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:400]}"
-
-
-_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
-_FUSION_KIND = re.compile(r'"kind":\s*"(__[^"]+)"')
-
-
-def hlo_kernels(hlo):
-    """What an optimized HLO module runs its GEMMs with: custom-call targets and fusion kinds
-    (``__cudnn$fusion``, ``__triton_gemm``, ...) counted over the module, and its ragged dots
-    (XLA's default lowering rewrites every one into dots)."""
-
-    def counts(pattern):
-        found = {}
-        for name in pattern.findall(hlo):
-            found[name] = found.get(name, 0) + 1
-        return found
-
-    return {"custom_calls": counts(_CUSTOM_CALL), "fusion_kinds": counts(_FUSION_KIND),
-            "ragged_dots": len(re.findall(_RAGGED_DOT_KEPT, hlo))}
-
-
-def missing_evidence(column, hlo):
-    """Why the optimized HLO does not show ``column``'s implementation, or None where it does."""
-    if all(re.search(pattern, hlo) for pattern in column.needs_in_hlo):
-        return None
-    return (f"the optimized HLO lacks {column.needs_what}; it has {json.dumps(hlo_kernels(hlo))}: "
-            "the program runs another implementation")
 
 
 # ---------------------------------------------------------------------------------------
@@ -784,21 +372,22 @@ class NotTimed(Exception):
     """A column that ran but may not be timed as what it claims to be: its ``why_not``."""
 
 
-def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_prefix):
+def prepare_column(column, args, layers, inputs, entry, outputs, hlo_prefix):
     """Compile ``column`` and check it before it is timed: its optimized HLO shows what the
-    column claims (`missing_evidence`), and its output of one pass (in pair order) agrees with
-    that of the first column that ran. Records in ``entry`` the call it ran, its compile seconds,
-    its kernels (`hlo_kernels`) and its loop counts (`loop_counts`); returns the program."""
+    column claims (`experts_columns.missing_evidence`), and its output of one pass (in pair
+    order) agrees with that of the first column that ran. Records in ``entry`` the call it ran,
+    its compile seconds, its kernels (`experts_columns.hlo_kernels`) and its loop counts
+    (`loop_counts`); returns the program."""
     start = time.perf_counter()
     compiled, entry["ran"] = compile_column(column, args, layers, inputs)
     text = compiled.as_text()
     if hlo_prefix:
         pathlib.Path(f"{hlo_prefix}.{column.name}.txt").write_text(text)
-    why_not = missing_evidence(column, text)
+    why_not = experts_columns.missing_evidence(column, text)
     if why_not:
         raise NotTimed(why_not)
     entry["compile_s"] = time.perf_counter() - start
-    entry["hlo"] = hlo_kernels(text)
+    entry["hlo"] = experts_columns.hlo_kernels(text)
     out, shared = (np.asarray(y, np.float64) for y in compiled(*inputs, jnp.int32(1)))
     outputs[column.name] = out
     if column.shared:
@@ -810,14 +399,16 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
         if not difference <= MAX_DIFFERENCE:
             raise NotTimed(f"its shared rows differ from reference.shared_expert's by {difference:.2e} (relative, "
                            f"more than {MAX_DIFFERENCE})")
-    # The first column that ran on the same operands (`operand_kind`); the first of a kind
-    # against the first of the kind one quantization before (e4m3 weights against bf16, e4m3
-    # tokens against e4m3 weights alone), within that quantization's error.
-    kind = operand_kind(column)
-    against = next(name for name in outputs if operand_kind(column_named(args, name)) == kind)
+    # The first column that ran on the same operands (`experts_columns.operand_kind`); the first
+    # of a kind against the first of the kind one quantization before (e4m3 weights against bf16,
+    # e4m3 tokens against e4m3 weights alone), within that quantization's error.
+    kind = experts_columns.operand_kind(column)
+    against = next(name for name in outputs
+                   if experts_columns.operand_kind(experts_columns.column_named(args, name)) == kind)
     bound = MAX_DIFFERENCE
     if column.name == against and kind > 0:
-        against = next((name for name in outputs if operand_kind(column_named(args, name)) == kind - 1),
+        against = next((name for name in outputs
+                        if experts_columns.operand_kind(experts_columns.column_named(args, name)) == kind - 1),
                        column.name)
         bound = MAX_FP8_DIFFERENCE
     if column.name != against:
@@ -828,11 +419,6 @@ def prepare_column(column, args, top_k, layers, inputs, entry, outputs, hlo_pref
                            f"{bound}): it would time another computation")
     entry["iterations"] = list(loop_counts(compiled, inputs, args.target_ms / 1e3))
     return compiled
-
-
-def operand_kind(column) -> int:
-    """0: bf16 operands; 1: e4m3 weights; 2: e4m3 weights and tokens."""
-    return int(column.fp8) + int(column.fp8_tokens)
 
 
 def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_prefix):
@@ -847,38 +433,41 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     expert_bytes = config.expert_bytes(tp)
     active_bytes = mean_active * expert_bytes
     floor_us = active_bytes / bandwidth * 1e6
-    fp8_floor_us = mean_active * fp8_expert_bytes(config, tp) / bandwidth * 1e6
-    shared_floor_us = floor_us + shared_expert_bytes(config, tp) / bandwidth * 1e6
+    fp8_floor_us = mean_active * experts_draws.fp8_expert_bytes(config, tp) / bandwidth * 1e6
+    shared_floor_us = floor_us + experts_draws.shared_expert_bytes(config, tp) / bandwidth * 1e6
     result = {"shape": config.name, "tp": tp, "hidden": hidden, "intermediate": config.intermediate // tp,
               "model_intermediate": config.intermediate, "experts": config.experts, "top_k": top_k, "m": m,
-              "router": config.router, "layers": layers, "budget_layers": budget_layers(args, config, tp),
+              "router": config.router, "layers": layers,
+              "budget_layers": experts_draws.budget_layers(args, config, tp),
               "active_experts": {"per_layer": distinct, "mean": mean_active,
-                                 "bitmask_per_layer": [active_bitmask(a, config.experts) for a in active]},
+                                 "bitmask_per_layer": [experts_draws.active_bitmask(a, config.experts)
+                                                       for a in active]},
               "expert_bytes": expert_bytes, "active_bytes_per_call": active_bytes,
-              "pass_bytes": sum(distinct) * expert_bytes, "layer_weight_bytes": layer_weight_bytes(config, tp)}
+              "pass_bytes": sum(distinct) * expert_bytes,
+              "layer_weight_bytes": experts_draws.layer_weight_bytes(config, tp)}
     if not args.cpu:
         result["estimate_s"] = case_estimate_s(args, config, tp, m, layers, columns)
-    # case_routing stops short of the pass bytes only at the budget's last layer.
-    result["layers_cut_by_budget"] = layers < MIN_LAYERS or result["pass_bytes"] < args.min_pass_mb * 1e6
+    # `experts_draws.case_routing` stops short of the pass bytes only at the budget's last layer.
+    result["layers_cut_by_budget"] = layers < experts_draws.MIN_LAYERS or result["pass_bytes"] < args.min_pass_mb * 1e6
     figures = {column.name: {"what": column.what} for column in columns}
     timings, outputs = {}, {}
     for round_index in range(args.rounds):
         programs = {}
         for column in columns:
             entry = figures[column.name]
-            if column.fp8 and not holds_fp8_blocks(config, tp):
+            if column.fp8 and not experts_draws.holds_fp8_blocks(config, tp):
                 entry["why_not"] = (f"the rank's shard (hidden {hidden}, intermediate {config.intermediate // tp}) "
                                     f"holds no whole {FP8_BLOCK} x {FP8_BLOCK} blocks")
-            if column.shared and why_no_shared(column, config):
-                entry["why_not"] = why_no_shared(column, config)
+            if column.shared and experts_columns.why_no_shared(column, config):
+                entry["why_not"] = experts_columns.why_no_shared(column, config)
             if "why_not" in entry:
                 continue
             try:
                 if round_index == 0:
                     if column.route == "ours" and not args.cpu:
                         # The kernel set the op loads here (its launch shapes depend on m).
-                        entry["kernel_set"] = ours_config(config, tp, column, m).key
-                    programs[column.name] = prepare_column(column, args, top_k, layers, inputs, entry, outputs,
+                        entry["kernel_set"] = experts_columns.ours_config(config, tp, column, m).key
+                    programs[column.name] = prepare_column(column, args, layers, inputs, entry, outputs,
                                                            hlo_prefix)
                 else:
                     programs[column.name] = compile_column(column, args, layers, inputs)[0]
@@ -894,7 +483,7 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     for name, column_rounds in timings.items():
         entry = figures[name]
         entry.update(timing.summarize(column_rounds))
-        column = column_named(args, name)
+        column = experts_columns.column_named(args, name)
         entry["floor_fraction"] = (fp8_floor_us if column.fp8 else shared_floor_us if column.shared
                                    else floor_us) / entry["us"]
         if "ours" in timings and name != "ours":
@@ -902,11 +491,12 @@ def measure_case(args, config, tp, m, weights, routing, bandwidth, columns, hlo_
     figures["floor"] = {"us": floor_us, "what": "the active experts' weight bytes at the measured HBM bandwidth",
                         "bytes": active_bytes, "bytes_per_s": bandwidth}
     if any(column.fp8 for column in columns):
-        figures["floor_fp8"] = {"us": fp8_floor_us, "bytes": mean_active * fp8_expert_bytes(config, tp),
+        figures["floor_fp8"] = {"us": fp8_floor_us, "bytes": mean_active * experts_draws.fp8_expert_bytes(config, tp),
                                 "bytes_per_s": bandwidth,
                                 "what": "the active experts' e4m3 weights and scales at the measured HBM bandwidth"}
     if any(column.shared for column in columns) and config.shared:
-        figures["floor_shared"] = {"us": shared_floor_us, "bytes": active_bytes + shared_expert_bytes(config, tp),
+        figures["floor_shared"] = {"us": shared_floor_us,
+                                   "bytes": active_bytes + experts_draws.shared_expert_bytes(config, tp),
                                    "bytes_per_s": bandwidth,
                                    "what": "the active experts' and the shared expert's weight bytes at the measured "
                                            "HBM bandwidth"}
@@ -928,11 +518,12 @@ def case_estimate_s(args, config, tp, m, layers, columns):
     of a ragged dot does)."""
     rows = m * config.top_k
     expanded_flops = 2 * rows * config.experts * 3 * config.hidden * (config.intermediate // tp)
-    call_s = max(layer_weight_bytes(config, tp) / GUESS["hbm_bytes_per_s"], expanded_flops / GUESS["flops_per_s"])
+    call_s = max(experts_draws.layer_weight_bytes(config, tp) / GUESS["hbm_bytes_per_s"],
+                 expanded_flops / GUESS["flops_per_s"])
     pair_s = max(args.target_ms / 1e3 * (1 + 2 * timing.SHORT / (timing.LONG - timing.SHORT)), 3 * layers * call_s)
     seconds = 0.0
     for column in columns:
-        if known_unavailable(column):
+        if experts_columns.known_unavailable(column):
             seconds += GUESS["unavailable_s"]
             continue
         # A --variants column compiles as the column it changes does.
@@ -942,29 +533,22 @@ def case_estimate_s(args, config, tp, m, layers, columns):
     return seconds
 
 
-def known_unavailable(column):
-    """Whether this Python lacks what ``column`` needs, where that shows without a device (its
-    module, its JAX flag); the run records the error itself."""
-    if column.route == "tokamax":
-        return experts_tokamax.import_error() is not None
-    return column.jax_flag is not None and not hasattr(jax.config, column.jax_flag)
-
-
 def planned_layers(args, config, tp, m):
-    """The layers `case_routing` will draw, from the expected distinct experts of uniform routing
-    (the estimate does not draw the routing)."""
+    """The layers `experts_draws.case_routing` will draw, from the expected distinct experts of
+    uniform routing (the estimate does not draw the routing)."""
     expected = config.experts * (1 - (1 - config.top_k / config.experts) ** m)
     needed = math.ceil(args.min_pass_mb * 1e6 / (expected * config.expert_bytes(tp)))
-    return min(max(MIN_LAYERS, needed), budget_layers(args, config, tp))
+    return min(max(experts_draws.MIN_LAYERS, needed), experts_draws.budget_layers(args, config, tp))
 
 
 def run_estimate_s(args, columns):
     seconds = GUESS["start_s"]
     for name in args.shapes:
-        config = shape_config(args, name)
+        config = experts_draws.shape_config(args, name)
         for tp in args.tp:
             layers = {m: planned_layers(args, config, tp, m) for m in args.m}
-            seconds += max(layers.values()) * layer_weight_bytes(config, tp) / 1e9 * GUESS["weights_s_per_gb"]
+            seconds += (max(layers.values()) * experts_draws.layer_weight_bytes(config, tp) / 1e9
+                        * GUESS["weights_s_per_gb"])
             seconds += sum(case_estimate_s(args, config, tp, m, layers[m], columns) for m in args.m)
     return seconds
 
@@ -1002,7 +586,8 @@ def plot(paths, png):
                 continue
             without = []
             # Every column of these runs, --variants ones included, in the runs' order.
-            for name in dict.fromkeys(name for r in cases for name in r["columns"] if name not in FLOOR_COLUMNS):
+            for name in dict.fromkeys(name for r in cases for name in r["columns"]
+                                      if name not in experts_columns.FLOOR_COLUMNS):
                 timed = [r for r in cases if "us" in r["columns"].get(name, {})]
                 if timed:
                     axis.plot([r["m"] for r in timed], [r["columns"][name]["us"] for r in timed], "o-",
@@ -1049,29 +634,18 @@ def ours_configs(args):
     `jmp.prepare_experts`'s weights, e4m3 weights or tokens, the shared expert held."""
     configs = []
     for name in args.shapes:
-        config = shape_config(args, name)
+        config = experts_draws.shape_config(args, name)
         for tp in args.tp:
-            for column in selected_columns(args):
+            for column in experts_columns.selected_columns(args):
                 if ours_runs_at(column, config, tp):
-                    configs += [ours_config(config, tp, column, m) for m in args.m]
+                    configs += [experts_columns.ours_config(config, tp, column, m) for m in args.m]
     return list(dict.fromkeys(configs))
 
 
 def ours_runs_at(column, config, tp) -> bool:
     """Whether ``column`` is one of ours that runs at ``config``'s shard of ``tp``."""
-    return (column.route == "ours" and (not column.fp8 or holds_fp8_blocks(config, tp))
-            and not (column.shared and why_no_shared(column, config)))
-
-
-def ours_config(config, tp, column, m):
-    """The `jmp.ExpertsConfig` that ours' ``column`` loads at ``config``'s shard of ``tp`` for
-    ``m`` tokens."""
-    ours = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // tp,
-                                       experts=config.experts, top_k=config.top_k, fp8_weights=column.fp8,
-                                       fp8_tokens=column.fp8_tokens, shared_expert=column.shared == "held", m=m)
-    if column.bulk:
-        return ours.with_bulk_loads()
-    return ours.replace(tiled_weights=column.prepared, **dict(column.changes))
+    return (column.route == "ours" and (not column.fp8 or experts_draws.holds_fp8_blocks(config, tp))
+            and not (column.shared and experts_columns.why_no_shared(column, config)))
 
 
 def build_kernels_command(args):
@@ -1108,7 +682,8 @@ def cudnn_version():
 def print_case(r):
     cells = []
     # The columns in the run's order (--variants ones after the others), then the floors.
-    names = [name for name in r["columns"] if name not in FLOOR_COLUMNS] + list(FLOOR_COLUMNS)
+    names = ([name for name in r["columns"] if name not in experts_columns.FLOOR_COLUMNS]
+             + list(experts_columns.FLOOR_COLUMNS))
     for name in names:
         entry = r["columns"].get(name)
         if entry is not None:
@@ -1129,13 +704,13 @@ def main(argv=None):
     for name in args.shapes:
         for tp in args.tp:
             try:
-                shape_config(args, name).check_tp(tp)
+                experts_draws.shape_config(args, name).check_tp(tp)
             except ValueError as error:
                 raise SystemExit(f"--tp {tp}: {error}; expected a tp that divides the intermediate size") from None
     if args.build_kernels:
         kernel_builds.build_kernels(ours_configs(args), args.build_kernels)
         return 0
-    columns = selected_columns(args)
+    columns = experts_columns.selected_columns(args)
     estimate = None if args.cpu else {"seconds": run_estimate_s(args, columns), "basis": ESTIMATE_BASIS}
     if estimate:
         print(f"estimated run time: {estimate['seconds'] / 60:.1f} min ({ESTIMATE_BASIS})", flush=True)
@@ -1160,8 +735,8 @@ def main(argv=None):
     data = {"environment": {**environment, "platform": "cpu" if args.cpu else "gpu", "plumbing_check": args.cpu,
                             "ours_impl": args.ours_impl, "reps": args.reps, "rounds": args.rounds,
                             "target_ms": args.target_ms, "weight_budget_bytes": args.weight_budget_gb * 1e9,
-                            "min_pass_bytes": args.min_pass_mb * 1e6, "min_layers": MIN_LAYERS, "seed": args.seed,
-                            "cudnn_version": cudnn_version()},
+                            "min_pass_bytes": args.min_pass_mb * 1e6, "min_layers": experts_draws.MIN_LAYERS,
+                            "seed": args.seed, "cudnn_version": cudnn_version()},
             "columns": {column.name: {"what": column.what, "compiler_options": dict(column.compiler_options),
                                       "jax_flag": column.jax_flag} for column in columns},
             "floors": floor_limits,
@@ -1172,17 +747,18 @@ def main(argv=None):
             "weights": [],
             "results": results}
     for name in args.shapes:
-        config = shape_config(args, name)
+        config = experts_draws.shape_config(args, name)
         for tp in args.tp:
-            most = budget_layers(args, config, tp)
-            routings = {m: case_routing(args, config, tp, m, most) for m in args.m}
+            most = experts_draws.budget_layers(args, config, tp)
+            routings = {m: experts_draws.case_routing(args, config, tp, m, most) for m in args.m}
             layers = max(len(routing[0]) for routing in routings.values())
-            print(f"{config.name} tp={tp}: {layers} layers of {layer_weight_bytes(config, tp) / 1e9:.3g} GB of weights",
-                  flush=True)
+            print(f"{config.name} tp={tp}: {layers} layers of "
+                  f"{experts_draws.layer_weight_bytes(config, tp) / 1e9:.3g} GB of weights", flush=True)
             drawing = time.perf_counter()
-            weights = jax.block_until_ready(draw_weights(args, config, tp, layers))
+            weights = jax.block_until_ready(experts_draws.draw_weights(args, config, tp, layers))
             data["weights"].append({"shape": config.name, "tp": tp, "layers": layers,
-                                    "bytes": layers * layer_weight_bytes(config, tp) * weight_copies(args),
+                                    "bytes": (layers * experts_draws.layer_weight_bytes(config, tp)
+                                              * experts_draws.weight_copies(args)),
                                     "draw_s": time.perf_counter() - drawing, "since_start_s": drawing - started})
             for m in args.m:
                 r = measure_case(args, config, tp, m, weights, routings[m], bandwidth, columns,

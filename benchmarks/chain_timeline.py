@@ -27,6 +27,8 @@ import jax
 from jax.profiler import ProfileData
 
 import bench_moe_experts as bench
+import experts_columns
+import experts_draws
 import kernel_builds
 import records
 
@@ -87,10 +89,10 @@ def cases(args):
     """``(shape config, tp, m, routing, layer count, inputs)`` of every selected case, as
     `bench_moe_experts.main` draws them."""
     for name, tp in itertools.product(args.shapes, args.tp):
-        config = bench.shape_config(args, name)
-        most = bench.budget_layers(args, config, tp)
-        routings = {m: bench.case_routing(args, config, tp, m, most) for m in args.m}
-        weights = bench.draw_weights(args, config, tp, max(len(routing[0]) for routing in routings.values()))
+        config = experts_draws.shape_config(args, name)
+        most = experts_draws.budget_layers(args, config, tp)
+        routings = {m: experts_draws.case_routing(args, config, tp, m, most) for m in args.m}
+        weights = experts_draws.draw_weights(args, config, tp, max(len(routing[0]) for routing in routings.values()))
         for m, (xs, ids, active) in routings.items():
             yield config, tp, m, active, len(xs), bench.chain_inputs(config, m, weights, xs, ids)
         del weights
@@ -109,7 +111,7 @@ def timeline(compiled, inputs, iterations: int, calls: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    columns = bench.selected_columns(args)
+    columns = experts_columns.selected_columns(args)
     if any(column.route == "ours" for column in columns):
         kernel_builds.check_kernels(bench.ours_configs(args), bench.build_kernels_command(args))
     results = []
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
             case = {"shape": config.name, "tp": tp, "m": m, "column": column.name, "layers": layers,
                     "active_experts": [int(a.size) for a in active]}
             try:
-                compiled, _ = bench.compile_column(column, args, config.top_k, layers, inputs)
+                compiled, _ = bench.compile_column(column, args, layers, inputs)
             except Exception as error:  # noqa: BLE001 - as the benchmark, a column that cannot build is recorded
                 results.append({**case, "why_not": bench.one_line(error)})
                 print(f"{config.name} tp={tp} m={m} {column.name}: not built: {results[-1]['why_not']}")

@@ -6,7 +6,7 @@ expert) ``items_per_expert`` column blocks, and its pairs passes of ``tokens_per
 passes of a block side by side in the item order; without, one block of all the group's
 passes, one after another. CTA ``c`` of ``G`` takes the items ``c, c + G, ...``
 (`kernels.expert_routing`). With one unit of cost per pass over a block's weights, this
-counts, from the routing the benchmark draws (`bench_moe_experts.case_routing`, the models'
+counts, from the routing the benchmark draws (`experts_draws.case_routing`, the models'
 routers):
 
 - ``reads``: the units over the floor's (each active group's blocks once): the weight bytes
@@ -32,6 +32,8 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import bench_moe_experts as bench  # noqa: E402
+import experts_columns  # noqa: E402
+import experts_draws  # noqa: E402
 from jax_moe_publish.experts_config import ExpertsConfig  # noqa: E402
 
 
@@ -62,13 +64,14 @@ def spread(costs: list[int], floor_units: int, sms: int, ctas_per_sm: int) -> di
 
 def parse(argv=None):
     """This model's arguments, and the benchmark's for the same shapes, tps, m, columns and
-    variants (it checks the variants and names each column's config, `bench.ours_config`)."""
+    variants (it checks the variants and names each column's config,
+    `experts_columns.ours_config`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=list(bench.SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=list(experts_draws.SHAPES))
     parser.add_argument("--tp", nargs="+", type=int, default=[8])
     parser.add_argument("--m", nargs="+", type=int, default=[1, 16, 64, 128, 256])
     parser.add_argument("--columns", nargs="+", default=["ours_prepared"],
-                        choices=[column.name for column in bench.COLUMNS if column.route == "ours"],
+                        choices=[column.name for column in experts_columns.COLUMNS if column.route == "ours"],
                         help="the benchmark's columns of ours (ours_shared_prepared: the shared expert held)")
     parser.add_argument("--variants", nargs="+", default=[], metavar="FIELD=VALUE[,...]",
                         help="the benchmark's --variants, e.g. token_tiles=4")
@@ -90,14 +93,14 @@ def main(argv=None):
     print("| shape | tp | m | column | kernel | token tiles | items | reads | cta | sm | reads x sm |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes:
-        model = bench.SHAPES[name]
+        model = experts_draws.SHAPES[name]
         for tp in args.tp:
-            columns = [c for c in bench.selected_columns(bench_args) if bench.ours_runs_at(c, model, tp)]
+            columns = [c for c in experts_columns.selected_columns(bench_args) if bench.ours_runs_at(c, model, tp)]
             for m in args.m:
-                _, ids, _ = bench.case_routing(bench_args, model, tp, m, args.layers)
+                _, ids, _ = experts_draws.case_routing(bench_args, model, tp, m, args.layers)
                 layer_counts = [np.bincount(np.asarray(layer_ids).ravel(), minlength=model.experts) for layer_ids in ids]
                 for column in columns:
-                    config = bench.ours_config(model, tp, column, m)
+                    config = experts_columns.ours_config(model, tp, column, m)
                     for role in ("gate_up", "down"):
                         layers = []
                         for counts in layer_counts:

@@ -11,7 +11,7 @@ shard shape, nothing else on the GPU between the calls.
 
 The first call loads the kernels; ncu flushes the caches before each profiled kernel, so one
 layer's weights read from HBM as a decode step's would. Routing is the model's router on
-random tokens (`bench_moe_experts.draw_routing`). Prints each kernel's weight bytes, against
+random tokens (`experts_draws.draw_routing`). Prints each kernel's weight bytes, against
 which ncu's ``dram__bytes_read`` is read.
 
 ``--time`` times the launch shapes (`ExpertsConfig.for_shape`'s, then each ``--variant``'s
@@ -34,6 +34,8 @@ import jax
 import numpy as np
 
 import bench_moe_experts as bench
+import experts_columns
+import experts_draws
 import kernel_builds
 
 import jax_moe_publish as jmp
@@ -45,7 +47,7 @@ def configs(args, config):
     """The default launch shapes of the shard at ``args.m``, then each variant's."""
     base = jmp.ExpertsConfig.for_shape(hidden=config.hidden, intermediate=config.intermediate // args.tp,
                                        experts=config.experts, top_k=config.top_k, fp8_weights=args.fp8, m=args.m)
-    return [base] + [base.replace(**bench.parse_changes(variant)) for variant in args.variant]
+    return [base] + [base.replace(**experts_columns.parse_changes(variant)) for variant in args.variant]
 
 
 def weights_for(config, layers):
@@ -80,7 +82,7 @@ def time_call(op, weights, xs, ids, calls: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="deepseek-v3", choices=list(bench.SHAPES))
+    parser.add_argument("--shape", default="deepseek-v3", choices=list(experts_draws.SHAPES))
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--m", type=int, default=1)
     parser.add_argument("--calls", type=int, default=4, help="calls per config (with --time: timed calls)")
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
                                                            "config's fp8_weights)")
     parser.add_argument("--build-kernels", metavar="DIR", help="compile the configs into DIR (CuTe DSL), then exit")
     args = parser.parse_args(argv)
-    config = bench.SHAPES[args.shape]
+    config = experts_draws.SHAPES[args.shape]
     chosen = configs(args, config)
     if args.build_kernels:
         kernel_builds.build_kernels(chosen, args.build_kernels)
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
     key = jax.random.key(0)
 
     def routing(layer):
-        return bench.draw_routing(config, args.m, jax.random.fold_in(key, 0), jax.random.fold_in(key, 1 + layer))
+        return experts_draws.draw_routing(config, args.m, jax.random.fold_in(key, 0),
+                                          jax.random.fold_in(key, 1 + layer))
 
     active = np.unique(np.asarray(routing(0)[1]))
     weight_bytes = 1 if args.fp8 else 2
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
     print(f"{args.shape} tp={args.tp} (intermediate {intermediate}) m={args.m}: {active.size} active experts; "
           f"weight bytes gate/up {gate_up_bytes / 1e6:.2f} MB, down {down_bytes / 1e6:.2f} MB (the first layer)")
     count = int(np.ceil(MIN_PASS_BYTES / (gate_up_bytes + down_bytes))) if args.time else 1
-    layers = [bench.draw_layer_weights(jax.random.fold_in(key, 1000 + layer), config, args.tp)
+    layers = [experts_draws.draw_layer_weights(jax.random.fold_in(key, 1000 + layer), config, args.tp)
               for layer in range(count)]
     xs, ids = zip(*(routing(layer) for layer in range(count)))
     default_rows, disagree = None, []

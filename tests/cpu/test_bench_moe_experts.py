@@ -21,6 +21,8 @@ import pytest
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import bench_moe_experts as bench
+import experts_columns
+import experts_draws
 import hlo_text
 import numerics
 
@@ -36,7 +38,7 @@ SEED = 5
 MIN_PASS_MB = 0.2  # two layers at both tps: small programs, quick to compile
 # On CPU the kernels, JAX's Pallas Triton lowering, cuDNN, XLA's Triton emitter and tokamax's GPU
 # kernels cannot run.
-OURS = tuple(column.name for column in bench.COLUMNS if column.route == "ours")
+OURS = tuple(column.name for column in experts_columns.COLUMNS if column.route == "ours")
 TIMED_ON_CPU = ("ours", "ours_prepared", "ragged_dot", "gather", "ours_fp8", "ours_fp8_prepared", "gather_fp8",
                 "ours_fp8_tokens_prepared", "ours_shared_prepared", "ours_prepared_xla_shared", "ours_bulk_prepared",
                 "ours_fp8_bulk_prepared")
@@ -49,13 +51,13 @@ def test_chain_keeps_every_layer_in_the_timed_loop(name):
     before it: the tie to the previous layer's output keeps XLA from hoisting a layer, or
     dropping a layer's shared rows."""
     args = types.SimpleNamespace(ours_impl="auto", seed=0, min_pass_mb=1e9, cpu=True, columns=[name])
-    config = bench.shape_config(args, SHAPE)
+    config = experts_draws.shape_config(args, SHAPE)
     layers, m, tp = 3, 2, 1
-    column = next(column for column in bench.COLUMNS if column.name == name)
+    column = next(column for column in experts_columns.COLUMNS if column.name == name)
     # The CPU's HLO also where a GPU is the default device.
     with jax.default_device(jax.devices("cpu")[0]):
-        xs, ids, _ = bench.case_routing(args, config, tp, m, layers)
-        inputs = (bench.draw_weights(args, config, tp, layers), xs, ids, jnp.zeros((), jnp.float32),
+        xs, ids, _ = experts_draws.case_routing(args, config, tp, m, layers)
+        inputs = (experts_draws.draw_weights(args, config, tp, layers), xs, ids, jnp.zeros((), jnp.float32),
                   (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16),
                    jnp.zeros((m, config.hidden), jnp.bfloat16)))
         compiled, _ = bench.compile_column(column, args, layers, inputs)
@@ -86,12 +88,12 @@ def test_the_kernels_built_are_those_ours_columns_load(stood_in):
     layers, m = 2, 2
     args = types.SimpleNamespace(ours_impl=bench.OURS_IMPLS["gpu"], seed=0, min_pass_mb=1e9, cpu=True,
                                  columns=list(OURS), shapes=[SHAPE], tp=list(TPS), m=[m])
-    config = bench.shape_config(args, SHAPE)
+    config = experts_draws.shape_config(args, SHAPE)
     with jax.default_device(jax.devices("cpu")[0]):
         for tp in TPS:
-            xs, ids, _ = bench.case_routing(args, config, tp, m, layers)
-            weights = bench.draw_weights(args, config, tp, layers)
-            for column in bench.COLUMNS:
+            xs, ids, _ = experts_draws.case_routing(args, config, tp, m, layers)
+            weights = experts_draws.draw_weights(args, config, tp, layers)
+            for column in experts_columns.COLUMNS:
                 if column.name in OURS:
                     inputs = (weights, xs, ids, jnp.zeros((), jnp.float32),
                               (jnp.zeros((m * config.top_k, config.hidden), jnp.bfloat16),
@@ -109,13 +111,13 @@ def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
     _, data = cpu_run
     environment = data["environment"]
     assert environment["platform"] == "cpu" and environment["plumbing_check"] and environment["ours_impl"] == "auto"
-    assert set(data["columns"]) == set(bench.COLUMN_NAMES)
+    assert set(data["columns"]) == set(experts_columns.COLUMN_NAMES)
     assert environment["min_pass_bytes"] == MIN_PASS_MB * 1e6
     assert [(r["shape"], r["tp"], r["m"]) for r in data["results"]] == [(SHAPE, tp, M) for tp in TPS]
     for r in data["results"]:
         what = f"{r['shape']} tp={r['tp']}"
-        assert set(r["columns"]) == {*bench.COLUMN_NAMES, "floor", "floor_fp8", "floor_shared"}, what
-        for name in bench.COLUMN_NAMES:
+        assert set(r["columns"]) == {*experts_columns.COLUMN_NAMES, "floor", "floor_fp8", "floor_shared"}, what
+        for name in experts_columns.COLUMN_NAMES:
             entry = r["columns"][name]
             if name not in TIMED_ON_CPU:
                 assert entry["why_not"] and "us" not in entry, (what, name, entry)
@@ -124,7 +126,7 @@ def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
             assert all(math.isfinite(entry[field]) for field in ("us", "p10", "p90")), (what, name)
             assert entry["p10"] <= entry["us"] <= entry["p90"], (what, name)
             assert entry["iterations"][0] < entry["iterations"][1], (what, name)
-            column = bench.COLUMNS_BY_NAME[name]
+            column = experts_columns.COLUMNS_BY_NAME[name]
             floor = "floor_fp8" if column.fp8 else "floor_shared" if column.shared else "floor"
             assert not column.shared or entry["shared_relative_difference"] <= bench.MAX_DIFFERENCE, (what, name)
             assert entry["floor_fraction"] == pytest.approx(r["columns"][floor]["us"] / entry["us"]), (what, name)
@@ -135,7 +137,7 @@ def test_cpu_run_has_every_column_with_figures_or_why_not(cpu_run):
                 # against ours, the e4m3-token one against the first e4m3-weight one.
                 first_of_kind = name in ("ours_fp8", "ours_fp8_tokens_prepared")
                 first = {"ours_fp8": "ours", "ours_fp8_tokens_prepared": "ours_fp8"}.get(name, (
-                    "ours_fp8" if bench.COLUMNS_BY_NAME[name].fp8 else "ours"))
+                    "ours_fp8" if experts_columns.COLUMNS_BY_NAME[name].fp8 else "ours"))
                 bound = bench.MAX_FP8_DIFFERENCE if first_of_kind else bench.MAX_DIFFERENCE
                 assert entry["checked_against"] == first, (what, name)
                 assert entry["relative_difference"] <= bound, (what, name)
@@ -162,11 +164,11 @@ def test_cpu_run_floor_and_active_experts_follow_the_routing(cpu_run):
         assert counts == [int(mask, 16).bit_count() for mask in active["bitmask_per_layer"]], what
         # Each token's top-k experts are distinct.
         assert all(r["top_k"] <= count <= min(r["experts"], M * r["top_k"]) for count in counts), what
-        config = bench.shape_config(args, r["shape"])
+        config = experts_draws.shape_config(args, r["shape"])
         # On the CPU, as the run drew it: a GPU's router logits may differ in the last bit.
         with jax.default_device(jax.devices("cpu")[0]):
-            _, _, drawn = bench.case_routing(args, config, r["tp"], M, r["layers"])
-        assert [bench.active_bitmask(a, r["experts"]) for a in drawn] == active["bitmask_per_layer"], what
+            _, _, drawn = experts_draws.case_routing(args, config, r["tp"], M, r["layers"])
+        assert [experts_draws.active_bitmask(a, r["experts"]) for a in drawn] == active["bitmask_per_layer"], what
         for layer, mask in enumerate(active["bitmask_per_layer"]):
             assert masks.setdefault((r["shape"], layer), mask) == mask, f"{what} layer {layer}: not the same at every tp"
         assert r["intermediate"] == r["model_intermediate"] // r["tp"], what
@@ -221,7 +223,7 @@ def test_the_profiling_variants_change_the_default_launch_shapes():
     for fp8 in (False, True):
         args = profile_experts.argparse.Namespace(tp=8, m=1, fp8=fp8, variant=["gate_up_warp_cols=64",
                                                                                "down_warps_k=1,enable_pdl=false"])
-        default, wide, no_split = profile_experts.configs(args, bench.SHAPES["deepseek-v3"])
+        default, wide, no_split = profile_experts.configs(args, experts_draws.SHAPES["deepseek-v3"])
         assert default == jmp.ExpertsConfig.for_shape(hidden=7168, intermediate=256, experts=256, top_k=8,
                                                       fp8_weights=fp8, m=1)
         assert wide == default.replace(gate_up_warp_cols=64)
@@ -246,7 +248,7 @@ def test_a_variant_column_runs_beside_ours_prepared(tmp_path):
     entry = json.loads(out.read_text())["results"][0]["columns"][name]
     assert entry["us"] > 0 and entry["checked_against"] == "ours_prepared", entry
     args = bench.parse(argv)
-    shape = bench.shape_config(args, SHAPE)
+    shape = experts_draws.shape_config(args, SHAPE)
     config = jmp.ExpertsConfig.for_shape(hidden=shape.hidden, intermediate=shape.intermediate // 2,
                                          experts=shape.experts, top_k=shape.top_k, m=M)
     assert config.token_tiles != 3
@@ -267,12 +269,12 @@ def test_a_rows_variant_is_ours_with_any_launch_shape_change():
     wide = default.replace(gate_up_warp_cols=64)
     assert bench.ours_configs(args) == [default, wide]
     gate_up = jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16)
-    assert bench.rows_variant_config(gate_up, (1, 8), column) == wide
+    assert experts_columns.rows_variant_config(gate_up, (1, 8), column) == wide
     # Its layer on CPU (auto: the reference) takes the config the op checks against the call.
     rng = np.random.default_rng(SEED)
     w = numerics.random_experts(rng, m=3, hidden=64, intermediate=32, experts=6, top_k=2)
     column, = bench.parse(["--cpu", "--variants", "rows:token_tiles=3"]).variant_columns
-    layer = bench.layer_function(column, bench.parse(["--cpu"]))
+    layer = experts_columns.layer_function(column, bench.parse(["--cpu"]))
     got = layer({"gate_up": w.gate_up, "down": w.down}, w.x, w.expert_ids)
     want = jmp.reference.moe_experts(w.x, w.expert_ids, w.gate_up, w.down)
     assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 from types import SimpleNamespace
@@ -78,3 +79,26 @@ def test_a_trace_without_kernel_events_is_refused_with_what_it_holds(monkeypatch
     monkeypatch.setattr(chain_timeline.ProfileData, "from_file", lambda path: trace)
     with pytest.raises(ValueError, match=r"no kernel events.*/host:CPU: \['python'\].*/device:GPU:0: \['XLA Ops'\]"):
         chain_timeline.kernel_events("trace.xplane.pb")
+
+
+def test_every_column_s_program_is_built_and_handed_to_the_timeline(monkeypatch, tmp_path):
+    """The script's cases, built on the CPU with its plumbing sizes (the trace itself needs a
+    GPU): every column compiles and its program reaches `timeline`, none is recorded as not built."""
+    import bench_moe_experts as bench
+
+    args = bench.parse(["--cpu", "--shapes", "qwen3-30b-a3b", "--tp", "2", "--m", "2",
+                        "--columns", "ragged_dot", "gather", "ours"])
+    args.iterations, args.timeline_out = 2, str(tmp_path / "timeline.json")
+    monkeypatch.setattr(chain_timeline, "parse", lambda argv=None: args)
+    timed = []
+
+    def timeline(compiled, inputs, iterations, calls):
+        timed.append(compiled.as_text() is not None)
+        return chain_timeline.summarize([(0, 1000, "kernel")], calls)
+
+    monkeypatch.setattr(chain_timeline, "timeline", timeline)
+    assert chain_timeline.main() == 0
+    results = json.loads((tmp_path / "timeline.json").read_text())["results"]
+    assert sorted(r["column"] for r in results) == ["gather", "ours", "ragged_dot"]
+    assert not [r for r in results if "why_not" in r], results
+    assert timed == [True] * 3
