@@ -49,7 +49,10 @@ m, path) the JSON has:
 * ``weights``: bytes of expert weights per layer and rank that the path reads (a byte
   model: ``ragged_dot`` about every expert's weights, the decode path's gather three
   times its slots, see `jax_moe_publish.experts_gather`) and the least any path must read
-  (the active experts of layer 0, plus the shared expert); on GPUs their time at the copy
+  (the experts a layer's router picks, plus the shared expert): ``active_experts`` is their
+  mean over the layers and the steps the estimate times (steps FEW to MANY - 1 of the
+  loop, each routing its own input, the previous step's output: `timed_active_experts`);
+  on GPUs their time at the copy
   bandwidth measured in the run (``read_us``, ``least_us``) and ``gemm_over_read_us``, the
   GEMMs' time over their reads' (near 1: the weight reads set it); ``dominant``: the larger
   of the GEMMs and the rest. The weights of a layer (``problems``) are stated per rank.
@@ -131,6 +134,7 @@ import jax  # noqa: E402  (XLA_FLAGS must be set first)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import chains  # noqa: E402
 import floors  # noqa: E402
@@ -252,6 +256,34 @@ def op_alone(mailbox, mesh, config, m, key):
     return result
 
 
+def timed_active_experts(config, mesh, mailbox, path, inputs):
+    """The mean number of distinct experts a layer's router picks in the steps the estimate
+    times (`step_us`: MANY less FEW steps from the same inputs), on ``path`` with our finalize."""
+    fn = layer_fn(config, path, "ours", mailbox, op_impl())
+
+    def shard(params, x, residual, *, steps):
+        def step(_, carry):
+            x, residual, picked = carry
+            for layer in params:
+                layer = mb.local_params(config, layer)
+                experts, _ = mb.route(config, layer, x)
+                picked += jnp.zeros((config.experts,), jnp.int32).at[experts.reshape(-1)].set(1).sum()
+                x, residual = fn(layer, x, residual)
+            return x, residual, picked
+
+        return lax.fori_loop(0, steps, step, (x, residual, jnp.int32(0)))[2]
+
+    params = inputs[0]
+    specs = ([mb.layer_specs(config, layer) for layer in params], P(), P())
+
+    def picked(steps):
+        count = jax.shard_map(functools.partial(shard, steps=steps), mesh=mesh, in_specs=specs, out_specs=P())
+        return int(jax.jit(count)(*inputs))
+
+    few, many = ARGS.iterations
+    return (picked(many) - picked(few)) / ((many - few) * len(params))
+
+
 def weight_bytes(config, tp, m, active, path):
     """(bytes of expert weights a layer reads on each rank by the byte model, the least any path reads)."""
     expert = config.expert_bytes(tp)
@@ -275,14 +307,13 @@ def measure_case(config, mesh, mailbox, params, m, key, copy_rate):
     differences = check_outputs(config, mesh, mailbox, params, x, residual, [*ARGS.paths, *stand_ins])
     no_gemms = {stand_in: step_us(config, mesh, mailbox, stand_in, inputs, layers) for stand_in in stand_ins}
     op = op_alone(mailbox, mesh, config, m, op_key)
-    experts, _ = jax.jit(functools.partial(mb.route, config))(params[0], x)
-    active = int(np.unique(np.asarray(experts)).size)
     results = []
     for path in ARGS.paths:
         full = step_us(config, mesh, mailbox, path, inputs, layers)
         no_gemm = no_gemms[NO_GEMM[path]]
         saved = full["xla"]["us"] - full["ours"]["us"]
         gemm = {side: (full[side]["us"] - no_gemm[side]["us"]) / layers for side in mb.FINALIZES}
+        active = timed_active_experts(config, mesh, mailbox, path, inputs)
         reads, least = weight_bytes(config, tp, m, active, path)
         weights = {"read_bytes": reads, "least_bytes": least, "active_experts": active, "experts": config.experts}
         if copy_rate:

@@ -238,6 +238,32 @@ def test_the_benchmark_builds_the_experts_kernels_its_paths_load(monkeypatch, sh
             assert experts._default_config(shape) in built, (m, len(weights))
 
 
+@pytest.mark.parametrize("path", ["ragged", "prepared"])
+def test_the_least_bytes_count_the_experts_of_the_timed_steps(monkeypatch, path):
+    """`timed_active_experts` is the mean, over the layers and the steps the estimate times
+    (FEW to MANY - 1, each step's input the previous one's output), of the experts each
+    layer's router picks: here counted one layer at a time in Python."""
+    config = mb.scaled(mb.QWEN3_30B_A3B, **{**SMALL, "shared_intermediate": None})
+    few, many, layers, m = 1, 3, 2, 2
+    monkeypatch.setattr(block, "ARGS", argparse.Namespace(iterations=[few, many], cpu=True))
+    mesh = jax.make_mesh((1,), (mb.TP,), devices=jax.devices()[:1])
+    params_key, input_key = jax.random.split(jax.random.key(1))
+    params = mb.init_params(params_key, config, mesh, layers, prepared=path == "prepared")
+    x, residual = mb.init_inputs(input_key, config, mesh, m)
+    with jmp.Mailbox(mesh, mb.TP, hidden=config.hidden, capacity_m=m) as mailbox:
+        got = block.timed_active_experts(config, mesh, mailbox, path, (params, x, residual))
+        fn = block.layer_fn(config, path, "ours", mailbox, block.op_impl())
+        one_layer = mb.make_decode(config, mesh, fn, 1)
+        picked = []
+        for _ in range(many):
+            for layer in params:
+                experts, _ = jax.jit(functools.partial(mb.route, config))(mb.local_params(config, layer), x)
+                picked.append(np.unique(np.asarray(experts)).size)
+                x, residual = one_layer([layer], x, residual)
+    assert got == np.mean(picked[few * layers:])
+    assert 1 <= got <= config.experts
+
+
 def test_the_benchmark_names_the_block_s_paths():
     assert block.PATHS == mb.PATHS
 
