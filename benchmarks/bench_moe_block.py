@@ -176,7 +176,7 @@ def no_gemm_layer(config, finalize, mailbox, impl, sorted_rows: bool):
             rows = x[order // config.top_k]
         else:
             rows = jnp.repeat(x, config.top_k, axis=0)
-            permuted_indices = jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
+            permuted_indices = mb.pair_order_indices(experts)
         # Each rank's stand-in partials, marked as such (the same on every rank).
         stand_ins = (rows, x)
         rows, shared = lax.optimization_barrier(tuple(lax.pcast(a, mb.TP, to="varying") for a in stand_ins))
@@ -258,30 +258,28 @@ def op_alone(mailbox, mesh, config, m, key):
 
 def timed_active_experts(config, mesh, mailbox, path, inputs):
     """The mean number of distinct experts a layer's router picks in the steps the estimate
-    times (`step_us`: MANY less FEW steps from the same inputs), on ``path`` with our finalize."""
+    times (`step_us`: MANY less FEW steps from the same inputs, so steps FEW to MANY - 1 of
+    one run of MANY), on ``path`` with our finalize."""
     fn = layer_fn(config, path, "ours", mailbox, op_impl())
+    few, many = ARGS.iterations
 
-    def shard(params, x, residual, *, steps):
-        def step(_, carry):
+    def shard(params, x, residual):
+        def step(index, carry):
             x, residual, picked = carry
             for layer in params:
                 layer = mb.local_params(config, layer)
                 experts, _ = mb.route(config, layer, x)
-                picked += jnp.zeros((config.experts,), jnp.int32).at[experts.reshape(-1)].set(1).sum()
+                distinct = jnp.zeros((config.experts,), jnp.int32).at[experts.reshape(-1)].set(1).sum()
+                picked += jnp.where(index >= few, distinct, 0)
                 x, residual = fn(layer, x, residual)
             return x, residual, picked
 
-        return lax.fori_loop(0, steps, step, (x, residual, jnp.int32(0)))[2]
+        return lax.fori_loop(0, many, step, (x, residual, jnp.int32(0)))[2]
 
     params = inputs[0]
     specs = ([mb.layer_specs(config, layer) for layer in params], P(), P())
-
-    def picked(steps):
-        count = jax.shard_map(functools.partial(shard, steps=steps), mesh=mesh, in_specs=specs, out_specs=P())
-        return int(jax.jit(count)(*inputs))
-
-    few, many = ARGS.iterations
-    return (picked(many) - picked(few)) / ((many - few) * len(params))
+    picked = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=P()))(*inputs)
+    return int(picked) / ((many - few) * len(params))
 
 
 def weight_bytes(config, tp, m, active, path):

@@ -354,6 +354,12 @@ def sort_by_expert(experts, num_experts: int):
     return order, positions.reshape(m, top_k), sizes
 
 
+def pair_order_indices(experts):
+    """The finalize's indices int32 [m, top_k] of rows in pair order: pair ``t * top_k + k`` is
+    its own row (`jmp.moe_experts`' output)."""
+    return jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
+
+
 def _gemm(spec, a, b):
     """bf16 operands, float32 accumulation, rounded to bf16."""
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
@@ -389,7 +395,6 @@ def finalize_inputs(config: MoEConfig, layer: dict, x, *, path: str):
         order, permuted_indices, sizes = sort_by_expert(experts, config.experts)
         rows = routed_rows_ragged(layer, x, order, sizes, config.top_k)
     else:
-        # Rows in pair order: pair t * top_k + k is its own row.
         ours = "kernel" if jax.default_backend() == "gpu" else "reference"
         if path == "prepared":
             if "prepared" not in layer:
@@ -401,7 +406,7 @@ def finalize_inputs(config: MoEConfig, layer: dict, x, *, path: str):
         else:
             rows = jmp.moe_experts(x, experts, layer["gate_up"], layer["down"],
                                    impl="gather" if path == "decode" else ours)
-        permuted_indices = jnp.arange(experts.size, dtype=jnp.int32).reshape(experts.shape)
+        permuted_indices = pair_order_indices(experts)
     if shared is None and config.shared:
         shared = shared_partial(layer, x)
     return rows, weights, permuted_indices, shared
